@@ -1,0 +1,1 @@
+"""Typer command-line interface: ``meshnet serve | node | tracker | tui | chat | models | ...``."""

@@ -1,0 +1,212 @@
+"""Client commands against a running tracker: chat, coverage, nodes, directives, demand, and the
+operator actions pin, reload, doctor, drain."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import httpx
+import typer
+from rich.table import Table
+
+from meshnet.cli.output import JsonOpt, TokenOpt, UrlOpt, console, emit, fail, human_bytes, run, tracker_url
+from meshnet.client import TrackerClient
+from meshnet.errors import MeshnetError
+
+
+def _client(url: str | None, token: str | None = None) -> TrackerClient:
+    return TrackerClient(tracker_url(url), token=token, timeout_s=30.0)
+
+
+async def _call(url, method: str, *args, token=None, **kw):
+    async with _client(url, token) as c:
+        return await getattr(c, method)(*args, **kw)
+
+
+def chat(prompt: str = typer.Argument(..., help="The user message."),
+         url: str = UrlOpt,
+         model: str = typer.Option(None, "--model", "-m", help="Model id [default: the default preset]."),
+         stream: bool = typer.Option(True, "--stream/--no-stream", help="Print tokens as they arrive."),
+         max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Tokens to generate at most."),
+         temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
+         seed: int = typer.Option(None, "--seed", help="Sampling seed."),
+         system: str = typer.Option(None, "--system", help="Optional system message."),
+         as_json: bool = JsonOpt) -> None:
+    """Ask the network a question (OpenAI chat completions through the tracker)."""
+    from meshnet.presets import default_model
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    body = {"model": model or default_model(), "messages": messages, "max_tokens": max_tokens,
+            "temperature": temperature, "seed": seed, "stream": stream and not as_json}
+    endpoint = f"{tracker_url(url)}/v1/chat/completions"
+    try:
+        if not body["stream"]:
+            resp = httpx.post(endpoint, json=body, timeout=600.0)
+            data = resp.json()
+            if resp.status_code != 200:
+                raise MeshnetError(data.get("error", {}).get("message", resp.text), status=resp.status_code)
+            emit(data, as_json, lambda d: console.print(d["choices"][0]["message"]["content"]))
+            return
+        final = None
+        with httpx.stream("POST", endpoint, json=body, timeout=600.0) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                raise MeshnetError(resp.json().get("error", {}).get("message", resp.text), status=resp.status_code)
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise MeshnetError(chunk["error"]["message"])
+                delta = chunk["choices"][0]["delta"].get("content")
+                if delta:
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+                final = chunk if chunk.get("meshnet") else final
+        sys.stdout.write("\n")
+        if final:
+            m = final["meshnet"]
+            hops = " → ".join(f"{h['node_id']}[{h['start_layer']}-{h['end_layer']}]" for h in m["route"])
+            console.print(f"[dim]route: {hops} · decode {m['decode_tokens_per_s']} tokens/s[/]", highlight=False)
+    except httpx.HTTPError as exc:
+        fail(MeshnetError(f"cannot reach {endpoint}: {exc}", hint="is `meshnet serve` running? see --url"))
+    except MeshnetError as exc:
+        fail(exc)
+
+
+def coverage(model: str = typer.Argument(None, help="Model [default: all tracked]."), url: str = UrlOpt,
+             as_json: bool = JsonOpt) -> None:
+    """Show each model's coverage map (segments of layers with their node counts)."""
+    data = run(_call(url, "coverage", model))
+    models = [data] if model else data["models"]
+
+    def human(_):
+        for m in models:
+            badge = "[green]routable[/]" if m["routable"] else "[red]not routable[/]"
+            console.print(f"[bold]{m['model']}[/] {m['covered_layers']}/{m['num_layers']} layers {badge} "
+                          f"demand {m.get('demand', 0):.2f}/min")
+            for s in m["segments"]:
+                colour = "red" if s["node_count"] == 0 else "green"
+                console.print(f"  layers {s['start_layer']:>3}-{s['end_layer']:<3} [{colour}]{s['node_count']} node(s)[/]")
+
+    emit(data, as_json, human)
+
+
+def nodes(url: str = UrlOpt, as_json: bool = JsonOpt) -> None:
+    """List nodes: memory budget, max assignable layers, shard slots, ranges with tier, and why."""
+    data = run(_call(url, "nodes"))
+
+    def human(rows):
+        table = Table("node", "endpoint", "budget", "max layers", "slots", "shards (tier)", "tok/s", "hb age", "reason")
+        for n in rows:
+            shards = ", ".join(f"{s['model']} {s['shard_start']}-{s['shard_end']} ({s['tier']}"
+                               f"{'' if s['admitted'] else ', not admitted'})" for s in n["shards"]) or "-"
+            maxl = ", ".join(f"{k}: {v}" for k, v in n["max_assignable_layers"].items())
+            table.add_row(n["node_id"], n["endpoint"], human_bytes(n["memory_budget_bytes"]), maxl,
+                          f"{n['slots_used']}/{n['slots_total']}", shards,
+                          f"{(n['stats'] or {}).get('tokens_per_s', 0):.1f}", f"{n['last_heartbeat_age_s']} s",
+                          n["reason"] or "")
+        console.print(table)
+
+    emit(data, as_json, human)
+
+
+def directives(url: str = UrlOpt, as_json: bool = JsonOpt) -> None:
+    """Show the directive log (LOAD_SHARD, DROP_SHARD, RUN_DOCTOR, RELOAD) and each status."""
+    data = run(_call(url, "directives"))
+
+    def human(rows):
+        table = Table("id", "node", "type", "model", "layers", "tier", "status", "error", "age")
+        now = time.time()
+        for d in rows:
+            layers = f"{d['shard_start']}-{d['shard_end']}" if d["shard_start"] is not None else "-"
+            table.add_row(str(d["id"]), d["node_id"], d["type"], d["model"] or "-", layers, d["tier"] or "-",
+                          d["status"], d["error"] or "", f"{now - d['created_at']:.0f} s")
+        console.print(table)
+
+    emit(data, as_json, human)
+
+
+def demand(url: str = UrlOpt, as_json: bool = JsonOpt) -> None:
+    """Show queued demand per model (requests/min for models that were not routable)."""
+    data = run(_call(url, "demand"))
+
+    def human(d):
+        table = Table("model", "requests/min", "routable")
+        for row in d["demand"]:
+            table.add_row(row["model"], f"{row['requests_per_min']:.2f}", "yes" if row["routable"] else "no")
+        console.print(table)
+
+    emit(data, as_json, human)
+
+
+def pin(model: str = typer.Argument(..., help="Model preset."),
+        node: str = typer.Option(..., "--node", help="Node id."),
+        shard: str = typer.Option(None, "--shard", help="Inclusive layer range 'a-b' [default: first gap]."),
+        url: str = UrlOpt, token: str = TokenOpt, as_json: bool = JsonOpt) -> None:
+    """Pin a model (and optionally a layer range) to a node; never retargeted by placement."""
+    data = run(_call(url, "pin", model, node, shard, token=token))
+    emit(data, as_json, lambda d: console.print(f"pinned {d['pinned']['model']} "
+                                                f"{d['pinned']['shard_start']}-{d['pinned']['shard_end']} to {node}"))
+
+
+def reload(node: str = typer.Argument(..., help="Node id."), url: str = UrlOpt, token: str = TokenOpt,
+           as_json: bool = JsonOpt) -> None:
+    """Reload a node's shards (its reports go stale until doctor passes again)."""
+    data = run(_call(url, "reload", node, token=token))
+    emit(data, as_json, lambda d: console.print(f"RELOAD queued for {node} (directive {d['directive']['id']})"))
+
+
+def doctor(node: str = typer.Option(None, "--node", help="Run remotely on this node through the tracker."),
+           model: str = typer.Option(None, "--model", "-m", help="Local run: model to check [default preset]."),
+           shard: str = typer.Option(None, "--shard", help="Local run: inclusive range 'a-b' [default: all]."),
+           dtype: str = typer.Option("float32", "--dtype", help="Local run: compute dtype."),
+           url: str = UrlOpt, token: str = TokenOpt, as_json: bool = JsonOpt) -> None:
+    """Prove a shard works with a real forward pass and measure it (capability report)."""
+    if node:
+        reports = run(_call(url, "doctor", node, token=token))["reports"]
+    else:
+        reports = [_local_doctor(model, shard, dtype)]
+
+    def human(rs):
+        for r in rs:
+            mark = "[green]PASS[/]" if r["passed"] else "[red]FAIL[/]"
+            console.print(f"{mark} {r['model']} layers {r['shard_start']}-{r['shard_end']} "
+                          f"{r['recipe']['quantization']}/{r['recipe']['compute_dtype']} "
+                          f"{r['tokens_per_s']} tokens/s on {r['hardware']['device']} — {r['reason']}")
+            console.print(f"  weights digest {r['weights_digest']}", style="dim")
+
+    emit(reports, as_json, human)
+    if not all(r["passed"] for r in reports):
+        raise typer.Exit(1)
+
+
+def _local_doctor(model: str | None, shard: str | None, dtype: str) -> dict:
+    from meshnet.layers import LayerRange
+    from meshnet.models.sources import resolve
+    from meshnet.node.doctor import run_doctor
+    from meshnet.node.runtime import NodeRuntime
+    from meshnet.presets import default_model, get_preset
+
+    try:
+        preset = get_preset(model or default_model())
+        layers = LayerRange.parse(shard) if shard else LayerRange(0, preset.num_layers)
+        with console.status(f"loading {preset.name} layers {layers}"):
+            runtime = NodeRuntime(compute_dtype=dtype)
+            slot = runtime.load(preset.name, resolve(preset.name), layers)
+        return run_doctor(slot)
+    except (MeshnetError, ValueError) as exc:
+        fail(exc if isinstance(exc, MeshnetError) else MeshnetError(str(exc)))
+
+
+def drain(node: str = typer.Argument(..., help="Node id."), url: str = UrlOpt, token: str = TokenOpt,
+          as_json: bool = JsonOpt) -> None:
+    """Drain a node: no new routes or placements go to it."""
+    data = run(_call(url, "drain", node, token=token))
+    emit(data, as_json, lambda d: console.print(f"{node} draining"))
+
+
+COMMANDS = {"chat": chat, "coverage": coverage, "nodes": nodes, "directives": directives, "demand": demand,
+            "pin": pin, "reload": reload, "doctor": doctor, "drain": drain}

@@ -1,0 +1,115 @@
+"""``meshnet tracker start`` and ``meshnet node start``: run the services in this process."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import typer
+
+from meshnet.cli.output import fail, setup_logging
+from meshnet.errors import MeshnetError
+
+tracker_app = typer.Typer(help="Run the tracker (coverage map, placement, routing).", no_args_is_help=True)
+node_app = typer.Typer(help="Run a node that serves layer shards.", no_args_is_help=True)
+
+LogOpt = typer.Option(None, "--log-level", help="DEBUG, INFO, WARNING [env MESHNET_LOG_LEVEL].")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _serve(app, host: str, port: int) -> None:
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
+
+
+@tracker_app.command("start")
+def tracker_start(
+        model: list[str] = typer.Option([], "--model", "-m", help="Preset to keep covered (repeatable)."),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+        port: int = typer.Option(8700, "--port", help="Port to listen on."),
+        db: str = typer.Option(None, "--db", envvar="MESHNET_TRACKER_DB",
+                               help="sqlite file for pins/directives [default: ~/.cache/meshnet/tracker.db]."),
+        heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", min=0.1, help="Node heartbeat, s."),
+        node_timeout: float = typer.Option(25.0, "--node-timeout", min=0.5, help="Dropout after this many s."),
+        rebalance_interval: float = typer.Option(30.0, "--rebalance-interval", min=0.5, help="Rebalance period, s."),
+        operator_token: str = typer.Option(None, "--operator-token", envvar="MESHNET_OPERATOR_TOKEN",
+                                           help="Bearer token required for operator actions."),
+        log_level: str = LogOpt) -> None:
+    """Start a tracker that keeps the given models covered."""
+    from meshnet.models.sources import cache_dir
+    from meshnet.presets import get_preset
+    from meshnet.tracker.app import build_app
+    from meshnet.tracker.service import TrackerSettings
+
+    setup_logging(log_level)
+    try:
+        names = tuple(get_preset(m).name for m in model)
+    except MeshnetError as exc:
+        fail(exc)
+    if db is None:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        db = str(cache_dir() / "tracker.db")
+    settings = TrackerSettings(host=host, port=port, models=names, heartbeat_interval_s=heartbeat_interval,
+                               node_timeout_s=node_timeout, rebalance_interval_s=rebalance_interval, db_path=db,
+                               operator_token=operator_token)
+    _serve(build_app(settings), host, port)
+
+
+@node_app.command("start")
+def node_start(
+        tracker: str = typer.Option(None, "--tracker", envvar="MESHNET_TRACKER", help="Tracker URL to join."),
+        model: str = typer.Option(None, "--model", "-m", help="Preset, hub repo or local dir to serve (pinned)."),
+        shard_start: int = typer.Option(None, "--shard-start", min=0, help="First layer (inclusive)."),
+        shard_end: int = typer.Option(None, "--shard-end", min=0, help="Last layer (inclusive)."),
+        memory: int = typer.Option(None, "--memory", min=1, help="Memory budget in MB [default: detected]."),
+        max_shards: int = typer.Option(1, "--max-shards", min=1, help="Shard slots (loaded shards at once)."),
+        dtype: str = typer.Option("float32", "--dtype", help="Compute dtype: float32 or bfloat16."),
+        quantization: str = typer.Option("bfloat16", "--quantization", help="Recipe: bfloat16, int8, nf4."),
+        wire_dtype: str = typer.Option("bfloat16", "--wire-dtype", help="Activation dtype on the wire."),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+        port: int = typer.Option(0, "--port", help="Port [default: a free one]."),
+        public_url: str = typer.Option(None, "--public-url", help="URL others use to reach this node."),
+        node_id: str = typer.Option(None, "--node-id", help="Node id [default: random]."),
+        heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", min=0.1, help="Seconds."),
+        no_placement: bool = typer.Option(False, "--no-placement", help="Refuse tracker-assigned shards."),
+        threads: int = typer.Option(None, "--threads", min=1, help="torch intra-op threads."),
+        log_level: str = LogOpt) -> None:
+    """Start a node. With --model and --shard-start/--shard-end it serves that shard (pinned); with
+    --model alone it asks the tracker which range to take; with neither it waits for directives."""
+    from meshnet.layers import LayerRange
+    from meshnet.node.settings import NodeSettings, new_node_id
+
+    setup_logging(log_level)
+    if (shard_start is None) != (shard_end is None):
+        fail(MeshnetError("--shard-start and --shard-end go together"))
+    if shard_start is not None and shard_end < shard_start:
+        fail(MeshnetError("--shard-end must be >= --shard-start"))
+    if dtype not in ("float32", "bfloat16"):
+        fail(MeshnetError(f"--dtype must be float32 or bfloat16, got {dtype!r}"))
+    if model and shard_start is None and not tracker:
+        fail(MeshnetError("--model without a shard needs --tracker to ask for a range",
+                          hint="pass --shard-start/--shard-end, or --tracker URL"))
+    port = port or free_port(host)
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    settings = NodeSettings(host=host, port=port, public_url=public_url, node_id=node_id or new_node_id(),
+                            tracker_url=tracker, model=model,
+                            shard=None if shard_start is None else LayerRange.from_inclusive(shard_start, shard_end),
+                            memory_bytes=None if memory is None else memory * 1024 * 1024,
+                            max_loaded_shards=max_shards, compute_dtype=dtype, quantization=quantization,
+                            wire_dtype=wire_dtype, heartbeat_interval_s=heartbeat_interval,
+                            accepts_placement=not no_placement, torch_threads=threads)
+    from meshnet.node.app import build_app
+
+    app = build_app(settings)
+    print(f"meshnet node {settings.node_id} listening on {settings.endpoint}", flush=True)
+    _serve(app, host, port)

@@ -1,0 +1,124 @@
+"""Typed httpx clients of the tracker and node HTTP APIs (used by the CLI, nodes and the TUI).
+
+Imports neither torch nor textual. Every failure becomes a :class:`MeshnetError` whose
+message says what was asked of whom.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from meshnet.errors import MeshnetError, ModelNotRoutable
+
+
+def _raise_for(resp: httpx.Response, what: str) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        body = resp.json()
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+    except ValueError:
+        body, err = {}, {}
+    message = err.get("message") or resp.text[:300] or resp.reason_phrase
+    if err.get("code") == "model_loading":
+        raise ModelNotRoutable(message, coverage=body.get("coverage"),
+                               retry_after_s=int(resp.headers.get("Retry-After", "5")))
+    raise MeshnetError(f"{what}: HTTP {resp.status_code}: {message}", code=err.get("code", "http_error"),
+                       status=resp.status_code, hint=err.get("hint"))
+
+
+class _Base:
+    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 10.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s, transport=transport)
+
+    async def _call(self, method: str, path: str, what: str, **kw) -> Any:
+        try:
+            resp = await self.http.request(method, path, **kw)
+        except httpx.HTTPError as exc:
+            raise MeshnetError(f"{what}: cannot reach {self.url}: {type(exc).__name__}: {exc}",
+                               code="unreachable", status=503,
+                               hint="is the service running? check --url / --tracker") from exc
+        _raise_for(resp, what)
+        return resp.json() if resp.content else None
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class TrackerClient(_Base):
+    """Client of the tracker API (``/v1/...``)."""
+
+    async def register(self, payload: dict) -> dict:
+        return await self._call("POST", "/v1/nodes/register", "register node", json=payload)
+
+    async def heartbeat(self, node_id: str, payload: dict) -> dict:
+        return await self._call("POST", f"/v1/nodes/{node_id}/heartbeat", "heartbeat", json=payload)
+
+    async def report_failure(self, node_id: str, reason: str) -> None:
+        await self._call("POST", f"/v1/nodes/{node_id}/failure", "report hop failure", json={"reason": reason})
+
+    async def route(self, model: str, start_layer: int, end_layer: int, exclude: frozenset[str] = frozenset()) -> list[dict]:
+        """Hops (dicts with node_id, endpoint, start_layer, end_layer inclusive) for the layers."""
+        params = {"model": model, "start_layer": start_layer, "end_layer": end_layer}
+        if exclude:
+            params["exclude"] = ",".join(sorted(exclude))
+        return (await self._call("GET", "/v1/route", "route lookup", params=params))["hops"]
+
+    async def nodes(self) -> list[dict]:
+        return (await self._call("GET", "/v1/nodes", "list nodes"))["nodes"]
+
+    async def coverage(self, model: str | None = None) -> dict:
+        path = f"/v1/coverage/{model}" if model else "/v1/coverage"
+        return await self._call("GET", path, "coverage")
+
+    async def models(self) -> dict:
+        return await self._call("GET", "/v1/models", "list models")
+
+    async def directives(self) -> list[dict]:
+        return (await self._call("GET", "/v1/directives", "list directives"))["directives"]
+
+    async def demand(self) -> dict:
+        return await self._call("GET", "/v1/demand", "demand")
+
+    async def assign(self, **params) -> dict:
+        return await self._call("GET", "/v1/network/assign", "network assignment", params=params)
+
+    async def pin(self, model: str, node_id: str, shard: str | None = None) -> dict:
+        return await self._call("POST", "/v1/operator/pin", "pin", json={"model": model, "node_id": node_id,
+                                                                        "shard": shard})
+
+    async def reload(self, node_id: str) -> dict:
+        return await self._call("POST", "/v1/operator/reload", "reload", json={"node_id": node_id})
+
+    async def doctor(self, node_id: str) -> dict:
+        return await self._call("POST", "/v1/operator/doctor", "doctor", json={"node_id": node_id})
+
+    async def drain(self, node_id: str) -> dict:
+        return await self._call("POST", "/v1/operator/drain", "drain", json={"node_id": node_id})
+
+    async def chat(self, payload: dict, timeout_s: float = 300.0) -> dict:
+        return await self._call("POST", "/v1/chat/completions", "chat", json=payload, timeout=timeout_s)
+
+    async def health(self) -> dict:
+        return await self._call("GET", "/v1/health", "health")
+
+
+class NodeClient(_Base):
+    """Client of a node's control API."""
+
+    async def health(self) -> dict:
+        return await self._call("GET", "/v1/health", "node health")
+
+    async def doctor(self) -> dict:
+        return await self._call("POST", "/v1/doctor", "doctor", timeout=300.0)

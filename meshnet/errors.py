@@ -1,0 +1,104 @@
+"""One error hierarchy for meshnet.
+
+Every error carries a human ``message``, an optional ``hint`` (what to do about it),
+a machine ``code`` and the HTTP ``status`` it maps to at the service edge. The CLI
+prints ``message`` and ``hint`` to stderr and exits non-zero; HTTP handlers turn it
+into the OpenAI-style envelope ``{"error": {"message", "type", "code"}}``.
+"""
+
+from __future__ import annotations
+
+
+class MeshnetError(Exception):
+    """Base error. ``status`` is the HTTP status used at the service edge."""
+
+    status: int = 500
+    code: str = "internal_error"
+    type: str = "server_error"
+
+    def __init__(self, message: str, *, hint: str | None = None, code: str | None = None,
+                 status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+
+    def to_envelope(self) -> dict:
+        """OpenAI-compatible error body: ``{"error": {"message", "type", "code"}}``."""
+        body = {"message": self.message, "type": self.type, "code": self.code}
+        if self.hint:
+            body["hint"] = self.hint
+        return {"error": body}
+
+
+class InvalidRequest(MeshnetError):
+    """Malformed input from a client (HTTP 400/422)."""
+
+    status = 400
+    code = "invalid_request"
+    type = "invalid_request_error"
+
+
+class WireError(InvalidRequest):
+    """A binary activation frame that fails validation (see meshnet.wire)."""
+
+    code = "invalid_activation"
+
+
+class PayloadTooLarge(WireError):
+    """A frame whose (decompressed) size exceeds the configured limit (HTTP 413)."""
+
+    status = 413
+    code = "payload_too_large"
+
+
+class NotFound(MeshnetError):
+    status = 404
+    code = "not_found"
+    type = "invalid_request_error"
+
+
+class ModelNotRoutable(MeshnetError):
+    """The model has a coverage gap; callers get 503 ``model_loading`` and should retry."""
+
+    status = 503
+    code = "model_loading"
+    type = "service_unavailable"
+
+    def __init__(self, message: str, *, coverage: dict | None = None, retry_after_s: int = 5,
+                 **kw) -> None:
+        super().__init__(message, **kw)
+        self.coverage = coverage
+        self.retry_after_s = retry_after_s
+
+    def to_envelope(self) -> dict:
+        body = super().to_envelope()
+        if self.coverage is not None:
+            body["coverage"] = self.coverage
+        return body
+
+
+class HopFailed(MeshnetError):
+    """A remote hop (node) failed or timed out during a forward call."""
+
+    status = 502
+    code = "hop_failed"
+
+    def __init__(self, message: str, *, node_id: str | None = None, **kw) -> None:
+        super().__init__(message, **kw)
+        self.node_id = node_id
+
+
+class ModelSourceError(MeshnetError):
+    """A model's weights could not be found, fetched or converted."""
+
+    code = "model_source_error"
+
+
+class Unauthorized(MeshnetError):
+    status = 401
+    code = "unauthorized"
+    type = "authentication_error"

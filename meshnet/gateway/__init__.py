@@ -1,0 +1,1 @@
+"""OpenAI-compatible API and the pipeline orchestrator that drives a generation across hops."""

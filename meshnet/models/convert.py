@@ -1,0 +1,56 @@
+"""One-time GGUF → safetensors conversion into the local cache.
+
+Loading a GGUF dequantizes every tensor (seconds for the whole model); doing it once and
+saving float32 safetensors lets each node later read only its own layers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+
+def convert_gguf(gguf_path: Path, target: Path, say: Callable[[str], None]) -> Path:
+    """Dequantize ``gguf_path`` with transformers and save config, tokenizer and float32
+    safetensors into ``target`` (written to a temporary directory, then renamed).
+
+    Raises:
+        meshnet.errors.ModelSourceError: transformers cannot read the file.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from meshnet.errors import ModelSourceError
+
+    say(f"converting {gguf_path.name} to safetensors (one time)")
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelSourceError(f"cannot read GGUF {gguf_path}: {exc}",
+                               hint="install the `gguf` package; delete the cache to retry") from exc
+    # transformers refuses save_pretrained on a GGUF-loaded model; the dequantized
+    # tensors are plain float32, so write them and a clean config directly.
+    from safetensors.torch import save_file
+
+    tmp.mkdir(parents=True)
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors",
+              metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["dtype"] = "float32"
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    say(f"cached {target}")
+    return target

@@ -1,0 +1,269 @@
+"""A shard: real transformers decoder layers for one ``LayerRange`` of one model.
+
+The model skeleton is built on the ``meta`` device from the model's ``config.json`` (no
+memory), the layers outside the shard are discarded, and only the shard's tensors are
+read from the safetensors cache and materialised. An entry shard (one that starts at
+layer 0) also holds the embeddings, final norm, LM head and tokenizer.
+
+Two families are supported: Llama-style decoders (``model.layers``, rotary positions;
+SmolLM2, Llama, Mistral, Qwen2) and GPT-2 (``transformer.h``, learned positions).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from meshnet.errors import InvalidRequest, ModelSourceError
+from meshnet.layers import LayerRange
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class KVCache:
+    """Per-session key/value cache for the layers of one shard.
+
+    Duck-types the ``update(key, value, layer_idx, ...)`` call transformers' attention
+    modules make. Tensors are ``[batch, kv_heads, seq, head_dim]`` in the compute dtype.
+    """
+
+    def __init__(self) -> None:
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx in self.keys:
+            key_states = torch.cat([self.keys[layer_idx], key_states], dim=-2)
+            value_states = torch.cat([self.values[layer_idx], value_states], dim=-2)
+        self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        tensor = self.keys.get(layer_idx)
+        return 0 if tensor is None else tensor.shape[-2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cached keys and values."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+
+
+def causal_mask(q_len: int, past_len: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Additive attention mask ``[1, 1, q_len, past_len + q_len]`` (0 = attend, min = blocked).
+
+    Returns None for a single query token (it may attend to everything cached).
+    """
+    if q_len == 1:
+        return None
+    q_pos = torch.arange(past_len, past_len + q_len)[:, None]
+    k_pos = torch.arange(past_len + q_len)[None, :]
+    mask = torch.zeros(q_len, past_len + q_len, dtype=dtype)
+    mask.masked_fill_(k_pos > q_pos, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+@dataclass(frozen=True)
+class _Family:
+    layers_path: str        # attribute path of the ModuleList of decoder layers
+    embed_path: str
+    norm_path: str
+    pos_embed_path: str | None  # learned absolute positions (GPT-2)
+    rotary_path: str | None     # rotary embedding module (Llama)
+
+
+FAMILIES = {
+    "gpt2": _Family("transformer.h", "transformer.wte", "transformer.ln_f", "transformer.wpe", None),
+    "llama": _Family("model.layers", "model.embed_tokens", "model.norm", None, "model.rotary_emb"),
+}
+
+
+def family_of(config) -> str:
+    """``gpt2`` for GPT-2 configs, else ``llama`` (any ``model.layers`` decoder)."""
+    return "gpt2" if config.model_type == "gpt2" else "llama"
+
+
+def _get(module: nn.Module, path: str) -> nn.Module:
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _tensor_index(model_path: Path) -> dict[str, Path]:
+    index = model_path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {key: model_path / name for key, name in weight_map.items()}
+    from safetensors import safe_open
+    out = {}
+    for file in sorted(model_path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as fh:
+            out.update({key: file for key in fh.keys()})
+    return out
+
+
+class ShardModel:
+    """Decoder layers ``layers`` of the model at ``model_path``, ready to run.
+
+    Args:
+        model_path: HF-format directory with config.json and safetensors (see sources.resolve).
+        layers: the half-open layer range served.
+        dtype: compute dtype name (``float32``, ``bfloat16``).
+        load_head: load embeddings, final norm, LM head and tokenizer (default: when
+            ``layers.start == 0``).
+
+    Raises:
+        ModelSourceError: missing tensors or a range beyond the model's layer count.
+    """
+
+    def __init__(self, model_path: Path, layers: LayerRange, *, dtype: str = "float32",
+                 load_head: bool | None = None) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.model_path = Path(model_path)
+        self.config = AutoConfig.from_pretrained(self.model_path)
+        self.config._attn_implementation = "sdpa"
+        self.num_layers = int(self.config.num_hidden_layers)
+        if layers.end > self.num_layers:
+            raise ModelSourceError(f"shard {layers} beyond the model's {self.num_layers} layers")
+        self.layers = layers
+        self.dtype = DTYPES[dtype]
+        self.family = FAMILIES[family_of(self.config)]
+        self.is_entry = layers.start == 0 if load_head is None else load_head
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)
+        all_layers = _get(skeleton, self.family.layers_path)
+        self.blocks = nn.ModuleDict({str(i): all_layers[i] for i in range(layers.start, layers.end)})
+        self.embed = self.norm = self.pos_embed = self.lm_head = None
+        self.tokenizer = None
+        prefixes = {f"{self.family.layers_path}.{i}.": f"blocks.{i}." for i in range(layers.start, layers.end)}
+        if self.is_entry:
+            self.embed = _get(skeleton, self.family.embed_path)
+            self.norm = _get(skeleton, self.family.norm_path)
+            self.lm_head = skeleton.get_output_embeddings()
+            prefixes.update({f"{self.family.embed_path}.": "embed.", f"{self.family.norm_path}.": "norm.",
+                             "lm_head.": "lm_head."})
+            if self.family.pos_embed_path:
+                self.pos_embed = _get(skeleton, self.family.pos_embed_path)
+                prefixes[f"{self.family.pos_embed_path}."] = "pos_embed."
+        self.rotary = None
+        if self.family.rotary_path:
+            rotary_cls = type(_get(skeleton, self.family.rotary_path))
+            self.rotary = rotary_cls(config=self.config)
+        self._load_tensors(prefixes)
+        del skeleton
+        if self.is_entry:
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+
+    def _modules(self) -> dict[str, nn.Module | None]:
+        return {"blocks": self.blocks, "embed": self.embed, "norm": self.norm,
+                "pos_embed": self.pos_embed, "lm_head": self.lm_head}
+
+    def _load_tensors(self, prefixes: dict[str, str]) -> None:
+        from safetensors import safe_open
+
+        index = _tensor_index(self.model_path)
+        wanted: dict[str, str] = {}
+        for key in index:
+            for src, dst in prefixes.items():
+                if key.startswith(src):
+                    wanted[key] = dst + key[len(src):]
+        for module in self._modules().values():
+            if module is not None:
+                module.to_empty(device="cpu")
+        params = {}
+        for name, module in self._modules().items():
+            if module is not None:
+                params.update({f"{name}.{k}": v for k, v in module.state_dict(keep_vars=True).items()})
+        loaded: set[str] = set()
+        by_file: dict[Path, list[str]] = {}
+        for key in wanted:
+            by_file.setdefault(index[key], []).append(key)
+        for file, keys in by_file.items():
+            with safe_open(file, framework="pt") as fh:
+                for key in keys:
+                    target = params.get(wanted[key])
+                    if target is not None:
+                        with torch.no_grad():
+                            target.copy_(fh.get_tensor(key).to(target.dtype))
+                        loaded.add(wanted[key])
+        if self.lm_head is not None and "lm_head.weight" not in loaded:
+            self.lm_head.weight = self.embed.weight  # tied embeddings
+            loaded.add("lm_head.weight")
+        missing = sorted(k for k in params if k not in loaded and not k.endswith(("attn.bias", "masked_bias")))
+        if missing:
+            raise ModelSourceError(f"shard {self.layers} of {self.model_path}: missing tensors {missing[:5]}")
+        for module in self._modules().values():
+            if module is not None:
+                module.eval()
+
+    # ---- compute -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def embed_tokens(self, input_ids: torch.Tensor, position: int) -> torch.Tensor:
+        """Token ids ``[batch, seq]`` (int64) → hidden states ``[batch, seq, hidden]`` (compute dtype).
+
+        Raises:
+            InvalidRequest: this shard holds no embeddings (not an entry shard).
+        """
+        if self.embed is None:
+            raise InvalidRequest("this shard holds no embeddings (not an entry shard)")
+        hidden = self.embed(input_ids)
+        if self.pos_embed is not None:
+            positions = torch.arange(position, position + input_ids.shape[1])[None]
+            hidden = hidden + self.pos_embed(positions)
+        return hidden
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, cache: KVCache, position: int,
+                layers: LayerRange | None = None) -> torch.Tensor:
+        """Run decoder layers ``layers`` (default: the whole shard) on ``hidden``.
+
+        Args:
+            hidden: ``[batch, seq, hidden_size]``; cast to the compute dtype.
+            cache: the session's KV cache; ``position`` must equal its cached length.
+            position: absolute position of ``hidden[:, 0]`` (RoPE / learned offset).
+
+        Returns:
+            ``[batch, seq, hidden_size]`` in the compute dtype.
+        """
+        layers = layers or self.layers
+        hidden = hidden.to(self.dtype)
+        seq = hidden.shape[1]
+        position_ids = torch.arange(position, position + seq)[None]
+        mask = causal_mask(seq, position, self.dtype)
+        kwargs = {}
+        if self.rotary is not None:
+            kwargs["position_embeddings"] = self.rotary(hidden, position_ids)
+            kwargs["position_ids"] = position_ids
+        for i in range(layers.start, layers.end):
+            out = self.blocks[str(i)](hidden, attention_mask=mask, cache=cache, use_cache=True, **kwargs)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: ``[batch, seq, hidden]`` → ``[batch, seq, vocab]`` float32."""
+        if self.lm_head is None:
+            raise InvalidRequest("this shard holds no LM head (not an entry shard)")
+        return self.lm_head(self.norm(hidden.to(self.dtype))).float()
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of this shard's weights (layers plus head when loaded)."""
+        seen, total = set(), 0
+        for module in self._modules().values():
+            if module is None:
+                continue
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel() * p.element_size()
+        return total

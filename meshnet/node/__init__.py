@@ -1,0 +1,1 @@
+"""Node service: shard slots, KV-cache sessions, doctor, heartbeat loop."""

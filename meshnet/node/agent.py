@@ -1,0 +1,175 @@
+"""The node's side of the control loop: register, heartbeat, obey directives.
+
+The agent registers the node's capabilities and shards (with their capability reports),
+heartbeats every ``heartbeat_interval_s`` with stats, and applies the directives that come
+back: ``LOAD_SHARD`` (load the weights for real, run doctor, then serve), ``DROP_SHARD``
+(free them), ``RUN_DOCTOR`` and ``RELOAD``. Each directive's status (acked, done, failed)
+travels back in the next heartbeat; a finished directive triggers an early heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from meshnet.client import TrackerClient
+from meshnet.errors import MeshnetError
+from meshnet.gateway.hops import Hop, hop_from_json
+from meshnet.layers import LayerRange
+from meshnet.node import hardware
+from meshnet.node.doctor import run_doctor
+from meshnet.node.loader import load_shard
+
+log = logging.getLogger(__name__)
+
+
+class TrackerAgent:
+    """Keeps one node registered with its tracker. ``node`` is the app's NodeState."""
+
+    def __init__(self, node) -> None:
+        self.node = node
+        self.settings = node.settings
+        self.client = TrackerClient(self.settings.tracker_url, timeout_s=30.0)
+        self.hw = hardware.detect()
+        self.updates: list[dict] = []
+        self.wake = asyncio.Event()
+        self.failures: dict[str, float] = {}
+
+    # ---- payloads ---------------------------------------------------------------------
+
+    def shards_payload(self) -> list[dict]:
+        out = []
+        for key, slot in self.node.runtime.slots.items():
+            entry = slot.describe()
+            entry["report"] = self.node.reports.get(key)
+            out.append(entry)
+        return out
+
+    def registration(self) -> dict:
+        s = self.settings
+        budget = hardware.memory_budget_bytes(None if s.memory_bytes is None else s.memory_bytes // (1 << 20),
+                                              self.hw)
+        tokens_per_s = max((r.get("tokens_per_s", 0.0) for r in self.node.reports.values() if r), default=0.0)
+        return {"node_id": s.node_id, "wallet": s.wallet, "endpoint": s.endpoint, "vram_bytes": budget,
+                "ram_bytes": self.hw["ram_bytes"], "device": self.hw["device"],
+                "quantizations": [s.quantization], "benchmark_tokens_per_sec": tokens_per_s,
+                "benchmark_model": next(iter({sl.model for sl in self.node.runtime.slots.values()}), None),
+                "max_loaded_shards": s.max_loaded_shards, "accepts_placement": s.accepts_placement,
+                "shards": self.shards_payload()}
+
+    def stats(self) -> dict:
+        rt, m = self.node.runtime, self.node.metrics
+        return {"tokens_per_s": round(m.tokens_per_s.value, 3), "sessions": len(rt.sessions),
+                "cache_bytes_left": rt.sessions.bytes_left, "tokens_processed": rt.tokens_processed,
+                "rss_bytes": hardware.rss_bytes(), "in_flight": int(m.in_flight),
+                "requests_total": int(m.requests._value.get())}
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    async def start(self, attempts: int = 60) -> None:
+        """Load the configured shard, then register (retrying up to ``attempts`` × 1 s)."""
+        await self.load_initial()
+        for attempt in range(attempts):
+            try:
+                await self.client.register(self.registration())
+                log.info("registered %s with %s", self.settings.node_id, self.settings.tracker_url)
+                return
+            except MeshnetError as exc:
+                if attempt == attempts - 1:
+                    raise
+                log.info("tracker not ready (%s); retrying", exc.message)
+                await asyncio.sleep(1.0)
+
+    async def load_initial(self) -> None:
+        s = self.settings
+        if not s.model:
+            return
+        layers, tier = s.shard, "pinned"
+        if layers is None:
+            from meshnet.presets import get_preset
+            info = await self.client.assign(hf_repo=s.model, device=self.hw["device"],
+                                            vram_mb=hardware.memory_budget_bytes(
+                                                None if s.memory_bytes is None else s.memory_bytes >> 20,
+                                                self.hw) >> 20)
+            layers, tier = LayerRange.from_inclusive(info["shard_start"], info["shard_end"]), "bootstrap"
+            get_preset(s.model)
+        await self.load(s.model, layers, tier)
+
+    async def load(self, model: str, layers: LayerRange, tier: str) -> dict:
+        return await load_shard(self.node, model, layers, tier)
+
+    async def run(self) -> None:
+        """Heartbeat forever (cancelled by the app's lifespan)."""
+        while True:
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout=self.settings.heartbeat_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self.wake.clear()
+            await self.heartbeat()
+
+    async def heartbeat(self) -> None:
+        updates, self.updates = self.updates, []
+        payload = {"shards": self.shards_payload(), "stats": self.stats(), "directive_updates": updates}
+        try:
+            resp = await self.client.heartbeat(self.settings.node_id, payload)
+        except MeshnetError as exc:
+            if exc.status == 404:  # the tracker forgot us (restart): register again
+                self.updates = updates + self.updates
+                await self.client.register(self.registration())
+                return
+            self.updates = updates + self.updates
+            log.warning("heartbeat failed: %s", exc.message)
+            return
+        for directive in resp.get("directives", []):
+            self.updates.append({"id": directive["id"], "status": "acked"})
+            asyncio.create_task(self.apply(directive))
+
+    async def apply(self, directive: dict) -> None:
+        kind = directive["type"]
+        try:
+            if kind == "LOAD_SHARD":
+                layers = LayerRange.from_inclusive(directive["shard_start"], directive["shard_end"])
+                report = await self.load(directive["model"], layers, directive.get("tier", "bootstrap"))
+                status, error = ("done", None) if report["passed"] else ("failed", report["reason"])
+            elif kind == "DROP_SHARD":
+                layers = LayerRange.from_inclusive(directive["shard_start"], directive["shard_end"])
+                self.node.runtime.drop(directive["model"], layers)
+                self.node.reports.pop(f"{directive['model']}:{layers.start}-{layers.end}", None)
+                status, error = "done", None
+            elif kind in ("RUN_DOCTOR", "RELOAD"):
+                status, error = await self.redo(kind)
+            else:
+                status, error = "failed", f"unknown directive type {kind}"
+        except Exception as exc:  # noqa: BLE001 - report every failure to the tracker
+            log.exception("directive %s failed", directive["id"])
+            status, error = "failed", f"{type(exc).__name__}: {exc}"
+        self.updates.append({"id": directive["id"], "status": status, "error": error})
+        self.wake.set()
+
+    async def redo(self, kind: str) -> tuple[str, str | None]:
+        """RUN_DOCTOR re-checks every slot; RELOAD re-reads every slot's weights, then doctors."""
+        rt = self.node.runtime
+        for key, slot in list(rt.slots.items()):
+            if kind == "RELOAD":
+                self.node.reports.pop(key, None)
+                rt.drop(slot.model, slot.layers)
+                await self.load(slot.model, slot.layers, slot.tier)
+            else:
+                self.node.reports[key] = await asyncio.to_thread(run_doctor, slot, lock=rt.lock)
+        failed = [r["reason"] for r in self.node.reports.values() if r and not r["passed"]]
+        return ("failed", "; ".join(failed)) if failed else ("done", None)
+
+    # ---- used by the orchestrator -----------------------------------------------------
+
+    async def route(self, model: str, layers: LayerRange, exclude: frozenset[str]) -> list[Hop]:
+        hops = await self.client.route(model, layers.start, layers.end - 1, exclude)
+        return [hop_from_json(h) for h in hops]
+
+    async def report_failure(self, node_id: str, reason: str) -> None:
+        self.failures[node_id] = time.monotonic()
+        try:
+            await self.client.report_failure(node_id, reason)
+        except MeshnetError as exc:
+            log.warning("could not report failure of %s: %s", node_id, exc.message)

@@ -1,0 +1,209 @@
+"""Node HTTP service (Starlette): forward, sessions, health, and the entry-node chat API.
+
+Routes:
+    POST   /v1/forward              activation frame in, activation frame out (headers below)
+    DELETE /v1/sessions/{id}        release a session's KV caches
+    GET    /v1/health               node id, shard slots, sessions, cache bytes left
+    POST   /v1/doctor               run doctor on the loaded shards, return capability reports
+    GET    /v1/models, POST /v1/chat/completions   OpenAI surface (entry nodes)
+    GET    /metrics                 Prometheus text
+
+Forward headers: ``X-Meshnet-Session``, ``X-Meshnet-Start-Layer`` and
+``X-Meshnet-End-Layer`` (inclusive, ADR-0002), ``X-Meshnet-Position``, optional
+``X-Meshnet-Model`` and ``X-Meshnet-Last-Only: 1`` (return only the last position).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from meshnet import wire
+from meshnet.errors import InvalidRequest, MeshnetError, NotFound
+from meshnet.gateway import openai_api
+from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
+from meshnet.layers import LayerRange
+from meshnet.node.metrics import NodeMetrics
+from meshnet.node.runtime import NodeRuntime
+from meshnet.node.settings import NodeSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeState:
+    """What the node's handlers share (``request.app.state.node``)."""
+
+    settings: NodeSettings
+    runtime: NodeRuntime
+    http: httpx.AsyncClient
+    metrics: NodeMetrics = field(default_factory=NodeMetrics)
+    agent: object | None = None  # meshnet.node.agent.TrackerAgent when a tracker is configured
+    started_at: float = field(default_factory=time.time)
+    reports: dict = field(default_factory=dict)  # slot key -> latest capability report
+
+
+def _state(request: Request) -> NodeState:
+    return request.app.state.node
+
+
+def _int_header(request: Request, name: str, default: int | None = None) -> int:
+    raw = request.headers.get(name)
+    if raw is None:
+        if default is None:
+            raise InvalidRequest(f"missing header {name}", code="invalid_field", status=422)
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidRequest(f"header {name} must be an integer, got {raw!r}", code="invalid_field",
+                             status=422) from None
+    if value < 0:
+        raise InvalidRequest(f"header {name} must be >= 0", code="invalid_field", status=422)
+    return value
+
+
+async def forward(request: Request) -> Response:
+    node = _state(request)
+    session = request.headers.get("X-Meshnet-Session")
+    if not session:
+        raise InvalidRequest("missing header X-Meshnet-Session", code="invalid_field", status=422)
+    start = _int_header(request, "X-Meshnet-Start-Layer")
+    end = _int_header(request, "X-Meshnet-End-Layer")
+    if end < start:
+        raise InvalidRequest("X-Meshnet-End-Layer must be >= X-Meshnet-Start-Layer", code="invalid_field",
+                             status=422)
+    position = _int_header(request, "X-Meshnet-Position", 0)
+    body = await request.body()
+    hidden = wire.decode(body)
+    t0 = time.perf_counter()
+    out = await asyncio.to_thread(node.runtime.forward, model=request.headers.get("X-Meshnet-Model"),
+                                  session_id=session, layers=LayerRange.from_inclusive(start, end),
+                                  position=position, hidden=hidden)
+    node.metrics.observe_forward(hidden.shape[1], time.perf_counter() - t0)
+    if request.headers.get("X-Meshnet-Last-Only") == "1":
+        out = out[:, -1:]
+    return Response(wire.encode(out, dtype=hidden.dtype), media_type="application/octet-stream")
+
+
+async def release_session(request: Request) -> JSONResponse:
+    dropped = _state(request).runtime.sessions.release(request.path_params["session_id"])
+    return JSONResponse({"released": dropped})
+
+
+async def health(request: Request) -> JSONResponse:
+    node = _state(request)
+    rt = node.runtime
+    return JSONResponse({"status": "ok", "node_id": node.settings.node_id, "endpoint": node.settings.endpoint,
+                         "shards": rt.describe(), "slots_total": rt.max_loaded_shards,
+                         "sessions": len(rt.sessions), "cache_bytes_left": rt.sessions.bytes_left,
+                         "compute_dtype": rt.compute_dtype, "uptime_s": round(time.time() - node.started_at, 1)})
+
+
+def orchestrator_for(node: NodeState, model: str | None) -> tuple[str, Orchestrator]:
+    """The entry orchestrator of ``model`` (or of the only entry shard when None).
+
+    Raises:
+        NotFound: this node holds no entry shard of that model.
+    """
+    entries = [s for s in node.runtime.slots.values() if s.shard.is_entry]
+    slot = next((s for s in entries if model in (None, s.model)), None)
+    if slot is None:
+        raise NotFound(f"this node serves no entry shard of {model or 'any model'}", code="model_not_found")
+    agent = node.agent
+
+    async def routes(name, layers, exclude):
+        if agent is None:
+            raise NotFound("standalone node without a tracker cannot route remote layers")
+        return await agent.route(name, layers, exclude)
+
+    async def report(node_id, reason):
+        if agent is not None:
+            await agent.report_failure(node_id, reason)
+
+    settings = OrchestratorSettings(wire_dtype=node.settings.wire_dtype, hop_timeout_s=node.settings.hop_timeout_s)
+    return slot.model, Orchestrator(node.runtime, slot, node_id=node.settings.node_id,
+                                    endpoint=node.settings.endpoint, client=node.http, routes=routes,
+                                    report=report, settings=settings)
+
+
+async def chat_completions(request: Request) -> Response:
+    node = _state(request)
+    req = await openai_api.read_chat(request)
+    model, orchestrator = orchestrator_for(node, req.model)
+    node.metrics.requests.inc()
+    if req.stream:
+        return openai_api.stream(orchestrator, model, req)
+    return await openai_api.complete(orchestrator, model, req)
+
+
+async def list_models(request: Request) -> JSONResponse:
+    node = _state(request)
+    models = sorted({s.model for s in node.runtime.slots.values() if s.shard.is_entry})
+    return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "meshnet"}
+                                                    for m in models]})
+
+
+async def doctor(request: Request) -> JSONResponse:
+    from meshnet.node.doctor import run_doctor_all
+
+    node = _state(request)
+    reports = await asyncio.to_thread(run_doctor_all, node)
+    return JSONResponse({"reports": reports})
+
+
+async def metrics(request: Request) -> Response:
+    node = _state(request)
+    node.metrics.update_gauges(node.runtime)
+    body, content_type = node.metrics.render()
+    return Response(body, media_type=content_type)
+
+
+async def _meshnet_error(request: Request, exc: MeshnetError) -> Response:
+    return openai_api.error_response(exc)
+
+
+def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, start_agent: bool = True) -> Starlette:
+    """Create the node app. The lifespan loads the configured shard (if any) and starts the
+    tracker agent (register + heartbeat loop) when ``settings.tracker_url`` is set."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        rt = runtime or NodeRuntime(max_loaded_shards=settings.max_loaded_shards,
+                                    compute_dtype=settings.compute_dtype)
+        async with httpx.AsyncClient(timeout=settings.hop_timeout_s,
+                                     limits=httpx.Limits(max_keepalive_connections=32)) as http:
+            node = NodeState(settings=settings, runtime=rt, http=http)
+            app.state.node = node
+            agent_task = None
+            if not settings.tracker_url and settings.model and settings.shard:
+                from meshnet.node.loader import load_shard
+                await load_shard(node, settings.model, settings.shard, "pinned")
+            if settings.tracker_url and start_agent:
+                from meshnet.node.agent import TrackerAgent
+                node.agent = TrackerAgent(node)
+                await node.agent.start()
+                agent_task = asyncio.create_task(node.agent.run())
+            try:
+                yield
+            finally:
+                if agent_task is not None:
+                    agent_task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await agent_task
+
+    routes = [Route("/v1/forward", forward, methods=["POST"]),
+              Route("/v1/sessions/{session_id}", release_session, methods=["DELETE"]),
+              Route("/v1/health", health), Route("/v1/doctor", doctor, methods=["POST"]),
+              Route("/v1/models", list_models), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/metrics", metrics)]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _meshnet_error})

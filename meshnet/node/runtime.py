@@ -1,0 +1,151 @@
+"""Shard slots: the loaded shard backends of one node, and the forward entry point.
+
+A node holds up to ``max_loaded_shards`` slots; each slot is one :class:`ShardModel`
+(one model, one layer range, one recipe). A forward call names the layers to run; the
+runtime picks the slot whose range contains them (a hop may start inside a shard,
+ADR-0012). Compute is serialised per node with one lock: torch already uses every core
+for one forward, and the pipeline overlaps work across nodes, not within one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from meshnet.errors import InvalidRequest, MeshnetError, NotFound
+from meshnet.layers import LayerRange
+from meshnet.models.shard import ShardModel
+from meshnet.node.sessions import SessionStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ShardSlot:
+    """One loaded shard backend."""
+
+    model: str
+    layers: LayerRange
+    quantization: str
+    shard: ShardModel
+    tier: str = "pinned"
+    loaded_at: float = field(default_factory=time.time)
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}:{self.layers.start}-{self.layers.end}"
+
+    def describe(self) -> dict:
+        start, end = self.layers.to_inclusive()
+        return {"model": self.model, "shard_start": start, "shard_end": end, "tier": self.tier,
+                "quantization": self.quantization, "weight_bytes": self.shard.weight_bytes(),
+                "entry": self.shard.is_entry}
+
+
+class NodeRuntime:
+    """Slots plus sessions of one node.
+
+    Args:
+        max_loaded_shards: slot count (>= 1).
+        compute_dtype: ``float32`` or ``bfloat16``.
+        sessions: the KV-cache session store.
+    """
+
+    def __init__(self, *, max_loaded_shards: int = 1, compute_dtype: str = "float32",
+                 sessions: SessionStore | None = None) -> None:
+        if max_loaded_shards < 1:
+            raise InvalidRequest("max_loaded_shards must be >= 1")
+        self.max_loaded_shards = max_loaded_shards
+        self.compute_dtype = compute_dtype
+        self.sessions = sessions or SessionStore()
+        self.slots: dict[str, ShardSlot] = {}
+        self.lock = threading.Lock()
+        self.tokens_processed = 0
+
+    # ---- slot lifecycle ---------------------------------------------------------------
+
+    def load(self, model: str, model_path: Path, layers: LayerRange, *, quantization: str = "bfloat16",
+             tier: str = "pinned") -> ShardSlot:
+        """Load a shard into a free slot (blocking; seconds for real weights).
+
+        Raises:
+            MeshnetError: no free slot.
+        """
+        for slot in self.slots.values():
+            if slot.model == model and slot.layers == layers:
+                return slot
+        if len(self.slots) >= self.max_loaded_shards:
+            raise MeshnetError(f"no free shard slot ({len(self.slots)}/{self.max_loaded_shards} used)",
+                               code="no_free_slot", status=409)
+        shard = ShardModel(model_path, layers, dtype=self.compute_dtype)
+        slot = ShardSlot(model=model, layers=layers, quantization=quantization, shard=shard, tier=tier)
+        with self.lock:
+            self.slots[slot.key] = slot
+        log.info("loaded %s layers %s (%d bytes)", model, layers, shard.weight_bytes())
+        return slot
+
+    def drop(self, model: str, layers: LayerRange) -> bool:
+        """Free a slot's weights and its sessions; False when it was not loaded."""
+        key = f"{model}:{layers.start}-{layers.end}"
+        with self.lock:
+            slot = self.slots.pop(key, None)
+            if slot is not None:
+                self.sessions.release_slot(key)
+        return slot is not None
+
+    def find_slot(self, model: str | None, layers: LayerRange) -> ShardSlot:
+        """The slot of ``model`` whose range contains ``layers``.
+
+        Raises:
+            NotFound: no loaded shard covers the requested layers.
+        """
+        for slot in self.slots.values():
+            if (model is None or slot.model == model) and slot.layers.contains_range(layers):
+                return slot
+        held = ", ".join(f"{s.model} {s.layers}" for s in self.slots.values()) or "nothing"
+        raise NotFound(f"no loaded shard serves layers {layers} of {model or 'any model'} (holding {held})",
+                       code="shard_not_loaded")
+
+    def entry_slot(self, model: str) -> ShardSlot | None:
+        return next((s for s in self.slots.values() if s.model == model and s.shard.is_entry), None)
+
+    # ---- compute ----------------------------------------------------------------------
+
+    def forward(self, *, model: str | None, session_id: str, layers: LayerRange, position: int,
+                hidden: torch.Tensor) -> torch.Tensor:
+        """Run ``layers`` on ``hidden`` ``[batch, seq, hidden]`` for one session.
+
+        Returns hidden states ``[batch, seq, hidden]`` in the compute dtype.
+
+        Raises:
+            NotFound, SessionConflict, InvalidRequest.
+        """
+        slot = self.find_slot(model, layers)
+        if hidden.dim() != 3 or hidden.shape[-1] != slot.shard.config.hidden_size:
+            raise InvalidRequest(f"activation shape {list(hidden.shape)} does not match "
+                                 f"[batch, seq, {slot.shard.config.hidden_size}]")
+        with self.lock:
+            session = self.sessions.acquire(session_id, slot.key, position)
+            out = slot.shard.forward(hidden, session.cache, position, layers)
+            self.sessions.commit(session, hidden.shape[1])
+            self.tokens_processed += hidden.shape[1]
+        return out
+
+    def run_entry(self, slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
+                  layers: LayerRange) -> torch.Tensor:
+        """Embed ``input_ids`` ``[1, seq]`` and run this node's entry ``layers``."""
+        with self.lock:
+            session = self.sessions.acquire(session_id, slot.key, position)
+            hidden = slot.shard.embed_tokens(input_ids, position)
+            out = slot.shard.forward(hidden, session.cache, position, layers)
+            self.sessions.commit(session, input_ids.shape[1])
+            self.tokens_processed += input_ids.shape[1]
+        return out
+
+    def describe(self) -> list[dict]:
+        return [slot.describe() for slot in self.slots.values()]

@@ -1,0 +1,56 @@
+"""Node settings: one frozen object, one place for defaults (CLI flag > MESHNET_* env > default)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+
+from meshnet.layers import LayerRange
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """Everything a node process needs.
+
+    Attributes:
+        host, port: where the node listens; ``public_url`` what others use to reach it.
+        tracker_url: tracker to register with (None: standalone).
+        model: model preset or path to serve; ``shard`` its layers (None: ask the tracker).
+        memory_bytes: memory budget (None: detected RAM); ``max_loaded_shards``: slots.
+        compute_dtype: ``float32`` or ``bfloat16``; ``quantization``: recipe name.
+        wire_dtype: activation dtype this node sends as an entry node.
+        heartbeat_interval_s: seconds between heartbeats (DESIGN: 10 s).
+        session_ttl_s, session_cache_bytes: KV-cache session expiry and memory cap.
+        accepts_placement: let the tracker assign shards (managed placement).
+        torch_threads: intra-op threads (None: torch default).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    public_url: str | None = None
+    node_id: str = ""
+    tracker_url: str | None = None
+    model: str | None = None
+    shard: LayerRange | None = None
+    memory_bytes: int | None = None
+    max_loaded_shards: int = 1
+    compute_dtype: str = "float32"
+    quantization: str = "bfloat16"
+    wire_dtype: str = "bfloat16"
+    heartbeat_interval_s: float = 10.0
+    session_ttl_s: float = 300.0
+    session_cache_bytes: int = 1 << 30
+    hop_timeout_s: float = 60.0
+    accepts_placement: bool = True
+    wallet: str = ""
+    torch_threads: int | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return self.public_url or f"http://{self.host}:{self.port}"
+
+
+def new_node_id() -> str:
+    """A fresh node id (``node-`` + 8 hex chars) unless ``MESHNET_NODE_ID`` is set."""
+    return os.environ.get("MESHNET_NODE_ID") or f"node-{uuid.uuid4().hex[:8]}"

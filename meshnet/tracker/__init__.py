@@ -1,0 +1,1 @@
+"""Tracker service: registry, coverage, placement, demand, routing, directives, store."""

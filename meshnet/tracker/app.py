@@ -1,0 +1,230 @@
+"""Tracker HTTP service (Starlette).
+
+Routes (JSON unless noted; ``shard_start``/``shard_end``/``start_layer``/``end_layer`` are
+inclusive on the wire, ADR-0002):
+    POST /v1/nodes/register, POST /v1/nodes/{id}/heartbeat, POST /v1/nodes/{id}/failure
+    GET  /v1/nodes, /v1/coverage, /v1/coverage/{model}, /v1/route, /v1/network/assign,
+         /v1/directives, /v1/demand, /v1/models, /v1/health, /metrics
+    POST /v1/chat/completions  (forwarded to an entry node; 503 model_loading when not routable)
+    POST /v1/operator/{pin,reload,doctor,drain}  (bearer operator token when configured)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+import httpx
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from meshnet.errors import InvalidRequest, MeshnetError
+from meshnet.gateway.schema import error_response, parse_chat_request, validate_json
+from meshnet.layers import LayerRange
+from meshnet.tracker import operator, placement, views
+from meshnet.tracker.metrics import TrackerMetrics
+from meshnet.tracker.rebalance import rebalance
+from meshnet.tracker.registry import HeartbeatPayload, RegisterPayload
+from meshnet.tracker.service import TrackerService, TrackerSettings
+
+log = logging.getLogger(__name__)
+
+
+def _svc(request: Request) -> TrackerService:
+    return request.app.state.service
+
+
+def _int_param(request: Request, name: str, default: int | None = None) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        if default is None:
+            raise InvalidRequest(f"missing query parameter '{name}'", code="invalid_field", status=422)
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidRequest(f"query parameter '{name}' must be an integer", code="invalid_field",
+                             status=422) from None
+
+
+async def register(request: Request) -> JSONResponse:
+    svc = _svc(request)
+    record = svc.register(validate_json(RegisterPayload, await request.body()))
+    request.app.state.wake.set()
+    return JSONResponse({"node_id": record.node_id, "heartbeat_interval_s": svc.settings.heartbeat_interval_s})
+
+
+async def heartbeat(request: Request) -> JSONResponse:
+    svc = _svc(request)
+    directives = svc.heartbeat(request.path_params["node_id"], validate_json(HeartbeatPayload, await request.body()))
+    if svc.dirty:
+        request.app.state.wake.set()
+    return JSONResponse({"directives": directives})
+
+
+async def failure(request: Request) -> JSONResponse:
+    body = json.loads(await request.body() or b"{}")
+    _svc(request).report_failure(request.path_params["node_id"], str(body.get("reason", ""))[:500])
+    return JSONResponse({"ok": True})
+
+
+async def nodes(request: Request) -> JSONResponse:
+    return JSONResponse({"nodes": views.nodes_view(_svc(request))})
+
+
+async def coverage_one(request: Request) -> JSONResponse:
+    return JSONResponse(_svc(request).coverage(request.path_params["model"]))
+
+
+async def coverage_all(request: Request) -> JSONResponse:
+    svc = _svc(request)
+    return JSONResponse({"models": [svc.coverage(m.name) for m in svc.tracked_models()]})
+
+
+async def route(request: Request) -> JSONResponse:
+    svc = _svc(request)
+    model = request.query_params.get("model")
+    if not model:
+        raise InvalidRequest("missing query parameter 'model'", code="invalid_field", status=422)
+    info = svc.ensure_model(model)
+    start = _int_param(request, "start_layer", 0)
+    end = _int_param(request, "end_layer", info.num_layers - 1)
+    if end < start:
+        raise InvalidRequest("end_layer must be >= start_layer", code="invalid_field", status=422)
+    exclude = frozenset(x for x in request.query_params.get("exclude", "").split(",") if x)
+    hops = svc.route(info.name, LayerRange.from_inclusive(start, end), exclude)
+    return JSONResponse({"model": info.name, "hops": [views.hop_json(h) for h in hops]})
+
+
+async def network_assign(request: Request) -> JSONResponse:
+    """ADR-0011: which range a joining node should serve."""
+    svc = _svc(request)
+    repo = request.query_params.get("hf_repo")
+    if not repo:
+        raise InvalidRequest("missing query parameter 'hf_repo'", code="invalid_field", status=422)
+    vram_mb = _int_param(request, "vram_mb", 8192)
+    if vram_mb <= 0:
+        raise InvalidRequest("vram_mb must be > 0", code="invalid_field", status=422)
+    info = svc.ensure_model(repo)
+    quant = request.query_params.get("quantization", "bfloat16")
+    spec = placement.ModelSpec(info.name, info.num_layers, info.bytes_per_layer)
+    counts = placement.coverage_counts(info.num_layers, [s.layers for _, s in svc.admitted_shards(info.name)])
+    layers, gap = placement.find_assignment(spec, counts, vram_mb * 1024 * 1024, quant)
+    start, end = layers.to_inclusive()
+    return JSONResponse({"hf_repo": info.hf_repo or info.name, "model": info.name, "shard_start": start,
+                         "shard_end": end, "num_layers": info.num_layers, "gap_found": gap,
+                         "price_per_token": 0.0})
+
+
+async def directives(request: Request) -> JSONResponse:
+    svc = _svc(request)
+    return JSONResponse({"directives": svc.store.directives(node_id=request.query_params.get("node_id"))})
+
+
+async def demand(request: Request) -> JSONResponse:
+    svc = _svc(request)
+    return JSONResponse({"demand": [{"model": m.name, "requests_per_min": round(svc.demand_rate(m.name), 3),
+                                     "routable": svc.coverage(m.name)["routable"]}
+                                    for m in svc.tracked_models()]})
+
+
+async def models(request: Request) -> JSONResponse:
+    svc = _svc(request)
+    data = [{"id": m.name, "object": "model", "owned_by": "meshnet", "num_layers": m.num_layers,
+             "routable": svc.coverage(m.name)["routable"]} for m in svc.tracked_models()]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def health(request: Request) -> JSONResponse:
+    svc = _svc(request)
+    return JSONResponse({"status": "ok", "nodes": len(svc.nodes), "models": [m.name for m in svc.tracked_models()]})
+
+
+async def chat(request: Request) -> Response:
+    """Forward the chat body to the least-loaded entry node (streams pass straight through)."""
+    from meshnet.presets import default_model
+
+    svc = _svc(request)
+    body = await request.body()
+    req = parse_chat_request(body)
+    node = svc.entry_node(req.model or default_model())
+    svc.metrics.requests.labels(model=req.model or default_model()).inc()
+    http: httpx.AsyncClient = request.app.state.http
+    upstream = http.build_request("POST", f"{node.endpoint}/v1/chat/completions", content=body,
+                                  headers={"Content-Type": "application/json"})
+    try:
+        resp = await http.send(upstream, stream=True)
+    except httpx.HTTPError as exc:
+        svc.report_failure(node.node_id, str(exc))
+        raise MeshnetError(f"entry node {node.node_id} unreachable: {exc}", code="entry_unreachable",
+                           status=502) from exc
+    headers = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "cache-control")}
+    return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code, headers=headers,
+                             background=BackgroundTask(resp.aclose))
+
+
+async def metrics(request: Request) -> Response:
+    svc = _svc(request)
+    body, ctype = svc.metrics.render(svc)
+    return Response(body, media_type=ctype)
+
+
+async def control_loop(app: Starlette) -> None:
+    """Dropout checks every second; rebalance on every join/leave and every rebalance interval."""
+    svc: TrackerService = app.state.service
+    last = 0.0
+    while True:
+        try:
+            await asyncio.wait_for(app.state.wake.wait(), timeout=1.0)
+        except asyncio.TimeoutError:
+            pass
+        app.state.wake.clear()
+        try:
+            svc.check_dropouts()
+            if svc.dirty or time.monotonic() - last >= svc.settings.rebalance_interval_s:
+                rebalance(svc)
+                last = time.monotonic()
+        except Exception:  # noqa: BLE001 - the loop must survive any single bad round
+            log.exception("control loop round failed")
+
+
+async def _on_error(request: Request, exc: MeshnetError) -> Response:
+    return error_response(exc)
+
+
+def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerService | None = None,
+              *, run_loop: bool = True) -> Starlette:
+    """Create the tracker app; the lifespan runs the control loop unless ``run_loop`` is False."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        app.state.service = service or TrackerService(settings)
+        app.state.service.metrics = TrackerMetrics()
+        app.state.wake = asyncio.Event()
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0)) as http:
+            app.state.http = http
+            task = asyncio.create_task(control_loop(app)) if run_loop else None
+            try:
+                yield
+            finally:
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+
+    routes = [Route("/v1/nodes/register", register, methods=["POST"]),
+              Route("/v1/nodes/{node_id}/heartbeat", heartbeat, methods=["POST"]),
+              Route("/v1/nodes/{node_id}/failure", failure, methods=["POST"]),
+              Route("/v1/nodes", nodes), Route("/v1/coverage", coverage_all),
+              Route("/v1/coverage/{model}", coverage_one), Route("/v1/route", route),
+              Route("/v1/network/assign", network_assign), Route("/v1/directives", directives),
+              Route("/v1/demand", demand), Route("/v1/models", models), Route("/v1/health", health),
+              Route("/v1/chat/completions", chat, methods=["POST"]), Route("/metrics", metrics),
+              *operator.routes()]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _on_error})

@@ -1,0 +1,28 @@
+"""Tracker metrics (prometheus-client, per-app registry, ``meshnet_`` prefix, unit suffixes)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+
+class TrackerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("meshnet_tracker_chat_requests", "chat requests forwarded", ["model"],
+                                registry=self.registry)
+        self.nodes = Gauge("meshnet_nodes", "registered nodes", registry=self.registry)
+        self.covered = Gauge("meshnet_covered_layers", "layers with at least one admitted shard", ["model"],
+                             registry=self.registry)
+        self.running = Gauge("meshnet_requests_running", "in-flight requests reported by nodes",
+                             registry=self.registry)
+        self.node_tokens_per_s = Gauge("meshnet_node_tokens_per_second", "node decode throughput EMA",
+                                       ["node"], registry=self.registry)
+
+    def render(self, service) -> tuple[bytes, str]:
+        self.nodes.set(len(service.nodes))
+        self.running.set(sum(int(n.stats.get("in_flight") or 0) for n in service.nodes.values()))
+        for m in service.tracked_models():
+            self.covered.labels(model=m.name).set(service.coverage(m.name)["covered_layers"])
+        for n in service.nodes.values():
+            self.node_tokens_per_s.labels(node=n.node_id).set(float(n.stats.get("tokens_per_s") or 0.0))
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,487 @@
+"""Tracker placement: which node serves which decoder layers (docs/adr/0003, 0011).
+
+Pure functions over plain data: no I/O, no HTTP, no torch. The tracker's rebalance loop
+loads node and model state, calls :func:`plan_placement`, and turns the plan's ``loads``
+and ``drops`` into ``LOAD_SHARD`` / ``DROP_SHARD`` directives. One call runs, in order:
+
+1. **coverage first** - every model's gaps (layers with no copy) are filled, fastest
+   nodes with free memory and a free shard slot first, each to its memory limit;
+2. **managed moves** - a ``managed`` shard moves only when that raises the model's
+   pipeline bottleneck (tokens/s of its slowest layer) by more than ``min_gain``;
+3. **redundancy** - idle nodes add a copy where demand per copy is highest;
+4. managed moves again, so the result is a fixed point (re-planning it is a no-op).
+
+Layer ranges are half-open :class:`~meshnet.layers.LayerRange`; sizes are in bytes.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from itertools import accumulate
+from types import MappingProxyType
+
+from meshnet.errors import InvalidRequest
+from meshnet.layers import LayerRange
+
+MEMORY_FRACTION = 0.8
+"""Share of a node's memory budget that shards may fill; the rest is left to activations,
+KV caches and the runtime (ADR-0003)."""
+TIERS = ("pinned", "bootstrap", "managed")
+_NUM, _DEN = Fraction(MEMORY_FRACTION).limit_denominator(1000).as_integer_ratio()   # exact 4/5
+_MILLI = 1000   # throughput is summed as integer milli-tokens/s, so sums never depend on order
+_NEVER = float("inf")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as placement sees it: ``num_layers`` decoder layers, ``bytes_per_layer`` per
+    quantization (``"bfloat16"``, ``"int8"``, ``"nf4"``) and ``demand`` in requests/min."""
+
+    name: str
+    num_layers: int
+    bytes_per_layer: Mapping[str, int]
+    demand: float = 0.0
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One shard of ``model`` on a node; ``tier`` is ``pinned``, ``bootstrap`` or ``managed``."""
+
+    model: str
+    layers: LayerRange
+    tier: str
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise ValueError(f"unknown tier {self.tier!r}; expected one of {TIERS}")
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """A node as placement sees it: memory (bytes), recipe, measured ``tokens_per_s``,
+    ``max_loaded_shards`` shard slots and the shards it holds now."""
+
+    node_id: str
+    vram_bytes: int
+    quantization: str
+    tokens_per_s: float
+    max_loaded_shards: int
+    assignments: tuple[Assignment, ...] = ()
+    accepts_placement: bool = True
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """Result of :func:`plan_placement`: each node's full desired shard set, the shards to
+    load and drop to get there, and one human reason per node."""
+
+    assignments: Mapping[str, tuple[Assignment, ...]]
+    loads: tuple[tuple[str, Assignment], ...]
+    drops: tuple[tuple[str, Assignment], ...]
+    reasons: Mapping[str, str]
+
+
+def memory_budget_bytes(vram_bytes: int) -> int:
+    """Bytes of shard weights a node may hold: ``floor(vram_bytes * MEMORY_FRACTION)`` (ADR-0003)."""
+    return max(0, vram_bytes) * _NUM // _DEN
+
+
+def max_assignable_layers(vram_bytes: int, bytes_per_layer: int) -> int:
+    """Layers that fit a memory budget: ``floor(vram_bytes * 0.8 / bytes_per_layer)`` (ADR-0003).
+
+    Computed in exact integer arithmetic; e.g. 8 GiB of bfloat16 SmolLM2 layers
+    (7,080,192 bytes each) gives 970.
+
+    Raises:
+        ValueError: if ``bytes_per_layer`` is not positive.
+    """
+    if bytes_per_layer <= 0:
+        raise ValueError(f"bytes_per_layer must be positive, got {bytes_per_layer}")
+    return memory_budget_bytes(vram_bytes) // bytes_per_layer
+
+
+def coverage_counts(num_layers: int, ranges: Iterable[LayerRange]) -> list[int]:
+    """Copies of each layer ``0..num_layers-1`` among ``ranges`` (a difference array:
+    O(layers + ranges)); parts of a range beyond the model are ignored."""
+    diff = [0] * (num_layers + 1)
+    for layers in ranges:
+        diff[layers.start if layers.start < num_layers else num_layers] += 1
+        diff[layers.end if layers.end < num_layers else num_layers] -= 1
+    return list(accumulate(diff[:num_layers]))
+
+
+def find_gaps(num_layers: int, counts: Sequence[int]) -> list[LayerRange]:
+    """Coverage gaps: maximal runs of layers whose count is 0, in layer order."""
+    gaps, start = [], None
+    for layer in range(num_layers):
+        if counts[layer] == 0 and start is None:
+            start = layer
+        elif counts[layer] != 0 and start is not None:
+            gaps.append(LayerRange(start, layer))
+            start = None
+    if start is not None:
+        gaps.append(LayerRange(start, num_layers))
+    return gaps
+
+
+def find_assignment(model: ModelSpec, counts: Sequence[int], vram_bytes: int,
+                    quantization: str) -> tuple[LayerRange, bool]:
+    """Range for a joining node (``GET /v1/network/assign``, ADR-0011): ``(range, gap_found)``.
+
+    With a gap, the first gap clipped to :func:`max_assignable_layers` from its start;
+    without one, ``gap_found`` is False and the range is the full model ``[0, num_layers)``.
+
+    Raises:
+        InvalidRequest: unknown quantization, or not even one layer fits in the budget.
+    """
+    if quantization not in model.bytes_per_layer:
+        raise InvalidRequest(f"model {model.name!r} has no size for quantization {quantization!r}",
+                             hint=f"use one of {', '.join(model.bytes_per_layer)}")
+    gaps = find_gaps(model.num_layers, counts)
+    if not gaps:
+        return LayerRange(0, model.num_layers), False
+    fit = max_assignable_layers(vram_bytes, model.bytes_per_layer[quantization])
+    if fit < 1:
+        raise InvalidRequest(f"{vram_bytes} bytes cannot hold one {quantization} layer of {model.name}",
+                             hint="use a smaller quantization or give the node more memory")
+    return LayerRange(gaps[0].start, min(gaps[0].end, gaps[0].start + fit)), True
+
+
+def _milli(tokens_per_s: float) -> int:
+    """Throughput as integer milli-tokens/s: sums are exact, whatever their order."""
+    return round(tokens_per_s * 1000)
+
+
+class _Work:
+    """Mutable scratch state of one :func:`plan_placement` call, indexed by node position.
+
+    ``counts`` (copies per layer) and ``profile`` (milli-tokens/s per layer, kept only for
+    models with movable managed shards) are updated in place as shards are added or moved."""
+
+    def __init__(self, nodes: Sequence[NodeState], models: Sequence[ModelSpec]) -> None:
+        self.nodes, self.specs = nodes, {m.name: m for m in models}
+        self.order = sorted(range(len(nodes)), key=[n.node_id for n in nodes].__getitem__)
+        self.order.sort(key=[-n.tokens_per_s for n in nodes].__getitem__)   # stable: ties by node_id
+        self.free_bytes = [max(0, n.vram_bytes) * _NUM // _DEN for n in nodes]
+        self.free_slots = [n.max_loaded_shards - len(n.assignments) for n in nodes]
+        self.movable: dict[str, list[tuple[int, Assignment]]] = {m.name: [] for m in models}
+        self.added: dict[int, list[tuple[str, Assignment]]] = {}   # node -> (reason, new shard)
+        self.kept: dict[int, list[Assignment]] = {}   # node -> its own shards after managed moves
+        self.dirty = set(self.specs)   # models that may have a managed move to make
+        self._entries: dict[tuple, tuple[str, Assignment]] = {}
+        diffs = {m.name: ([0] * (m.num_layers + 1), [0] * (m.num_layers + 1)) for m in models}
+        for i, node in enumerate(nodes):
+            if node.assignments:
+                self._count_existing(i, node, diffs)
+        self.counts = {name: list(accumulate(c[:-1])) for name, (c, _) in diffs.items()}
+        self.profile = {name: list(accumulate(diffs[name][1][:-1]))
+                        for name, movable in self.movable.items() if movable}
+
+    def _count_existing(self, i: int, node: NodeState, diffs: dict) -> None:
+        speed = _milli(node.tokens_per_s)
+        for a in node.assignments:
+            spec = self.specs.get(a.model)   # a shard of an unknown model keeps its slot only
+            if spec is None:
+                continue
+            start, end = min(a.layers.start, spec.num_layers), min(a.layers.end, spec.num_layers)
+            self.free_bytes[i] -= len(a.layers) * spec.bytes_per_layer.get(node.quantization, 0)
+            counts, profile = diffs[a.model]
+            counts[start], counts[end], profile[start], profile[end] = (
+                counts[start] + 1, counts[end] - 1, profile[start] + speed, profile[end] - speed)
+            if a.tier == "managed" and node.accepts_placement:
+                self.movable[a.model].append((i, a))
+
+    def free_layers(self, i: int, spec: ModelSpec) -> int:
+        """Layers of ``spec`` node ``i`` can still take in a new slot (0 if none)."""
+        if self.free_slots[i] < 1 or not self.nodes[i].accepts_placement:
+            return 0
+        per_layer = spec.bytes_per_layer.get(self.nodes[i].quantization, 0)
+        return self.free_bytes[i] // per_layer if per_layer > 0 else 0
+
+    def _entry(self, spec: ModelSpec, start: int, end: int, redundant: bool) -> tuple[str, Assignment]:
+        """(reason, bootstrap shard); equal shards share one frozen Assignment and reason."""
+        key = (spec.name, start, end, redundant)
+        entry = self._entries.get(key)
+        if entry is None:
+            a = Assignment(spec.name, LayerRange(start, end), "bootstrap")
+            entry = self._entries[key] = (f"coverage complete; added redundancy {a.model} {a.layers}"
+                                          if redundant else f"assigned {a.model} {a.layers} to fill a coverage gap", a)
+        return entry
+
+    def add(self, i: int, spec: ModelSpec, start: int, end: int, *, redundant: bool) -> None:
+        """Give node ``i`` a new bootstrap shard ``[start, end)``; the caller calls :meth:`cover`."""
+        self.added.setdefault(i, []).append(self._entry(spec, start, end, redundant))
+        self.free_bytes[i] -= (end - start) * spec.bytes_per_layer[self.nodes[i].quantization]
+        self.free_slots[i] -= 1
+        self.dirty.add(spec.name)
+
+    def add_whole_copies(self, spec: ModelSpec, idle: list[int]) -> None:
+        """Give each idle node in ``idle`` a redundant copy of all of ``spec``, and count them."""
+        entry, per_layer = self._entry(spec, 0, spec.num_layers, True), spec.bytes_per_layer
+        for i in idle:
+            self.added[i] = [entry]
+            self.free_bytes[i] -= spec.num_layers * per_layer[self.nodes[i].quantization]
+            self.free_slots[i] -= 1
+        self.cover(spec.name, 0, spec.num_layers, sum(_milli(self.nodes[i].tokens_per_s) for i in idle),
+                   copies=len(idle))
+        self.dirty.add(spec.name)
+
+    def cover(self, model: str, start: int, end: int, speed: int, copies: int = 1) -> None:
+        """Add ``copies`` and ``speed`` (milli-tokens/s) to layers ``[start, end)`` of ``model``."""
+        counts = self.counts[model]
+        counts[start:end] = [c + copies for c in counts[start:end]]
+        profile = self.profile.get(model)
+        if profile is not None:
+            profile[start:end] = [t + speed for t in profile[start:end]]
+
+    def move(self, k: int, new: Assignment) -> None:
+        """Replace the ``k``-th movable shard of ``new.model`` by ``new`` (same width)."""
+        i, old = self.movable[new.model][k]
+        shards = self.kept.setdefault(i, list(self.nodes[i].assignments))
+        shards[shards.index(old)] = new
+        self.movable[new.model][k] = (i, new)
+        speed = _milli(self.nodes[i].tokens_per_s)
+        self.cover(old.model, old.layers.start, old.layers.end, -speed, copies=-1)
+        self.cover(new.model, new.layers.start, new.layers.end, speed)
+
+
+def _fill_gaps(work: _Work, spec: ModelSpec) -> None:
+    """Cover every gap of ``spec``: fastest nodes first, each taking as many layers as fit;
+    a gap wider than one node continues on the next. One pass over the speed order."""
+    order, pos = work.order, 0
+    for gap in find_gaps(spec.num_layers, work.counts[spec.name]):
+        start = gap.start
+        while start < gap.end and pos < len(order):
+            i = order[pos]
+            width = min(work.free_layers(i, spec), gap.end - start)
+            if width < 1:
+                pos += 1   # capacity only shrinks: a node skipped once never fits later
+                continue
+            work.add(i, spec, start, start + width, redundant=False)
+            work.cover(spec.name, start, start + width, _milli(work.nodes[i].tokens_per_s))
+            start += width
+
+
+def _weakest_window(counts: list[int], width: int, fewest: int) -> int:
+    """Start of a ``width``-layer window over the first layer with ``fewest`` copies, moved
+    left only as far as the model's end requires (ADR-0003)."""
+    return min(counts.index(fewest), len(counts) - width)
+
+
+def _pick_model(heap: list, specs: Mapping[str, ModelSpec], quant: str,
+                free_bytes: int) -> tuple[tuple, ModelSpec, int] | None:
+    """Pop the first heap key of a model of which one layer fits ``free_bytes``; return it
+    with the model and the layers that fit (at most the whole model). The others go back."""
+    skipped, found = [], None
+    while heap and found is None:
+        key = heapq.heappop(heap)
+        spec = specs[key[2]]
+        per_layer = spec.bytes_per_layer.get(quant, 0)
+        if 0 < per_layer <= free_bytes:
+            found = key, spec, min(free_bytes // per_layer, spec.num_layers)
+        else:
+            skipped.append(key)
+    for key in skipped:
+        heapq.heappush(heap, key)
+    return found
+
+
+def _add_copy(work: _Work, i: int, heap: list, whole: dict[str, list[int]]) -> None:
+    """Idle node ``i`` adds a copy of the first model on ``heap`` that fits it: all of it if
+    it fits (recorded in ``whole``), else the window over its weakest layers."""
+    picked = _pick_model(heap, work.specs, work.nodes[i].quantization, work.free_bytes[i])
+    if picked is None:
+        return
+    key, spec, width = picked
+    if width == spec.num_layers:
+        whole[spec.name].append(i)
+        copies = key[1] + 1
+    else:
+        counts, lift = work.counts[spec.name], len(whole[spec.name])   # counts exclude ``whole``
+        start = _weakest_window(counts, width, key[1] - lift)
+        work.add(i, spec, start, start + width, redundant=True)
+        work.cover(spec.name, start, start + width, _milli(work.nodes[i].tokens_per_s))
+        copies = min(counts) + lift
+    heapq.heappush(heap, (-spec.demand / copies, copies, spec.name))
+
+
+def _add_redundancy(work: _Work) -> None:
+    """Each idle, accepting node adds one copy to the fully covered model with the highest
+    demand per copy (demand / fewest copies of any layer; then fewest copies, then name),
+    as wide as its memory allows (ADR-0003).
+
+    The heap holds one key ``(-demand / fewest, fewest, name)`` per model. Whole-model
+    copies, the usual case, cost O(log models) and are counted in one batch at the end."""
+    covered = [s for s in work.specs.values() if s.num_layers > 0 and min(work.counts[s.name]) > 0]
+    heap = [(-s.demand / min(work.counts[s.name]), min(work.counts[s.name]), s.name) for s in covered]
+    heapq.heapify(heap)
+    whole: dict[str, list[int]] = {s.name: [] for s in covered}
+    smallest, specs, nodes, free_bytes = _smallest_layer_bytes(covered), work.specs, work.nodes, work.free_bytes
+    for i in work.order:
+        node = nodes[i]
+        if (node.assignments or not node.accepts_placement or i in work.added or not heap or work.free_slots[i] < 1
+                or free_bytes[i] < smallest.get(node.quantization, _NEVER)):
+            continue
+        copies, name = heap[0][1] + 1, heap[0][2]
+        per_layer = specs[name].bytes_per_layer.get(node.quantization, 0)
+        if 0 < per_layer * specs[name].num_layers <= free_bytes[i]:   # fast path: all of the top model
+            heapq.heapreplace(heap, (-specs[name].demand / copies, copies, name))
+            whole[name].append(i)
+        else:
+            _add_copy(work, i, heap, whole)
+    for name, idle in whole.items():
+        if idle:
+            work.add_whole_copies(specs[name], idle)
+
+
+def _best_position(profile: list[int], old: LayerRange, speed: int) -> tuple[int, int]:
+    """Best ``(bottleneck, start)`` after moving a shard of ``speed`` from ``old`` to any
+    same-width window; keeps ``old.start`` unless another start is strictly better."""
+    base = profile[:]
+    base[old.start:old.end] = [t - speed for t in base[old.start:old.end]]
+    width = len(old)
+    before = [_NEVER, *accumulate(base, min)]                  # before[s] = min(base[:s])
+    after = [*accumulate(reversed(base), min)][::-1] + [_NEVER]  # after[s] = min(base[s:])
+    best, best_start = min(profile), old.start
+    for s in range(len(base) - width + 1):
+        value = min(before[s], after[s + width], min(base[s:s + width]) + speed)
+        if value > best:
+            best, best_start = value, s
+    return best, best_start
+
+
+def _may_gain(low: list[int], old: LayerRange) -> bool:
+    """Cheap necessary test for a move to lift every layer of ``low`` (sorted, non-empty) over
+    the threshold: one inside ``old`` stays low wherever the shard goes, and all of them
+    must fit one ``old``-wide window."""
+    inside = bisect_left(low, old.start)
+    return low[-1] - low[0] < len(old) and (inside == len(low) or low[inside] >= old.end)
+
+
+def _move_managed(work: _Work, spec: ModelSpec, min_gain: float) -> bool:
+    """Apply the single best managed move of ``spec`` if it raises the bottleneck
+    (slowest layer's tokens/s) by more than ``min_gain``; return whether one was made."""
+    profile = work.profile[spec.name]
+    bottleneck = min(profile)
+    threshold = bottleneck * (1 + min_gain)
+    low, best = None, None
+    for k, (i, a) in enumerate(work.movable[spec.name]):
+        speed = _milli(work.nodes[i].tokens_per_s)
+        if bottleneck + speed <= threshold:   # the slowest layer cannot clear the threshold
+            continue
+        low = low or [layer for layer, t in enumerate(profile) if t <= threshold]
+        if not _may_gain(low, a.layers):
+            continue
+        value, start = _best_position(profile, a.layers, speed)
+        rank = (-value, work.nodes[i].node_id, a.layers.start)
+        if value > threshold and (best is None or rank < best[0]):
+            best = (rank, k, Assignment(a.model, LayerRange(start, start + len(a.layers)), "managed"))
+    if best is not None:
+        work.move(best[1], best[2])
+    return best is not None
+
+
+def _rebalance_managed(work: _Work, min_gain: float) -> None:
+    """Move managed shards of changed models until no move clears ``min_gain`` (a fixed point)."""
+    for name, movable in work.movable.items():
+        if name not in work.dirty or not movable or work.specs[name].num_layers < 1:
+            continue
+        work.dirty.discard(name)
+        for _ in range(16 * len(movable)):   # each move raises the bottleneck, so this ends sooner
+            if not _move_managed(work, work.specs[name], min_gain):
+                break
+
+
+def _smallest_layer_bytes(specs: Iterable[ModelSpec]) -> dict[str, int]:
+    """Quantization -> bytes of the smallest layer among ``specs``."""
+    smallest: dict[str, int] = {}
+    for spec in specs:
+        for quant, size in spec.bytes_per_layer.items():
+            if size > 0:
+                smallest[quant] = min(size, smallest.get(quant, size))
+    return smallest
+
+
+def _idle_reason(work: _Work, i: int, smallest: dict[str, int]) -> str:
+    """Why node ``i`` received nothing in this plan."""
+    node = work.nodes[i]
+    used = node.max_loaded_shards - work.free_slots[i]
+    if not node.accepts_placement:
+        return "not accepting placement"
+    if work.free_slots[i] < 1:
+        return f"no free shard slot ({used}/{node.max_loaded_shards} used)"
+    if work.free_bytes[i] < smallest.get(node.quantization, _NEVER):
+        return "memory budget full"
+    if used:
+        return f"no gap it can fill; keeps {used} shard(s), redundancy goes to idle nodes"
+    return "no gap it can fill and no fully covered model fits"
+
+
+def _moves(nid: str, before: tuple[Assignment, ...], after: list[Assignment],
+           loads: list, drops: list) -> list[str]:
+    """Record the managed moves between ``before`` and ``after`` (same positions); return notes."""
+    notes = []
+    for old, new in zip(before, after):
+        if old != new:
+            drops.append((nid, old))
+            loads.append((nid, new))
+            notes.append(f"moved managed {old.model} {old.layers} -> {new.layers} to raise its bottleneck")
+    return notes
+
+
+def _finish(work: _Work) -> PlacementPlan:
+    """Turn the scratch state into a plan: full sets, load/drop lists and reasons."""
+    loads, drops, final, reasons = [], [], {}, {}
+    smallest = _smallest_layer_bytes(work.specs.values())
+    for i, node in enumerate(work.nodes):
+        nid, added, kept = node.node_id, work.added.get(i), work.kept.get(i)
+        if added is None and kept is None:
+            final[nid], reasons[nid] = node.assignments, _idle_reason(work, i, smallest)
+            continue
+        notes = [] if kept is None else _moves(nid, node.assignments, kept, loads, drops)
+        shards = node.assignments if kept is None else tuple(kept)
+        for note, a in added or ():
+            loads.append((nid, a))
+            notes.append(note)
+            shards += (a,)
+        final[nid] = shards
+        reasons[nid] = "; ".join(notes) if notes else _idle_reason(work, i, smallest)
+    return PlacementPlan(MappingProxyType(final), tuple(loads), tuple(drops), MappingProxyType(reasons))
+
+
+def plan_placement(nodes: Sequence[NodeState], models: Sequence[ModelSpec], *,
+                   min_gain: float = 0.1) -> PlacementPlan:
+    """Plan shard placement for ``nodes`` over ``models`` (ADR-0003).
+
+    Never exceeds a node's memory budget (``floor(vram_bytes * 0.8)`` bytes, existing
+    shards included) or its ``max_loaded_shards``; adds nothing to a node that does not
+    accept placement; never moves ``pinned`` or ``bootstrap`` shards. New shards are
+    ``bootstrap``. A ``managed`` shard moves only if the model's bottleneck throughput
+    (tokens/s of its slowest layer) grows by more than ``min_gain`` (0.1 = 10 %).
+    Models go in order of descending ``demand``, then name; ties between nodes by node_id.
+    Re-planning the state the plan produces yields no loads and no drops.
+
+    Raises:
+        ValueError: if ``min_gain`` is negative.
+    """
+    if min_gain < 0:
+        raise ValueError(f"min_gain must be >= 0, got {min_gain}")
+    ordered = sorted(models, key=lambda m: (-m.demand, m.name))
+    work = _Work(nodes, ordered)
+    for spec in ordered:
+        if spec.num_layers > 0:
+            _fill_gaps(work, spec)
+    _rebalance_managed(work, min_gain)
+    _add_redundancy(work)
+    _rebalance_managed(work, min_gain)
+    return _finish(work)
+
+
+def apply_plan(nodes: Sequence[NodeState], plan: PlacementPlan) -> list[NodeState]:
+    """``nodes`` with their assignments replaced by the plan's desired sets (others unchanged)."""
+    return [replace(n, assignments=tuple(plan.assignments[n.node_id]))
+            if n.node_id in plan.assignments else n for n in nodes]

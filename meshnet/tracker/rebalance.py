@@ -1,0 +1,72 @@
+"""Rebalance: turn the registry into placement inputs, plan, and queue directives.
+
+Placement itself is the pure :func:`meshnet.tracker.placement.plan_placement`; this module
+only translates. A node's shards count as its assignments together with the LOAD_SHARD
+directives still open for it (so a pending load is never issued twice), minus open
+DROP_SHARDs. A node whose load failed recently gets no new placement for a cooldown.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from meshnet.layers import LayerRange
+from meshnet.tracker import placement
+from meshnet.tracker.service import TrackerService
+from meshnet.tracker.store import OPEN_STATUSES
+
+log = logging.getLogger(__name__)
+
+
+def _assignments(service: TrackerService, node) -> tuple[placement.Assignment, ...]:
+    held = {(s.model, s.layers): s.tier for s in node.shards}
+    for d in service.store.directives(node_id=node.node_id, statuses=OPEN_STATUSES):
+        key = (d["model"], LayerRange.from_inclusive(d["shard_start"], d["shard_end"])) if d["model"] else None
+        if d["type"] == "LOAD_SHARD" and key:
+            held.setdefault(key, d["tier"] or "bootstrap")
+        elif d["type"] == "DROP_SHARD" and key:
+            held.pop(key, None)
+    tiers = placement.TIERS
+    return tuple(placement.Assignment(m, r, t if t in tiers else "pinned") for (m, r), t in sorted(held.items()))
+
+
+def _recently_failed(service: TrackerService, node_id: str, now: float) -> bool:
+    cooldown = service.settings.load_failure_cooldown_s
+    return any(d["type"] == "LOAD_SHARD" and now - d["updated_at"] < cooldown
+               for d in service.store.directives(node_id=node_id, statuses=("failed",), limit=5))
+
+
+def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState], list[placement.ModelSpec]]:
+    now = time.time()
+    models = [placement.ModelSpec(m.name, m.num_layers, m.bytes_per_layer, service.demand_rate(m.name))
+              for m in service.tracked_models()]
+    known = {m.name for m in models}
+    nodes = []
+    for node in service.nodes.values():
+        assignments = tuple(a for a in _assignments(service, node) if a.model in known)
+        speed = max((node.tokens_per_s(s) for s in node.shards), default=node.benchmark_tokens_per_sec or 1.0)
+        accepts = node.accepts_placement and not node.draining and not _recently_failed(service, node.node_id, now)
+        nodes.append(placement.NodeState(node.node_id, node.vram_bytes, node.quantization, speed,
+                                         node.max_loaded_shards, assignments, accepts))
+    return nodes, models
+
+
+def rebalance(service: TrackerService) -> placement.PlacementPlan:
+    """Plan placement over the live registry and queue the resulting directives."""
+    nodes, models = placement_inputs(service)
+    plan = placement.plan_placement(nodes, models)
+    for node_id, a in plan.loads:
+        start, end = a.layers.to_inclusive()
+        service.store.add_directive(node_id, "LOAD_SHARD", model=a.model, shard_start=start, shard_end=end,
+                                    tier=a.tier, reason=plan.reasons.get(node_id, ""))
+        log.info("LOAD_SHARD %s %s → %s (%s)", a.model, a.layers, node_id, a.tier)
+    for node_id, a in plan.drops:
+        start, end = a.layers.to_inclusive()
+        service.store.add_directive(node_id, "DROP_SHARD", model=a.model, shard_start=start, shard_end=end,
+                                    tier=a.tier, reason=plan.reasons.get(node_id, ""))
+    for node_id, reason in plan.reasons.items():
+        if node_id in service.nodes:
+            service.nodes[node_id].reason = reason
+    service.dirty = False
+    return plan

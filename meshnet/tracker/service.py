@@ -1,0 +1,248 @@
+"""The tracker's state and decisions, independent of HTTP.
+
+Thin shell around pure functions: it keeps node records and the sqlite store, and calls
+:mod:`placement` (who loads what), :mod:`routing` (which hops serve a request) and the
+coverage helpers. Every mutating method is synchronous and cheap; the app runs the
+periodic loop (dropout check and rebalance).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from meshnet.errors import InvalidRequest, ModelNotRoutable, NotFound
+from meshnet.layers import LayerRange
+from meshnet.presets import find_preset
+from meshnet.tracker import placement, routing
+from meshnet.tracker.registry import HeartbeatPayload, NodeRecord, RegisterPayload, ShardRecord
+from meshnet.tracker.store import OPEN_STATUSES, TrackerStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrackerSettings:
+    """Tracker settings (CLI flag > MESHNET_* env > default).
+
+    Attributes:
+        models: presets the tracker keeps covered.
+        heartbeat_interval_s: what nodes are told to use (DESIGN: 10 s).
+        node_timeout_s: missing heartbeats for this long ⇒ dropout.
+        rebalance_interval_s: periodic rebalance (DESIGN: 30 s; also on every join/leave).
+        db_path: sqlite file (``:memory:`` for tests).
+        operator_token: bearer token for /v1/operator/* (None: open, for local use).
+        load_failure_cooldown_s: a node whose LOAD_SHARD failed gets no new load for this long.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8700
+    models: tuple[str, ...] = ()
+    heartbeat_interval_s: float = 10.0
+    node_timeout_s: float = 25.0
+    rebalance_interval_s: float = 30.0
+    db_path: str = ":memory:"
+    operator_token: str | None = None
+    load_failure_cooldown_s: float = 60.0
+    demand_window_s: float = 300.0
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    num_layers: int
+    bytes_per_layer: dict[str, int] = field(default_factory=dict)
+    hf_repo: str = ""
+
+
+class TrackerService:
+    """All tracker state. Not thread-safe: call it from the event loop only."""
+
+    def __init__(self, settings: TrackerSettings = TrackerSettings(), store: TrackerStore | None = None) -> None:
+        self.settings = settings
+        self.store = store or TrackerStore(settings.db_path)
+        self.nodes: dict[str, NodeRecord] = {}
+        self.models: dict[str, ModelInfo] = {}
+        self.demand: dict[str, list[float]] = {}
+        self.dirty = True  # a join/leave happened: rebalance soon
+        for name in settings.models:
+            self.store.add_model(name)
+        for name in self.store.models():
+            self.ensure_model(name)
+
+    # ---- models -----------------------------------------------------------------------
+
+    def ensure_model(self, name: str, num_layers: int | None = None) -> ModelInfo:
+        """Known model info, from its preset or a node's report.
+
+        Raises:
+            NotFound: not a preset and no layer count known.
+        """
+        if name in self.models:
+            return self.models[name]
+        preset = find_preset(name)
+        if preset is not None:
+            info = ModelInfo(preset.name, preset.num_layers, dict(preset.bytes_per_layer), preset.hf_repo)
+        elif num_layers:
+            info = ModelInfo(name, num_layers, {"bfloat16": 1})
+        else:
+            raise NotFound(f"unknown model {name!r}", code="model_not_found",
+                           hint="use a preset name (`meshnet models list`)")
+        self.models[info.name] = info
+        return info
+
+    def tracked_models(self) -> list[ModelInfo]:
+        names = set(self.store.models()) | {s.model for n in self.nodes.values() for s in n.shards}
+        return [self.ensure_model(n) for n in sorted(names)]
+
+    # ---- nodes ------------------------------------------------------------------------
+
+    def register(self, payload: RegisterPayload) -> NodeRecord:
+        node_id = payload.node_id or f"node-{uuid.uuid4().hex[:8]}"
+        for s in payload.shards:
+            self.ensure_model(s.model, s.num_layers)
+        record = NodeRecord(node_id=node_id, endpoint=payload.endpoint.rstrip("/"), wallet=payload.wallet,
+                            vram_bytes=payload.vram_bytes, ram_bytes=payload.ram_bytes, device=payload.device,
+                            quantizations=list(payload.quantizations),
+                            benchmark_tokens_per_sec=payload.benchmark_tokens_per_sec,
+                            benchmark_model=payload.benchmark_model, max_loaded_shards=payload.max_loaded_shards,
+                            accepts_placement=payload.accepts_placement,
+                            shards=[ShardRecord.from_payload(s) for s in payload.shards])
+        old = self.nodes.get(node_id)
+        if old is not None:
+            record.stale_before, record.draining = old.stale_before, old.draining
+        self.nodes[node_id] = record
+        self.dirty = True
+        log.info("node %s registered at %s with %d shard(s)", node_id, record.endpoint, len(record.shards))
+        return record
+
+    def get(self, node_id: str) -> NodeRecord:
+        try:
+            return self.nodes[node_id]
+        except KeyError:
+            raise NotFound(f"unknown node {node_id!r}", code="unknown_node",
+                           hint="the tracker may have restarted: register again") from None
+
+    def heartbeat(self, node_id: str, payload: HeartbeatPayload) -> list[dict]:
+        """Record a heartbeat; returns the directives to deliver (queued → delivered)."""
+        node = self.get(node_id)
+        node.last_heartbeat_s = time.monotonic()
+        node.stats = payload.stats
+        before = {(s.model, s.layers) for s in node.shards if node.admitted(s)}
+        node.shards = [ShardRecord.from_payload(s) for s in payload.shards]
+        for s in payload.shards:
+            self.ensure_model(s.model, s.num_layers)
+        if before != {(s.model, s.layers) for s in node.shards if node.admitted(s)}:
+            self.dirty = True
+        for update in payload.directive_updates:
+            self.store.set_status(update.id, update.status, update.error)
+            if update.status in ("done", "failed"):
+                self.dirty = True
+        out = []
+        for d in reversed(self.store.directives(node_id=node_id, statuses=("queued",))):
+            self.store.set_status(d["id"], "delivered")
+            d["status"] = "delivered"
+            out.append(d)
+        return out
+
+    def report_failure(self, node_id: str, reason: str) -> None:
+        if node_id in self.nodes:
+            self.nodes[node_id].last_failure_s = time.monotonic()
+            log.warning("hop failure reported for %s: %s", node_id, reason)
+
+    def check_dropouts(self, now: float | None = None) -> list[str]:
+        """Drop nodes whose last heartbeat is older than ``node_timeout_s``; returns their ids."""
+        now = time.monotonic() if now is None else now
+        gone = [nid for nid, n in self.nodes.items() if now - n.last_heartbeat_s > self.settings.node_timeout_s]
+        for nid in gone:
+            del self.nodes[nid]
+            for d in self.store.directives(node_id=nid, statuses=OPEN_STATUSES):
+                self.store.set_status(d["id"], "failed", "node dropped out")
+            log.warning("node %s dropped out (no heartbeat for %.0f s)", nid, self.settings.node_timeout_s)
+        if gone:
+            self.dirty = True
+        return gone
+
+    # ---- coverage and routes ----------------------------------------------------------
+
+    def admitted_shards(self, model: str) -> list[tuple[NodeRecord, ShardRecord]]:
+        return [(n, s) for n in self.nodes.values() for s in n.shards if s.model == model and n.admitted(s)]
+
+    def coverage(self, model: str) -> dict:
+        """``{model, num_layers, segments: [{start_layer, end_layer, node_count}], routable, covered_layers}``
+        (``end_layer`` inclusive)."""
+        info = self.ensure_model(model)
+        counts = placement.coverage_counts(info.num_layers, [s.layers for _, s in self.admitted_shards(model)])
+        segments, start = [], 0
+        for layer in range(1, info.num_layers + 1):
+            if layer == info.num_layers or counts[layer] != counts[start]:
+                segments.append({"start_layer": start, "end_layer": layer - 1, "node_count": counts[start]})
+                start = layer
+        covered = sum(1 for c in counts if c > 0)
+        has_entry = any(s.entry for _, s in self.admitted_shards(model))
+        return {"model": info.name, "num_layers": info.num_layers, "segments": segments,
+                "covered_layers": covered, "routable": covered == info.num_layers and has_entry,
+                "demand": self.demand_rate(info.name)}
+
+    def candidates(self, model: str, end_layer: int) -> list[routing.ShardCandidate]:
+        now = time.monotonic()
+        out = []
+        for node, shard in self.admitted_shards(model):
+            if shard.layers.start >= end_layer:
+                continue
+            layers = LayerRange(shard.layers.start, min(shard.layers.end, end_layer))
+            age = None if node.last_failure_s is None else now - node.last_failure_s
+            out.append(routing.ShardCandidate(node.node_id, node.endpoint, layers, node.tokens_per_s(shard),
+                                              float(node.stats.get("latency_s") or 0.0),
+                                              int(node.stats.get("in_flight") or 0), age))
+        return out
+
+    def route(self, model: str, layers: LayerRange, exclude: frozenset[str] = frozenset()) -> list[routing.Hop]:
+        """Hops covering exactly ``layers`` of ``model``.
+
+        Raises:
+            NoRoute (503 model_loading): some layer has no usable admitted shard.
+        """
+        info = self.ensure_model(model)
+        if layers.end > info.num_layers:
+            raise InvalidRequest(f"layers {layers} beyond {model}'s {info.num_layers} layers",
+                                 code="invalid_field", status=422)
+        try:
+            return routing.choose_route(layers.end, self.candidates(model, layers.end), start_layer=layers.start,
+                                        exclude=exclude)
+        except routing.NoRoute as exc:
+            exc.coverage = self.coverage(model)
+            raise
+
+    def entry_node(self, model: str) -> NodeRecord:
+        """The least-loaded admitted entry node of a routable model.
+
+        Raises:
+            ModelNotRoutable: coverage gap or no entry node; the request counts as demand.
+        """
+        info = self.ensure_model(model)
+        cov = self.coverage(info.name)
+        entries = [(n, s) for n, s in self.admitted_shards(info.name) if s.entry]
+        if not cov["routable"] or not entries:
+            self.add_demand(info.name)
+            raise ModelNotRoutable(f"model {info.name} is loading: {cov['covered_layers']}/{info.num_layers} "
+                                   "layers covered", coverage=cov, retry_after_s=5)
+        node, _ = min(entries, key=lambda e: (int(e[0].stats.get("in_flight") or 0), e[0].node_id))
+        return node
+
+    # ---- demand -----------------------------------------------------------------------
+
+    def add_demand(self, model: str, now: float | None = None) -> None:
+        self.demand.setdefault(model, []).append(time.monotonic() if now is None else now)
+        self.store.add_model(model, source="demand")
+        self.dirty = True
+
+    def demand_rate(self, model: str, now: float | None = None) -> float:
+        """Queued demand for ``model``: requests per minute over the demand window."""
+        now = time.monotonic() if now is None else now
+        window = self.settings.demand_window_s
+        events = [t for t in self.demand.get(model, []) if now - t <= window]
+        self.demand[model] = events
+        return len(events) * 60.0 / window

@@ -1,0 +1,92 @@
+"""Embedded tracker state in sqlite: pins, directives and models survive a tracker restart.
+
+Nodes re-register on their own after a restart (their heartbeat gets 404), so live node
+state is not stored; what only the tracker knows is: operator pins, the directive queue
+and the models it keeps covered. ``path=":memory:"`` keeps everything in memory (tests).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS directives (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, node_id TEXT NOT NULL, type TEXT NOT NULL,
+  model TEXT, shard_start INTEGER, shard_end INTEGER, tier TEXT, status TEXT NOT NULL,
+  error TEXT, reason TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS pins (
+  node_id TEXT NOT NULL, model TEXT NOT NULL, shard_start INTEGER, shard_end INTEGER,
+  created_at REAL NOT NULL, PRIMARY KEY (node_id, model));
+CREATE TABLE IF NOT EXISTS models (name TEXT PRIMARY KEY, added_at REAL NOT NULL, source TEXT);
+"""
+
+#: directive lifecycle (issue: queued → delivered → acked → done | failed)
+OPEN_STATUSES = ("queued", "delivered", "acked")
+
+
+class TrackerStore:
+    """Thread-safe sqlite wrapper. Rows come back as plain dicts."""
+
+    def __init__(self, path: str | Path = ":memory:") -> None:
+        self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self.db.row_factory = sqlite3.Row
+        self.lock = threading.Lock()
+        with self.lock:
+            self.db.executescript(SCHEMA)
+
+    def _rows(self, sql: str, args: tuple = ()) -> list[dict]:
+        with self.lock:
+            return [dict(r) for r in self.db.execute(sql, args).fetchall()]
+
+    def _exec(self, sql: str, args: tuple = ()) -> int:
+        with self.lock:
+            return self.db.execute(sql, args).lastrowid
+
+    # directives
+    def add_directive(self, node_id: str, type_: str, *, model: str | None = None, shard_start: int | None = None,
+                      shard_end: int | None = None, tier: str | None = None, reason: str = "") -> dict:
+        now = time.time()
+        rid = self._exec("INSERT INTO directives (node_id, type, model, shard_start, shard_end, tier, status, "
+                         "reason, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                         (node_id, type_, model, shard_start, shard_end, tier, "queued", reason, now, now))
+        return self.directive(rid)
+
+    def directive(self, directive_id: int) -> dict | None:
+        rows = self._rows("SELECT * FROM directives WHERE id = ?", (directive_id,))
+        return rows[0] if rows else None
+
+    def directives(self, *, node_id: str | None = None, statuses: tuple[str, ...] | None = None,
+                   limit: int = 500) -> list[dict]:
+        sql, args = "SELECT * FROM directives WHERE 1=1", []
+        if node_id:
+            sql += " AND node_id = ?"
+            args.append(node_id)
+        if statuses:
+            sql += f" AND status IN ({','.join('?' * len(statuses))})"
+            args.extend(statuses)
+        sql += " ORDER BY id DESC LIMIT ?"
+        args.append(limit)
+        return self._rows(sql, tuple(args))
+
+    def set_status(self, directive_id: int, status: str, error: str | None = None) -> None:
+        self._exec("UPDATE directives SET status = ?, error = ?, updated_at = ? WHERE id = ?",
+                   (status, error, time.time(), directive_id))
+
+    # pins
+    def add_pin(self, node_id: str, model: str, shard_start: int | None, shard_end: int | None) -> None:
+        self._exec("INSERT OR REPLACE INTO pins VALUES (?,?,?,?,?)",
+                   (node_id, model, shard_start, shard_end, time.time()))
+
+    def pins(self) -> list[dict]:
+        return self._rows("SELECT * FROM pins ORDER BY created_at")
+
+    # models
+    def add_model(self, name: str, source: str = "operator") -> None:
+        self._exec("INSERT OR IGNORE INTO models VALUES (?,?,?)", (name, time.time(), source))
+
+    def models(self) -> list[str]:
+        return [r["name"] for r in self._rows("SELECT name FROM models ORDER BY added_at")]

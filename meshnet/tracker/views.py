@@ -1,0 +1,47 @@
+"""JSON views of tracker state for ``GET /v1/nodes`` and friends (what operators read)."""
+
+from __future__ import annotations
+
+import time
+
+from meshnet.tracker import placement
+from meshnet.tracker.routing import Hop
+
+
+def hop_json(hop: Hop) -> dict:
+    start, end = hop.layers.to_inclusive()
+    return {"node_id": hop.node_id, "endpoint": hop.endpoint, "start_layer": start, "end_layer": end}
+
+
+def node_json(service, node) -> dict:
+    """One node: memory budget, ``max_assignable_layers`` per model, slots, ranges with tier and
+    admission, the placement reason, stats and heartbeat age."""
+    now = time.monotonic()
+    budget = placement.memory_budget_bytes(node.vram_bytes)
+    max_layers = {}
+    for m in service.tracked_models():
+        per_layer = m.bytes_per_layer.get(node.quantization) or m.bytes_per_layer.get("bfloat16")
+        if per_layer:
+            max_layers[m.name] = placement.max_assignable_layers(node.vram_bytes, per_layer)
+    shards = []
+    for s in node.shards:
+        start, end = s.layers.to_inclusive()
+        report = s.report or {}
+        shards.append({"model": s.model, "shard_start": start, "shard_end": end, "tier": s.tier,
+                       "quantization": s.quantization, "entry": s.entry, "weight_bytes": s.weight_bytes,
+                       "admitted": node.admitted(s),
+                       "capability": {"passed": report.get("passed"), "reason": report.get("reason"),
+                                      "tokens_per_s": report.get("tokens_per_s"),
+                                      "timestamp": report.get("timestamp"),
+                                      "stale": bool(report) and report.get("timestamp", 0) < node.stale_before}})
+    return {"node_id": node.node_id, "endpoint": node.endpoint, "device": node.device, "wallet": node.wallet,
+            "vram_bytes": node.vram_bytes, "memory_budget_bytes": budget, "ram_bytes": node.ram_bytes,
+            "quantization": node.quantization, "max_assignable_layers": max_layers,
+            "slots_used": len(node.shards), "slots_total": node.max_loaded_shards, "shards": shards,
+            "accepts_placement": node.accepts_placement, "draining": node.draining, "reason": node.reason,
+            "stats": node.stats, "last_heartbeat_age_s": round(now - node.last_heartbeat_s, 1),
+            "benchmark_tokens_per_sec": node.benchmark_tokens_per_sec}
+
+
+def nodes_view(service) -> list[dict]:
+    return [node_json(service, n) for n in sorted(service.nodes.values(), key=lambda n: n.node_id)]
