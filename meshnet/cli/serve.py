@@ -101,6 +101,10 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
         ranges = split_layers(preset.num_layers, nodes)
     except (MeshnetError, ValueError) as exc:
         fail(exc if isinstance(exc, MeshnetError) else MeshnetError(str(exc)))
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
     logs = cache_dir() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"

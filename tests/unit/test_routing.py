@@ -248,11 +248,11 @@ def test_thousand_candidates_eighty_layers_is_fast():
         start = rng.randrange(80)
         candidates.append(cand(f"n{n:04d}", start, rng.randint(start + 1, 80), rng.uniform(5.0, 100.0),
                                latency_s=rng.uniform(0.0, 0.05), in_flight=rng.randrange(4)))
-    choose_route(80, candidates)  # warm up
-    elapsed_s = []
-    for _ in range(3):
-        began = time.perf_counter()
-        route = choose_route(80, candidates)
-        elapsed_s.append(time.perf_counter() - began)
+    route = choose_route(80, candidates)
     _assert_valid(route, candidates, 0, 80)
-    assert min(elapsed_s) < 0.020
+    cpu_s = []  # CPU time of this process: other work on a shared CI box does not count
+    for _ in range(5):
+        began = time.process_time()
+        choose_route(80, candidates)
+        cpu_s.append(time.process_time() - began)
+    assert min(cpu_s) < 0.020

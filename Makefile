@@ -1,0 +1,38 @@
+# meshnet — the two commands: `make serve` (run the main job) and `make test` (pass the tests).
+# Both set everything up on a fresh clone: a .venv, CPU torch first, the project, the model.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+MESHNET := $(VENV)/bin/meshnet
+
+.PHONY: venv serve test test-fast bench model clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU torch first, so nothing pulls a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,quant]'
+	touch $@
+
+model: venv
+	$(MESHNET) models pull
+
+serve: model
+	$(MESHNET) serve
+
+test: model
+	$(PY) -m pytest -q
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow"
+
+bench: model
+	$(PY) bench/pipeline.py
+	$(PY) bench/placement.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
