@@ -187,14 +187,15 @@ class TrackerService:
                 "demand": self.demand_rate(info.name)}
 
     def candidates(self, model: str, end_layer: int) -> list[routing.ShardCandidate]:
+        """Admitted shards of ``model`` starting before ``end_layer`` (full shard ranges: the
+        measured tokens/s is over the whole shard; choose_route trims past ``num_layers``)."""
         now = time.monotonic()
         out = []
         for node, shard in self.admitted_shards(model):
             if shard.layers.start >= end_layer:
                 continue
-            layers = LayerRange(shard.layers.start, min(shard.layers.end, end_layer))
             age = None if node.last_failure_s is None else now - node.last_failure_s
-            out.append(routing.ShardCandidate(node.node_id, node.endpoint, layers, node.tokens_per_s(shard),
+            out.append(routing.ShardCandidate(node.node_id, node.endpoint, shard.layers, node.tokens_per_s(shard),
                                               float(node.stats.get("latency_s") or 0.0),
                                               int(node.stats.get("in_flight") or 0), age))
         return out
