@@ -58,7 +58,8 @@ async def text_deltas(orchestrator: Orchestrator, prompt: list[int], params: Sam
 def meshnet_block(stats: GenerationStats) -> dict:
     """The ``meshnet`` object of a response: route used and measured speeds."""
     return {"route": [hop_to_json(h) for h in stats.route], "prefill_s": round(stats.prefill_s, 4),
-            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 3), "failovers": stats.failovers}
+            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 3), "failovers": stats.failovers,
+            "completion_token_ids": stats.token_ids}
 
 
 def usage(stats: GenerationStats) -> dict:

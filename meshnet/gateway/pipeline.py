@@ -41,6 +41,7 @@ class GenerationStats:
     route: list[Hop] = field(default_factory=list)
     failovers: int = 0
     finish_reason: str = "length"
+    token_ids: list[int] = field(default_factory=list)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -157,6 +158,7 @@ class Orchestrator:
                     stats.finish_reason = "stop"
                     break
                 stats.completion_tokens += 1
+                stats.token_ids.append(token)
                 stats.decode_s = time.perf_counter() - t1
                 yield token
                 if stats.completion_tokens == params.max_tokens:

@@ -153,7 +153,18 @@ def find_assignment(model: ModelSpec, counts: Sequence[int], vram_bytes: int,
 
 def _milli(tokens_per_s: float) -> int:
     """Throughput as integer milli-tokens/s: sums are exact, whatever their order."""
-    return round(tokens_per_s * 1000)
+    return round(tokens_per_s * _MILLI)
+
+
+def _throughput_profile(num_layers: int, held: Iterable[tuple[int, Assignment]],
+                        nodes: Sequence[NodeState]) -> list[int]:
+    """Summed milli-tokens/s of the nodes serving each layer (a difference array)."""
+    diff = [0] * (num_layers + 1)
+    for i, a in held:
+        speed = round(nodes[i].tokens_per_s * _MILLI)
+        diff[min(a.layers.start, num_layers)] += speed
+        diff[min(a.layers.end, num_layers)] -= speed
+    return list(accumulate(diff[:num_layers]))
 
 
 class _Work:
@@ -166,34 +177,36 @@ class _Work:
         self.nodes, self.specs = nodes, {m.name: m for m in models}
         self.order = sorted(range(len(nodes)), key=[n.node_id for n in nodes].__getitem__)
         self.order.sort(key=[-n.tokens_per_s for n in nodes].__getitem__)   # stable: ties by node_id
-        self.free_bytes = [max(0, n.vram_bytes) * _NUM // _DEN for n in nodes]
         self.free_slots = [n.max_loaded_shards - len(n.assignments) for n in nodes]
-        self.movable: dict[str, list[tuple[int, Assignment]]] = {m.name: [] for m in models}
         self.added: dict[int, list[tuple[str, Assignment]]] = {}   # node -> (reason, new shard)
         self.kept: dict[int, list[Assignment]] = {}   # node -> its own shards after managed moves
         self.dirty = set(self.specs)   # models that may have a managed move to make
         self._entries: dict[tuple, tuple[str, Assignment]] = {}
-        diffs = {m.name: ([0] * (m.num_layers + 1), [0] * (m.num_layers + 1)) for m in models}
-        for i, node in enumerate(nodes):
-            if node.assignments:
-                self._count_existing(i, node, diffs)
-        self.counts = {name: list(accumulate(c[:-1])) for name, (c, _) in diffs.items()}
-        self.profile = {name: list(accumulate(diffs[name][1][:-1]))
-                        for name, movable in self.movable.items() if movable}
+        held = self._count_existing()
+        self.movable = {name: [(i, a) for i, a in pairs if a.tier == "managed" and nodes[i].accepts_placement]
+                        for name, pairs in held.items()}
+        self.profile = {m.name: _throughput_profile(m.num_layers, held[m.name], nodes)
+                        for m in models if self.movable[m.name]}
 
-    def _count_existing(self, i: int, node: NodeState, diffs: dict) -> None:
-        speed = _milli(node.tokens_per_s)
-        for a in node.assignments:
-            spec = self.specs.get(a.model)   # a shard of an unknown model keeps its slot only
-            if spec is None:
-                continue
-            start, end = min(a.layers.start, spec.num_layers), min(a.layers.end, spec.num_layers)
-            self.free_bytes[i] -= len(a.layers) * spec.bytes_per_layer.get(node.quantization, 0)
-            counts, profile = diffs[a.model]
-            counts[start], counts[end], profile[start], profile[end] = (
-                counts[start] + 1, counts[end] - 1, profile[start] + speed, profile[end] - speed)
-            if a.tier == "managed" and node.accepts_placement:
-                self.movable[a.model].append((i, a))
+    def _count_existing(self) -> dict[str, list[tuple[int, Assignment]]]:
+        """Set ``free_bytes`` and ``counts`` from the shards nodes hold; return them by model."""
+        self.free_bytes, specs = [], self.specs
+        held: dict[str, list[tuple[int, Assignment]]] = {name: [] for name in specs}
+        diffs = {name: [0] * (spec.num_layers + 1) for name, spec in specs.items()}
+        for i, node in enumerate(self.nodes):
+            free = max(0, node.vram_bytes) * _NUM // _DEN
+            for a in node.assignments:
+                spec = specs.get(a.model)   # a shard of an unknown model keeps its slot only
+                if spec is not None:
+                    start, end, top = a.layers.start, a.layers.end, spec.num_layers
+                    free -= (end - start) * spec.bytes_per_layer.get(node.quantization, 0)
+                    diff = diffs[a.model]
+                    diff[start if start < top else top] += 1
+                    diff[end if end < top else top] -= 1
+                    held[a.model].append((i, a))
+            self.free_bytes.append(free)
+        self.counts = {name: list(accumulate(diff[:-1])) for name, diff in diffs.items()}
+        return held
 
     def free_layers(self, i: int, spec: ModelSpec) -> int:
         """Layers of ``spec`` node ``i`` can still take in a new slot (0 if none)."""

@@ -355,7 +355,7 @@ def networks(draw):
             if used + size <= budget:
                 used += size
                 shards.append(shard(spec.name, start, end, draw(st.sampled_from(["pinned", "bootstrap", "managed"]))))
-        nodes.append(NodeState(f"n{k:02d}", budget * 5 // 4 + draw(st.integers(0, 1)), quant,
+        nodes.append(NodeState(f"n{k:02d}", -(-budget * 5 // 4) + draw(st.integers(0, 1)), quant,
                                draw(st.sampled_from([1.0, 2.0, 2.5, 7.0, 30.0])), slots, tuple(shards),
                                draw(st.booleans()) or k % 3 != 0))
     return nodes, models

@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny seeded models in a throwaway cache, and an in-process ASGI client factory.
+
+The tiny presets (``tiny-llama``, ``tiny-gpt2``) are built once per test session into a
+temporary directory. ``MESHNET_CACHE`` points there only for the duration of each
+``resolve`` call and is restored afterwards, so the real model cache (``~/.cache/meshnet``,
+used by the integration tests) is never shadowed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+from asgi_lifespan import LifespanManager
+
+TINY_MODELS = ("tiny-llama", "tiny-gpt2")
+
+
+@contextlib.contextmanager
+def _cache_env(path: Path):
+    """Set ``MESHNET_CACHE`` to ``path`` for the block, then restore the previous value."""
+    old = os.environ.get("MESHNET_CACHE")
+    os.environ["MESHNET_CACHE"] = str(path)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("MESHNET_CACHE", None)
+        else:
+            os.environ["MESHNET_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """``tiny_model_path(name) -> Path``: the HF directory of a tiny seeded preset (built once)."""
+    from meshnet.models.sources import resolve
+
+    cache = tmp_path_factory.mktemp("meshnet-tiny-cache")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in TINY_MODELS:
+            raise ValueError(f"tiny_model_path only builds {TINY_MODELS}, not {name!r}")
+        if name not in built:
+            with _cache_env(cache):
+                built[name] = resolve(name, progress=lambda _msg: None)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_shard(tiny_model_path):
+    """``tiny_shard(name, start, end, load_head=None) -> ShardModel`` (float32, half-open range, cached)."""
+    from meshnet.layers import LayerRange
+    from meshnet.models.shard import ShardModel
+
+    loaded: dict[tuple, object] = {}
+
+    def get(name: str, start: int, end: int, load_head: bool | None = None):
+        key = (name, start, end, load_head)
+        if key not in loaded:
+            loaded[key] = ShardModel(tiny_model_path(name), LayerRange(start, end), dtype="float32",
+                                     load_head=load_head)
+        return loaded[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_model_path):
+    """``tiny_hf_model(name)``: the unsplit transformers model (float32, eval), the exactness reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    loaded: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in loaded:
+            model = AutoModelForCausalLM.from_pretrained(tiny_model_path(name), dtype=torch.float32)
+            loaded[name] = model.eval()
+        return loaded[name]
+
+    return get
+
+
+@pytest.fixture
+async def asgi_client():
+    """``await asgi_client(app) -> httpx.AsyncClient`` with the app's lifespan running.
+
+    Everything opened is closed (lifespan shutdown included) when the test ends.
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        async def make(app, base_url: str = "http://testserver") -> httpx.AsyncClient:
+            manager = await stack.enter_async_context(LifespanManager(app))
+            transport = httpx.ASGITransport(app=manager.app)
+            return await stack.enter_async_context(httpx.AsyncClient(transport=transport, base_url=base_url))
+
+        yield make

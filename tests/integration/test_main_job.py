@@ -1,0 +1,123 @@
+"""The main job end to end: SmolLM2 split across three real node processes and a tracker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from tests.integration.conftest import REAL
+from tests.integration.mesh import Mesh, free_port
+
+pytestmark = pytest.mark.slow
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+
+
+@pytest.fixture(scope="module")
+def mesh(real_model_path, tmp_path_factory):
+    m = Mesh(tmp_path_factory.mktemp("mesh"))
+    try:
+        m.start_tracker(REAL)
+        for i, (a, b) in enumerate([(0, 9), (10, 19), (20, 29)]):
+            m.start_node(f"node-{i}", "--model", REAL, "--shard-start", str(a), "--shard-end", str(b),
+                         "--wire-dtype", "float32")
+        m.wait_routable(REAL, 180)
+        yield m
+    finally:
+        m.stop()
+
+
+def chat(mesh, messages, **kw):
+    body = {"model": REAL, "messages": messages, "temperature": 0, **kw}
+    resp = httpx.post(f"{mesh.url}/v1/chat/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_france_answer_through_three_hops(mesh):
+    data = chat(mesh, FRANCE, max_tokens=32)
+    assert "Paris" in data["choices"][0]["message"]["content"]
+    route = data["meshnet"]["route"]
+    assert [(h["node_id"], h["start_layer"], h["end_layer"]) for h in route] == [
+        ("node-0", 0, 9), ("node-1", 10, 19), ("node-2", 20, 29)]
+    assert data["meshnet"]["decode_tokens_per_s"] > 0
+    assert data["usage"]["completion_tokens"] == len(data["meshnet"]["completion_token_ids"])
+
+
+def test_openai_client_streaming_and_not(mesh):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{mesh.url}/v1", api_key="unused")
+    full = client.chat.completions.create(model=REAL, messages=FRANCE, temperature=0, max_tokens=32)
+    text = full.choices[0].message.content
+    assert "Paris" in text
+    pieces = [c.choices[0].delta.content or "" for c in
+              client.chat.completions.create(model=REAL, messages=FRANCE, temperature=0, max_tokens=32, stream=True)
+              if c.choices]
+    assert "".join(pieces) == text
+    assert [m.id for m in client.models.list().data] == [REAL]
+
+
+def test_float32_wire_greedy_equals_transformers_generate(mesh, real_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = chat(mesh, STORY, max_tokens=32)
+    got = data["meshnet"]["completion_token_ids"]
+    tok = AutoTokenizer.from_pretrained(real_model_path)
+    model = AutoModelForCausalLM.from_pretrained(real_model_path, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template(STORY, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
+    expected = [t for t in out if t != tok.eos_token_id][:len(out)]
+    assert len(got) == 32
+    assert got == expected
+
+
+def test_bad_chat_body_is_a_clear_422(mesh):
+    resp = httpx.post(f"{mesh.url}/v1/chat/completions", json={"model": REAL, "messages": []}, timeout=30)
+    assert resp.status_code == 422
+    assert "messages" in resp.json()["error"]["message"]
+    assert chat(mesh, FRANCE, max_tokens=8)["choices"][0]["message"]["content"]
+
+
+def test_meshnet_serve_then_chat_cli(real_model_path, tmp_path):
+    """The README's run command path: `meshnet serve` brings up the mesh; `meshnet chat` answers."""
+    port = free_port()
+    env = {**os.environ}
+    serve = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "serve", "--port", str(port),
+                              "--heartbeat-interval", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             env=env, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        lines = []
+        while time.monotonic() < deadline:
+            line = serve.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("READY"):
+                break
+        assert lines and lines[-1].startswith("READY"), "".join(lines)
+        url = f"http://127.0.0.1:{port}"
+        out = subprocess.run([sys.executable, "-m", "meshnet.cli.main", "chat", "What is the capital of France?",
+                              "--url", url, "--no-stream", "--json"], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout)
+        assert "Paris" in data["choices"][0]["message"]["content"]
+        route = data["meshnet"]["route"]
+        assert len(route) == 3 and route[0]["start_layer"] == 0 and route[-1]["end_layer"] == 29
+        nodes = httpx.get(f"{url}/v1/nodes", timeout=10).json()["nodes"]
+        child_pids = [n["node_id"] for n in nodes]
+        assert sorted(child_pids) == ["node-0", "node-1", "node-2"]
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=30)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=2)

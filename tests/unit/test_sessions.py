@@ -1,0 +1,117 @@
+"""KV-cache sessions (meshnet.node.sessions): start, continuation, TTL expiry, LRU eviction, release."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshnet.node.sessions import SessionConflict, SessionStore
+
+
+def fill(session, n_bytes: int) -> None:
+    """Put ``n_bytes`` of keys plus ``n_bytes`` of values into layer 0 of the session's cache."""
+    tensor = torch.zeros(n_bytes // 4)
+    session.cache.update(tensor, tensor.clone(), 0)
+
+
+def test_position_zero_starts_a_session():
+    store = SessionStore()
+    session = store.acquire("s1", "slot", 0, now=0.0)
+    assert session.length == 0 and len(store) == 1
+    store.commit(session, 10)
+    assert store.acquire("s1", "slot", 10, now=1.0) is session
+    assert session.length == 10
+
+
+def test_position_zero_restarts_an_existing_session():
+    store = SessionStore()
+    first = store.acquire("s1", "slot", 0, now=0.0)
+    store.commit(first, 10)
+    second = store.acquire("s1", "slot", 0, now=1.0)
+    assert second is not first and second.length == 0 and len(store) == 1
+
+
+def test_wrong_position_is_a_409_conflict():
+    store = SessionStore()
+    store.commit(store.acquire("s1", "slot", 0, now=0.0), 10)
+    with pytest.raises(SessionConflict, match="session 's1' holds 10 tokens, request is at position 9") as info:
+        store.acquire("s1", "slot", 9, now=1.0)
+    assert info.value.status == 409 and info.value.code == "session_conflict"
+    assert info.value.to_envelope()["error"]["code"] == "session_conflict"
+
+
+def test_unknown_session_past_position_zero_is_a_conflict_with_a_hint():
+    with pytest.raises(SessionConflict, match="unknown session 'nope' at position 3") as info:
+        SessionStore().acquire("nope", "slot", 3, now=0.0)
+    assert "replay it from position 0" in info.value.hint
+
+
+def test_slots_keep_separate_sessions():
+    store = SessionStore()
+    store.commit(store.acquire("s1", "a", 0, now=0.0), 4)
+    store.acquire("s1", "b", 0, now=0.0)
+    assert len(store) == 2
+    assert store.acquire("s1", "a", 4, now=0.0).length == 4
+    with pytest.raises(SessionConflict):
+        store.acquire("s1", "b", 4, now=0.0)
+
+
+def test_ttl_expiry_with_explicit_now():
+    store = SessionStore(ttl_s=10.0)
+    store.commit(store.acquire("s1", "slot", 0, now=100.0), 5)
+    assert store.acquire("s1", "slot", 5, now=110.0).length == 5  # exactly ttl_s idle: still alive
+    with pytest.raises(SessionConflict, match="unknown session 's1'"):
+        store.acquire("s1", "slot", 5, now=120.5)  # 10.5 s idle since last use at 110
+    assert len(store) == 0
+
+
+def test_expire_returns_the_count_dropped():
+    store = SessionStore(ttl_s=5.0)
+    store.acquire("old", "slot", 0, now=0.0)
+    store.acquire("new", "slot", 0, now=4.0)
+    assert store.expire(now=6.0) == 1
+    assert len(store) == 1
+
+
+def test_lru_eviction_by_max_bytes():
+    store = SessionStore(max_bytes=2500)
+    for sid in ("a", "b"):
+        session = store.acquire(sid, "slot", 0, now=0.0)
+        fill(session, 500)  # 1000 bytes of keys and values
+        store.commit(session, 1)
+    assert store.nbytes == 2000 and store.bytes_left == 500
+    store.acquire("a", "slot", 1, now=1.0)  # touch a: b is now least recently used
+    c = store.acquire("c", "slot", 0, now=2.0)
+    fill(c, 500)
+    store.commit(c, 1)
+    assert len(store) == 2 and store.nbytes == 2000
+    assert store.acquire("a", "slot", 1, now=3.0).length == 1
+    with pytest.raises(SessionConflict, match="unknown session 'b'"):
+        store.acquire("b", "slot", 1, now=3.0)
+
+
+def test_a_single_session_over_the_cap_is_kept():
+    store = SessionStore(max_bytes=100)
+    session = store.acquire("big", "slot", 0, now=0.0)
+    fill(session, 400)
+    store.commit(session, 1)
+    assert len(store) == 1 and store.bytes_left == 0
+
+
+def test_release_drops_every_slot_of_a_session():
+    store = SessionStore()
+    store.acquire("s1", "a", 0, now=0.0)
+    store.acquire("s1", "b", 0, now=0.0)
+    store.acquire("s2", "a", 0, now=0.0)
+    assert store.release("s1") == 2
+    assert store.release("s1") == 0
+    assert len(store) == 1
+
+
+def test_release_slot_drops_every_session_of_a_slot():
+    store = SessionStore()
+    store.acquire("s1", "a", 0, now=0.0)
+    store.acquire("s2", "a", 0, now=0.0)
+    store.acquire("s1", "b", 0, now=0.0)
+    store.release_slot("a")
+    assert len(store) == 1

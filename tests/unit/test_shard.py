@@ -1,0 +1,160 @@
+"""Shard exactness (meshnet.models.shard): tiny seeded models, float32, against transformers' own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from meshnet import wire
+from meshnet.errors import InvalidRequest, ModelSourceError
+from meshnet.layers import LayerRange
+from meshnet.models.shard import KVCache, ShardModel, causal_mask
+
+FAMILIES = ["tiny-llama", "tiny-gpt2"]
+NUM_LAYERS = 4
+
+
+def token_ids(n: int, seed: int = 0) -> torch.Tensor:
+    """``[1, n]`` token ids drawn from the byte range of the tiny vocabulary (512)."""
+    return torch.randint(3, 512, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def over_wire(hidden: torch.Tensor) -> torch.Tensor:
+    return wire.decode(wire.encode(hidden, dtype="float32"))
+
+
+def reference_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(ids).logits.float()
+
+
+def run_split(entry: ShardModel, tail: ShardModel | None, ids: torch.Tensor, position: int,
+              caches: tuple[KVCache, KVCache]) -> torch.Tensor:
+    """Embed on ``entry``, its layers, the wire, ``tail``'s layers, then the entry's head."""
+    hidden = entry.forward(entry.embed_tokens(ids, position), caches[0], position)
+    if tail is not None:
+        hidden = over_wire(tail.forward(over_wire(hidden), caches[1], position))
+    return entry.logits(hidden)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_unsplit_shard_equals_transformers(name, tiny_shard, tiny_hf_model):
+    ids = token_ids(12)
+    shard = tiny_shard(name, 0, NUM_LAYERS)
+    assert shard.is_entry and shard.num_layers == NUM_LAYERS
+    logits = run_split(shard, None, ids, 0, (KVCache(), KVCache()))
+    assert logits.shape == (1, 12, 512)
+    assert_close(logits, reference_logits(tiny_hf_model(name), ids))
+
+
+@pytest.mark.parametrize("k", range(1, NUM_LAYERS))
+@pytest.mark.parametrize("name", FAMILIES)
+def test_split_at_every_boundary_equals_transformers(name, k, tiny_shard, tiny_hf_model):
+    ids = token_ids(12, seed=k)
+    entry, tail = tiny_shard(name, 0, k), tiny_shard(name, k, NUM_LAYERS)
+    assert entry.is_entry and not tail.is_entry
+    logits = run_split(entry, tail, ids, 0, (KVCache(), KVCache()))
+    assert_close(logits, reference_logits(tiny_hf_model(name), ids))
+
+
+@pytest.mark.parametrize("split_at", [NUM_LAYERS, 2], ids=["unsplit", "split-at-2"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_prefill_then_decode_equals_full_forward(name, split_at, tiny_shard, tiny_hf_model):
+    ids = token_ids(15, seed=7)
+    expected = reference_logits(tiny_hf_model(name), ids)
+    entry = tiny_shard(name, 0, split_at)
+    tail = tiny_shard(name, split_at, NUM_LAYERS) if split_at < NUM_LAYERS else None
+    caches = (KVCache(), KVCache())
+    prefill = run_split(entry, tail, ids[:, :10], 0, caches)
+    assert_close(prefill, expected[:, :10])
+    for position in range(10, 15):
+        step = run_split(entry, tail, ids[:, position:position + 1], position, caches)
+        assert step.shape == (1, 1, 512)
+        assert_close(step, expected[:, position:position + 1])
+    assert caches[0].get_seq_length(0) == 15
+    if tail is not None:
+        assert caches[1].get_seq_length(split_at) == 15
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_chunked_prefill_equals_one_shot(name, tiny_shard):
+    ids = token_ids(15, seed=3)
+    shard = tiny_shard(name, 0, NUM_LAYERS)
+    one_shot = shard.forward(shard.embed_tokens(ids, 0), KVCache(), 0)
+    cache, chunks = KVCache(), []
+    for position in range(0, 15, 4):  # chunks of 4, 4, 4 and 3 tokens
+        chunk = ids[:, position:position + 4]
+        chunks.append(shard.forward(shard.embed_tokens(chunk, position), cache, position))
+    chunked = torch.cat(chunks, dim=1)
+    assert chunked.shape == one_shot.shape == (1, 15, 64)
+    assert_close(chunked, one_shot)
+    assert_close(shard.logits(chunked), shard.logits(one_shot))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_sub_range_of_a_shard_runs_only_those_layers(name, tiny_shard):
+    """A hop may start inside a shard (ADR-0012): layers [2,4) of a [0,4) shard equal a [2,4) shard."""
+    ids = token_ids(6, seed=11)
+    full, tail = tiny_shard(name, 0, NUM_LAYERS), tiny_shard(name, 2, NUM_LAYERS)
+    hidden = full.forward(full.embed_tokens(ids, 0), KVCache(), 0, LayerRange(0, 2))
+    assert_close(full.forward(hidden, KVCache(), 0, LayerRange(2, 4)), tail.forward(hidden, KVCache(), 0))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_middle_shard_holds_no_head(name, tiny_shard):
+    middle, full = tiny_shard(name, 1, 3), tiny_shard(name, 0, NUM_LAYERS)
+    assert not middle.is_entry
+    assert middle.embed is None and middle.lm_head is None and middle.norm is None
+    assert middle.tokenizer is None
+    assert sorted(middle.blocks.keys()) == ["1", "2"]
+    assert 0 < middle.weight_bytes() < full.weight_bytes()
+    with pytest.raises(InvalidRequest, match="holds no embeddings"):
+        middle.embed_tokens(token_ids(2), 0)
+    with pytest.raises(InvalidRequest, match="holds no LM head"):
+        middle.logits(torch.zeros(1, 1, 64))
+
+
+def test_weight_bytes_of_tiny_llama_is_exact(tiny_shard):
+    # per layer: q 64x64, k/v 64x32 each, o 64x64, mlp 3 x 64x128, two norms of 64 -> 41,088 params
+    per_layer = (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64) * 4
+    head = (512 * 64 + 64) * 4  # tied embedding/LM head counted once, plus the final norm
+    assert tiny_shard("tiny-llama", 1, 3).weight_bytes() == 2 * per_layer
+    assert tiny_shard("tiny-llama", 0, 4).weight_bytes() == 4 * per_layer + head
+
+
+def test_load_head_forces_the_head_on_a_later_range(tiny_shard):
+    shard = tiny_shard("tiny-llama", 2, 4, load_head=True)
+    assert shard.is_entry and shard.lm_head is not None and shard.tokenizer is not None
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_layers_beyond_the_model_raise(name, tiny_model_path):
+    with pytest.raises(ModelSourceError, match=r"shard 2-4 beyond the model's 4 layers"):
+        ShardModel(tiny_model_path(name), LayerRange(2, 5))
+
+
+def test_directory_without_weights_raises(tmp_path, tiny_model_path):
+    (tmp_path / "config.json").write_text((tiny_model_path("tiny-llama") / "config.json").read_text())
+    with pytest.raises(ModelSourceError, match="missing tensors"):
+        ShardModel(tmp_path, LayerRange(1, 3))
+
+
+def test_causal_mask_shapes_and_values():
+    assert causal_mask(1, 5, torch.float32) is None
+    mask = causal_mask(3, 2, torch.float32)
+    assert mask.shape == (1, 1, 3, 5)
+    blocked = mask[0, 0] != 0
+    assert blocked.tolist() == [[False, False, False, True, True],
+                                [False, False, False, False, True],
+                                [False, False, False, False, False]]
+
+
+def test_kv_cache_appends_along_sequence():
+    cache = KVCache()
+    k, v = torch.zeros(1, 2, 3, 4), torch.ones(1, 2, 3, 4)
+    cache.update(k, v, 5)
+    keys, values = cache.update(k, v, 5)
+    assert keys.shape == values.shape == (1, 2, 6, 4)
+    assert cache.get_seq_length(5) == 6 and cache.get_seq_length(0) == 0
+    assert cache.nbytes == 2 * 1 * 2 * 6 * 4 * 4
