@@ -91,12 +91,15 @@ def tiny_hf_model(tiny_model_path):
 async def asgi_client():
     """``await asgi_client(app) -> httpx.AsyncClient`` with the app's lifespan running.
 
-    Everything opened is closed (lifespan shutdown included) when the test ends.
+    Everything opened is closed (lifespan shutdown included) when the test ends. With
+    ``raise_app_exceptions=False`` an unhandled app exception comes back as the plain 500
+    a real server would send, instead of being raised into the test.
     """
     async with contextlib.AsyncExitStack() as stack:
-        async def make(app, base_url: str = "http://testserver") -> httpx.AsyncClient:
+        async def make(app, base_url: str = "http://testserver", *,
+                       raise_app_exceptions: bool = True) -> httpx.AsyncClient:
             manager = await stack.enter_async_context(LifespanManager(app))
-            transport = httpx.ASGITransport(app=manager.app)
+            transport = httpx.ASGITransport(app=manager.app, raise_app_exceptions=raise_app_exceptions)
             return await stack.enter_async_context(httpx.AsyncClient(transport=transport, base_url=base_url))
 
         yield make

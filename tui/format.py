@@ -39,6 +39,18 @@ def format_bytes(n: float | None) -> str:
     raise AssertionError("unreachable")
 
 
+def format_bytes_short(n: float | None) -> str:
+    """Compact form for table cells: ``512B``, ``112K``, ``1.6G`` (binary units)."""
+    if n is None:
+        return NO_VALUE
+    value = float(n)
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(value) < 1024 or unit == "T":
+            return f"{int(value)}{unit}" if unit == "B" or value >= 100 else f"{value:.1f}{unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
 def format_rate(value: float | None, digits: int = 1) -> str:
     return NO_VALUE if value is None else f"{value:.{digits}f}"
 

@@ -22,6 +22,8 @@ from tui.connection import Connection
 HISTORY_LEN = 60
 #: window for requests-per-minute, seconds of console clock
 RPM_WINDOW_S = 60.0
+#: shortest span of samples a rate is computed over (two polls 50 ms apart say nothing)
+RPM_MIN_SPAN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -91,13 +93,14 @@ class NodeHistory:
             self.requests.append((now, int(total)))
 
     def rpm(self) -> float | None:
-        """Requests per minute over the last :data:`RPM_WINDOW_S`; None with fewer than two samples."""
+        """Requests per minute over the last :data:`RPM_WINDOW_S`; None until samples span
+        :data:`RPM_MIN_SPAN_S`."""
         if len(self.requests) < 2:
             return None
         t_now, total_now = self.requests[-1]
         window = [(t, n) for t, n in self.requests if t_now - t <= RPM_WINDOW_S]
         t0, total0 = window[0]
-        if t_now <= t0:
+        if t_now - t0 < RPM_MIN_SPAN_S:
             return None
         return max(0, total_now - total0) * 60.0 / (t_now - t0)
 

@@ -45,6 +45,8 @@ class ChatRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    #: meshnet extension: turn pipelined prefill off for this request (benchmarks compare both)
+    pipelined_prefill: bool | None = None
 
     @field_validator("stop")
     @classmethod

@@ -32,6 +32,7 @@ from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.gateway import openai_api
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
 from meshnet.layers import LayerRange
+from meshnet.node import hardware
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings
@@ -106,10 +107,10 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", "node_id": node.settings.node_id, "endpoint": node.settings.endpoint,
                          "shards": rt.describe(), "slots_total": rt.max_loaded_shards,
                          "sessions": len(rt.sessions), "cache_bytes_left": rt.sessions.bytes_left,
-                         "compute_dtype": rt.compute_dtype, "uptime_s": round(time.time() - node.started_at, 1)})
+                         "compute_dtype": rt.compute_dtype, "rss_bytes": hardware.rss_bytes(), "uptime_s": round(time.time() - node.started_at, 1)})
 
 
-def orchestrator_for(node: NodeState, model: str | None) -> tuple[str, Orchestrator]:
+def orchestrator_for(node: NodeState, model: str | None, pipelined: bool | None = None) -> tuple[str, Orchestrator]:
     """The entry orchestrator of ``model`` (or of the only entry shard when None).
 
     Raises:
@@ -130,7 +131,8 @@ def orchestrator_for(node: NodeState, model: str | None) -> tuple[str, Orchestra
         if agent is not None:
             await agent.report_failure(node_id, reason)
 
-    settings = OrchestratorSettings(wire_dtype=node.settings.wire_dtype, hop_timeout_s=node.settings.hop_timeout_s)
+    settings = OrchestratorSettings(wire_dtype=node.settings.wire_dtype, hop_timeout_s=node.settings.hop_timeout_s,
+                                    pipelined=True if pipelined is None else pipelined)
     return slot.model, Orchestrator(node.runtime, slot, node_id=node.settings.node_id,
                                     endpoint=node.settings.endpoint, client=node.http, routes=routes,
                                     report=report, settings=settings)
@@ -139,7 +141,7 @@ def orchestrator_for(node: NodeState, model: str | None) -> tuple[str, Orchestra
 async def chat_completions(request: Request) -> Response:
     node = _state(request)
     req = await openai_api.read_chat(request)
-    model, orchestrator = orchestrator_for(node, req.model)
+    model, orchestrator = orchestrator_for(node, req.model, req.pipelined_prefill)
     node.metrics.requests.inc()
     if req.stream:
         return openai_api.stream(orchestrator, model, req)

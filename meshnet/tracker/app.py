@@ -187,7 +187,8 @@ async def control_loop(app: Starlette) -> None:
         app.state.wake.clear()
         try:
             svc.check_dropouts()
-            if svc.dirty or time.monotonic() - last >= svc.settings.rebalance_interval_s:
+            settled = time.monotonic() - svc.last_join_s >= svc.settings.join_settle_s
+            if (svc.dirty and settled) or time.monotonic() - last >= svc.settings.rebalance_interval_s:
                 rebalance(svc)
                 last = time.monotonic()
         except Exception:  # noqa: BLE001 - the loop must survive any single bad round

@@ -21,7 +21,8 @@ from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from itertools import accumulate
+from itertools import accumulate, groupby
+from operator import not_
 from types import MappingProxyType
 
 from meshnet.errors import InvalidRequest
@@ -116,15 +117,12 @@ def coverage_counts(num_layers: int, ranges: Iterable[LayerRange]) -> list[int]:
 
 def find_gaps(num_layers: int, counts: Sequence[int]) -> list[LayerRange]:
     """Coverage gaps: maximal runs of layers whose count is 0, in layer order."""
-    gaps, start = [], None
-    for layer in range(num_layers):
-        if counts[layer] == 0 and start is None:
-            start = layer
-        elif counts[layer] != 0 and start is not None:
-            gaps.append(LayerRange(start, layer))
-            start = None
-    if start is not None:
-        gaps.append(LayerRange(start, num_layers))
+    gaps, layer = [], 0
+    for empty, run in groupby(counts[:num_layers], key=not_):
+        width = sum(1 for _ in run)
+        if empty:
+            gaps.append(LayerRange(layer, layer + width))
+        layer += width
     return gaps
 
 
@@ -156,92 +154,97 @@ def _milli(tokens_per_s: float) -> int:
     return round(tokens_per_s * _MILLI)
 
 
-def _throughput_profile(num_layers: int, held: Iterable[tuple[int, Assignment]],
-                        nodes: Sequence[NodeState]) -> list[int]:
-    """Summed milli-tokens/s of the nodes serving each layer (a difference array)."""
-    diff = [0] * (num_layers + 1)
-    for i, a in held:
-        speed = round(nodes[i].tokens_per_s * _MILLI)
-        diff[min(a.layers.start, num_layers)] += speed
-        diff[min(a.layers.end, num_layers)] -= speed
-    return list(accumulate(diff[:num_layers]))
-
-
 class _Work:
-    """Mutable scratch state of one :func:`plan_placement` call, indexed by node position.
+    """Mutable scratch state of one :func:`plan_placement` call; nodes are list positions.
 
-    ``counts`` (copies per layer) and ``profile`` (milli-tokens/s per layer, kept only for
-    models with movable managed shards) are updated in place as shards are added or moved."""
+    ``counts`` (copies per layer) and ``profile`` (milli-tokens/s per layer, kept for models
+    with movable managed shards) are updated in place as shards are added or moved."""
 
     def __init__(self, nodes: Sequence[NodeState], models: Sequence[ModelSpec]) -> None:
         self.nodes, self.specs = nodes, {m.name: m for m in models}
-        self.order = sorted(range(len(nodes)), key=[n.node_id for n in nodes].__getitem__)
-        self.order.sort(key=[-n.tokens_per_s for n in nodes].__getitem__)   # stable: ties by node_id
-        self.free_slots = [n.max_loaded_shards - len(n.assignments) for n in nodes]
+        self.order = [i for i, n in enumerate(nodes)   # nodes that may take a shard, fastest first
+                      if n.accepts_placement and len(n.assignments) < n.max_loaded_shards]
+        self.order.sort(key=[n.node_id for n in nodes].__getitem__)
+        self.order.sort(key=[-n.tokens_per_s for n in nodes].__getitem__)   # stable: ties stay by node_id
         self.added: dict[int, list[tuple[str, Assignment]]] = {}   # node -> (reason, new shard)
         self.kept: dict[int, list[Assignment]] = {}   # node -> its own shards after managed moves
         self.dirty = set(self.specs)   # models that may have a managed move to make
+        self._free: dict[int, int] = {}
         self._entries: dict[tuple, tuple[str, Assignment]] = {}
-        held = self._count_existing()
-        self.movable = {name: [(i, a) for i, a in pairs if a.tier == "managed" and nodes[i].accepts_placement]
-                        for name, pairs in held.items()}
-        self.profile = {m.name: _throughput_profile(m.num_layers, held[m.name], nodes)
-                        for m in models if self.movable[m.name]}
+        self._count_existing()
 
-    def _count_existing(self) -> dict[str, list[tuple[int, Assignment]]]:
-        """Set ``free_bytes`` and ``counts`` from the shards nodes hold; return them by model."""
-        self.free_bytes, specs = [], self.specs
-        held: dict[str, list[tuple[int, Assignment]]] = {name: [] for name in specs}
-        diffs = {name: [0] * (spec.num_layers + 1) for name, spec in specs.items()}
+    def _count_existing(self) -> None:
+        """Counts, throughput profiles, movable managed shards and free memory from the shards
+        nodes hold."""
+        specs = self.specs
+        diffs = {name: ([0] * (s.num_layers + 1), [0] * (s.num_layers + 1)) for name, s in specs.items()}
+        self.movable: dict[str, list[tuple[int, Assignment]]] = {name: [] for name in specs}
         for i, node in enumerate(self.nodes):
-            free = max(0, node.vram_bytes) * _NUM // _DEN
+            if not node.assignments:
+                continue
+            speed, free, quant = _milli(node.tokens_per_s), memory_budget_bytes(node.vram_bytes), node.quantization
             for a in node.assignments:
                 spec = specs.get(a.model)   # a shard of an unknown model keeps its slot only
-                if spec is not None:
-                    start, end, top = a.layers.start, a.layers.end, spec.num_layers
-                    free -= (end - start) * spec.bytes_per_layer.get(node.quantization, 0)
-                    diff = diffs[a.model]
-                    diff[start if start < top else top] += 1
-                    diff[end if end < top else top] -= 1
-                    held[a.model].append((i, a))
-            self.free_bytes.append(free)
-        self.counts = {name: list(accumulate(diff[:-1])) for name, diff in diffs.items()}
-        return held
+                if spec is None:
+                    continue
+                start, end, top = a.layers.start, a.layers.end, spec.num_layers
+                free -= (end - start) * spec.bytes_per_layer.get(quant, 0)
+                if end > top:   # a stale range past the model's end counts up to it
+                    start, end = min(start, top), top
+                counts, profile = diffs[a.model]
+                counts[start] += 1
+                counts[end] -= 1
+                profile[start] += speed
+                profile[end] -= speed
+                if a.tier == "managed" and node.accepts_placement:
+                    self.movable[a.model].append((i, a))
+            self._free[i] = free
+        self.counts = {name: list(accumulate(c[:-1])) for name, (c, _) in diffs.items()}
+        self.profile = {name: list(accumulate(p[:-1]))
+                        for name, (_, p) in diffs.items() if self.movable[name]}
+
+    def free_bytes(self, i: int) -> int:
+        """Memory budget (ADR-0003) minus the bytes of every shard node ``i`` holds."""
+        free = self._free.get(i)
+        if free is None:   # not yet counted: an idle node, maybe given shards by this plan
+            node = self.nodes[i]
+            free = self._free[i] = memory_budget_bytes(node.vram_bytes) - sum(
+                len(a.layers) * self.specs[a.model].bytes_per_layer[node.quantization]
+                for _, a in self.added.get(i, ()))
+        return free
 
     def free_layers(self, i: int, spec: ModelSpec) -> int:
         """Layers of ``spec`` node ``i`` can still take in a new slot (0 if none)."""
-        if self.free_slots[i] < 1 or not self.nodes[i].accepts_placement:
+        node = self.nodes[i]
+        used = len(node.assignments) + len(self.added.get(i, ()))
+        if not node.accepts_placement or used >= node.max_loaded_shards:
             return 0
-        per_layer = spec.bytes_per_layer.get(self.nodes[i].quantization, 0)
-        return self.free_bytes[i] // per_layer if per_layer > 0 else 0
+        per_layer = spec.bytes_per_layer.get(node.quantization, 0)
+        return self.free_bytes(i) // per_layer if per_layer > 0 else 0
 
     def _entry(self, spec: ModelSpec, start: int, end: int, redundant: bool) -> tuple[str, Assignment]:
         """(reason, bootstrap shard); equal shards share one frozen Assignment and reason."""
         key = (spec.name, start, end, redundant)
-        entry = self._entries.get(key)
-        if entry is None:
+        if key not in self._entries:
             a = Assignment(spec.name, LayerRange(start, end), "bootstrap")
-            entry = self._entries[key] = (f"coverage complete; added redundancy {a.model} {a.layers}"
-                                          if redundant else f"assigned {a.model} {a.layers} to fill a coverage gap", a)
-        return entry
+            self._entries[key] = (f"coverage complete; added redundancy {a.model} {a.layers}" if redundant
+                                  else f"assigned {a.model} {a.layers} to fill a coverage gap", a)
+        return self._entries[key]
 
     def add(self, i: int, spec: ModelSpec, start: int, end: int, *, redundant: bool) -> None:
-        """Give node ``i`` a new bootstrap shard ``[start, end)``; the caller calls :meth:`cover`."""
+        """Give node ``i`` a new bootstrap shard ``[start, end)`` and count it."""
+        if i in self._free:
+            self._free[i] -= (end - start) * spec.bytes_per_layer[self.nodes[i].quantization]
         self.added.setdefault(i, []).append(self._entry(spec, start, end, redundant))
-        self.free_bytes[i] -= (end - start) * spec.bytes_per_layer[self.nodes[i].quantization]
-        self.free_slots[i] -= 1
-        self.dirty.add(spec.name)
+        self.cover(spec.name, start, end, _milli(self.nodes[i].tokens_per_s))
 
     def add_whole_copies(self, spec: ModelSpec, idle: list[int]) -> None:
-        """Give each idle node in ``idle`` a redundant copy of all of ``spec``, and count them."""
-        entry, per_layer = self._entry(spec, 0, spec.num_layers, True), spec.bytes_per_layer
+        """Give every (idle, so uncached) node in ``idle`` a copy of all of ``spec``; count them."""
+        entry = self._entry(spec, 0, spec.num_layers, True)
         for i in idle:
             self.added[i] = [entry]
-            self.free_bytes[i] -= spec.num_layers * per_layer[self.nodes[i].quantization]
-            self.free_slots[i] -= 1
-        self.cover(spec.name, 0, spec.num_layers, sum(_milli(self.nodes[i].tokens_per_s) for i in idle),
-                   copies=len(idle))
-        self.dirty.add(spec.name)
+        speed = sum(_milli(self.nodes[i].tokens_per_s) for i in idle) if spec.name in self.profile else 0
+        self.cover(spec.name, 0, spec.num_layers, speed, copies=len(idle))
 
     def cover(self, model: str, start: int, end: int, speed: int, copies: int = 1) -> None:
         """Add ``copies`` and ``speed`` (milli-tokens/s) to layers ``[start, end)`` of ``model``."""
@@ -250,6 +253,7 @@ class _Work:
         profile = self.profile.get(model)
         if profile is not None:
             profile[start:end] = [t + speed for t in profile[start:end]]
+        self.dirty.add(model)
 
     def move(self, k: int, new: Assignment) -> None:
         """Replace the ``k``-th movable shard of ``new.model`` by ``new`` (same width)."""
@@ -269,20 +273,12 @@ def _fill_gaps(work: _Work, spec: ModelSpec) -> None:
     for gap in find_gaps(spec.num_layers, work.counts[spec.name]):
         start = gap.start
         while start < gap.end and pos < len(order):
-            i = order[pos]
-            width = min(work.free_layers(i, spec), gap.end - start)
+            width = min(work.free_layers(order[pos], spec), gap.end - start)
             if width < 1:
                 pos += 1   # capacity only shrinks: a node skipped once never fits later
                 continue
-            work.add(i, spec, start, start + width, redundant=False)
-            work.cover(spec.name, start, start + width, _milli(work.nodes[i].tokens_per_s))
+            work.add(order[pos], spec, start, start + width, redundant=False)
             start += width
-
-
-def _weakest_window(counts: list[int], width: int, fewest: int) -> int:
-    """Start of a ``width``-layer window over the first layer with ``fewest`` copies, moved
-    left only as far as the model's end requires (ADR-0003)."""
-    return min(counts.index(fewest), len(counts) - width)
 
 
 def _pick_model(heap: list, specs: Mapping[str, ModelSpec], quant: str,
@@ -303,52 +299,41 @@ def _pick_model(heap: list, specs: Mapping[str, ModelSpec], quant: str,
     return found
 
 
-def _add_copy(work: _Work, i: int, heap: list, whole: dict[str, list[int]]) -> None:
-    """Idle node ``i`` adds a copy of the first model on ``heap`` that fits it: all of it if
-    it fits (recorded in ``whole``), else the window over its weakest layers."""
-    picked = _pick_model(heap, work.specs, work.nodes[i].quantization, work.free_bytes[i])
-    if picked is None:
-        return
-    key, spec, width = picked
-    if width == spec.num_layers:
-        whole[spec.name].append(i)
-        copies = key[1] + 1
-    else:
-        counts, lift = work.counts[spec.name], len(whole[spec.name])   # counts exclude ``whole``
-        start = _weakest_window(counts, width, key[1] - lift)
-        work.add(i, spec, start, start + width, redundant=True)
-        work.cover(spec.name, start, start + width, _milli(work.nodes[i].tokens_per_s))
-        copies = min(counts) + lift
-    heapq.heappush(heap, (-spec.demand / copies, copies, spec.name))
-
-
 def _add_redundancy(work: _Work) -> None:
     """Each idle, accepting node adds one copy to the fully covered model with the highest
-    demand per copy (demand / fewest copies of any layer; then fewest copies, then name),
-    as wide as its memory allows (ADR-0003).
+    demand per copy (demand / fewest copies of any layer; then fewest copies, then name):
+    all of it if it fits, else as many layers as fit from the first layer with the fewest
+    copies, moved left only as far as the model's end requires (ADR-0003).
 
-    The heap holds one key ``(-demand / fewest, fewest, name)`` per model. Whole-model
-    copies, the usual case, cost O(log models) and are counted in one batch at the end."""
+    The heap holds one key ``(-demand / fewest, fewest, name)`` per model. Whole copies,
+    the usual case, cost O(log models) each and are counted in one batch at the end."""
     covered = [s for s in work.specs.values() if s.num_layers > 0 and min(work.counts[s.name]) > 0]
     heap = [(-s.demand / min(work.counts[s.name]), min(work.counts[s.name]), s.name) for s in covered]
     heapq.heapify(heap)
-    whole: dict[str, list[int]] = {s.name: [] for s in covered}
-    smallest, specs, nodes, free_bytes = _smallest_layer_bytes(covered), work.specs, work.nodes, work.free_bytes
+    whole: dict[str, list[int]] = {s.name: [] for s in covered}   # not yet in ``counts``
+    smallest = _smallest_layer_bytes(covered)
     for i in work.order:
-        node = nodes[i]
-        if (node.assignments or not node.accepts_placement or i in work.added or not heap or work.free_slots[i] < 1
-                or free_bytes[i] < smallest.get(node.quantization, _NEVER)):
+        node = work.nodes[i]
+        if node.assignments or i in work.added:
             continue
-        copies, name = heap[0][1] + 1, heap[0][2]
-        per_layer = specs[name].bytes_per_layer.get(node.quantization, 0)
-        if 0 < per_layer * specs[name].num_layers <= free_bytes[i]:   # fast path: all of the top model
-            heapq.heapreplace(heap, (-specs[name].demand / copies, copies, name))
+        free = max(0, node.vram_bytes) * _NUM // _DEN   # an idle node's whole budget
+        picked = free >= smallest.get(node.quantization, _NEVER) and _pick_model(
+            heap, work.specs, node.quantization, free)
+        if not picked:
+            continue
+        (_, fewest, name), spec, width = picked
+        if width == spec.num_layers:
             whole[name].append(i)
+            fewest += 1
         else:
-            _add_copy(work, i, heap, whole)
+            counts, lift = work.counts[name], len(whole[name])
+            start = min(counts.index(fewest - lift), spec.num_layers - width)
+            work.add(i, spec, start, start + width, redundant=True)
+            fewest = min(counts) + lift
+        heapq.heappush(heap, (-spec.demand / fewest, fewest, name))
     for name, idle in whole.items():
         if idle:
-            work.add_whole_copies(specs[name], idle)
+            work.add_whole_copies(work.specs[name], idle)
 
 
 def _best_position(profile: list[int], old: LayerRange, speed: int) -> tuple[int, int]:
@@ -411,58 +396,54 @@ def _rebalance_managed(work: _Work, min_gain: float) -> None:
 
 def _smallest_layer_bytes(specs: Iterable[ModelSpec]) -> dict[str, int]:
     """Quantization -> bytes of the smallest layer among ``specs``."""
-    smallest: dict[str, int] = {}
-    for spec in specs:
-        for quant, size in spec.bytes_per_layer.items():
-            if size > 0:
-                smallest[quant] = min(size, smallest.get(quant, size))
-    return smallest
+    sizes = [(quant, size) for spec in specs for quant, size in spec.bytes_per_layer.items() if size > 0]
+    return {quant: min(size for q, size in sizes if q == quant) for quant, _ in sizes}
 
 
 def _idle_reason(work: _Work, i: int, smallest: dict[str, int]) -> str:
     """Why node ``i`` received nothing in this plan."""
     node = work.nodes[i]
-    used = node.max_loaded_shards - work.free_slots[i]
+    used = len(node.assignments) + len(work.added.get(i, ()))
     if not node.accepts_placement:
         return "not accepting placement"
-    if work.free_slots[i] < 1:
+    if used >= node.max_loaded_shards:
         return f"no free shard slot ({used}/{node.max_loaded_shards} used)"
-    if work.free_bytes[i] < smallest.get(node.quantization, _NEVER):
+    if work.free_bytes(i) < smallest.get(node.quantization, _NEVER):
         return "memory budget full"
     if used:
         return f"no gap it can fill; keeps {used} shard(s), redundancy goes to idle nodes"
     return "no gap it can fill and no fully covered model fits"
 
 
-def _moves(nid: str, before: tuple[Assignment, ...], after: list[Assignment],
-           loads: list, drops: list) -> list[str]:
-    """Record the managed moves between ``before`` and ``after`` (same positions); return notes."""
-    notes = []
-    for old, new in zip(before, after):
+def _record_moves(work: _Work, i: int, loads: list, drops: list) -> tuple[tuple[Assignment, ...], list[str]]:
+    """Node ``i``'s own shards after managed moves, with each move recorded as drop + load."""
+    node, lines = work.nodes[i], []
+    for old, new in zip(node.assignments, work.kept[i]):
         if old != new:
-            drops.append((nid, old))
-            loads.append((nid, new))
-            notes.append(f"moved managed {old.model} {old.layers} -> {new.layers} to raise its bottleneck")
-    return notes
+            drops.append((node.node_id, old))
+            loads.append((node.node_id, new))
+            lines.append(f"moved managed {old.model} {old.layers} -> {new.layers} to raise its bottleneck")
+    return tuple(work.kept[i]), lines
 
 
 def _finish(work: _Work) -> PlacementPlan:
-    """Turn the scratch state into a plan: full sets, load/drop lists and reasons."""
-    loads, drops, final, reasons = [], [], {}, {}
-    smallest = _smallest_layer_bytes(work.specs.values())
-    for i, node in enumerate(work.nodes):
-        nid, added, kept = node.node_id, work.added.get(i), work.kept.get(i)
-        if added is None and kept is None:
-            final[nid], reasons[nid] = node.assignments, _idle_reason(work, i, smallest)
-            continue
-        notes = [] if kept is None else _moves(nid, node.assignments, kept, loads, drops)
-        shards = node.assignments if kept is None else tuple(kept)
-        for note, a in added or ():
+    """Turn the scratch state into a plan: full sets, load/drop lists (in node order), reasons."""
+    final = {n.node_id: n.assignments for n in work.nodes}
+    loads, drops, notes = [], [], {}
+    for i in sorted(work.added.keys() | work.kept.keys()):
+        nid, added = work.nodes[i].node_id, work.added.get(i, ())
+        shards, lines = (_record_moves(work, i, loads, drops) if i in work.kept
+                         else (work.nodes[i].assignments, []))
+        for note, a in added:
             loads.append((nid, a))
-            notes.append(note)
+            lines.append(note)
             shards += (a,)
         final[nid] = shards
-        reasons[nid] = "; ".join(notes) if notes else _idle_reason(work, i, smallest)
+        if lines:
+            notes[i] = lines[0] if len(lines) == 1 else "; ".join(lines)
+    smallest = _smallest_layer_bytes(work.specs.values())
+    reasons = {n.node_id: notes[i] if i in notes else _idle_reason(work, i, smallest)
+               for i, n in enumerate(work.nodes)}
     return PlacementPlan(MappingProxyType(final), tuple(loads), tuple(drops), MappingProxyType(reasons))
 
 

@@ -35,6 +35,8 @@ class TrackerSettings:
         db_path: sqlite file (``:memory:`` for tests).
         operator_token: bearer token for /v1/operator/* (None: open, for local use).
         load_failure_cooldown_s: a node whose LOAD_SHARD failed gets no new load for this long.
+        join_settle_s: after a join, wait this long for more joins before rebalancing, so nodes
+            starting together are planned together (the widest range to the biggest/fastest).
     """
 
     host: str = "127.0.0.1"
@@ -46,6 +48,7 @@ class TrackerSettings:
     db_path: str = ":memory:"
     operator_token: str | None = None
     load_failure_cooldown_s: float = 60.0
+    join_settle_s: float = 2.0
     demand_window_s: float = 300.0
 
 
@@ -67,6 +70,7 @@ class TrackerService:
         self.models: dict[str, ModelInfo] = {}
         self.demand: dict[str, list[float]] = {}
         self.dirty = True  # a join/leave happened: rebalance soon
+        self.last_join_s = 0.0
         for name in settings.models:
             self.store.add_model(name)
         for name in self.store.models():
@@ -115,6 +119,8 @@ class TrackerService:
             record.stale_before, record.draining = old.stale_before, old.draining
         self.nodes[node_id] = record
         self.dirty = True
+        if old is None:
+            self.last_join_s = time.monotonic()
         log.info("node %s registered at %s with %d shard(s)", node_id, record.endpoint, len(record.shards))
         return record
 

@@ -241,6 +241,22 @@ def test_several_idle_nodes_spread_over_the_weakest_layers():
     assert loads(plan) == [("i0", "m", 0, 10), ("i1", "m", 10, 20), ("i2", "m", 20, 30), ("i3", "m", 0, 10)]
 
 
+def test_redundancy_follows_demand_per_copy_as_copies_grow():
+    covered = [node("a1", shards=[shard("a", 0, 30)]), node("b1", shards=[shard("b", 0, 30)])]
+    idle = [node(f"i{k}", speed=10.0 - k) for k in range(5)]
+    plan = plan_placement([*covered, *idle], [model("a", demand=10.0), model("b", demand=6.0)])
+    # a: 10/1, then b: 6/1 > 10/2, then a: 10/2 > 6/2, a: 10/3 > 6/2, then b: 6/2 > 10/4
+    assert [a.model for _, a in sorted(plan.loads, key=lambda x: x[0])] == ["a", "b", "a", "a", "b"]
+
+
+def test_partial_copies_count_the_whole_copies_placed_before_them():
+    covered = [node("c1", shards=[shard("m", 0, 30)]), node("c2", shards=[shard("m", 0, 10)])]
+    idle = [node("big", layers=30, speed=9.0), node("small", layers=10, speed=8.0),
+            node("small2", layers=10, speed=7.0)]
+    plan = plan_placement([*covered, *idle], [model()])
+    assert loads(plan) == [("big", "m", 0, 30), ("small", "m", 10, 20), ("small2", "m", 20, 30)]
+
+
 def test_nodes_with_shards_do_not_add_redundancy():
     plan = plan_placement([node("a", layers=90, slots=3, shards=[shard("m", 0, 30)])], [model()])
     assert plan.loads == ()

@@ -50,6 +50,7 @@ class Gauge(Widget):
         self.refresh()
 
     def render(self) -> Text:
-        text = Text(f"{self.title:<8}", style="bold")
+        text = Text()
+        text.append(f"{self.title:<8}", style="bold")
         text.append_text(gauge_text(self._used, self._total, self.bar_width, Palette.of(self.app), self._label))
         return text

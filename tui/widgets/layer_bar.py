@@ -18,19 +18,29 @@ from tui.format import bar_cells
 from tui.widgets.palette import Palette
 
 
+#: widest cell: a 4-layer model should not stretch across the whole screen
+MAX_CELL_WIDTH = 12
+
+
 def _axis(cells: Sequence[tuple[int, int, int]], cell_width: int) -> str:
-    """Layer numbers under the cells, placed greedily so they never overlap."""
+    """Layer numbers under the cells, placed greedily so they never overlap.
+
+    A one-layer cell gets its layer centred under it; a cell spanning several layers gets
+    its first layer at its left edge, and the very last layer is right-aligned.
+    """
     total = len(cells) * cell_width
     line = [" "] * total
     free_from = 0
-    marks = list(enumerate(cells))
-    last = marks[-1] if marks else None
-    for i, (first, _last, _count) in marks:
-        label = str(first)
+    for i, (first, last, _count) in enumerate(cells):
         pos = i * cell_width
-        if i == len(cells) - 1 and last is not None:
-            label = str(last[1][1])
-            pos = max(pos, total - len(label))
+        if first == last:
+            label = str(first)
+            pos += max(0, (cell_width - len(label)) // 2)
+        elif i == len(cells) - 1:
+            label = str(last)
+            pos = total - len(label)
+        else:
+            label = str(first)
         if pos >= free_from and pos + len(label) <= total:
             line[pos:pos + len(label)] = label
             free_from = pos + len(label) + 1
@@ -42,7 +52,7 @@ def render_bar(counts: Sequence[int], width: int, palette: Palette) -> Text:
     if not counts or width <= 0:
         return Text("no layers known", style=palette.muted)
     cells = bar_cells(counts, width)
-    cell_width = max(1, width // len(cells))
+    cell_width = max(1, min(MAX_CELL_WIDTH, width // len(cells)))
     text = Text()
     for _first, _last, count in cells:
         if count == 0:

@@ -1,0 +1,406 @@
+"""Tracker service (meshnet.tracker.app) in-process: registry, coverage, routes, demand, operator auth.
+
+No control loop (``run_loop=False``), so nothing rebalances behind the test's back; nodes
+are fake registrations that report shards with capability reports.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from meshnet.tracker.app import build_app
+from meshnet.tracker.registry import DEFAULT_VRAM_BYTES
+from meshnet.tracker.service import TrackerSettings
+
+MODEL = "tiny-llama"
+PASSED = "passed"
+
+
+def report(kind: str | None = PASSED) -> dict | None:
+    """A capability report: ``passed``, ``failed`` or None (missing)."""
+    if kind is None:
+        return None
+    return {"passed": kind == PASSED, "reason": "" if kind == PASSED else "forward mismatch",
+            "tokens_per_s": 100.0, "timestamp": time.time()}
+
+
+def shard(start: int, end: int, *, entry: bool | None = None, report_kind: str | None = PASSED) -> dict:
+    """A shard payload with the public inclusive ``shard_start``/``shard_end``."""
+    return {"model": MODEL, "shard_start": start, "shard_end": end, "entry": start == 0 if entry is None else entry,
+            "tier": "pinned", "quantization": "bfloat16", "report": report(report_kind)}
+
+
+def node(node_id: str, *shards: dict, **extra) -> dict:
+    return {"node_id": node_id, "endpoint": f"http://{node_id}.test:8000", "vram_bytes": 2 * 1024**3,
+            "max_loaded_shards": 2, "shards": list(shards), **extra}
+
+
+@pytest.fixture
+def make_tracker(asgi_client):
+    async def make(**settings):
+        app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", **settings), run_loop=False)
+        return await asgi_client(app, "http://tracker")
+
+    return make
+
+
+@pytest.fixture
+async def tracker(make_tracker):
+    return await make_tracker()
+
+
+async def register(client, payload: dict) -> str:
+    resp = await client.post("/v1/nodes/register", json=payload)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["node_id"]
+
+
+def assert_envelope(resp, status: int, code: str) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert {"message", "type", "code"} <= set(body["error"])
+    assert body["error"]["code"] == code
+    return body
+
+
+# ---- registration ---------------------------------------------------------------------------
+
+
+async def test_register_returns_id_and_heartbeat_interval(tracker):
+    resp = await tracker.post("/v1/nodes/register", json={"endpoint": "http://a.test:8000/"})
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["node_id"].startswith("node-") and len(body["node_id"]) == len("node-") + 8
+    assert body["heartbeat_interval_s"] == 10.0
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"max_loaded_shards": 0}, "max_loaded_shards"),
+    ({"vram_bytes": -1}, "vram_bytes"),
+    ({"endpoint": "node-a:8000"}, "endpoint"),
+    ({"endpoint": ""}, "endpoint"),
+    ({"quantizations": ["fp8"]}, "quantizations"),
+    ({"shards": [{"model": MODEL, "shard_start": 3, "shard_end": 1}]}, "shard_end"),
+    ({"shards": [{"model": MODEL, "shard_start": -1, "shard_end": 1}]}, "shards.0.shard_start"),
+])
+async def test_register_validation_is_422_naming_the_field(tracker, override, field):
+    resp = await tracker.post("/v1/nodes/register", json={**node("node-a"), **override})
+    error = assert_envelope(resp, 422, "invalid_field")["error"]
+    assert field in error["message"]
+    assert (await tracker.get("/v1/nodes")).json()["nodes"] == []
+
+
+@pytest.mark.xfail(reason="BUG meshnet/tracker/registry.py RegisterPayload._recipes is a model_validator, so "
+                          "the error has an empty loc and validate_json labels it 'body', not 'quantizations'",
+                   strict=True)
+async def test_unknown_quantization_is_labelled_with_its_field(tracker):
+    resp = await tracker.post("/v1/nodes/register", json={**node("node-a"), "quantizations": ["fp8"]})
+    error = assert_envelope(resp, 422, "invalid_field")["error"]
+    assert error["message"].startswith("invalid field 'quantizations'")
+
+
+async def test_register_body_that_is_not_json_is_400(tracker):
+    resp = await tracker.post("/v1/nodes/register", content=b"not json")
+    assert_envelope(resp, 400, "invalid_request")
+
+
+async def test_omitted_memory_defaults_to_8_gib(tracker):
+    await register(tracker, {"node_id": "node-a", "endpoint": "http://a.test:8000/"})
+    (view,) = (await tracker.get("/v1/nodes")).json()["nodes"]
+    assert view["vram_bytes"] == DEFAULT_VRAM_BYTES == 8 * 1024**3
+    assert view["memory_budget_bytes"] == int(8 * 1024**3 * 0.8)
+    assert view["endpoint"] == "http://a.test:8000"  # trailing slash dropped
+    assert view["quantization"] == "bfloat16" and view["slots_total"] == 1
+    # floor(8 GiB * 0.8 / 57,600 bytes per bfloat16 tiny-llama layer)
+    assert view["max_assignable_layers"][MODEL] == 8 * 1024**3 * 4 // 5 // 57_600
+
+
+# ---- coverage and routes ---------------------------------------------------------------------
+
+
+async def test_two_nodes_make_the_model_routable(tracker):
+    await register(tracker, node("node-a", shard(0, 1)))
+    await register(tracker, node("node-b", shard(2, 3)))
+    cov = (await tracker.get(f"/v1/coverage/{MODEL}")).json()
+    assert cov["model"] == MODEL and cov["num_layers"] == 4
+    assert cov["segments"] == [{"start_layer": 0, "end_layer": 3, "node_count": 1}]
+    assert cov["covered_layers"] == 4 and cov["routable"] is True
+    (listed,) = (await tracker.get("/v1/coverage")).json()["models"]
+    assert listed["routable"] is True
+
+
+async def test_overlap_shows_in_segments(tracker):
+    await register(tracker, node("node-a", shard(0, 1)))
+    await register(tracker, node("node-b", shard(2, 3)))
+    await register(tracker, node("node-c", shard(1, 3)))
+    cov = (await tracker.get(f"/v1/coverage/{MODEL}")).json()
+    assert cov["segments"] == [{"start_layer": 0, "end_layer": 0, "node_count": 1},
+                               {"start_layer": 1, "end_layer": 3, "node_count": 2}]
+
+
+@pytest.mark.parametrize("report_kind", ["failed", None], ids=["failed-report", "missing-report"])
+async def test_shard_without_a_passed_report_is_not_counted(tracker, report_kind):
+    await register(tracker, node("node-a", shard(0, 1)))
+    await register(tracker, node("node-b", shard(2, 3, report_kind=report_kind)))
+    cov = (await tracker.get(f"/v1/coverage/{MODEL}")).json()
+    assert cov["segments"] == [{"start_layer": 0, "end_layer": 1, "node_count": 1},
+                               {"start_layer": 2, "end_layer": 3, "node_count": 0}]
+    assert cov["covered_layers"] == 2 and cov["routable"] is False
+    views = {n["node_id"]: n for n in (await tracker.get("/v1/nodes")).json()["nodes"]}
+    assert views["node-a"]["shards"][0]["admitted"] is True
+    assert views["node-b"]["shards"][0]["admitted"] is False
+
+
+async def test_full_coverage_without_an_entry_shard_is_not_routable(tracker):
+    await register(tracker, node("node-a", shard(0, 3, entry=False)))
+    cov = (await tracker.get(f"/v1/coverage/{MODEL}")).json()
+    assert cov["covered_layers"] == 4 and cov["routable"] is False
+
+
+async def test_route_has_two_hops_with_inclusive_layers(tracker):
+    await register(tracker, node("node-a", shard(0, 1)))
+    await register(tracker, node("node-b", shard(2, 3)))
+    resp = await tracker.get("/v1/route", params={"model": MODEL})
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"model": MODEL, "hops": [
+        {"node_id": "node-a", "endpoint": "http://node-a.test:8000", "start_layer": 0, "end_layer": 1},
+        {"node_id": "node-b", "endpoint": "http://node-b.test:8000", "start_layer": 2, "end_layer": 3}]}
+    resp = await tracker.get("/v1/route", params={"model": MODEL, "start_layer": 2, "end_layer": 3})
+    assert [h["node_id"] for h in resp.json()["hops"]] == ["node-b"]
+
+
+async def test_route_by_hf_repo_uses_the_preset_name(tracker):
+    await register(tracker, node("node-a", shard(0, 3)))
+    resp = await tracker.get("/v1/route", params={"model": "meshnet/tiny-llama"})
+    assert resp.json()["model"] == MODEL
+    assert resp.json()["hops"] == [{"node_id": "node-a", "endpoint": "http://node-a.test:8000",
+                                    "start_layer": 0, "end_layer": 3}]
+
+
+async def test_route_with_a_gap_is_503_model_loading(tracker):
+    await register(tracker, node("node-a", shard(0, 1)))
+    resp = await tracker.get("/v1/route", params={"model": MODEL})
+    body = assert_envelope(resp, 503, "model_loading")
+    assert resp.headers["Retry-After"] == "5"
+    assert "layer 2 of 4" in body["error"]["message"]
+    assert body["coverage"]["segments"] == [{"start_layer": 0, "end_layer": 1, "node_count": 1},
+                                            {"start_layer": 2, "end_layer": 3, "node_count": 0}]
+    assert body["coverage"]["routable"] is False
+
+
+@pytest.mark.parametrize("params, status, code", [
+    ({}, 422, "invalid_field"),
+    ({"model": MODEL, "start_layer": "x"}, 422, "invalid_field"),
+    ({"model": MODEL, "start_layer": 3, "end_layer": 1}, 422, "invalid_field"),
+    ({"model": MODEL, "end_layer": 4}, 422, "invalid_field"),
+    ({"model": "no-such-model"}, 404, "model_not_found"),
+])
+async def test_bad_route_queries(tracker, params, status, code):
+    assert_envelope(await tracker.get("/v1/route", params=params), status, code)
+
+
+@pytest.mark.xfail(reason="BUG meshnet/tracker/app.py route(): a negative start_layer reaches "
+                          "LayerRange.from_inclusive, whose ValueError escapes as a bare 500", strict=True)
+async def test_negative_start_layer_is_422(asgi_client):
+    app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False)
+    client = await asgi_client(app, raise_app_exceptions=False)
+    resp = await client.get("/v1/route", params={"model": MODEL, "start_layer": -1})
+    assert_envelope(resp, 422, "invalid_field")
+
+
+# ---- chat and demand --------------------------------------------------------------------------
+
+
+async def test_chat_for_an_unroutable_model_is_503_and_counts_as_demand(tracker):
+    before = {d["model"]: d for d in (await tracker.get("/v1/demand")).json()["demand"]}
+    assert before[MODEL]["requests_per_min"] == 0.0
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for _ in range(2):
+        resp = await tracker.post("/v1/chat/completions", json=chat)
+        body = assert_envelope(resp, 503, "model_loading")
+        assert resp.headers["Retry-After"] == "5"
+        assert body["error"]["message"] == "model tiny-llama is loading: 0/4 layers covered"
+        assert body["coverage"]["covered_layers"] == 0
+    after = {d["model"]: d for d in (await tracker.get("/v1/demand")).json()["demand"]}
+    # two requests in the 300 s demand window: 2 * 60 / 300 per minute
+    assert after[MODEL] == {"model": MODEL, "requests_per_min": 0.4, "routable": False}
+
+
+async def test_bad_chat_body_is_422_before_any_routing(tracker):
+    resp = await tracker.post("/v1/chat/completions", json={"model": MODEL, "messages": [], "temperature": 0})
+    assert "'messages'" in assert_envelope(resp, 422, "invalid_field")["error"]["message"]
+    demand = {d["model"]: d for d in (await tracker.get("/v1/demand")).json()["demand"]}
+    assert demand[MODEL]["requests_per_min"] == 0.0
+
+
+async def test_chat_for_an_unknown_model_is_404(tracker):
+    resp = await tracker.post("/v1/chat/completions",
+                              json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
+    assert_envelope(resp, 404, "model_not_found")
+
+
+# ---- heartbeats and directives ------------------------------------------------------------------
+
+
+async def test_heartbeat_for_an_unknown_node_is_404(tracker):
+    resp = await tracker.post("/v1/nodes/node-ghost/heartbeat", json={"shards": [], "stats": {}})
+    body = assert_envelope(resp, 404, "unknown_node")
+    assert "register again" in body["error"]["hint"]
+
+
+async def test_heartbeat_updates_shards_and_stats(tracker):
+    await register(tracker, node("node-a"))
+    resp = await tracker.post("/v1/nodes/node-a/heartbeat",
+                              json={"shards": [shard(0, 3)], "stats": {"tokens_per_s": 42.0, "in_flight": 1}})
+    assert resp.status_code == 200 and resp.json() == {"directives": []}
+    (view,) = (await tracker.get("/v1/nodes")).json()["nodes"]
+    assert view["stats"] == {"tokens_per_s": 42.0, "in_flight": 1}
+    assert [(s["shard_start"], s["shard_end"], s["admitted"]) for s in view["shards"]] == [(0, 3, True)]
+    assert (await tracker.get(f"/v1/coverage/{MODEL}")).json()["routable"] is True
+
+
+async def test_directives_are_listed_then_delivered_by_heartbeat(tracker):
+    await register(tracker, node("node-a", shard(0, 3)))
+    await register(tracker, node("node-b"))
+    assert (await tracker.get("/v1/directives")).json() == {"directives": []}
+    resp = await tracker.post("/v1/operator/reload", json={"node_id": "node-a"})
+    assert resp.status_code == 200
+    queued = resp.json()["directive"]
+    assert queued["type"] == "RELOAD" and queued["status"] == "queued" and queued["node_id"] == "node-a"
+    listed = (await tracker.get("/v1/directives", params={"node_id": "node-a"})).json()["directives"]
+    assert [(d["id"], d["type"], d["status"]) for d in listed] == [(queued["id"], "RELOAD", "queued")]
+    assert (await tracker.get("/v1/directives", params={"node_id": "node-b"})).json()["directives"] == []
+    delivered = (await tracker.post("/v1/nodes/node-a/heartbeat", json={"shards": []})).json()["directives"]
+    assert [(d["id"], d["status"]) for d in delivered] == [(queued["id"], "delivered")]
+    again = (await tracker.post("/v1/nodes/node-a/heartbeat", json={"shards": []})).json()["directives"]
+    assert again == []
+    resp = await tracker.post("/v1/nodes/node-a/heartbeat",
+                              json={"directive_updates": [{"id": queued["id"], "status": "done"}]})
+    assert resp.status_code == 200
+    (final,) = (await tracker.get("/v1/directives")).json()["directives"]
+    assert final["status"] == "done"
+
+
+async def test_bad_directive_update_status_is_422(tracker):
+    await register(tracker, node("node-a"))
+    resp = await tracker.post("/v1/nodes/node-a/heartbeat",
+                              json={"directive_updates": [{"id": 1, "status": "exploded"}]})
+    assert "directive_updates.0.status" in assert_envelope(resp, 422, "invalid_field")["error"]["message"]
+
+
+async def test_reload_makes_earlier_reports_stale(tracker):
+    await register(tracker, node("node-a", shard(0, 3)))
+    assert (await tracker.get(f"/v1/coverage/{MODEL}")).json()["routable"] is True
+    time.sleep(0.01)  # the reload's stale_before must be later than the report's timestamp
+    await tracker.post("/v1/operator/reload", json={"node_id": "node-a"})
+    assert (await tracker.get(f"/v1/coverage/{MODEL}")).json()["routable"] is False
+
+
+# ---- network assign ----------------------------------------------------------------------------
+
+
+async def test_network_assign_shape_for_an_empty_network(tracker):
+    resp = await tracker.get("/v1/network/assign", params={"hf_repo": "meshnet/tiny-llama", "vram_mb": 1024})
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"hf_repo": "meshnet/tiny-llama", "model": MODEL, "shard_start": 0, "shard_end": 3,
+                           "num_layers": 4, "gap_found": True, "price_per_token": 0.0}
+
+
+async def test_network_assign_points_at_the_first_gap(tracker):
+    await register(tracker, node("node-a", shard(0, 1)))
+    body = (await tracker.get("/v1/network/assign", params={"hf_repo": MODEL})).json()
+    assert (body["shard_start"], body["shard_end"], body["gap_found"]) == (2, 3, True)
+    await register(tracker, node("node-b", shard(2, 3)))
+    body = (await tracker.get("/v1/network/assign", params={"hf_repo": MODEL})).json()
+    assert (body["shard_start"], body["shard_end"], body["gap_found"]) == (0, 3, False)
+
+
+@pytest.mark.parametrize("params, status, code", [
+    ({}, 422, "invalid_field"),
+    ({"hf_repo": MODEL, "vram_mb": 0}, 422, "invalid_field"),
+    ({"hf_repo": MODEL, "vram_mb": "lots"}, 422, "invalid_field"),
+    ({"hf_repo": MODEL, "quantization": "fp8"}, 400, "invalid_request"),
+    ({"hf_repo": "nobody/nothing"}, 404, "model_not_found"),
+])
+async def test_bad_network_assign_queries(tracker, params, status, code):
+    assert_envelope(await tracker.get("/v1/network/assign", params=params), status, code)
+
+
+# ---- operator auth, health, models, metrics ---------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/operator/pin", {"model": MODEL, "node_id": "node-a"}),
+    ("/v1/operator/reload", {"node_id": "node-a"}),
+    ("/v1/operator/doctor", {"node_id": "node-a"}),
+    ("/v1/operator/drain", {"node_id": "node-a"}),
+])
+async def test_operator_endpoints_refuse_without_the_token(make_tracker, path, body):
+    tracker = await make_tracker(operator_token="s3cret")
+    await register(tracker, node("node-a", shard(0, 3)))
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cre"}):
+        resp = await tracker.post(path, json=body, headers=headers)
+        error = assert_envelope(resp, 401, "unauthorized")["error"]
+        assert error["type"] == "authentication_error"
+    assert (await tracker.get("/v1/directives")).json()["directives"] == []
+    (view,) = (await tracker.get("/v1/nodes")).json()["nodes"]
+    assert view["draining"] is False
+
+
+async def test_operator_drain_with_the_token(make_tracker):
+    tracker = await make_tracker(operator_token="s3cret")
+    await register(tracker, node("node-a", shard(0, 3)))
+    resp = await tracker.post("/v1/operator/drain", json={"node_id": "node-a"},
+                              headers={"Authorization": "Bearer s3cret"})
+    assert resp.status_code == 200 and resp.json() == {"node_id": "node-a", "draining": True}
+    cov = (await tracker.get(f"/v1/coverage/{MODEL}")).json()
+    assert cov["covered_layers"] == 0 and cov["routable"] is False
+
+
+async def test_operator_pin_queues_a_load(tracker):
+    await register(tracker, node("node-a"))
+    resp = await tracker.post("/v1/operator/pin", json={"model": MODEL, "node_id": "node-a", "shard": "0-1"})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["pinned"] == {"node_id": "node-a", "model": MODEL, "shard_start": 0, "shard_end": 1}
+    assert [(d["type"], d["shard_start"], d["shard_end"], d["tier"]) for d in body["directives"]] == [
+        ("LOAD_SHARD", 0, 1, "pinned")]
+    resp = await tracker.post("/v1/operator/pin", json={"model": MODEL, "node_id": "node-a", "shard": "2-9"})
+    assert_envelope(resp, 422, "invalid_field")
+    resp = await tracker.post("/v1/operator/pin", json={"model": MODEL, "node_id": "node-a", "shard": "two"})
+    assert "'shard'" in assert_envelope(resp, 422, "invalid_field")["error"]["message"]
+
+
+async def test_health_and_models(tracker):
+    await register(tracker, node("node-a", shard(0, 3)))
+    assert (await tracker.get("/v1/health")).json() == {"status": "ok", "nodes": 1, "models": [MODEL]}
+    assert (await tracker.get("/v1/models")).json() == {"object": "list", "data": [
+        {"id": MODEL, "object": "model", "owned_by": "meshnet", "num_layers": 4, "routable": True}]}
+
+
+async def test_metrics_have_meshnet_names(tracker):
+    await register(tracker, node("node-a", shard(0, 1)))
+    resp = await tracker.get("/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    lines = resp.text.splitlines()
+    assert "meshnet_nodes 1.0" in lines
+    assert 'meshnet_covered_layers{model="tiny-llama"} 2.0' in lines
+
+
+async def test_failure_report_is_recorded(tracker):
+    await register(tracker, node("node-a", shard(0, 3)))
+    resp = await tracker.post("/v1/nodes/node-a/failure", json={"reason": "timeout"})
+    assert resp.json() == {"ok": True}
+    # an unknown node's failure is accepted and ignored
+    assert (await tracker.post("/v1/nodes/node-x/failure", json={})).json() == {"ok": True}
+
+
+@pytest.mark.xfail(reason="BUG meshnet/tracker/app.py failure(): the body is parsed with bare json.loads and "
+                          "body.get, so a non-JSON or non-object body escapes as a bare 500", strict=True)
+async def test_failure_report_with_a_bad_body_is_4xx(asgi_client):
+    app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False)
+    client = await asgi_client(app, raise_app_exceptions=False)
+    resp = await client.post("/v1/nodes/node-a/failure", content=b"not json")
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request"

@@ -1,0 +1,192 @@
+"""Console test harness: a real in-process tracker, fake node registrations, a real doctor node.
+
+- ``tracker`` (async fixture): the tracker app (``run_loop=False``) with its lifespan running,
+  reached through ``httpx.ASGITransport``; ``tracker.console(...)`` builds a console wired
+  to it through a :class:`TrackerClient`.
+- :class:`LazyTrackerTransport`: for the snapshot tests, which must be synchronous
+  (``snap_compare`` runs the app in its own event loop): the tracker's lifespan starts
+  on the first request, inside the console's loop, and stops when the console closes
+  its client.
+- ``doctor_node``: a real uvicorn server on a free 127.0.0.1 port, in a thread, serving a
+  minimal node API (``POST /v1/doctor``); the tracker calls it over the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+import uvicorn
+from asgi_lifespan import LifespanManager
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from meshnet.client import TrackerClient
+from meshnet.tracker.app import build_app
+from meshnet.tracker.service import TrackerSettings
+from tui.app import MeshnetConsole
+
+MODEL = "tiny-llama"
+TRACKER_URL = "http://tracker.test"
+SIZE = (120, 36)
+GiB = 1024**3
+
+
+def shard(start: int, end: int, *, model: str = MODEL, tier: str = "bootstrap", passed: bool = True,
+          timestamp: float | None = None, tokens_per_s: float = 50.0, weight_bytes: int = 115_200) -> dict:
+    """One shard of a register/heartbeat payload with its capability report (inclusive range)."""
+    return {"model": model, "shard_start": start, "shard_end": end, "tier": tier, "entry": start == 0,
+            "quantization": "bfloat16", "weight_bytes": weight_bytes,
+            "report": {"passed": passed, "timestamp": time.time() if timestamp is None else timestamp,
+                       "tokens_per_s": tokens_per_s,
+                       "reason": "forward pass finite and well-shaped" if passed else "probe output has NaN"}}
+
+
+def node_payload(node_id: str, endpoint: str, shards: list[dict], *, vram_bytes: int = 2 * GiB,
+                 max_loaded_shards: int = 2) -> dict:
+    return {"node_id": node_id, "endpoint": endpoint, "vram_bytes": vram_bytes, "device": "cpu",
+            "max_loaded_shards": max_loaded_shards, "shards": shards}
+
+
+class FakeClock:
+    """A console clock the test moves by hand."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class SwitchableTransport(httpx.AsyncBaseTransport):
+    """Wraps a transport; while ``down`` every request fails like a closed port."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.down = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+        return await self.inner.handle_async_request(request)
+
+
+class LazyTrackerTransport(httpx.AsyncBaseTransport):
+    """ASGI transport to a tracker app whose lifespan starts with the first request."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self._manager: LifespanManager | None = None
+        self._inner: httpx.ASGITransport | None = None
+        self._lock: asyncio.Lock | None = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._inner is None:
+            self._lock = self._lock or asyncio.Lock()
+            async with self._lock:
+                if self._inner is None:
+                    self._manager = LifespanManager(self.app)
+                    await self._manager.__aenter__()
+                    self._inner = httpx.ASGITransport(app=self._manager.app)
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        if self._manager is not None:
+            manager, self._manager, self._inner = self._manager, None, None
+            await manager.__aexit__(None, None, None)
+
+
+def tracker_app():
+    return build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False)
+
+
+@dataclass
+class TrackerHarness:
+    """A running in-process tracker and a client of it (for seeding and for checks)."""
+
+    app: object
+    transport: httpx.AsyncBaseTransport
+    client: TrackerClient = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.client = TrackerClient(TRACKER_URL, transport=self.transport)
+
+    @property
+    def service(self):
+        return self.app.state.service
+
+    async def register(self, node_id: str, shards: list[dict], endpoint: str | None = None, **kw) -> dict:
+        return await self.client.register(node_payload(node_id, endpoint or f"http://{node_id}.test:8701",
+                                                       shards, **kw))
+
+    async def heartbeat(self, node_id: str, shards: list[dict], stats: dict | None = None) -> list[dict]:
+        return (await self.client.heartbeat(node_id, {"shards": shards, "stats": stats or {}}))["directives"]
+
+    def console(self, *, transport: httpx.AsyncBaseTransport | None = None, **kw) -> MeshnetConsole:
+        kw.setdefault("interval_s", 60.0)  # tests poll explicitly (refresh_now)
+        client = TrackerClient(TRACKER_URL, transport=transport or self.transport)
+        return MeshnetConsole(url=TRACKER_URL, client=client, **kw)
+
+
+@pytest.fixture
+async def tracker():
+    app = tracker_app()
+    async with LifespanManager(app) as manager:
+        harness = TrackerHarness(app, httpx.ASGITransport(app=manager.app))
+        yield harness
+        await harness.client.aclose()
+
+
+# ---- a real node endpoint for doctor -------------------------------------------------------
+
+
+@dataclass
+class DoctorNode:
+    """A minimal node API on a real socket: ``POST /v1/doctor`` answers with passed reports."""
+
+    shards: list[tuple[str, int, int]]
+    calls: list[float] = field(default_factory=list)
+    url: str = ""
+
+    def app(self) -> Starlette:
+        async def doctor(request: Request) -> JSONResponse:
+            self.calls.append(time.time())
+            reports = [{"model": m, "shard_start": a, "shard_end": b, "passed": True, "tokens_per_s": 123.4,
+                        "reason": "forward pass finite and well-shaped", "timestamp": time.time(),
+                        "recipe": {"quantization": "bfloat16", "compute_dtype": "float32"},
+                        "hardware": {"device": "cpu", "cpu_count": 4, "ram_bytes": 8 * GiB}}
+                       for m, a, b in self.shards]
+            return JSONResponse({"reports": reports})
+
+        return Starlette(routes=[Route("/v1/doctor", doctor, methods=["POST"])])
+
+
+@pytest.fixture
+def doctor_node():
+    node = DoctorNode(shards=[(MODEL, 0, 3)])
+    server = uvicorn.Server(uvicorn.Config(node.app(), host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 10
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("doctor node server did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    node.url = f"http://127.0.0.1:{port}"
+    try:
+        yield node
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+

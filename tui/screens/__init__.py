@@ -1,0 +1,1 @@
+"""The console's views (one Textual mode each) and the help screen."""
