@@ -39,6 +39,8 @@ def tracker_start(
         heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", min=0.1, help="Node heartbeat, s."),
         node_timeout: float = typer.Option(25.0, "--node-timeout", min=0.5, help="Dropout after this many s."),
         rebalance_interval: float = typer.Option(30.0, "--rebalance-interval", min=0.5, help="Rebalance period, s."),
+        join_settle: float = typer.Option(2.0, "--join-settle", min=0.0,
+                                          help="Seconds to wait for more joins before placing, s."),
         operator_token: str = typer.Option(None, "--operator-token", envvar="MESHNET_OPERATOR_TOKEN",
                                            help="Bearer token required for operator actions."),
         log_level: str = LogOpt) -> None:
@@ -58,7 +60,7 @@ def tracker_start(
         db = str(cache_dir() / "tracker.db")
     settings = TrackerSettings(host=host, port=port, models=names, heartbeat_interval_s=heartbeat_interval,
                                node_timeout_s=node_timeout, rebalance_interval_s=rebalance_interval, db_path=db,
-                               operator_token=operator_token)
+                               operator_token=operator_token, join_settle_s=join_settle)
     _serve(build_app(settings), host, port)
 
 

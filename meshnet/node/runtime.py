@@ -44,7 +44,7 @@ class ShardSlot:
         start, end = self.layers.to_inclusive()
         return {"model": self.model, "shard_start": start, "shard_end": end, "tier": self.tier,
                 "quantization": self.quantization, "weight_bytes": self.shard.weight_bytes(),
-                "entry": self.shard.is_entry}
+                "entry": self.shard.is_entry, "num_layers": self.shard.num_layers}
 
 
 class NodeRuntime:

@@ -31,7 +31,7 @@ from meshnet.layers import LayerRange
 MEMORY_FRACTION = 0.8
 """Share of a node's memory budget that shards may fill; the rest is left to activations,
 KV caches and the runtime (ADR-0003)."""
-TIERS = ("pinned", "bootstrap", "managed")
+TIERS = ("pinned", "bootstrap", "managed")   # ADR-0026; only managed shards ever move
 _NUM, _DEN = Fraction(MEMORY_FRACTION).limit_denominator(1000).as_integer_ratio()   # exact 4/5
 _MILLI = 1000   # throughput is summed as integer milli-tokens/s, so sums never depend on order
 _NEVER = float("inf")
@@ -63,8 +63,9 @@ class Assignment:
 
 @dataclass(frozen=True)
 class NodeState:
-    """A node as placement sees it: memory (bytes), recipe, measured ``tokens_per_s``,
-    ``max_loaded_shards`` shard slots and the shards it holds now."""
+    """A node as placement sees it: ``vram_bytes`` of memory, its recipe (``quantization``),
+    measured throughput in tokens/s, ``max_loaded_shards`` shard slots (>= 1), the shards it
+    holds now, and whether the tracker may add shards to it (ADR-0003)."""
 
     node_id: str
     vram_bytes: int
@@ -77,8 +78,9 @@ class NodeState:
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    """Result of :func:`plan_placement`: each node's full desired shard set, the shards to
-    load and drop to get there, and one human reason per node."""
+    """Result of :func:`plan_placement` (ADR-0003): node_id -> full desired shard set, the
+    ``(node_id, Assignment)`` pairs to load and to drop to get there, and node_id -> a short
+    human reason why the node did or did not receive a range."""
 
     assignments: Mapping[str, tuple[Assignment, ...]]
     loads: tuple[tuple[str, Assignment], ...]
@@ -106,8 +108,9 @@ def max_assignable_layers(vram_bytes: int, bytes_per_layer: int) -> int:
 
 
 def coverage_counts(num_layers: int, ranges: Iterable[LayerRange]) -> list[int]:
-    """Copies of each layer ``0..num_layers-1`` among ``ranges`` (a difference array:
-    O(layers + ranges)); parts of a range beyond the model are ignored."""
+    """Copies (node count) of each layer ``0..num_layers-1`` among ``ranges``, the coverage
+    map of ADR-0003, by a difference array in O(layers + ranges). Parts of a range past the
+    model's end are ignored."""
     diff = [0] * (num_layers + 1)
     for layers in ranges:
         diff[layers.start if layers.start < num_layers else num_layers] += 1
@@ -116,7 +119,7 @@ def coverage_counts(num_layers: int, ranges: Iterable[LayerRange]) -> list[int]:
 
 
 def find_gaps(num_layers: int, counts: Sequence[int]) -> list[LayerRange]:
-    """Coverage gaps: maximal runs of layers whose count is 0, in layer order."""
+    """Coverage gaps (ADR-0003): maximal runs of layers whose count is 0, in layer order."""
     gaps, layer = [], 0
     for empty, run in groupby(counts[:num_layers], key=not_):
         width = sum(1 for _ in run)
