@@ -155,6 +155,7 @@ async def chat(request: Request) -> Response:
     req = parse_chat_request(body)
     node = svc.entry_node(req.model or default_model())
     svc.metrics.requests.labels(model=req.model or default_model()).inc()
+    svc.add_served(req.model or default_model())
     http: httpx.AsyncClient = request.app.state.http
     upstream = http.build_request("POST", f"{node.endpoint}/v1/chat/completions", content=body,
                                   headers={"Content-Type": "application/json"})

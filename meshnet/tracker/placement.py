@@ -168,7 +168,8 @@ class _Work:
         self.order = [i for i, n in enumerate(nodes)   # nodes that may take a shard, fastest first
                       if n.accepts_placement and len(n.assignments) < n.max_loaded_shards]
         self.order.sort(key=[n.node_id for n in nodes].__getitem__)
-        self.order.sort(key=[-n.tokens_per_s for n in nodes].__getitem__)   # stable: ties stay by node_id
+        self.order.sort(key=[-n.vram_bytes for n in nodes].__getitem__)   # equal speed: bigger first
+        self.order.sort(key=[-n.tokens_per_s for n in nodes].__getitem__)   # stable: ties by memory, id
         self.added: dict[int, list[tuple[str, Assignment]]] = {}   # node -> (reason, new shard)
         self.kept: dict[int, list[Assignment]] = {}   # node -> its own shards after managed moves
         self.dirty = set(self.specs)   # models that may have a managed move to make
@@ -306,11 +307,13 @@ def _add_redundancy(work: _Work) -> None:
     """Each idle, accepting node adds one copy to the fully covered model with the highest
     demand per copy (demand / fewest copies of any layer; then fewest copies, then name):
     all of it if it fits, else as many layers as fit from the first layer with the fewest
-    copies, moved left only as far as the model's end requires (ADR-0003).
+    copies, moved left only as far as the model's end requires (ADR-0003). A model with no
+    demand gets no redundant copy: idle nodes stay hot spares for refilling dropouts.
 
     The heap holds one key ``(-demand / fewest, fewest, name)`` per model. Whole copies,
     the usual case, cost O(log models) each and are counted in one batch at the end."""
-    covered = [s for s in work.specs.values() if s.num_layers > 0 and min(work.counts[s.name]) > 0]
+    covered = [s for s in work.specs.values()
+               if s.num_layers > 0 and s.demand > 0 and min(work.counts[s.name]) > 0]
     heap = [(-s.demand / min(work.counts[s.name]), min(work.counts[s.name]), s.name) for s in covered]
     heapq.heapify(heap)
     whole: dict[str, list[int]] = {s.name: [] for s in covered}   # not yet in ``counts``

@@ -39,7 +39,7 @@ def _recently_failed(service: TrackerService, node_id: str, now: float) -> bool:
 
 def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState], list[placement.ModelSpec]]:
     now = time.time()
-    models = [placement.ModelSpec(m.name, m.num_layers, m.bytes_per_layer, service.demand_rate(m.name))
+    models = [placement.ModelSpec(m.name, m.num_layers, m.bytes_per_layer, service.load_rate(m.name))
               for m in service.tracked_models()]
     known = {m.name for m in models}
     nodes = []

@@ -68,7 +68,8 @@ class TrackerService:
         self.store = store or TrackerStore(settings.db_path)
         self.nodes: dict[str, NodeRecord] = {}
         self.models: dict[str, ModelInfo] = {}
-        self.demand: dict[str, list[float]] = {}
+        self.demand: dict[str, list[float]] = {}   # requests refused while not routable
+        self.served: dict[str, list[float]] = {}   # requests forwarded to an entry node
         self.dirty = True  # a join/leave happened: rebalance soon
         self.last_join_s = 0.0
         for name in settings.models:
@@ -242,14 +243,26 @@ class TrackerService:
     # ---- demand -----------------------------------------------------------------------
 
     def add_demand(self, model: str, now: float | None = None) -> None:
+        """Count a request refused because ``model`` was not routable (queued demand)."""
         self.demand.setdefault(model, []).append(time.monotonic() if now is None else now)
         self.store.add_model(model, source="demand")
         self.dirty = True
 
-    def demand_rate(self, model: str, now: float | None = None) -> float:
-        """Queued demand for ``model``: requests per minute over the demand window."""
+    def add_served(self, model: str, now: float | None = None) -> None:
+        """Count a request forwarded to an entry node (the load that earns redundancy)."""
+        self.served.setdefault(model, []).append(time.monotonic() if now is None else now)
+
+    def _rate(self, events: dict[str, list[float]], model: str, now: float | None) -> float:
         now = time.monotonic() if now is None else now
         window = self.settings.demand_window_s
-        events = [t for t in self.demand.get(model, []) if now - t <= window]
-        self.demand[model] = events
-        return len(events) * 60.0 / window
+        kept = [t for t in events.get(model, []) if now - t <= window]
+        events[model] = kept
+        return len(kept) * 60.0 / window
+
+    def demand_rate(self, model: str, now: float | None = None) -> float:
+        """Queued demand for ``model``: refused requests per minute over the demand window."""
+        return self._rate(self.demand, model, now)
+
+    def load_rate(self, model: str, now: float | None = None) -> float:
+        """All requests per minute for ``model`` (served plus refused) over the demand window."""
+        return self._rate(self.served, model, now) + self.demand_rate(model, now)

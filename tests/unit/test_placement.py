@@ -17,7 +17,7 @@ LAYER = 100   # bytes per layer of the toy models below: node capacity = vram * 
 SMOL = ModelSpec("smollm2", 30, {"bfloat16": 7080192, "int8": 3543552, "nf4": 1772352})
 
 
-def model(name: str = "m", num_layers: int = 30, demand: float = 0.0) -> ModelSpec:
+def model(name: str = "m", num_layers: int = 30, demand: float = 1.0) -> ModelSpec:
     return ModelSpec(name, num_layers, {"bfloat16": LAYER, "int8": LAYER // 2}, demand)
 
 
@@ -214,11 +214,18 @@ def test_idle_node_adds_redundancy_to_the_highest_demand_per_copy():
     assert plan.reasons["idle"] == "coverage complete; added redundancy a 0-29"
 
 
-def test_without_demand_redundancy_goes_to_the_model_with_fewest_copies():
+def test_equal_demand_redundancy_goes_to_the_model_with_fewest_copies():
     covered = [node("a1", shards=[shard("a", 0, 30)]), node("a2", shards=[shard("a", 0, 30)]),
                node("b1", shards=[shard("b", 0, 30)])]
     plan = plan_placement([*covered, node("idle")], [model("a"), model("b")])
     assert loads(plan) == [("idle", "b", 0, 30)]
+
+
+def test_without_demand_an_idle_node_stays_a_hot_spare():
+    covered = [node("a1", shards=[shard("a", 0, 30)])]
+    plan = plan_placement([*covered, node("idle")], [model("a", demand=0.0)])
+    assert loads(plan) == []
+    assert plan.reasons["idle"] == "no gap it can fill and no fully covered model fits"
 
 
 @pytest.mark.parametrize(("spans", "capacity", "expected"), [
