@@ -126,23 +126,35 @@ class NodeRuntime:
             NotFound, SessionConflict, InvalidRequest.
         """
         slot = self.find_slot(model, layers)
-        if hidden.dim() != 3 or hidden.shape[-1] != slot.shard.config.hidden_size:
-            raise InvalidRequest(f"activation shape {list(hidden.shape)} does not match "
-                                 f"[batch, seq, {slot.shard.config.hidden_size}]")
+        size = slot.shard.config.hidden_size
+        if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] < 1 or hidden.shape[-1] != size:
+            raise InvalidRequest(f"activation shape {list(hidden.shape)} does not match [1, seq >= 1, {size}]")
         with self.lock:
             session = self.sessions.acquire(session_id, slot.key, position)
-            out = slot.shard.forward(hidden, session.cache, position, layers)
+            out = self._run(session_id, slot, lambda: slot.shard.forward(hidden, session.cache, position, layers))
             self.sessions.commit(session, hidden.shape[1])
             self.tokens_processed += hidden.shape[1]
         return out
+
+    def _run(self, session_id: str, slot: ShardSlot, compute):
+        """Run ``compute``; on an unexpected error drop the (possibly half-updated) session."""
+        try:
+            return compute()
+        except MeshnetError:
+            raise
+        except Exception as exc:
+            self.sessions.release(session_id)
+            log.exception("forward failed on %s", slot.key)
+            raise MeshnetError(f"forward failed on {slot.key}: {type(exc).__name__}: {exc}",
+                               code="forward_failed", hint="the session was dropped; replay it from position 0") from exc
 
     def run_entry(self, slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
                   layers: LayerRange) -> torch.Tensor:
         """Embed ``input_ids`` ``[1, seq]`` and run this node's entry ``layers``."""
         with self.lock:
             session = self.sessions.acquire(session_id, slot.key, position)
-            hidden = slot.shard.embed_tokens(input_ids, position)
-            out = slot.shard.forward(hidden, session.cache, position, layers)
+            out = self._run(session_id, slot, lambda: slot.shard.forward(
+                slot.shard.embed_tokens(input_ids, position), session.cache, position, layers))
             self.sessions.commit(session, input_ids.shape[1])
             self.tokens_processed += input_ids.shape[1]
         return out

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 
@@ -30,7 +29,7 @@ from meshnet.layers import LayerRange
 from meshnet.tracker import operator, placement, views
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.rebalance import rebalance
-from meshnet.tracker.registry import HeartbeatPayload, RegisterPayload
+from meshnet.tracker.registry import FailureReport, HeartbeatPayload, RegisterPayload
 from meshnet.tracker.service import TrackerService, TrackerSettings
 
 log = logging.getLogger(__name__)
@@ -47,10 +46,13 @@ def _int_param(request: Request, name: str, default: int | None = None) -> int:
             raise InvalidRequest(f"missing query parameter '{name}'", code="invalid_field", status=422)
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise InvalidRequest(f"query parameter '{name}' must be an integer", code="invalid_field",
                              status=422) from None
+    if value < 0:
+        raise InvalidRequest(f"query parameter '{name}' must be >= 0", code="invalid_field", status=422)
+    return value
 
 
 async def register(request: Request) -> JSONResponse:
@@ -69,8 +71,8 @@ async def heartbeat(request: Request) -> JSONResponse:
 
 
 async def failure(request: Request) -> JSONResponse:
-    body = json.loads(await request.body() or b"{}")
-    _svc(request).report_failure(request.path_params["node_id"], str(body.get("reason", ""))[:500])
+    body = validate_json(FailureReport, await request.body())
+    _svc(request).report_failure(request.path_params["node_id"], body.reason)
     return JSONResponse({"ok": True})
 
 

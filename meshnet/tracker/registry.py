@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from meshnet.layers import LayerRange
 
@@ -30,11 +30,12 @@ class ShardPayload(BaseModel):
     num_layers: int | None = Field(default=None, ge=1)
     report: dict | None = None
 
-    @model_validator(mode="after")
-    def _order(self):
-        if self.shard_end < self.shard_start:
+    @field_validator("shard_end")
+    @classmethod
+    def _order(cls, value: int, info: ValidationInfo) -> int:
+        if value < info.data.get("shard_start", 0):
             raise ValueError("shard_end must be >= shard_start (inclusive range)")
-        return self
+        return value
 
 
 class RegisterPayload(BaseModel):
@@ -54,12 +55,19 @@ class RegisterPayload(BaseModel):
     accepts_placement: bool = True
     shards: list[ShardPayload] = Field(default_factory=list)
 
-    @model_validator(mode="after")
-    def _recipes(self):
-        bad = [q for q in self.quantizations if q not in RECIPES]
+    @field_validator("quantizations")
+    @classmethod
+    def _recipes(cls, value: list[str]) -> list[str]:
+        bad = [q for q in value if q not in RECIPES]
         if bad:
-            raise ValueError(f"quantizations: unknown recipe {bad[0]!r} (known: {', '.join(RECIPES)})")
-        return self
+            raise ValueError(f"unknown recipe {bad[0]!r} (known: {', '.join(RECIPES)})")
+        return value
+
+
+class FailureReport(BaseModel):
+    """Body of ``POST /v1/nodes/{id}/failure``: why a hop failed."""
+
+    reason: str = Field(default="", max_length=2000)
 
 
 class DirectiveUpdate(BaseModel):

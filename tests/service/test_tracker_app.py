@@ -92,9 +92,6 @@ async def test_register_validation_is_422_naming_the_field(tracker, override, fi
     assert (await tracker.get("/v1/nodes")).json()["nodes"] == []
 
 
-@pytest.mark.xfail(reason="BUG meshnet/tracker/registry.py RegisterPayload._recipes is a model_validator, so "
-                          "the error has an empty loc and validate_json labels it 'body', not 'quantizations'",
-                   strict=True)
 async def test_unknown_quantization_is_labelled_with_its_field(tracker):
     resp = await tracker.post("/v1/nodes/register", json={**node("node-a"), "quantizations": ["fp8"]})
     error = assert_envelope(resp, 422, "invalid_field")["error"]
@@ -201,8 +198,6 @@ async def test_bad_route_queries(tracker, params, status, code):
     assert_envelope(await tracker.get("/v1/route", params=params), status, code)
 
 
-@pytest.mark.xfail(reason="BUG meshnet/tracker/app.py route(): a negative start_layer reaches "
-                          "LayerRange.from_inclusive, whose ValueError escapes as a bare 500", strict=True)
 async def test_negative_start_layer_is_422(asgi_client):
     app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False)
     client = await asgi_client(app, raise_app_exceptions=False)
@@ -397,8 +392,6 @@ async def test_failure_report_is_recorded(tracker):
     assert (await tracker.post("/v1/nodes/node-x/failure", json={})).json() == {"ok": True}
 
 
-@pytest.mark.xfail(reason="BUG meshnet/tracker/app.py failure(): the body is parsed with bare json.loads and "
-                          "body.get, so a non-JSON or non-object body escapes as a bare 500", strict=True)
 async def test_failure_report_with_a_bad_body_is_4xx(asgi_client):
     app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False)
     client = await asgi_client(app, raise_app_exceptions=False)
