@@ -56,10 +56,13 @@ def rebalance(service: TrackerService) -> placement.PlacementPlan:
     """Plan placement over the live registry and queue the resulting directives."""
     nodes, models = placement_inputs(service)
     plan = placement.plan_placement(nodes, models)
+    sources = service.store.model_sources()
     for node_id, a in plan.loads:
         start, end = a.layers.to_inclusive()
+        # a model tracked only because chat demand asked for it is placed as `managed` (ADR-0026)
+        tier = "managed" if sources.get(a.model) == "demand" and a.tier == "bootstrap" else a.tier
         service.store.add_directive(node_id, "LOAD_SHARD", model=a.model, shard_start=start, shard_end=end,
-                                    tier=a.tier, reason=plan.reasons.get(node_id, ""))
+                                    tier=tier, reason=plan.reasons.get(node_id, ""))
         log.info("LOAD_SHARD %s %s → %s (%s)", a.model, a.layers, node_id, a.tier)
     for node_id, a in plan.drops:
         start, end = a.layers.to_inclusive()

@@ -88,5 +88,9 @@ class TrackerStore:
     def add_model(self, name: str, source: str = "operator") -> None:
         self._exec("INSERT OR IGNORE INTO models VALUES (?,?,?)", (name, time.time(), source))
 
+    def model_sources(self) -> dict[str, str]:
+        """Model name → how it became tracked: ``operator`` (``--model``/pin) or ``demand``."""
+        return {r["name"]: r["source"] for r in self._rows("SELECT name, source FROM models")}
+
     def models(self) -> list[str]:
         return [r["name"] for r in self._rows("SELECT name FROM models ORDER BY added_at")]

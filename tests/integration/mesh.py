@@ -32,9 +32,9 @@ class Mesh:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")
-        env = {**os.environ, "MESHNET_LOG_LEVEL": "INFO"}
+        env = {**os.environ, "MESHNET_LOG_LEVEL": "INFO", **(env or {})}
         proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", *args], stdout=log,
                                 stderr=subprocess.STDOUT, env=env)
         self.procs[name] = proc
@@ -50,9 +50,9 @@ class Mesh:
         self._spawn("tracker", args + (extra or []))
         self.wait(lambda: httpx.get(f"{self.url}/v1/health", timeout=1).status_code == 200, 30, "tracker up")
 
-    def start_node(self, name: str, *args: str) -> None:
+    def start_node(self, name: str, *args: str, env: dict | None = None) -> None:
         self._spawn(name, ["node", "start", "--tracker", self.url, "--node-id", name,
-                           "--heartbeat-interval", str(self.heartbeat_s), "--threads", "1", *args])
+                           "--heartbeat-interval", str(self.heartbeat_s), "--threads", "1", *args], env)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.pop(name)
