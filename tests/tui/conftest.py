@@ -79,6 +79,9 @@ class SwitchableTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
         return await self.inner.handle_async_request(request)
 
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
 
 class LazyTrackerTransport(httpx.AsyncBaseTransport):
     """ASGI transport to a tracker app whose lifespan starts with the first request."""

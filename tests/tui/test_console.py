@@ -55,7 +55,9 @@ async def wait_for_screen(pilot, kind, timeout_s: float = 10.0):
 
 
 async def wait_for_workers(app, pilot) -> None:
-    await app.workers.wait_for_complete([w for w in app.workers if w.group == "operator"])
+    operators = [w for w in app.workers if w.group == "operator"]
+    if operators:  # wait_for_complete([]) would wait for every worker, the poller included
+        await app.workers.wait_for_complete(operators)
     await pilot.pause()
 
 
