@@ -118,13 +118,15 @@ class ShardModel:
         dtype: compute dtype name (``float32``, ``bfloat16``).
         load_head: load embeddings, final norm, LM head and tokenizer (default: when
             ``layers.start == 0``).
+        quantization: recipe of the decoder layers' linear weights: ``bfloat16`` (none,
+            weights in the compute dtype), ``int8`` or ``nf4`` (bitsandbytes, see quantize.py).
 
     Raises:
         ModelSourceError: missing tensors or a range beyond the model's layer count.
     """
 
     def __init__(self, model_path: Path, layers: LayerRange, *, dtype: str = "float32",
-                 load_head: bool | None = None) -> None:
+                 load_head: bool | None = None, quantization: str = "bfloat16") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model_path = Path(model_path)
@@ -159,6 +161,10 @@ class ShardModel:
             self.rotary = rotary_cls(config=self.config)
         self._load_tensors(prefixes)
         del skeleton
+        self.quantization = quantization
+        if quantization not in ("bfloat16", "float32"):
+            from meshnet.models.quantize import quantize_linears
+            quantize_linears(self.blocks, quantization, self.dtype)
         if self.is_entry:
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -262,8 +268,11 @@ class ShardModel:
         for module in self._modules().values():
             if module is None:
                 continue
-            for p in module.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    total += p.numel() * p.element_size()
+            for t in (*module.parameters(), *module.buffers()):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+                    state = getattr(t, "quant_state", None)  # nf4 absmax blocks
+                    if state is not None and getattr(state, "absmax", None) is not None:
+                        total += state.absmax.numel() * state.absmax.element_size()
         return total

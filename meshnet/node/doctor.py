@@ -2,7 +2,9 @@
 
 The probe is fixed: an entry shard embeds token ids ``arange(16) * 7 % vocab``; any other
 shard gets seeded standard-normal hidden states ``[1, 16, hidden]`` (seed 0). The check:
-the output has the input's shape and is finite. Then 8 single-token decode steps on a
+the output has the input's shape and is finite, and for the ``int8``/``nf4`` recipes its
+relative L2 error against the same shard loaded unquantized in float32 is within
+``TOLERANCE``. Then 8 single-token decode steps on a
 fresh KV cache measure tokens/s for the shard. The result is a **capability report**;
 the tracker routes a shard only while its report is present, passed and fresh.
 """
@@ -19,6 +21,10 @@ from meshnet.node import hardware
 
 PROBE_TOKENS = 16
 DECODE_STEPS = 8
+#: max relative L2 error of a quantized shard's probe output against the same shard in
+#: float32 on the same weights. Measured on SmolLM2 10-layer shards: int8 0.025-0.059,
+#: nf4 0.29-0.54 (random probes amplify 4-bit error); wrong weights give about 1.0-1.4.
+TOLERANCE = {"int8": 0.15, "nf4": 0.75}
 
 
 def weights_digest(shard) -> str:
@@ -56,6 +62,20 @@ def _measure_tokens_per_s(shard) -> float:
     return DECODE_STEPS / (time.perf_counter() - t0)
 
 
+def _within_tolerance(slot, out: torch.Tensor, report: dict) -> bool:
+    """Quantized recipes only: compare with the unquantized shard (loaded transiently)."""
+    if slot.quantization not in TOLERANCE:
+        return True
+    from meshnet.models.shard import ShardModel
+
+    shard = slot.shard
+    reference = _probe(ShardModel(shard.model_path, slot.layers, dtype="float32", load_head=shard.is_entry))
+    error = float((out.float() - reference).norm() / reference.norm().clamp_min(1e-12))
+    report["reference_rel_error"] = round(error, 4)
+    report["tolerance"] = TOLERANCE[slot.quantization]
+    return error <= TOLERANCE[slot.quantization]
+
+
 def run_doctor(slot, *, lock=None) -> dict:
     """Capability report of one shard slot.
 
@@ -78,6 +98,9 @@ def run_doctor(slot, *, lock=None) -> dict:
                 report["reason"] = f"probe output shape {list(out.shape)} is wrong"
             elif not bool(torch.isfinite(out).all()):
                 report["reason"] = "probe output has NaN or infinite values"
+            elif not _within_tolerance(slot, out, report):
+                report["reason"] = (f"{slot.quantization} probe differs from float32 by "
+                                    f"{report['reference_rel_error']:.3f} > {TOLERANCE[slot.quantization]}")
             else:
                 report["tokens_per_s"] = round(_measure_tokens_per_s(shard), 2)
                 report["passed"] = True

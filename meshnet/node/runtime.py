@@ -82,7 +82,7 @@ class NodeRuntime:
         if len(self.slots) >= self.max_loaded_shards:
             raise MeshnetError(f"no free shard slot ({len(self.slots)}/{self.max_loaded_shards} used)",
                                code="no_free_slot", status=409)
-        shard = ShardModel(model_path, layers, dtype=self.compute_dtype)
+        shard = ShardModel(model_path, layers, dtype=self.compute_dtype, quantization=quantization)
         slot = ShardSlot(model=model, layers=layers, quantization=quantization, shard=shard, tier=tier)
         with self.lock:
             self.slots[slot.key] = slot
