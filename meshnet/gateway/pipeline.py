@@ -69,11 +69,12 @@ class Orchestrator:
 
     def __init__(self, runtime: NodeRuntime, slot: ShardSlot, *, node_id: str, endpoint: str, client,
                  routes: RouteProvider, report: FailureReporter,
-                 settings: OrchestratorSettings = OrchestratorSettings()) -> None:
+                 settings: OrchestratorSettings = OrchestratorSettings(), metrics=None) -> None:
         self.runtime, self.slot = runtime, slot
         self.node_id, self.endpoint = node_id, endpoint
         self.client, self.routes, self.report = client, routes, report
         self.settings = settings
+        self.metrics = metrics  # NodeMetrics or None: generation_started / generation_finished
         shard = slot.shard
         self.num_layers = shard.num_layers
         self.tokenizer = shard.tokenizer
@@ -145,6 +146,8 @@ class Orchestrator:
                                  timeout_s=self.settings.hop_timeout_s)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         local_turn, local_len = asyncio.Condition(), [0]
+        if self.metrics is not None:
+            self.metrics.generation_started()
         try:
             t0 = time.perf_counter()
             hidden = await self._prefill(session_id, remote, prompt, local_turn, local_len)
@@ -172,5 +175,7 @@ class Orchestrator:
             stats.route = [entry_hop] + (remote.hops if remote else [])
             stats.failovers = remote.failovers if remote else 0
             self.runtime.sessions.release(session_id)
+            if self.metrics is not None:
+                self.metrics.generation_finished(stats)
             if remote is not None:
                 await remote.close()

@@ -59,11 +59,9 @@ class TrackerAgent:
                 "shards": self.shards_payload()}
 
     def stats(self) -> dict:
-        rt, m = self.node.runtime, self.node.metrics
-        return {"tokens_per_s": round(m.tokens_per_s.value, 3), "sessions": len(rt.sessions),
-                "cache_bytes_left": rt.sessions.bytes_left, "tokens_processed": rt.tokens_processed,
-                "rss_bytes": hardware.rss_bytes(), "in_flight": int(m.in_flight),
-                "requests_total": int(m.requests._value.get())}
+        out = self.node.metrics.heartbeat_stats(self.node.runtime)
+        out["rss_bytes"] = hardware.rss_bytes()
+        return out
 
     # ---- lifecycle --------------------------------------------------------------------
 

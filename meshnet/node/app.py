@@ -90,7 +90,7 @@ async def forward(request: Request) -> Response:
     out = await asyncio.to_thread(node.runtime.forward, model=request.headers.get("X-Meshnet-Model"),
                                   session_id=session, layers=LayerRange.from_inclusive(start, end),
                                   position=position, hidden=hidden)
-    node.metrics.observe_forward(hidden.shape[1], time.perf_counter() - t0)
+    node.metrics.observe_forward(hidden.shape[1], time.perf_counter() - t0, position)
     if request.headers.get("X-Meshnet-Last-Only") == "1":
         out = out[:, -1:]
     return Response(wire.encode(out, dtype=hidden.dtype), media_type="application/octet-stream")
@@ -135,14 +135,13 @@ def orchestrator_for(node: NodeState, model: str | None, pipelined: bool | None 
                                     pipelined=True if pipelined is None else pipelined)
     return slot.model, Orchestrator(node.runtime, slot, node_id=node.settings.node_id,
                                     endpoint=node.settings.endpoint, client=node.http, routes=routes,
-                                    report=report, settings=settings)
+                                    report=report, settings=settings, metrics=node.metrics)
 
 
 async def chat_completions(request: Request) -> Response:
     node = _state(request)
     req = await openai_api.read_chat(request)
     model, orchestrator = orchestrator_for(node, req.model, req.pipelined_prefill)
-    node.metrics.requests.inc()
     if req.stream:
         return openai_api.stream(orchestrator, model, req)
     return await openai_api.complete(orchestrator, model, req)

@@ -20,7 +20,7 @@ class TrackerMetrics:
 
     def render(self, service) -> tuple[bytes, str]:
         self.nodes.set(len(service.nodes))
-        self.running.set(sum(int(n.stats.get("in_flight") or 0) for n in service.nodes.values()))
+        self.running.set(sum(int(n.stats.get("requests_running") or 0) for n in service.nodes.values()))
         for m in service.tracked_models():
             self.covered.labels(model=m.name).set(service.coverage(m.name)["covered_layers"])
         for n in service.nodes.values():

@@ -390,3 +390,16 @@ async def test_chat_requests_are_counted_in_metrics(entry, entry_runtime):
     lines = (await entry.get("/metrics")).text.splitlines()
     assert "meshnet_chat_requests_total 1.0" in lines
     assert f"meshnet_sessions {float(len(entry_runtime.sessions))}" in lines
+
+
+async def test_serving_metrics_follow_a_generation(entry):
+    """Time to first token, time per output token, token totals and requests running."""
+    resp = await entry.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3, "temperature": 0})
+    usage = resp.json()["usage"]
+    lines = (await entry.get("/metrics")).text.splitlines()
+    assert "meshnet_time_to_first_token_seconds_count 1.0" in lines
+    assert f"meshnet_prompt_tokens_total {float(usage['prompt_tokens'])}" in lines
+    assert f"meshnet_generation_tokens_total {float(usage['completion_tokens'])}" in lines
+    assert "meshnet_requests_running 0.0" in lines
+    expected_tpot = "1.0" if usage["completion_tokens"] > 1 else "0.0"
+    assert f"meshnet_time_per_output_token_seconds_count {expected_tpot}" in lines
