@@ -12,7 +12,7 @@ import logging
 import time
 
 from meshnet.layers import LayerRange
-from meshnet.tracker import placement
+from meshnet.tracker import placement, policy
 from meshnet.tracker.service import TrackerService
 from meshnet.tracker.store import OPEN_STATUSES
 
@@ -71,5 +71,60 @@ def rebalance(service: TrackerService) -> placement.PlacementPlan:
     for node_id, reason in plan.reasons.items():
         if node_id in service.nodes:
             service.nodes[node_id].reason = reason
+    for node_id, old, new in demand_moves(service, nodes, models, plan):
+        for a in old:
+            s0, s1 = a.layers.to_inclusive()
+            service.store.add_directive(node_id, "DROP_SHARD", model=a.model, shard_start=s0, shard_end=s1,
+                                        tier=a.tier, reason=f"moved to {new.model} by demand")
+        s0, s1 = new.layers.to_inclusive()
+        service.store.add_directive(node_id, "LOAD_SHARD", model=new.model, shard_start=s0, shard_end=s1,
+                                    tier="managed", reason=f"demand for {new.model}")
+        service.nodes[node_id].last_move_s = time.monotonic()
+        service.nodes[node_id].reason = f"moved to {new.model} {new.layers} by demand (ADR-0005)"
+        log.info("demand move: %s from %s to %s %s", node_id, [a.model for a in old], new.model, new.layers)
     service.dirty = False
     return plan
+
+
+def demand_moves(service: TrackerService, nodes: list[placement.NodeState], models: list[placement.ModelSpec],
+                 plan: placement.PlacementPlan) -> list[tuple[str, tuple, placement.Assignment]]:
+    """Managed nodes to move to models whose queued demand left gaps after placement.
+
+    Only nodes whose every shard is ``managed`` and of one model are candidates; the safety
+    policy (:func:`policy.pick_managed_nodes`: the old model keeps >= 3 copies, the new model's
+    demand is >= 1.5x, cooldown elapsed) decides (ADR-0005). Returns ``(node, old shards, new shard)``.
+    """
+    specs = {m.name: m for m in models}
+    counts = {m.name: placement.coverage_counts(m.num_layers, [a.layers for shards in plan.assignments.values()
+                                                                for a in shards if a.model == m.name])
+              for m in models}
+    copies = {name: min(c) if c else 0 for name, c in counts.items()}
+    demand = {m.name: m.demand for m in models}
+    now, moves, moved = time.monotonic(), [], set()
+    for spec in sorted(models, key=lambda m: -service.demand_rate(m.name)):
+        gaps = placement.find_gaps(spec.num_layers, counts[spec.name])
+        if not gaps or service.demand_rate(spec.name) <= 0:
+            continue
+        candidates = []
+        for n in nodes:
+            shards = plan.assignments.get(n.node_id, ())
+            if (n.node_id in moved or not n.accepts_placement or not shards
+                    or any(a.tier != "managed" for a in shards) or len({a.model for a in shards}) != 1):
+                continue
+            last = service.nodes[n.node_id].last_move_s
+            candidates.append(policy.MoveCandidate(n.node_id, "managed", shards[0].model,
+                                                   None if last is None else now - last, n.tokens_per_s))
+        by_id = {n.node_id: n for n in nodes}
+        for pick in policy.pick_managed_nodes(spec.name, candidates, needed=len(gaps), model_copies=copies,
+                                              model_demand=demand):
+            node, gap = by_id[pick.node_id], gaps.pop(0)
+            fit = placement.max_assignable_layers(node.vram_bytes, spec.bytes_per_layer.get(node.quantization, 0) or 1)
+            if fit < 1:
+                continue
+            new = placement.Assignment(spec.name, LayerRange(gap.start, min(gap.end, gap.start + fit)), "managed")
+            moves.append((pick.node_id, plan.assignments[pick.node_id], new))
+            moved.add(pick.node_id)
+            copies[pick.from_model] -= 1
+            if not gaps:
+                break
+    return moves

@@ -123,6 +123,7 @@ class NodeRecord:
     last_failure_s: float | None = None
     stale_before: float = 0.0   # reports with an older timestamp are stale (reload / new assignment)
     draining: bool = False
+    last_move_s: float | None = None   # monotonic time of the last demand move (cooldown, ADR-0005)
     reason: str = ""            # why the node did or did not receive a range (placement)
 
     @property

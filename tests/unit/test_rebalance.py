@@ -1,0 +1,68 @@
+"""Rebalance over a real TrackerService: demand moves managed nodes under the safety policy."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from meshnet.tracker.rebalance import rebalance
+from meshnet.tracker.registry import RegisterPayload
+from meshnet.tracker.service import TrackerService, TrackerSettings
+
+
+def service_with(copies: int, tier: str = "managed") -> TrackerService:
+    svc = TrackerService(TrackerSettings(models=("tiny-llama",)))
+    for i in range(copies):
+        report = {"passed": True, "timestamp": time.time(), "tokens_per_s": 10.0 + i}
+        svc.register(RegisterPayload.model_validate({
+            "node_id": f"n{i}", "endpoint": f"http://127.0.0.1:{9000 + i}",
+            "shards": [{"model": "tiny-llama", "shard_start": 0, "shard_end": 3, "tier": tier, "entry": True,
+                        "report": report}]}))
+    return svc
+
+
+def directives(svc) -> list[tuple]:
+    return sorted((d["node_id"], d["type"], d["model"], d["shard_start"], d["shard_end"], d["tier"])
+                  for d in svc.store.directives())
+
+
+@pytest.mark.parametrize(("copies", "moved"), [(4, True), (3, False)])
+def test_demand_moves_a_managed_node_only_when_three_copies_stay(copies, moved):
+    svc = service_with(copies)
+    svc.add_demand("tiny-gpt2")
+    rebalance(svc)
+    expected = [("n3", "DROP_SHARD", "tiny-llama", 0, 3, "managed"),
+                ("n3", "LOAD_SHARD", "tiny-gpt2", 0, 3, "managed")] if moved else []
+    assert directives(svc) == expected  # the fastest eligible node (n3: 13 tokens/s) moves
+
+
+def test_pinned_nodes_never_move_for_demand():
+    svc = service_with(5, tier="pinned")
+    svc.add_demand("tiny-gpt2")
+    rebalance(svc)
+    assert directives(svc) == []
+
+
+def test_cooldown_keeps_a_recently_moved_node_in_place():
+    svc = service_with(5)
+    for node in svc.nodes.values():
+        node.last_move_s = time.monotonic()
+    svc.add_demand("tiny-gpt2")
+    rebalance(svc)
+    assert directives(svc) == []
+
+
+def test_demand_must_be_one_and_a_half_times_the_old_models():
+    svc = service_with(4)
+    now = time.monotonic()
+    for _ in range(2):
+        svc.add_served("tiny-llama", now)
+    for _ in range(2):
+        svc.add_demand("tiny-gpt2", now)
+    rebalance(svc)
+    assert directives(svc) == []  # 2 requests vs 2: below 1.5x
+    for _ in range(2):
+        svc.add_demand("tiny-gpt2", now)
+    rebalance(svc)
+    assert [d[1] for d in directives(svc)] == ["DROP_SHARD", "LOAD_SHARD"]  # 4 requests vs 2: 2x
