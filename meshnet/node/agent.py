@@ -35,6 +35,8 @@ class TrackerAgent:
         self.updates: list[dict] = []
         self.wake = asyncio.Event()
         self.failures: dict[str, float] = {}
+        self.applying = asyncio.Lock()
+        self.tasks: set[asyncio.Task] = set()
 
     # ---- payloads ---------------------------------------------------------------------
 
@@ -120,9 +122,19 @@ class TrackerAgent:
             self.updates = updates + self.updates
             log.warning("heartbeat failed: %s", exc.message)
             return
-        for directive in resp.get("directives", []):
+        directives = resp.get("directives", [])
+        for directive in directives:
             self.updates.append({"id": directive["id"], "status": "acked"})
-            asyncio.create_task(self.apply(directive))
+        if directives:
+            self.tasks.add(task := asyncio.create_task(self.apply_in_order(directives)))
+            task.add_done_callback(self.tasks.discard)
+
+    async def apply_in_order(self, directives: list[dict]) -> None:
+        """Apply directives one at a time, in the tracker's order (a DROP frees the slot a
+        LOAD after it needs), and never two batches at once."""
+        async with self.applying:
+            for directive in directives:
+                await self.apply(directive)
 
     async def apply(self, directive: dict) -> None:
         kind = directive["type"]
