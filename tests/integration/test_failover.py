@@ -86,6 +86,7 @@ def test_killing_the_middle_node_mid_generation_keeps_the_tokens(mesh):
     assert got == expected
     assert meta["failovers"] >= 1
     assert killed[0][0] not in [h["node_id"] for h in meta["route"]]
-    recovery_s = stamps[11] - killed[0][1]
+    after = [t for t in stamps.values() if t > killed[0][1]]
+    recovery_s = min(after) - killed[0][1] if after else 0.0
     print(f"time from kill to next token: {recovery_s:.2f} s")
     assert recovery_s < 30
