@@ -2,7 +2,8 @@
 
 Prints (medians of --runs runs, measured side by side in one run on this machine):
   * decode tokens/s of the 3-node pipeline and of monolithic ``generate`` with KV cache,
-    same compute dtype (float32) and the same torch threads per process, and their ratio;
+    same compute dtype (--dtype, default bfloat16) and the same torch threads per process,
+    and their ratio;
   * prefill seconds of a 512- and a 1,024-token prompt: monolithic, 3 hops sequential,
     3 hops pipelined, and the ratios;
   * aggregate decode tokens/s under 1, 4 and 8 concurrent sessions;
@@ -53,13 +54,13 @@ def chat(url: str, messages, max_tokens: int, **extra) -> dict:
     return resp.json()
 
 
-def monolithic(model_path: Path, threads: int, runs: int, decode_tokens: int, prompts: dict) -> dict:
+def monolithic(model_path: Path, threads: int, runs: int, decode_tokens: int, prompts: dict, dtype: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
     out = {}
     ids = tok.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
@@ -85,10 +86,11 @@ def monolithic(model_path: Path, threads: int, runs: int, decode_tokens: int, pr
     return out
 
 
-def whole_model_rss(model_path: Path) -> int:
+def whole_model_rss(model_path: Path, dtype: str) -> int:
+    """RSS of a process that loads the whole model and runs one short forward (bytes)."""
     code = ("import torch,psutil;from transformers import AutoModelForCausalLM as M;"
-            f"m=M.from_pretrained(r'{model_path}',dtype=torch.float32);"
-            "print(psutil.Process().memory_info().rss)")
+            f"m=M.from_pretrained(r'{model_path}',dtype=torch.{dtype});"
+            "m(torch.arange(16)[None]);print(psutil.Process().memory_info().rss)")
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
 
 
@@ -98,6 +100,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (nodes and monolithic)")
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--wire-dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", help="compute dtype of nodes and of the monolithic model")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -114,10 +117,12 @@ def main() -> None:
         for i, (a, b) in enumerate([(0, 9), (10, 19), (20, 29)]):
             mesh._spawn(f"node-{i}", ["node", "start", "--tracker", mesh.url, "--node-id", f"node-{i}",
                                       "--model", MODEL, "--shard-start", str(a), "--shard-end", str(b),
-                                      "--threads", str(args.threads), "--wire-dtype", args.wire_dtype,
+                                      "--threads", str(args.threads), "--wire-dtype", args.wire_dtype, "--dtype", args.dtype,
                                       "--heartbeat-interval", "1"])
         mesh.wait_routable(MODEL, 300)
         chat(mesh.url, story, 4)  # warm-up
+        node_health = [httpx.get(f"{n['endpoint']}/v1/health", timeout=10).json()
+                       for n in mesh.get("/v1/nodes")["nodes"]]  # RSS after one short request
         pipe = {"decode_tokens_per_s": statistics.median(
             chat(mesh.url, story, args.decode_tokens)["meshnet"]["decode_tokens_per_s"] for _ in range(args.runs))}
         for n, msgs in prompts.items():
@@ -132,13 +137,12 @@ def main() -> None:
                                                        32), range(sessions)))
             tokens = sum(r["usage"]["completion_tokens"] for r in results)
             concurrency[sessions] = tokens / (time.perf_counter() - t0)
-        node_health = [httpx.get(f"{n['endpoint']}/v1/health", timeout=10).json() for n in mesh.get("/v1/nodes")["nodes"]]
     finally:
         mesh.stop()
-    mono = monolithic(path, args.threads, args.runs, args.decode_tokens, prompts)
-    whole_rss = whole_model_rss(path)
+    mono = monolithic(path, args.threads, args.runs, args.decode_tokens, prompts, args.dtype)
+    whole_rss = whole_model_rss(path, args.dtype)
 
-    print(f"\nmeshnet pipeline benchmark — {MODEL}, float32 compute, {args.wire_dtype} wire, "
+    print(f"\nmeshnet pipeline benchmark — {MODEL}, {args.dtype} compute, {args.wire_dtype} wire, "
           f"{args.threads} torch thread(s) per process, median of {args.runs}")
     print(f"{'metric':44} {'pipeline':>10} {'monolithic':>11} {'ratio':>7}")
     d_ratio = pipe["decode_tokens_per_s"] / mono["decode_tokens_per_s"]

@@ -35,7 +35,7 @@ class NodeSettings:
     shard: LayerRange | None = None
     memory_bytes: int | None = None
     max_loaded_shards: int = 1
-    compute_dtype: str = "float32"
+    compute_dtype: str = "bfloat16"
     quantization: str = "bfloat16"
     wire_dtype: str = "bfloat16"
     heartbeat_interval_s: float = 10.0

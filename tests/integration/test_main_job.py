@@ -28,7 +28,7 @@ def mesh(real_model_path, tmp_path_factory):
         m.start_tracker(REAL)
         for i, (a, b) in enumerate([(0, 9), (10, 19), (20, 29)]):
             m.start_node(f"node-{i}", "--model", REAL, "--shard-start", str(a), "--shard-end", str(b),
-                         "--wire-dtype", "float32")
+                         "--dtype", "float32", "--wire-dtype", "float32")
         m.wait_routable(REAL, 180)
         yield m
     finally:
