@@ -15,7 +15,8 @@ import time
 
 from meshnet.client import TrackerClient
 from meshnet.errors import MeshnetError
-from meshnet.gateway.hops import Hop, hop_from_json
+from meshnet.gateway.hops import hop_from_json
+from meshnet.tracker.routing import Hop
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
 from meshnet.node.doctor import run_doctor
@@ -50,8 +51,7 @@ class TrackerAgent:
 
     def registration(self) -> dict:
         s = self.settings
-        budget = hardware.memory_budget_bytes(None if s.memory_bytes is None else s.memory_bytes // (1 << 20),
-                                              self.hw)
+        budget = hardware.memory_budget_bytes(s.memory_bytes, self.hw)
         tokens_per_s = max((r.get("tokens_per_s", 0.0) for r in self.node.reports.values() if r), default=0.0)
         return {"node_id": s.node_id, "wallet": s.wallet, "endpoint": s.endpoint, "vram_bytes": budget,
                 "ram_bytes": self.hw["ram_bytes"], "device": self.hw["device"],
@@ -86,14 +86,10 @@ class TrackerAgent:
         if not s.model:
             return
         layers, tier = s.shard, "pinned"
-        if layers is None:
-            from meshnet.presets import get_preset
-            info = await self.client.assign(hf_repo=s.model, device=self.hw["device"],
-                                            vram_mb=hardware.memory_budget_bytes(
-                                                None if s.memory_bytes is None else s.memory_bytes >> 20,
-                                                self.hw) >> 20)
+        if layers is None:  # ADR-0011: ask the tracker which range to take
+            info = await self.client.assign(hf_repo=s.model, device=self.hw["device"], quantization=s.quantization,
+                                            vram_mb=hardware.memory_budget_bytes(s.memory_bytes, self.hw) >> 20)
             layers, tier = LayerRange.from_inclusive(info["shard_start"], info["shard_end"]), "bootstrap"
-            get_preset(s.model)
         await self.load(s.model, layers, tier)
 
     async def load(self, model: str, layers: LayerRange, tier: str) -> dict:

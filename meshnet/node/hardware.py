@@ -22,10 +22,10 @@ def detect() -> dict:
     return info
 
 
-def memory_budget_bytes(memory_mb: int | None, info: dict | None = None) -> int:
-    """Effective memory budget: ``--memory MB`` when given, else VRAM, else system RAM (bytes)."""
-    if memory_mb is not None:
-        return int(memory_mb) * 1024 * 1024
+def memory_budget_bytes(memory_bytes: int | None, info: dict | None = None) -> int:
+    """Effective memory budget in bytes: ``--memory`` when given, else VRAM, else system RAM."""
+    if memory_bytes is not None:
+        return int(memory_bytes)
     info = info or detect()
     return info["vram_bytes"] or info["ram_bytes"]
 

@@ -78,3 +78,19 @@ def test_dropout_is_refilled_by_an_idle_node(real_model_path, tmp_path):
         assert all(h["node_id"] != "n1" for h in reply["meshnet"]["route"])
     finally:
         mesh.stop()
+
+
+def test_node_with_a_model_but_no_shard_asks_the_tracker_for_a_range(tmp_path, monkeypatch):
+    """ADR-0011: `--model` alone → GET /v1/network/assign → the first gap, sized by memory."""
+    monkeypatch.setenv("MESHNET_CACHE", str(tmp_path / "cache"))
+    mesh = Mesh(tmp_path)
+    try:
+        mesh.start_tracker("tiny-llama")
+        mesh.start_node("joiner", "--model", "tiny-llama", "--memory", "1")
+        mesh.wait_routable("tiny-llama", 60)
+        assert shards_by_node(mesh) == {"joiner": [(0, 3, "bootstrap")]}
+        assign = mesh.get("/v1/network/assign", params={"hf_repo": "tiny-llama", "vram_mb": 1})
+        assert assign == {"hf_repo": "meshnet/tiny-llama", "model": "tiny-llama", "shard_start": 0, "shard_end": 3,
+                          "num_layers": 4, "gap_found": False, "price_per_token": 0.0}
+    finally:
+        mesh.stop()
