@@ -3,7 +3,7 @@
 Starts an entry node (layers 0-9), two copies of 10-19 and one of 20-29 (real processes,
 real SmolLM2), streams a greedy 64-token generation, kills the middle node that holds the
 session after token 10, and prints, over --runs runs: the median inter-token gap before the
-kill, the gap across the kill (detection + new route + replay + one decode step), and
+kill, the longest gap after it (detection + new route + replay + one decode step), and
 whether the tokens equal an undisturbed run.
 
 Usage: .venv/bin/python bench/failover.py [--runs 3]
@@ -34,10 +34,14 @@ def stream(url: str, on_token=None) -> tuple[list[int], list[float]]:
     body = {"model": MODEL, "messages": STORY, "max_tokens": 64, "temperature": 0, "stream": True}
     stamps, ids = [], []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.read()[:300]!r}")
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"generation failed: {chunk['error']}")
             if chunk["choices"][0]["delta"].get("content"):
                 stamps.append(time.monotonic())
                 if on_token:
@@ -62,7 +66,9 @@ def main() -> None:
                 if name not in mesh.procs:
                     mesh.start_node(name, "--model", MODEL, "--shard-start", "10", "--shard-end", "19")
             mesh.wait(lambda: next(s for s in mesh.get(f"/v1/coverage/{MODEL}")["segments"]
-                                   if s["start_layer"] == 10)["node_count"] >= 2, 240, "two middle copies")
+                                   if s["start_layer"] <= 10 <= s["end_layer"])["node_count"] >= 2, 240,
+                      "two middle copies")
+            mesh.wait_routable(MODEL, 240)
             expected, _ = stream(mesh.url)
             killed = []
 
@@ -77,8 +83,9 @@ def main() -> None:
 
             got, stamps = stream(mesh.url, on_token)
             gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-            across = next(t for t in stamps if t > killed[0]) - killed[0] if killed else float("nan")
-            rows.append((statistics.median(gaps[:9]), across, got == expected))
+            # tokens already on the wire arrive after the kill too; the stall is the longest gap
+            stall = max(gaps[9:]) if killed else float("nan")
+            rows.append((statistics.median(gaps[:9]), stall, got == expected))
             for name in [p for p in mesh.procs if p.startswith("mid-")]:
                 mesh.kill(name)
     finally:
@@ -86,7 +93,8 @@ def main() -> None:
     rows = rows[1:]  # the first run warms up caches
     print(f"\nfailover benchmark — {MODEL}, median of {len(rows)} run(s)")
     print(f"median inter-token gap before the kill: {statistics.median(r[0] for r in rows):.3f} s")
-    print(f"kill → next token (detect + reroute + replay + step): {statistics.median(r[1] for r in rows):.3f} s")
+    print(f"longest gap after the kill (detect + reroute + replay + step): "
+          f"{statistics.median(r[1] for r in rows):.3f} s")
     print(f"tokens identical to the undisturbed run: {sum(r[2] for r in rows)}/{len(rows)}")
 
 

@@ -149,9 +149,18 @@ class MeshnetConsole(OperatorActions, App[None]):
         self.state_signal.publish(self.state)
 
     async def wait_polled(self, count: int = 1) -> None:
-        """Wait until at least ``count`` polls have finished (tests, and after actions)."""
+        """Wait until at least ``count`` polls have finished (tests, and after actions).
+
+        Raises:
+            RuntimeError: the console stopped (or its poller died) before that.
+        """
         while self.state.polls < count:
-            await self._polled.wait()
+            if not self.is_running or not any(w.group == "poll" and not w.is_finished for w in self.workers):
+                raise RuntimeError("the console stopped polling")
+            try:
+                await asyncio.wait_for(self._polled.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
 
     async def refresh_now(self) -> None:
         """Poll now and wait for a poll that started after this call."""

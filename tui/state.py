@@ -5,8 +5,8 @@ state, given the console clock's ``now``. The views only read from here.
 
 - tokens/s per node: a bounded history (for sparklines) of the node's heartbeat EMA,
   falling back to its best capability report;
-- requests per minute per node: derived from the ``requests_total`` counter a node
-  reports in its heartbeat stats, over a sliding window of samples;
+- requests per minute per node: the node's own ``requests_per_min`` when its heartbeat
+  carries one, else derived from its ``requests_total`` counter over a sliding window;
 - directive status trails: each status the console has *seen* a directive in, so the
   log shows ``queued → delivered → done`` transitions.
 """
@@ -45,6 +45,15 @@ def node_tokens_per_s(node: dict) -> float | None:
     reports = [float(s["capability"].get("tokens_per_s") or 0.0) for s in node.get("shards", [])
                if s.get("capability")]
     return max(reports, default=0.0) or None
+
+
+def node_rpm(node: dict, history: "NodeHistory | None") -> float | None:
+    """Requests per minute: the node's own figure (heartbeat ``requests_per_min``), else the
+    rate of its ``requests_total`` counter across polls."""
+    stats = node.get("stats") or {}
+    if stats.get("requests_per_min") is not None:
+        return float(stats["requests_per_min"])
+    return history.rpm() if history else None
 
 
 def memory_used_bytes(node: dict) -> int:

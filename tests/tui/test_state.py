@@ -10,7 +10,7 @@ import pytest
 from tui.connection import Connection, backoff_interval_s
 from tui.format import bar_cells, format_age, format_bytes, format_bytes_short, gap_ranges, layer_counts, spark
 from tui.modals.pin import parse_shard
-from tui.state import HISTORY_LEN, ConsoleState, NodeHistory, Snapshot, capability_summary
+from tui.state import HISTORY_LEN, ConsoleState, NodeHistory, Snapshot, capability_summary, node_rpm
 from tui.widgets.layer_bar import _axis
 
 
@@ -163,3 +163,12 @@ def test_console_talks_to_services_only_through_the_client():
             if line.lstrip().startswith(("import meshnet", "from meshnet")):
                 module = line.split()[1]
                 assert module in ("meshnet.client", "meshnet.errors", "meshnet.layers"), f"{path}: {line}"
+
+
+def test_node_rpm_prefers_the_nodes_own_figure():
+    history = NodeHistory()
+    history.add(_node("a", requests=0), 0.0)
+    history.add(_node("a", requests=10), 6.0)
+    assert node_rpm({"stats": {"requests_per_min": 3.5}}, history) == 3.5
+    assert node_rpm({"stats": {}}, history) == pytest.approx(100.0)
+    assert node_rpm({"stats": {}}, None) is None

@@ -28,7 +28,7 @@ class ViewScreen(Screen):
     ViewScreen #filter { dock: top; display: none; border: none; height: 1; padding: 0 1; }
     ViewScreen.-filtering #filter { display: block; }
     ViewScreen .view-body { height: 1fr; }
-    ViewScreen.-stale .view-body { text-opacity: 45%; }
+    ViewScreen.-stale .view-body { opacity: 50%; }
     ViewScreen .empty { color: $text-muted; padding: 1 2; }
     """
     BINDINGS = [

@@ -68,17 +68,25 @@ class ModelCoverage(Vertical):
     def __init__(self, coverage: dict, demand_rpm: float, holders: list) -> None:
         super().__init__()
         self.model = coverage["model"]
-        self._initial = (coverage, demand_rpm, holders)
+        self._data = (coverage, demand_rpm, holders)
 
     def on_mount(self) -> None:
-        self.show(*self._initial, Palette.of(self.app))
+        self._apply()
 
     def compose(self) -> ComposeResult:
         yield Label(classes="model-header")
         yield LayerBar()
         yield Label(classes="holders")
 
-    def show(self, coverage: dict, demand_rpm: float, holders: list, palette: Palette) -> None:
+    def show(self, coverage: dict, demand_rpm: float, holders: list) -> None:
+        """Show new data now, or on mount if the children are not composed yet."""
+        self._data = (coverage, demand_rpm, holders)
+        if self.is_mounted:
+            self._apply()
+
+    def _apply(self) -> None:
+        coverage, demand_rpm, holders = self._data
+        palette = Palette.of(self.app)
         self.query_one(".model-header", Label).update(header_text(coverage, demand_rpm, palette))
         self.query_one(LayerBar).set_counts(layer_counts(coverage))
         self.query_one(".holders", Label).update(holders_text(holders, palette))
@@ -107,14 +115,19 @@ class CoverageScreen(ViewScreen):
         empty.display = not wanted
         if state.snapshot is not None and not wanted:
             empty.update("no model matches the filter" if self.filter_text else "the tracker covers no model yet")
-        palette = self.palette
-        for coverage in wanted:
+        order = [c["model"] for c in wanted]
+        for index, coverage in enumerate(wanted):
             model = coverage["model"]
             widget = shown.get(model)
-            if widget is None:
-                body.mount(ModelCoverage(coverage, state.demand_for(model), state.holders(model)))
+            if widget is None:  # mount in the tracker's order, before the next model already shown
+                after = next((shown[m] for m in order[index + 1:] if m in shown), None)
+                new = ModelCoverage(coverage, state.demand_for(model), state.holders(model))
+                if after is None:
+                    body.mount(new)
+                else:
+                    body.mount(new, before=after)
             else:
-                widget.show(coverage, state.demand_for(model), state.holders(model), palette)
+                widget.show(coverage, state.demand_for(model), state.holders(model))
 
     def focus_body(self) -> None:
         self.query_one("#models").focus()

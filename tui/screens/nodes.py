@@ -15,7 +15,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Label, Sparkline, Static
 
 from tui.format import NO_VALUE, format_age, format_bytes, format_bytes_short, format_rate, spark
-from tui.state import ConsoleState, NodeHistory, capability_summary, memory_used_bytes, node_ranges
+from tui.state import ConsoleState, NodeHistory, capability_summary, memory_used_bytes, node_ranges, node_rpm
 from tui.screens.base import ViewScreen
 from tui.widgets.gauge import Gauge, gauge_text
 from tui.widgets.palette import Palette
@@ -54,7 +54,7 @@ def node_cells(node: dict, history: NodeHistory | None, now: float, palette: Pal
     used = memory_used_bytes(node)
     slots_used, slots_total = int(node.get("slots_used") or 0), int(node.get("slots_total") or 0)
     tps = list(history.tokens_per_s) if history else []
-    rpm = history.rpm() if history else None
+    rpm = node_rpm(node, history)
     tps_text = Text()
     tps_text.append(spark(tps, 6), style=palette.accent)
     tps_text.append(f" {format_rate(tps[-1]) if tps else NO_VALUE}")
@@ -66,7 +66,7 @@ def node_cells(node: dict, history: NodeHistory | None, now: float, palette: Pal
         "slots": gauge_text(slots_used, slots_total, min(slots_total, 4) or 1, palette, f"{slots_used}/{slots_total}"),
         "capability": capability_text(node, now, palette),
         "tps": tps_text,
-        "rpm": Text(format_rate(rpm)),
+        "rpm": Text(format_rate(rpm, 0 if rpm is not None and rpm >= 100 else 1)),
         "heartbeat": Text(format_age(node.get("last_heartbeat_age_s"))),
         "ranges": ranges_text(node, palette),
     }
@@ -104,7 +104,8 @@ def detail_text(node: dict, now: float, palette: Palette, num_layers: dict[str, 
         text.append(f"\nplacement: {node['reason']}", style=palette.muted)
     stats = node.get("stats") or {}
     if stats:
-        keys = ("sessions", "in_flight", "tokens_processed", "requests_total")
+        keys = ("sessions", "in_flight", "requests_running", "requests_total", "tokens_processed",
+                "decode_latency_s")
         text.append("\n" + "  ".join(f"{k} {stats[k]}" for k in keys if k in stats), style=palette.muted)
     return text
 
