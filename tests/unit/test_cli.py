@@ -1,0 +1,42 @@
+"""The Typer CLI: --json output, argument errors to stderr with a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from meshnet.cli.main import app
+
+runner = CliRunner()
+
+
+def test_models_list_json_names_the_presets():
+    result = runner.invoke(app, ["models", "list", "--json"])
+    assert result.exit_code == 0
+    rows = {r["name"]: r for r in json.loads(result.stdout)}
+    assert rows["smollm2-135m-instruct"]["num_layers"] == 30 and rows["smollm2-135m-instruct"]["default"]
+    assert rows["tiny-gpt2"]["family"] == "gpt2"
+
+
+def test_shard_flags_go_together():
+    result = runner.invoke(app, ["node", "start", "--shard-start", "5"])
+    assert result.exit_code == 1
+    assert "--shard-start and --shard-end go together" in result.output
+
+
+def test_model_without_shard_needs_a_tracker():
+    result = runner.invoke(app, ["node", "start", "--model", "tiny-llama"])
+    assert result.exit_code == 1
+    assert "--model without a shard needs --tracker" in result.output
+
+
+def test_unreachable_tracker_is_a_clean_error():
+    result = runner.invoke(app, ["nodes", "--url", "http://127.0.0.1:9"])
+    assert result.exit_code == 1
+    assert "cannot reach http://127.0.0.1:9" in result.output
+
+
+def test_serve_needs_at_least_one_node():
+    result = runner.invoke(app, ["serve", "--nodes", "0"])
+    assert result.exit_code == 2  # Typer: --nodes must be >= 1
