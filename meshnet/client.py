@@ -104,6 +104,12 @@ class TrackerClient(_Base):
     async def doctor(self, node_id: str) -> dict:
         return await self._call("POST", "/v1/operator/doctor", "doctor", json={"node_id": node_id})
 
+    async def doctor_wait(self, node_id: str, timeout_s: float = 300.0) -> dict:
+        """:meth:`doctor` allowing ``timeout_s``: the tracker answers only once the node has run a
+        real forward pass on each shard, which outlasts a client's usual timeout."""
+        return await self._call("POST", "/v1/operator/doctor", "doctor", json={"node_id": node_id},
+                                timeout=timeout_s)
+
     async def drain(self, node_id: str) -> dict:
         return await self._call("POST", "/v1/operator/drain", "drain", json={"node_id": node_id})
 

@@ -95,7 +95,7 @@ class OperatorActions:
                                                         "re-admits or drops the node by the result.")):
             return
         self.notify(f"doctor running on {node_id}…", title="doctor")
-        result = await self._operate("doctor", self.client.doctor(node_id))
+        result = await self._operate("doctor", self.client.doctor_wait(node_id))
         if result is not None:
             self.push_screen(ReportModal(result.get("node_id", node_id), result.get("reports", []),
                                          now=self.now()))

@@ -27,7 +27,8 @@ async def _call(url, method: str, *args, token=None, **kw):
 
 def chat(prompt: str = typer.Argument(..., help="The user message."),
          url: str = UrlOpt,
-         model: str = typer.Option(None, "--model", "-m", help="Model id [default: the default preset]."),
+         model: str = typer.Option(None, "--model", "-m",
+                                   help="Model id [default: the default preset, or the tracker's routable model]."),
          stream: bool = typer.Option(True, "--stream/--no-stream", help="Print tokens as they arrive."),
          max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Tokens to generate at most."),
          temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
@@ -38,7 +39,7 @@ def chat(prompt: str = typer.Argument(..., help="The user message."),
     from meshnet.presets import default_model
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    body = {"model": model or default_model(), "messages": messages, "max_tokens": max_tokens,
+    body = {"model": model or _served_model(tracker_url(url), default_model()), "messages": messages, "max_tokens": max_tokens,
             "temperature": temperature, "seed": seed, "stream": stream and not as_json}
     endpoint = f"{tracker_url(url)}/v1/chat/completions"
     try:
@@ -74,6 +75,17 @@ def chat(prompt: str = typer.Argument(..., help="The user message."),
         fail(MeshnetError(f"cannot reach {endpoint}: {exc}", hint="is `meshnet serve` running? see --url"))
     except MeshnetError as exc:
         fail(exc)
+
+
+def _served_model(url: str, fallback: str) -> str:
+    """The model to ask when --model is not given: the default preset if the tracker routes it,
+    else the first routable model it lists, else the default preset."""
+    try:
+        models = httpx.get(f"{url}/v1/models", timeout=5.0).json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return fallback
+    routable = [m["id"] for m in models if m.get("routable")]
+    return fallback if fallback in routable or not routable else routable[0]
 
 
 def coverage(model: str = typer.Argument(None, help="Model [default: all tracked]."), url: str = UrlOpt,

@@ -95,7 +95,11 @@ class Orchestrator:
     async def _entry(self, session_id: str, ids: list[int], position: int) -> torch.Tensor:
         tensor = torch.tensor([ids], dtype=torch.long)
         layers = LayerRange(0, self.slot.layers.end)
-        return await asyncio.to_thread(self.runtime.run_entry, self.slot, session_id, tensor, position, layers)
+        t0 = time.perf_counter()
+        out = await asyncio.to_thread(self.runtime.run_entry, self.slot, session_id, tensor, position, layers)
+        if self.metrics is not None:
+            self.metrics.observe_forward(len(ids), time.perf_counter() - t0, position)
+        return out
 
     async def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (await asyncio.to_thread(self.slot.shard.logits, hidden[:, -1:]))[0, -1]

@@ -8,7 +8,6 @@ shards are never retargeted by placement (ADR-0026).
 from __future__ import annotations
 
 import hmac
-import time
 
 import httpx
 from pydantic import BaseModel, Field
@@ -71,7 +70,6 @@ async def pin(request: Request) -> JSONResponse:
             free += 1
     queued.append(svc.store.add_directive(node.node_id, "LOAD_SHARD", model=info.name, shard_start=start,
                                           shard_end=end, tier="pinned", reason="operator pin"))
-    node.stale_before = time.time()
     return JSONResponse({"pinned": {"node_id": node.node_id, "model": info.name, "shard_start": start,
                                     "shard_end": end}, "directives": queued})
 
@@ -80,7 +78,7 @@ async def reload(request: Request) -> JSONResponse:
     _authorize(request)
     svc = request.app.state.service
     node = svc.get(validate_json(NodeRequest, await request.body()).node_id)
-    node.stale_before = time.time()  # reports go stale until the next passing doctor
+    node.mark_reports_stale()  # out of routes until the next passing doctor
     svc.dirty = True
     return JSONResponse({"directive": svc.store.add_directive(node.node_id, "RELOAD", reason="operator reload")})
 

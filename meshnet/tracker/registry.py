@@ -121,7 +121,9 @@ class NodeRecord:
     last_heartbeat_s: float = field(default_factory=time.monotonic)
     registered_at: float = field(default_factory=time.time)
     last_failure_s: float | None = None
-    stale_before: float = 0.0   # reports with an older timestamp are stale (reload / new assignment)
+    #: reports (by their node-side timestamp) made stale by a reload: the node's clock is never
+    #: compared with the tracker's, so clock skew cannot make a stale report look fresh
+    stale_reports: set = field(default_factory=set)
     draining: bool = False
     last_move_s: float | None = None   # monotonic time of the last demand move (cooldown, ADR-0005)
     reason: str = ""            # why the node did or did not receive a range (placement)
@@ -133,8 +135,14 @@ class NodeRecord:
     def admitted(self, shard: ShardRecord) -> bool:
         """A shard counts (coverage, routes) only with a present, passed and fresh report."""
         report = shard.report
-        return bool(report and report.get("passed") and report.get("timestamp", 0) >= self.stale_before
-                    and not self.draining)
+        return bool(report and report.get("passed") and not self.is_stale(report) and not self.draining)
+
+    def is_stale(self, report: dict | None) -> bool:
+        return bool(report) and report.get("timestamp") in self.stale_reports
+
+    def mark_reports_stale(self) -> None:
+        """A reload: every current report stays out of coverage until a new doctor replaces it."""
+        self.stale_reports.update(s.report.get("timestamp") for s in self.shards if s.report)
 
     def tokens_per_s(self, shard: ShardRecord) -> float:
         """Best known throughput of ``shard``: the EMA from heartbeats, else doctor's figure."""

@@ -117,7 +117,7 @@ class TrackerService:
                             shards=[ShardRecord.from_payload(s) for s in payload.shards])
         old = self.nodes.get(node_id)
         if old is not None:
-            record.stale_before, record.draining = old.stale_before, old.draining
+            record.stale_reports, record.draining = old.stale_reports, old.draining
         self.nodes[node_id] = record
         self.dirty = True
         if old is None:

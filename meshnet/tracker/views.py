@@ -33,7 +33,7 @@ def node_json(service, node) -> dict:
                        "capability": {"passed": report.get("passed"), "reason": report.get("reason"),
                                       "tokens_per_s": report.get("tokens_per_s"),
                                       "timestamp": report.get("timestamp"),
-                                      "stale": bool(report) and report.get("timestamp", 0) < node.stale_before}})
+                                      "stale": node.is_stale(report)}})
     return {"node_id": node.node_id, "endpoint": node.endpoint, "device": node.device, "wallet": node.wallet,
             "vram_bytes": node.vram_bytes, "memory_budget_bytes": budget, "ram_bytes": node.ram_bytes,
             "quantization": node.quantization, "max_assignable_layers": max_layers,

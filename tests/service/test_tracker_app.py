@@ -285,12 +285,24 @@ async def test_bad_directive_update_status_is_422(tracker):
     assert "directive_updates.0.status" in assert_envelope(resp, 422, "invalid_field")["error"]["message"]
 
 
-async def test_reload_makes_earlier_reports_stale(tracker):
-    await register(tracker, node("node-a", shard(0, 3)))
+async def test_reload_makes_earlier_reports_stale_until_a_new_report(tracker):
+    payload = node("node-a", shard(0, 3))
+    await register(tracker, payload)
     assert (await tracker.get(f"/v1/coverage/{MODEL}")).json()["routable"] is True
-    time.sleep(0.01)  # the reload's stale_before must be later than the report's timestamp
     await tracker.post("/v1/operator/reload", json={"node_id": "node-a"})
     assert (await tracker.get(f"/v1/coverage/{MODEL}")).json()["routable"] is False
+    nodes = (await tracker.get("/v1/nodes")).json()["nodes"]
+    assert nodes[0]["shards"][0]["capability"]["stale"] is True
+    fresh = [{**s, "report": {**s["report"], "timestamp": s["report"]["timestamp"] + 1}} for s in payload["shards"]]
+    await tracker.post("/v1/nodes/node-a/heartbeat", json={"shards": fresh})
+    assert (await tracker.get(f"/v1/coverage/{MODEL}")).json()["routable"] is True
+
+
+async def test_pinning_a_new_shard_keeps_the_nodes_other_shards_admitted(tracker):
+    await register(tracker, node("node-a", shard(0, 3)))
+    resp = await tracker.post("/v1/operator/pin", json={"model": MODEL, "node_id": "node-a", "shard": "0-1"})
+    assert resp.status_code == 200
+    assert (await tracker.get(f"/v1/coverage/{MODEL}")).json()["routable"] is True
 
 
 # ---- network assign ----------------------------------------------------------------------------

@@ -340,3 +340,12 @@ async def test_polls_never_overlap(tracker):
         pollers = [w for w in app.workers if w.group == "poll"]
         assert len(pollers) == 1
         assert app.state.polls >= 2
+
+
+async def test_unknown_theme_falls_back_with_a_warning(tracker):
+    app = tracker.console(theme="no-such-theme")
+    toasts = record_toasts(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert app.theme == "textual-dark"
+        assert [t["severity"] for t in toasts] == ["warning"]

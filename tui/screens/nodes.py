@@ -23,7 +23,7 @@ from tui.widgets.palette import Palette
 #: (key, label); the ranges column comes last as the only one of unbounded width
 COLUMNS = (("node", "node"), ("endpoint", "endpoint"), ("device", "device"), ("memory", "memory"),
            ("slots", "slots"), ("capability", "capability"), ("tps", "tokens/s"), ("rpm", "rpm"),
-           ("heartbeat", "last hb"), ("ranges", "ranges (tier)"))
+           ("heartbeat", "last hb"), ("ranges", "layers (tier)"))
 CAPABILITY_STYLE = {"ok": "ok", "failed": "bad", "stale": "warn", "none": "muted", "draining": "warn"}
 
 
@@ -37,17 +37,20 @@ def capability_text(node: dict, now: float, palette: Palette) -> Text:
     return text
 
 
-def ranges_text(node: dict, palette: Palette) -> Text:
+def ranges_text(node: dict, palette: Palette, show_model: bool = True) -> Text:
+    """``tiny-llama 0-1 pinned, …`` (the model name is left out when the tracker knows one model)."""
     text = Text()
     for i, (model, start, end, tier, admitted) in enumerate(node_ranges(node)):
         if i:
             text.append(", ")
-        text.append(f"{model} {start}-{end}", style=None if admitted else palette.muted)
+        text.append(f"{model} {start}-{end}" if show_model else f"{start}-{end}",
+                    style=None if admitted else palette.muted)
         text.append(f" {tier}", style=palette.muted)
     return text if node_ranges(node) else Text("none", style=palette.muted)
 
 
-def node_cells(node: dict, history: NodeHistory | None, now: float, palette: Palette) -> dict[str, object]:
+def node_cells(node: dict, history: NodeHistory | None, now: float, palette: Palette,
+               show_model: bool = True) -> dict[str, object]:
     """The table cells of one node, by column key."""
     endpoint = node.get("endpoint", "").removeprefix("http://").removeprefix("https://")
     budget = int(node.get("memory_budget_bytes") or 0)
@@ -68,7 +71,7 @@ def node_cells(node: dict, history: NodeHistory | None, now: float, palette: Pal
         "tps": tps_text,
         "rpm": Text(format_rate(rpm, 0 if rpm is not None and rpm >= 100 else 1)),
         "heartbeat": Text(format_age(node.get("last_heartbeat_age_s"))),
-        "ranges": ranges_text(node, palette),
+        "ranges": ranges_text(node, palette, show_model),
     }
     return {key: cells[key] for key, _label in COLUMNS}
 
@@ -154,7 +157,7 @@ class NodesScreen(ViewScreen):
             self._cells.pop(key, None)
         added = False
         for node_id, node in wanted.items():
-            cells = node_cells(node, state.histories.get(node_id), now, palette)
+            cells = node_cells(node, state.histories.get(node_id), now, palette, len(state.models()) > 1)
             old = self._cells.get(node_id)
             if old is None:
                 table.add_row(*cells.values(), key=node_id)
