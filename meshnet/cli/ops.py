@@ -174,13 +174,15 @@ def reload(node: str = typer.Argument(..., help="Node id."), url: str = UrlOpt, 
 def doctor(node: str = typer.Option(None, "--node", help="Run remotely on this node through the tracker."),
            model: str = typer.Option(None, "--model", "-m", help="Local run: model to check [default preset]."),
            shard: str = typer.Option(None, "--shard", help="Local run: inclusive range 'a-b' [default: all]."),
-           dtype: str = typer.Option("float32", "--dtype", help="Local run: compute dtype."),
+           dtype: str = typer.Option("bfloat16", "--dtype", help="Local run: compute dtype."),
+           quantization: str = typer.Option("bfloat16", "--quantization",
+                                            help="Local run: recipe (bfloat16, int8, nf4)."),
            url: str = UrlOpt, token: str = TokenOpt, as_json: bool = JsonOpt) -> None:
     """Prove a shard works with a real forward pass and measure it (capability report)."""
     if node:
         reports = run(_call(url, "doctor", node, token=token))["reports"]
     else:
-        reports = [_local_doctor(model, shard, dtype)]
+        reports = [_local_doctor(model, shard, dtype, quantization)]
 
     def human(rs):
         for r in rs:
@@ -195,7 +197,7 @@ def doctor(node: str = typer.Option(None, "--node", help="Run remotely on this n
         raise typer.Exit(1)
 
 
-def _local_doctor(model: str | None, shard: str | None, dtype: str) -> dict:
+def _local_doctor(model: str | None, shard: str | None, dtype: str, quantization: str) -> dict:
     from meshnet.layers import LayerRange
     from meshnet.models.sources import resolve
     from meshnet.node.doctor import run_doctor
@@ -207,7 +209,7 @@ def _local_doctor(model: str | None, shard: str | None, dtype: str) -> dict:
         layers = LayerRange.parse(shard) if shard else LayerRange(0, preset.num_layers)
         with console.status(f"loading {preset.name} layers {layers}"):
             runtime = NodeRuntime(compute_dtype=dtype)
-            slot = runtime.load(preset.name, resolve(preset.name), layers)
+            slot = runtime.load(preset.name, resolve(preset.name), layers, quantization=quantization)
         return run_doctor(slot)
     except (MeshnetError, ValueError) as exc:
         fail(exc if isinstance(exc, MeshnetError) else MeshnetError(str(exc)))
