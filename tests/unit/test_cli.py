@@ -40,3 +40,13 @@ def test_unreachable_tracker_is_a_clean_error():
 def test_serve_needs_at_least_one_node():
     result = runner.invoke(app, ["serve", "--nodes", "0"])
     assert result.exit_code == 2  # Typer: --nodes must be >= 1
+
+
+def test_local_doctor_reports_json_for_a_recipe(tmp_path):
+    result = runner.invoke(app, ["doctor", "--model", "tiny-llama", "--shard", "1-2", "--quantization", "int8",
+                                 "--json"], env={"MESHNET_CACHE": str(tmp_path)})
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)[0]
+    assert (report["model"], report["shard_start"], report["shard_end"]) == ("tiny-llama", 1, 2)
+    assert report["passed"] and report["recipe"] == {"quantization": "int8", "compute_dtype": "bfloat16"}
+    assert report["tokens_per_s"] > 0 and len(report["weights_digest"]) == 32
