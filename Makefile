@@ -33,6 +33,8 @@ test-fast: venv
 bench: model
 	$(PY) bench/pipeline.py
 	$(PY) bench/placement.py
+	$(PY) bench/failover.py
+	$(PY) bench/wire_exactness.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
