@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse

@@ -94,7 +94,6 @@ def demand_moves(service: TrackerService, nodes: list[placement.NodeState], mode
     policy (:func:`policy.pick_managed_nodes`: the old model keeps >= 3 copies, the new model's
     demand is >= 1.5x, cooldown elapsed) decides (ADR-0005). Returns ``(node, old shards, new shard)``.
     """
-    specs = {m.name: m for m in models}
     counts = {m.name: placement.coverage_counts(m.num_layers, [a.layers for shards in plan.assignments.values()
                                                                 for a in shards if a.model == m.name])
               for m in models}

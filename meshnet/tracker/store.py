@@ -7,7 +7,6 @@ and the models it keeps covered. ``path=":memory:"`` keeps everything in memory 
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import threading
 import time

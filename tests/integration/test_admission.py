@@ -3,7 +3,6 @@ seeded models keep these fast; the real model proves the same path elsewhere).""
 
 from __future__ import annotations
 
-import shutil
 
 import httpx
 import pytest
