@@ -166,7 +166,6 @@ class Orchestrator:
                     break
                 stats.completion_tokens += 1
                 stats.token_ids.append(token)
-                stats.decode_s = time.perf_counter() - t1
                 yield token
                 if stats.completion_tokens == params.max_tokens:
                     break
