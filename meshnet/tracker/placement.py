@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from itertools import accumulate, groupby
@@ -447,10 +447,32 @@ def _finish(work: _Work) -> PlacementPlan:
         final[nid] = shards
         if lines:
             notes[i] = lines[0] if len(lines) == 1 else "; ".join(lines)
-    smallest = _smallest_layer_bytes(work.specs.values())
-    reasons = {n.node_id: notes[i] if i in notes else _idle_reason(work, i, smallest)
-               for i, n in enumerate(work.nodes)}
-    return PlacementPlan(MappingProxyType(final), tuple(loads), tuple(drops), MappingProxyType(reasons))
+    return PlacementPlan(MappingProxyType(final), tuple(loads), tuple(drops), _Reasons(work, notes))
+
+
+class _Reasons(Mapping):
+    """node_id -> reason. Nodes the plan touched carry their note; the reason a node got
+    nothing is worked out on first access only (in a large settled network nearly every
+    node is untouched, and operators read a handful of them)."""
+
+    def __init__(self, work: _Work, notes: dict[int, str]) -> None:
+        self._work, self._notes = work, notes
+        self._index = {n.node_id: i for i, n in enumerate(work.nodes)}
+        self._smallest: dict[str, int] | None = None
+
+    def __getitem__(self, node_id: str) -> str:
+        i = self._index[node_id]
+        if i in self._notes:
+            return self._notes[i]
+        if self._smallest is None:
+            self._smallest = _smallest_layer_bytes(self._work.specs.values())
+        return _idle_reason(self._work, i, self._smallest)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
 
 
 def plan_placement(nodes: Sequence[NodeState], models: Sequence[ModelSpec], *,

@@ -68,9 +68,9 @@ def rebalance(service: TrackerService) -> placement.PlacementPlan:
         start, end = a.layers.to_inclusive()
         service.store.add_directive(node_id, "DROP_SHARD", model=a.model, shard_start=start, shard_end=end,
                                     tier=a.tier, reason=plan.reasons.get(node_id, ""))
-    for node_id, reason in plan.reasons.items():
-        if node_id in service.nodes:
-            service.nodes[node_id].reason = reason
+    service.plan_reasons = plan.reasons  # read per node by GET /v1/nodes (computed lazily)
+    for node in service.nodes.values():
+        node.reason = ""
     for node_id, old, new in demand_moves(service, nodes, models, plan):
         for a in old:
             s0, s1 = a.layers.to_inclusive()

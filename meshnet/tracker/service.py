@@ -9,6 +9,7 @@ periodic loop (dropout check and rebalance).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class TrackerService:
         self.served: dict[str, list[float]] = {}   # requests forwarded to an entry node
         self.dirty = True  # a join/leave happened: rebalance soon
         self.last_join_s = 0.0
+        self.plan_reasons: Mapping[str, str] = {}  # node id -> why it did or did not get a range
         for name in settings.models:
             self.store.add_model(name)
         for name in self.store.models():

@@ -38,7 +38,8 @@ def node_json(service, node) -> dict:
             "vram_bytes": node.vram_bytes, "memory_budget_bytes": budget, "ram_bytes": node.ram_bytes,
             "quantization": node.quantization, "max_assignable_layers": max_layers,
             "slots_used": len(node.shards), "slots_total": node.max_loaded_shards, "shards": shards,
-            "accepts_placement": node.accepts_placement, "draining": node.draining, "reason": node.reason,
+            "accepts_placement": node.accepts_placement, "draining": node.draining,
+            "reason": node.reason or service.plan_reasons.get(node.node_id, ""),
             "stats": node.stats, "last_heartbeat_age_s": round(now - node.last_heartbeat_s, 1),
             "benchmark_tokens_per_sec": node.benchmark_tokens_per_sec}
 
