@@ -59,7 +59,9 @@ class LayerRange:
             ValueError: on malformed text.
         """
         try:
-            a, b = text.split("-", 1)
-            return cls.from_inclusive(int(a), int(b))
+            a, b = (int(x) for x in text.split("-", 1))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"layer range must look like 'START-END' (inclusive), got {text!r}") from exc
+        if b < a:
+            raise ValueError(f"layer range {text!r}: END must be >= START")
+        return cls.from_inclusive(a, b)

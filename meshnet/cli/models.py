@@ -36,7 +36,7 @@ def list_models(as_json: bool = JsonOpt) -> None:
 
 
 @app.command("pull")
-def pull(name: str = typer.Argument(None, help="Preset name, hub repo id or local directory [default: the default preset]."),
+def pull(name: str = typer.Argument(None, help="Preset name, hub repo id or local directory (default: the default preset)."),
          as_json: bool = JsonOpt) -> None:
     """Fetch a model and convert it once into the local safetensors cache."""
     from meshnet.models.sources import resolve

@@ -28,7 +28,7 @@ async def _call(url, method: str, *args, token=None, **kw):
 def chat(prompt: str = typer.Argument(..., help="The user message."),
          url: str = UrlOpt,
          model: str = typer.Option(None, "--model", "-m",
-                                   help="Model id [default: the default preset, or the tracker's routable model]."),
+                                   help="Model id (default: the default preset, or the tracker's routable model)."),
          stream: bool = typer.Option(True, "--stream/--no-stream", help="Print tokens as they arrive."),
          max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Tokens to generate at most."),
          temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
@@ -88,7 +88,7 @@ def _served_model(url: str, fallback: str) -> str:
     return fallback if fallback in routable or not routable else routable[0]
 
 
-def coverage(model: str = typer.Argument(None, help="Model [default: all tracked]."), url: str = UrlOpt,
+def coverage(model: str = typer.Argument(None, help="Model (default: all tracked)."), url: str = UrlOpt,
              as_json: bool = JsonOpt) -> None:
     """Show each model's coverage map (segments of layers with their node counts)."""
     data = run(_call(url, "coverage", model))
@@ -156,7 +156,7 @@ def demand(url: str = UrlOpt, as_json: bool = JsonOpt) -> None:
 
 def pin(model: str = typer.Argument(..., help="Model preset."),
         node: str = typer.Option(..., "--node", help="Node id."),
-        shard: str = typer.Option(None, "--shard", help="Inclusive layer range 'a-b' [default: first gap]."),
+        shard: str = typer.Option(None, "--shard", help="Inclusive layer range 'a-b' (default: first gap)."),
         url: str = UrlOpt, token: str = TokenOpt, as_json: bool = JsonOpt) -> None:
     """Pin a model (and optionally a layer range) to a node; never retargeted by placement."""
     data = run(_call(url, "pin", model, node, shard, token=token))
@@ -172,8 +172,8 @@ def reload(node: str = typer.Argument(..., help="Node id."), url: str = UrlOpt, 
 
 
 def doctor(node: str = typer.Option(None, "--node", help="Run remotely on this node through the tracker."),
-           model: str = typer.Option(None, "--model", "-m", help="Local run: model to check [default preset]."),
-           shard: str = typer.Option(None, "--shard", help="Local run: inclusive range 'a-b' [default: all]."),
+           model: str = typer.Option(None, "--model", "-m", help="Local run: model to check (default: preset)."),
+           shard: str = typer.Option(None, "--shard", help="Local run: inclusive range 'a-b' (default: all)."),
            dtype: str = typer.Option("bfloat16", "--dtype", help="Local run: compute dtype."),
            quantization: str = typer.Option("bfloat16", "--quantization",
                                             help="Local run: recipe (bfloat16, int8, nf4)."),

@@ -19,7 +19,7 @@ err_console = Console(stderr=True)
 
 JsonOpt = typer.Option(False, "--json", help="Print machine-readable JSON instead of tables.")
 UrlOpt = typer.Option(None, "--url", envvar="MESHNET_URL",
-                      help="Tracker URL [default: http://127.0.0.1:8700, env MESHNET_URL].")
+                      help="Tracker URL (default: http://127.0.0.1:8700, env MESHNET_URL).")
 TokenOpt = typer.Option(None, "--token", envvar="MESHNET_OPERATOR_TOKEN", help="Operator token for mutating calls.")
 
 DEFAULT_URL = "http://127.0.0.1:8700"

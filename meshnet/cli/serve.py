@@ -2,7 +2,8 @@
 
 Pulls the model (once), starts a tracker and ``--nodes`` node processes that split the
 model's layers evenly, waits until the model is routable, prints the URL, and stops every
-child on Ctrl-C. Child logs go to ``<cache>/logs/``.
+child on Ctrl-C or SIGTERM. A node that dies leaves a coverage gap and the rest keeps
+running; the tracker dying stops everything. Child logs go to ``<cache>/logs/``.
 """
 
 from __future__ import annotations
@@ -81,14 +82,14 @@ def wait_routable(url: str, model: str, procs: list[subprocess.Popen], timeout_s
     raise MeshnetError(f"{model} not routable after {timeout_s:.0f} s (coverage: {last})")
 
 
-def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve [default: the default preset]."),
+def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve (default: the default preset)."),
           nodes: int = typer.Option(3, "--nodes", "-n", min=1, help="Local node processes splitting the layers."),
           port: int = typer.Option(8700, "--port", help="Tracker port (the URL clients use)."),
           dtype: str = typer.Option("bfloat16", "--dtype",
                                     help="Node compute dtype: bfloat16 (faster) or float32 (exact)."),
           wire_dtype: str = typer.Option("bfloat16", "--wire-dtype", help="Activation dtype between nodes."),
           timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the model to be routable."),
-          threads: int = typer.Option(None, "--threads", help="torch threads per node [default: all cores]."),
+          threads: int = typer.Option(None, "--threads", help="torch threads per node (default: all cores)."),
           heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", help="Seconds between heartbeats."),
           exit_when_ready: bool = typer.Option(False, "--exit-when-ready", help="Stop everything once ready (smoke test).")) -> None:
     """Start a tracker and N local nodes that split the model evenly; Ctrl-C stops them all."""
@@ -127,11 +128,16 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
         console.print(f"  try: meshnet chat \"What is the capital of France?\" --url {url}")
         console.print("  OpenAI API: POST {}/v1/chat/completions · console: meshnet tui --url {}".format(url, url))
         print(f"READY {url}", flush=True)
+        reported: set[int] = set()
         while not exit_when_ready:
-            dead = [p for p in procs if p.poll() is not None]
-            if dead:
-                err_console.print(f"[red]a child exited (code {dead[0].returncode}); stopping[/]")
+            if procs[0].poll() is not None:
+                err_console.print(f"[red]the tracker exited (code {procs[0].returncode}); stopping[/]")
                 raise typer.Exit(1)
+            for i, p in enumerate(procs[1:]):
+                if p.poll() is not None and i not in reported:  # the mesh goes on; the tracker shows the gap
+                    reported.add(i)
+                    err_console.print(f"[yellow]node-{i} exited (code {p.returncode}); its layers are a "
+                                      f"coverage gap until another node serves them (log: {logs / f'node-{i}.log'})[/]")
             time.sleep(1.0)
     except KeyboardInterrupt:
         console.print("stopping…")

@@ -12,7 +12,7 @@ from meshnet.errors import MeshnetError
 tracker_app = typer.Typer(help="Run the tracker (coverage map, placement, routing).", no_args_is_help=True)
 node_app = typer.Typer(help="Run a node that serves layer shards.", no_args_is_help=True)
 
-LogOpt = typer.Option(None, "--log-level", help="DEBUG, INFO, WARNING [env MESHNET_LOG_LEVEL].")
+LogOpt = typer.Option(None, "--log-level", help="DEBUG, INFO, WARNING (env MESHNET_LOG_LEVEL).")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -34,7 +34,7 @@ def tracker_start(
         host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
         port: int = typer.Option(8700, "--port", help="Port to listen on."),
         db: str = typer.Option(None, "--db", envvar="MESHNET_TRACKER_DB",
-                               help="sqlite file for pins/directives [default: ~/.cache/meshnet/tracker.db]."),
+                               help="sqlite file for pins/directives (default: ~/.cache/meshnet/tracker.db)."),
         heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", min=0.1, help="Node heartbeat, s."),
         node_timeout: float = typer.Option(25.0, "--node-timeout", min=0.5, help="Dropout after this many s."),
         rebalance_interval: float = typer.Option(30.0, "--rebalance-interval", min=0.5, help="Rebalance period, s."),
@@ -69,16 +69,16 @@ def node_start(
         model: str = typer.Option(None, "--model", "-m", help="Preset, hub repo or local dir to serve (pinned)."),
         shard_start: int = typer.Option(None, "--shard-start", min=0, help="First layer (inclusive)."),
         shard_end: int = typer.Option(None, "--shard-end", min=0, help="Last layer (inclusive)."),
-        memory: int = typer.Option(None, "--memory", min=1, help="Memory budget in MB [default: detected]."),
+        memory: int = typer.Option(None, "--memory", min=1, help="Memory budget in MB (default: detected)."),
         max_shards: int = typer.Option(1, "--max-shards", min=1, help="Shard slots (loaded shards at once)."),
         dtype: str = typer.Option("bfloat16", "--dtype",
                                   help="Compute dtype: bfloat16 (about 2x faster decode here) or float32 (exact)."),
         quantization: str = typer.Option("bfloat16", "--quantization", help="Recipe: bfloat16, int8, nf4."),
         wire_dtype: str = typer.Option("bfloat16", "--wire-dtype", help="Activation dtype on the wire."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-        port: int = typer.Option(0, "--port", help="Port [default: a free one]."),
+        port: int = typer.Option(0, "--port", help="Port (default: a free one)."),
         public_url: str = typer.Option(None, "--public-url", help="URL others use to reach this node."),
-        node_id: str = typer.Option(None, "--node-id", help="Node id [default: random]."),
+        node_id: str = typer.Option(None, "--node-id", help="Node id (default: random)."),
         heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", min=0.1, help="Seconds."),
         no_placement: bool = typer.Option(False, "--no-placement", help="Refuse tracker-assigned shards."),
         threads: int = typer.Option(None, "--threads", min=1, help="torch intra-op threads."),

@@ -26,10 +26,24 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
 
+class TextPart(BaseModel):
+    """One part of a multi-part message; meshnet models read text parts only."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart]
+
+    @field_validator("content")
+    @classmethod
+    def _join_parts(cls, value):
+        """OpenAI clients may send ``[{"type": "text", "text": ...}, ...]``: joined into one string."""
+        return value if isinstance(value, str) else "".join(part.text for part in value)
 
 
 class ChatRequest(BaseModel):

@@ -144,7 +144,7 @@ async def chat_completions(request: Request) -> Response:
     model, orchestrator = orchestrator_for(node, req.model, req.pipelined_prefill)
     if req.stream:
         return openai_api.stream(orchestrator, model, req)
-    return await openai_api.complete(orchestrator, model, req)
+    return await openai_api.complete(orchestrator, model, req, disconnected=request.is_disconnected)
 
 
 async def list_models(request: Request) -> JSONResponse:

@@ -47,7 +47,10 @@ async def pin(request: Request) -> JSONResponse:
     node = svc.get(req.node_id)
     info = svc.ensure_model(req.model)
     if req.shard:
-        layers = LayerRange.parse(req.shard)
+        try:
+            layers = LayerRange.parse(req.shard)
+        except ValueError as exc:
+            raise InvalidRequest(f"invalid field 'shard': {exc}", code="invalid_field", status=422) from exc
         if layers.end > info.num_layers:
             raise InvalidRequest(f"shard {req.shard} beyond {info.name}'s {info.num_layers} layers",
                                  code="invalid_field", status=422)

@@ -132,7 +132,7 @@ class TrackerService:
             return self.nodes[node_id]
         except KeyError:
             raise NotFound(f"unknown node {node_id!r}", code="unknown_node",
-                           hint="the tracker may have restarted: register again") from None
+                           hint="see `meshnet nodes` for node ids (a node itself re-registers on this error)") from None
 
     def heartbeat(self, node_id: str, payload: HeartbeatPayload) -> list[dict]:
         """Record a heartbeat; returns the directives to deliver (queued → delivered)."""
@@ -223,8 +223,9 @@ class TrackerService:
             return routing.choose_route(layers.end, self.candidates(model, layers.end), start_layer=layers.start,
                                         exclude=exclude)
         except routing.NoRoute as exc:
-            exc.coverage = self.coverage(model)
-            raise
+            full = routing.NoRoute(exc.gap_start, info.num_layers)
+            full.coverage = self.coverage(model)
+            raise full from None
 
     def entry_node(self, model: str) -> NodeRecord:
         """The least-loaded admitted entry node of a routable model.
@@ -237,8 +238,9 @@ class TrackerService:
         entries = [(n, s) for n, s in self.admitted_shards(info.name) if s.entry]
         if not cov["routable"] or not entries:
             self.add_demand(info.name)
-            raise ModelNotRoutable(f"model {info.name} is loading: {cov['covered_layers']}/{info.num_layers} "
-                                   "layers covered", coverage=cov, retry_after_s=5)
+            raise ModelNotRoutable(f"model {info.name} is not routable yet: {cov['covered_layers']}/{info.num_layers} "
+                                   "layers covered by admitted nodes", coverage=cov, retry_after_s=5,
+                                   hint="retry after Retry-After seconds; the tracker places shards where demand appears")
         node, _ = min(entries, key=lambda e: (int(e[0].stats.get("in_flight") or 0), e[0].node_id))
         return node
 

@@ -403,3 +403,18 @@ async def test_serving_metrics_follow_a_generation(entry):
     assert "meshnet_requests_running 0.0" in lines
     expected_tpot = "1.0" if usage["completion_tokens"] > 1 else "0.0"
     assert f"meshnet_time_per_output_token_seconds_count {expected_tpot}" in lines
+
+
+async def test_text_parts_content_and_an_overlong_prompt(entry):
+    parts = {**CHAT, "max_tokens": 2, "temperature": 0,
+             "messages": [{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]}
+    plain = {**parts, "messages": [{"role": "user", "content": "hello"}]}
+    a = (await entry.post("/v1/chat/completions", json=parts)).json()
+    b = (await entry.post("/v1/chat/completions", json=plain)).json()
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert a["usage"] == b["usage"]
+    too_long = {**plain, "messages": [{"role": "user", "content": "x" * 1100}]}  # tiny-llama: 1,024 positions
+    for stream in (False, True):
+        resp = await entry.post("/v1/chat/completions", json={**too_long, "stream": stream})
+        assert resp.status_code == 400
+        assert resp.json()["error"]["code"] == "context_length_exceeded"

@@ -216,7 +216,7 @@ async def test_chat_for_an_unroutable_model_is_503_and_counts_as_demand(tracker)
         resp = await tracker.post("/v1/chat/completions", json=chat)
         body = assert_envelope(resp, 503, "model_loading")
         assert resp.headers["Retry-After"] == "5"
-        assert body["error"]["message"] == "model tiny-llama is loading: 0/4 layers covered"
+        assert body["error"]["message"] == "model tiny-llama is not routable yet: 0/4 layers covered by admitted nodes"
         assert body["coverage"]["covered_layers"] == 0
     after = {d["model"]: d for d in (await tracker.get("/v1/demand")).json()["demand"]}
     # two requests in the 300 s demand window: 2 * 60 / 300 per minute
@@ -242,7 +242,7 @@ async def test_chat_for_an_unknown_model_is_404(tracker):
 async def test_heartbeat_for_an_unknown_node_is_404(tracker):
     resp = await tracker.post("/v1/nodes/node-ghost/heartbeat", json={"shards": [], "stats": {}})
     body = assert_envelope(resp, 404, "unknown_node")
-    assert "register again" in body["error"]["hint"]
+    assert "re-registers" in body["error"]["hint"]
 
 
 async def test_heartbeat_updates_shards_and_stats(tracker):
@@ -409,3 +409,10 @@ async def test_failure_report_with_a_bad_body_is_4xx(asgi_client):
     client = await asgi_client(app, raise_app_exceptions=False)
     resp = await client.post("/v1/nodes/node-a/failure", content=b"not json")
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request"
+
+
+async def test_pin_with_a_reversed_range_is_a_422_naming_the_shard(tracker):
+    await register(tracker, node("node-a"))
+    resp = await tracker.post("/v1/operator/pin", json={"model": MODEL, "node_id": "node-a", "shard": "3-1"})
+    error = assert_envelope(resp, 422, "invalid_field")["error"]
+    assert error["message"] == "invalid field 'shard': layer range '3-1': END must be >= START"

@@ -47,7 +47,12 @@ def test_parse_inclusive_operator_form(text, expected):
     assert LayerRange.parse(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "5", "a-b", "9-3", "-1-4"])
+@pytest.mark.parametrize("text", ["", "5", "a-b", "-1-4"])
 def test_parse_rejects_malformed_text(text):
     with pytest.raises(ValueError, match="layer range must look like 'START-END'"):
         LayerRange.parse(text)
+
+
+def test_parse_rejects_a_reversed_range_saying_so():
+    with pytest.raises(ValueError, match="layer range '9-3': END must be >= START"):
+        LayerRange.parse("9-3")
