@@ -45,6 +45,13 @@ class OperatorActions:
             self.notify("no node to act on: the tracker has no registered node", severity="warning")
         return node_id
 
+    async def _confirmed_target(self, question: str, detail: str) -> str | None:
+        """The selected node id once the operator confirms ``question`` (``{node}`` filled in), else None."""
+        node_id = self._target()
+        if node_id is None or not await self.push_screen_wait(ConfirmModal(question.format(node=node_id), detail)):
+            return None
+        return node_id
+
     async def _operate(self, what: str, call: Awaitable[Any]) -> Any | None:
         """Await a tracker call; a failure is a toast and ``None``. Always wakes the poller."""
         try:
@@ -87,12 +94,9 @@ class OperatorActions:
     @work(group="operator", exclusive=True, exit_on_error=False)
     async def action_doctor(self) -> None:
         """D: confirm, run doctor on the selected node now, show the reports."""
-        node_id = self._target()
+        node_id = await self._confirmed_target("Run doctor on {node}?", "A real forward pass on each shard; the "
+                                               "tracker re-admits or drops the node by the result.")
         if node_id is None:
-            return
-        if not await self.push_screen_wait(ConfirmModal(f"Run doctor on {node_id}?",
-                                                        "A real forward pass on each shard; the tracker "
-                                                        "re-admits or drops the node by the result.")):
             return
         self.notify(f"doctor running on {node_id}…", title="doctor")
         result = await self._operate("doctor", self.client.doctor_wait(node_id))
@@ -103,12 +107,9 @@ class OperatorActions:
     @work(group="operator", exclusive=True, exit_on_error=False)
     async def action_reload(self) -> None:
         """R: confirm, queue a RELOAD for the selected node."""
-        node_id = self._target()
+        node_id = await self._confirmed_target("Reload {node}?", "Its reports go stale until the next passing "
+                                               "doctor; it is not routed until then.")
         if node_id is None:
-            return
-        if not await self.push_screen_wait(ConfirmModal(f"Reload {node_id}?",
-                                                        "Its reports go stale until the next passing doctor; "
-                                                        "it is not routed until then.")):
             return
         result = await self._operate("reload", self.client.reload(node_id))
         if result:
@@ -117,12 +118,9 @@ class OperatorActions:
     @work(group="operator", exclusive=True, exit_on_error=False)
     async def action_drain(self) -> None:
         """X: confirm, drain the selected node (no new routes, no new placement)."""
-        node_id = self._target()
+        node_id = await self._confirmed_target("Drain {node}?", "It stops counting toward coverage and gets no "
+                                               "new placement; the tracker re-covers its layers elsewhere.")
         if node_id is None:
-            return
-        if not await self.push_screen_wait(ConfirmModal(f"Drain {node_id}?",
-                                                        "It stops counting toward coverage and gets no new "
-                                                        "placement; the tracker re-covers its layers elsewhere.")):
             return
         result = await self._operate("drain", self.client.drain(node_id))
         if result:
