@@ -47,10 +47,10 @@ async def text_deltas(orchestrator: Orchestrator, prompt: list[int], params: Sam
     Text is re-decoded from all generated ids each step so multi-byte characters split
     across tokens come out whole; a stop string ends the generation and is not emitted.
     ``disconnected`` (async, optional) is polled every token: a client that went away
-    stops the generation, which frees its sessions on every hop.
+    stops the generation, which frees its sessions on every hop. ``params`` are already
+    fitted to the context by :func:`fit_context`.
     """
     tokenizer = orchestrator.tokenizer
-    params = fit_context(orchestrator, prompt, params)
     ids: list[int] = []
     sent = 0
     hold = max((len(s) for s in params.stop), default=0)
@@ -95,7 +95,8 @@ async def complete(orchestrator: Orchestrator, model: str, req: ChatRequest,
     """Non-streaming completion: the whole text plus ``usage`` and the ``meshnet`` block."""
     stats = GenerationStats()
     prompt = orchestrator.encode_chat([m.model_dump() for m in req.messages])
-    text = "".join([piece async for piece in text_deltas(orchestrator, prompt, req.sampling(), stats, disconnected)])
+    params = fit_context(orchestrator, prompt, req.sampling())
+    text = "".join([piece async for piece in text_deltas(orchestrator, prompt, params, stats, disconnected)])
     return JSONResponse({
         "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
         "model": model,

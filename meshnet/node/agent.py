@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from meshnet.client import TrackerClient
 from meshnet.errors import MeshnetError
@@ -35,7 +34,6 @@ class TrackerAgent:
         self.hw = hardware.detect()
         self.updates: list[dict] = []
         self.wake = asyncio.Event()
-        self.failures: dict[str, float] = {}
         self.applying = asyncio.Lock()
         self.tasks: set[asyncio.Task] = set()
 
@@ -174,7 +172,6 @@ class TrackerAgent:
         return [hop_from_json(h) for h in hops]
 
     async def report_failure(self, node_id: str, reason: str) -> None:
-        self.failures[node_id] = time.monotonic()
         try:
             await self.client.report_failure(node_id, reason)
         except MeshnetError as exc:

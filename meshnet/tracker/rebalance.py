@@ -19,34 +19,40 @@ from meshnet.tracker.store import OPEN_STATUSES
 log = logging.getLogger(__name__)
 
 
-def _assignments(service: TrackerService, node) -> tuple[placement.Assignment, ...]:
+def _assignments(node, open_directives: list[dict]) -> tuple[placement.Assignment, ...]:
+    """The node's shards, plus its open LOAD_SHARDs, minus its open DROP_SHARDs."""
     held = {(s.model, s.layers): s.tier for s in node.shards}
-    for d in service.store.directives(node_id=node.node_id, statuses=OPEN_STATUSES):
-        key = (d["model"], LayerRange.from_inclusive(d["shard_start"], d["shard_end"])) if d["model"] else None
-        if d["type"] == "LOAD_SHARD" and key:
+    for d in sorted(open_directives, key=lambda d: d["id"]):
+        if not d["model"]:
+            continue
+        key = (d["model"], LayerRange.from_inclusive(d["shard_start"], d["shard_end"]))
+        if d["type"] == "LOAD_SHARD":
             held.setdefault(key, d["tier"] or "bootstrap")
-        elif d["type"] == "DROP_SHARD" and key:
+        elif d["type"] == "DROP_SHARD":
             held.pop(key, None)
     tiers = placement.TIERS
     return tuple(placement.Assignment(m, r, t if t in tiers else "pinned") for (m, r), t in sorted(held.items()))
 
 
-def _recently_failed(service: TrackerService, node_id: str, now: float) -> bool:
-    cooldown = service.settings.load_failure_cooldown_s
-    return any(d["type"] == "LOAD_SHARD" and now - d["updated_at"] < cooldown
-               for d in service.store.directives(node_id=node_id, statuses=("failed",), limit=5))
-
-
 def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState], list[placement.ModelSpec]]:
+    """Placement's view of the registry. Directives are read from the store once per call,
+    not once per node."""
     now = time.time()
     models = [placement.ModelSpec(m.name, m.num_layers, m.bytes_per_layer, service.load_rate(m.name))
               for m in service.tracked_models()]
     known = {m.name for m in models}
+    open_by_node: dict[str, list[dict]] = {}
+    for d in service.store.directives(statuses=OPEN_STATUSES, limit=1_000_000):
+        open_by_node.setdefault(d["node_id"], []).append(d)
+    cooldown = service.settings.load_failure_cooldown_s
+    failed_recently = {d["node_id"] for d in service.store.directives(statuses=("failed",), limit=1_000_000)
+                       if d["type"] == "LOAD_SHARD" and now - d["updated_at"] < cooldown}
     nodes = []
     for node in service.nodes.values():
-        assignments = tuple(a for a in _assignments(service, node) if a.model in known)
+        assignments = tuple(a for a in _assignments(node, open_by_node.get(node.node_id, []))
+                            if a.model in known)
         speed = max((node.tokens_per_s(s) for s in node.shards), default=node.benchmark_tokens_per_sec or 1.0)
-        accepts = node.accepts_placement and not node.draining and not _recently_failed(service, node.node_id, now)
+        accepts = node.accepts_placement and not node.draining and node.node_id not in failed_recently
         nodes.append(placement.NodeState(node.node_id, node.vram_bytes, node.quantization, speed,
                                          node.max_loaded_shards, assignments, accepts))
     return nodes, models

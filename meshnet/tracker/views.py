@@ -13,13 +13,13 @@ def hop_json(hop: Hop) -> dict:
     return {"node_id": hop.node_id, "endpoint": hop.endpoint, "start_layer": start, "end_layer": end}
 
 
-def node_json(service, node) -> dict:
-    """One node: memory budget, ``max_assignable_layers`` per model, slots, ranges with tier and
-    admission, the placement reason, stats and heartbeat age."""
+def node_json(service, node, models) -> dict:
+    """One node: memory budget, ``max_assignable_layers`` per model of ``models`` (the tracked
+    ModelInfos), slots, ranges with tier and admission, the placement reason, stats and heartbeat age."""
     now = time.monotonic()
     budget = placement.memory_budget_bytes(node.vram_bytes)
     max_layers = {}
-    for m in service.tracked_models():
+    for m in models:
         per_layer = m.bytes_per_layer.get(node.quantization) or m.bytes_per_layer.get("bfloat16")
         if per_layer:
             max_layers[m.name] = placement.max_assignable_layers(node.vram_bytes, per_layer)
@@ -45,4 +45,5 @@ def node_json(service, node) -> dict:
 
 
 def nodes_view(service) -> list[dict]:
-    return [node_json(service, n) for n in sorted(service.nodes.values(), key=lambda n: n.node_id)]
+    models = service.tracked_models()  # one store read for the whole listing
+    return [node_json(service, n, models) for n in sorted(service.nodes.values(), key=lambda n: n.node_id)]
