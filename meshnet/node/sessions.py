@@ -29,10 +29,14 @@ class Session:
     cache: KVCache = field(default_factory=KVCache)
     length: int = 0            # tokens cached
     last_used_s: float = 0.0   # monotonic seconds
+    nbytes: int = 0            # cache bytes as of the last commit
 
 
 class SessionStore:
-    """Sessions keyed by ``(session_id, slot_key)``.
+    """Sessions keyed by ``(session_id, slot_key)``, kept in least-recently-used order.
+
+    The per-token path stays O(1) in the number of sessions: expiry pops from the old end
+    until it meets a live session, and the byte total is updated by each commit's delta.
 
     Args:
         ttl_s: idle seconds after which a session expires (default 300 s).
@@ -44,6 +48,7 @@ class SessionStore:
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
         self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
+        self._nbytes = 0
 
     def acquire(self, session_id: str, slot_key: str, position: int, now: float | None = None) -> Session:
         """Session to run ``position..``; position 0 starts it afresh.
@@ -55,6 +60,7 @@ class SessionStore:
         self.expire(now)
         key = (session_id, slot_key)
         if position == 0:
+            self._drop(key)
             self._sessions[key] = Session(last_used_s=now)
         session = self._sessions.get(key)
         if session is None:
@@ -70,41 +76,55 @@ class SessionStore:
     def commit(self, session: Session, n_tokens: int) -> None:
         """Record ``n_tokens`` more cached tokens and enforce the memory cap."""
         session.length += n_tokens
+        size = session.cache.nbytes
+        self._nbytes += size - session.nbytes
+        session.nbytes = size
         self.evict_to_cap()
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            self._nbytes -= session.nbytes
 
     def release(self, session_id: str) -> int:
         """Drop every slot's cache of ``session_id``; returns how many were dropped."""
         keys = [k for k in self._sessions if k[0] == session_id]
         for key in keys:
-            del self._sessions[key]
+            self._drop(key)
         return len(keys)
 
     def release_slot(self, slot_key: str) -> None:
         for key in [k for k in self._sessions if k[1] == slot_key]:
-            del self._sessions[key]
+            self._drop(key)
 
     def expire(self, now: float | None = None) -> int:
+        """Drop sessions idle for more than ``ttl_s``; returns how many."""
         now = time.monotonic() if now is None else now
-        stale = [k for k, s in self._sessions.items() if now - s.last_used_s > self.ttl_s]
-        for key in stale:
-            del self._sessions[key]
-        return len(stale)
+        expired = 0
+        while self._sessions:
+            key, oldest = next(iter(self._sessions.items()))
+            if now - oldest.last_used_s <= self.ttl_s:
+                break
+            self._drop(key)
+            expired += 1
+        return expired
 
     def evict_to_cap(self) -> int:
         evicted = 0
-        while len(self._sessions) > 1 and self.nbytes > self.max_bytes:
-            self._sessions.popitem(last=False)
+        while len(self._sessions) > 1 and self._nbytes > self.max_bytes:
+            self._drop(next(iter(self._sessions)))
             evicted += 1
         return evicted
 
     @property
     def nbytes(self) -> int:
-        return sum(s.cache.nbytes for s in self._sessions.values())
+        """Bytes held by all sessions' KV caches (as of their last commit)."""
+        return self._nbytes
 
     @property
     def bytes_left(self) -> int:
         """Cache space left under the cap, in bytes."""
-        return max(0, self.max_bytes - self.nbytes)
+        return max(0, self.max_bytes - self._nbytes)
 
     def __len__(self) -> int:
         return len(self._sessions)
