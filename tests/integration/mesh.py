@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -58,6 +60,11 @@ class Mesh:
         proc = self.procs.pop(name)
         proc.send_signal(sig)
         proc.wait(timeout=10)
+
+    def chat(self, model: str, messages: list[dict] | None = None, max_tokens: int = 16) -> httpx.Response:
+        """A greedy chat completion through the tracker (default question: FRANCE)."""
+        return httpx.post(f"{self.url}/v1/chat/completions", timeout=300, json={
+            "model": model, "messages": messages or FRANCE, "max_tokens": max_tokens, "temperature": 0})
 
     def get(self, path: str, **kw):
         resp = httpx.get(f"{self.url}{path}", timeout=30, **kw)

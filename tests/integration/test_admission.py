@@ -17,8 +17,7 @@ ASK = [{"role": "user", "content": "hello"}]
 
 
 def chat(mesh, model):
-    return httpx.post(f"{mesh.url}/v1/chat/completions", timeout=120,
-                      json={"model": model, "messages": ASK, "max_tokens": 4, "temperature": 0})
+    return mesh.chat(model, ASK, max_tokens=4)
 
 
 def test_failed_doctor_is_never_routed_until_fixed_and_reloaded(tmp_path, monkeypatch):

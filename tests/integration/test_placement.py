@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 
 from tests.integration.conftest import REAL
@@ -40,9 +39,7 @@ def test_model_less_nodes_get_covered_by_memory(real_model_path, tmp_path):
         assert cov["covered_layers"] == 30 and cov["routable"]
         loads = [d for d in mesh.get("/v1/directives")["directives"] if d["type"] == "LOAD_SHARD"]
         assert loads and all(d["status"] == "done" for d in loads)
-        reply = httpx.post(f"{mesh.url}/v1/chat/completions", timeout=300, json={
-            "model": REAL, "max_tokens": 16, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]}).json()
+        reply = mesh.chat(REAL, max_tokens=16).json()
         assert "Paris" in reply["choices"][0]["message"]["content"]
     finally:
         mesh.stop()
@@ -71,9 +68,7 @@ def test_dropout_is_refilled_by_an_idle_node(real_model_path, tmp_path):
         assert loads == [("spare", 10, 19, "bootstrap", "done")]
         held = shards_by_node(mesh)
         assert "n1" not in held and held["spare"] == [(10, 19, "bootstrap")]
-        reply = httpx.post(f"{mesh.url}/v1/chat/completions", timeout=300, json={
-            "model": REAL, "max_tokens": 16, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]}).json()
+        reply = mesh.chat(REAL, max_tokens=16).json()
         assert "Paris" in reply["choices"][0]["message"]["content"]
         assert all(h["node_id"] != "n1" for h in reply["meshnet"]["route"])
     finally:

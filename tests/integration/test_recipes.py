@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from tests.integration.conftest import REAL
@@ -25,9 +24,7 @@ def test_quantized_split_answers_the_france_question(recipe, real_model_path, tm
             assert n["quantization"] == recipe
             shard = n["shards"][0]
             assert shard["quantization"] == recipe and shard["capability"]["passed"]
-        reply = httpx.post(f"{mesh.url}/v1/chat/completions", timeout=300, json={
-            "model": REAL, "max_tokens": 12, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]}).json()
+        reply = mesh.chat(REAL, max_tokens=12).json()
         assert "Paris" in reply["choices"][0]["message"]["content"]
         assert [(h["start_layer"], h["end_layer"]) for h in reply["meshnet"]["route"]] == [(0, 14), (15, 29)]
     finally:
