@@ -155,9 +155,10 @@ async def chat(request: Request) -> Response:
     svc = _svc(request)
     body = await request.body()
     req = parse_chat_request(body)
-    node = svc.entry_node(req.model or default_model())
-    svc.metrics.requests.labels(model=req.model or default_model()).inc()
-    svc.add_served(req.model or default_model())
+    model = req.model or default_model()
+    node = svc.entry_node(model)
+    svc.metrics.requests.labels(model=model).inc()
+    svc.add_served(model)
     http: httpx.AsyncClient = request.app.state.http
     upstream = http.build_request("POST", f"{node.endpoint}/v1/chat/completions", content=body,
                                   headers={"Content-Type": "application/json"})

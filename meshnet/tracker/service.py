@@ -183,14 +183,15 @@ class TrackerService:
         """``{model, num_layers, segments: [{start_layer, end_layer, node_count}], routable, covered_layers}``
         (``end_layer`` inclusive)."""
         info = self.ensure_model(model)
-        counts = placement.coverage_counts(info.num_layers, [s.layers for _, s in self.admitted_shards(model)])
+        admitted = [s for _, s in self.admitted_shards(model)]
+        counts = placement.coverage_counts(info.num_layers, [s.layers for s in admitted])
         segments, start = [], 0
         for layer in range(1, info.num_layers + 1):
             if layer == info.num_layers or counts[layer] != counts[start]:
                 segments.append({"start_layer": start, "end_layer": layer - 1, "node_count": counts[start]})
                 start = layer
         covered = sum(1 for c in counts if c > 0)
-        has_entry = any(s.entry for _, s in self.admitted_shards(model))
+        has_entry = any(s.entry for s in admitted)
         return {"model": info.name, "num_layers": info.num_layers, "segments": segments,
                 "covered_layers": covered, "routable": covered == info.num_layers and has_entry,
                 "demand": self.demand_rate(info.name)}
