@@ -102,3 +102,15 @@ class Unauthorized(MeshnetError):
     status = 401
     code = "unauthorized"
     type = "authentication_error"
+
+
+class Draining(MeshnetError):
+    """The service is draining before it exits: it takes no new work (HTTP 503 ``draining``).
+
+    A caller should go elsewhere at once (the tracker's proxy tries another entry node; an
+    entry node fails the hop over to another holder of the layers)."""
+
+    status = 503
+    code = "draining"
+    type = "service_unavailable"
+    retry_after_s = 1

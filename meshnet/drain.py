@@ -1,0 +1,202 @@
+"""Drain: how a meshnet service stops without cutting anyone off (ADR-0031).
+
+SIGTERM does not stop a service at once. The process first *drains*: it takes no new work
+(a new chat is a 503 ``draining``, so callers go elsewhere at once) and says so to whoever
+routes to it (``announce``), lets the work already in flight finish for up to a grace
+period, then leaves (``leave``: a node deregisters), and only then lets the HTTP server
+close its sockets. A stream still open when the grace runs out ends with an error event,
+never silently.
+
+:class:`Drain` is that state for one process and knows nothing of uvicorn;
+:class:`DrainMiddleware` counts and, past the grace, cuts the requests that are work
+(chat completions); :mod:`meshnet.cli.server` calls :meth:`Drain.run` on the first SIGTERM.
+Torch-free: the tracker uses it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Awaitable, Callable
+
+from meshnet.errors import Draining
+
+log = logging.getLogger(__name__)
+
+#: async hook run by :meth:`Drain.run` (``announce`` or ``leave``)
+Hook = Callable[[], Awaitable[None]]
+
+
+class Drain:
+    """Drain state of one service process.
+
+    Args:
+        grace_s: seconds in-flight work may take to finish once draining starts; past it the
+            rest is cut (streams end with an error event). 0 cuts at once.
+        poll_s: how often :meth:`run` checks for idleness, seconds.
+        cut_linger_s: after a cut, how long :meth:`run` waits for the cut requests to write
+            their error events before it leaves, seconds.
+
+    Attributes:
+        draining: True from the first :meth:`run` on; new work is refused.
+        in_flight: requests counted by :class:`DrainMiddleware` right now.
+        cut: set when the grace ran out; the middleware then ends what is still open.
+        announce, leave: hooks the app sets (tell the tracker; deregister). Either may be None.
+        idle: extra idleness test of the app (a node: no live hop sessions); default always idle.
+    """
+
+    def __init__(self, grace_s: float = 30.0, *, poll_s: float = 0.1, cut_linger_s: float = 1.0) -> None:
+        if grace_s < 0:
+            raise ValueError(f"drain grace must be >= 0 s, got {grace_s}")
+        self.grace_s, self.poll_s, self.cut_linger_s = grace_s, poll_s, cut_linger_s
+        self.draining = False
+        self.in_flight = 0
+        self.cut = asyncio.Event()
+        self.announce: Hook | None = None
+        self.leave: Hook | None = None
+        self.idle: Callable[[], bool] = lambda: True
+        self.started_s: float | None = None  # monotonic start of the drain
+        self._done = asyncio.Event()
+        self.clean: bool | None = None  # result of the finished drain
+
+    def refuse_new(self, what: str = "new work") -> None:
+        """Raise when draining: a caller should go elsewhere.
+
+        Raises:
+            Draining: 503 ``draining`` with ``Retry-After: 1``.
+        """
+        if self.draining:
+            raise Draining(f"this service is draining before it exits and takes no {what}",
+                           hint="retry elsewhere: the tracker routes around a draining node")
+
+    def is_idle(self) -> bool:
+        """No counted request in flight and the app's own idleness test holds."""
+        return self.in_flight == 0 and self.idle()
+
+    async def run(self) -> bool:
+        """Drain once: announce, wait until idle (at most ``grace_s``), cut the rest, leave.
+
+        A hook that raises is logged and skipped (a tracker that is down must not keep a
+        node from exiting). A second call waits for the first drain and returns its result.
+
+        Returns:
+            True when nothing had to be cut.
+        """
+        if self.draining:
+            await self._done.wait()
+            return bool(self.clean)
+        self.draining = True
+        self.started_s = time.monotonic()
+        log.info("draining: no new work; up to %.0f s for %d request(s) in flight", self.grace_s, self.in_flight)
+        await self._hook(self.announce, "announce")
+        deadline = self.started_s + self.grace_s
+        while not self.is_idle() and time.monotonic() < deadline:
+            await asyncio.sleep(self.poll_s)
+        self.clean = self.is_idle()
+        if not self.clean:
+            log.warning("drain grace of %.0f s ran out with %d request(s) in flight: cutting them",
+                        self.grace_s, self.in_flight)
+            self.cut.set()
+            linger = time.monotonic() + self.cut_linger_s
+            while self.in_flight and time.monotonic() < linger:
+                await asyncio.sleep(self.poll_s)
+        await self._hook(self.leave, "leave")
+        log.info("drained in %.1f s (%s)", time.monotonic() - self.started_s, "clean" if self.clean else "cut")
+        self._done.set()
+        return self.clean
+
+    async def _hook(self, hook: Hook | None, name: str) -> None:
+        if hook is None:
+            return
+        try:
+            await hook()
+        except Exception:  # noqa: BLE001 - a failed hook must never keep the process from exiting
+            log.exception("drain %s hook failed; going on", name)
+
+
+def sse_error(exc: Exception) -> bytes:
+    """One server-sent event carrying the OpenAI error envelope of ``exc`` (a MeshnetError)."""
+    return f"data: {json.dumps(exc.to_envelope())}\n\n".encode()
+
+
+class DrainMiddleware:
+    """ASGI middleware: requests to ``paths`` are work that a drain waits for.
+
+    While draining, a new such request is a 503 ``draining``. One in flight counts in
+    ``drain.in_flight`` until its response is fully sent. If ``drain.cut`` is set first, the
+    request is cancelled: a started event stream ends with an SSE error event (code
+    ``draining``) and a proper end of body; a response not started yet becomes the 503.
+
+    Args:
+        app: the ASGI app; ``drain``: the process's :class:`Drain`; ``paths``: exact paths.
+    """
+
+    def __init__(self, app, drain: Drain, paths: tuple[str, ...] = ("/v1/chat/completions",)) -> None:
+        self.app, self.drain, self.paths = app, drain, frozenset(paths)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        drain = self.drain
+        if drain.draining:
+            await _send_error(send, Draining("this service is draining before it exits and takes no new chats",
+                                             hint="retry: the tracker routes around a draining node"))
+            return
+        sent = {"started": False, "event_stream": False, "finished": False}
+
+        async def tracked_send(message) -> None:
+            if message["type"] == "http.response.start":
+                sent["started"] = True
+                ctype = dict(message.get("headers") or []).get(b"content-type", b"")
+                sent["event_stream"] = ctype.startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["finished"] = True
+            await send(message)
+
+        drain.in_flight += 1
+        try:
+            task = asyncio.ensure_future(self.app(scope, receive, tracked_send))
+            cut = asyncio.ensure_future(drain.cut.wait())
+            try:
+                await asyncio.wait({task, cut}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            finally:
+                cut.cancel()
+            if task.done():
+                task.result()
+                return
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            if asyncio.current_task().cancelling():
+                raise asyncio.CancelledError
+            await _end_cut(send, sent)
+        finally:
+            drain.in_flight -= 1
+
+
+async def _end_cut(send, sent: dict) -> None:
+    exc = Draining("the service stopped before this generation finished (drain grace ran out)",
+                   hint="send the request again: another node will serve it")
+    if not sent["started"]:
+        await _send_error(send, exc)
+    elif sent["event_stream"] and not sent["finished"]:
+        await send({"type": "http.response.body", "body": sse_error(exc), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    elif not sent["finished"]:
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _send_error(send, exc: Draining) -> None:
+    body = json.dumps(exc.to_envelope()).encode()
+    await send({"type": "http.response.start", "status": exc.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"retry-after", str(exc.retry_after_s).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

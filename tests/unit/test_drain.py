@@ -1,0 +1,164 @@
+"""Drain (meshnet.drain): the order of a drain, its grace, and the middleware that counts and cuts chats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from meshnet.drain import Drain, DrainMiddleware
+from meshnet.errors import Draining
+
+EVENTS = 10
+STEP_S = 0.05
+
+
+def app_with(drain: Drain) -> Starlette:
+    """A chat route streaming EVENTS events STEP_S apart then [DONE], and an untracked route."""
+
+    async def chat(request):
+        async def events():
+            for i in range(EVENTS):
+                await asyncio.sleep(STEP_S)
+                yield f"data: {json.dumps({'i': i})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def other(request):
+        return JSONResponse({"ok": True})
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/other", other)],
+                     middleware=[Middleware(DrainMiddleware, drain=drain)])
+
+
+def client(drain: Drain) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app_with(drain)), base_url="http://svc")
+
+
+def data_lines(text: str) -> list[str]:
+    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+async def drain_after(drain: Drain, delay_s: float) -> tuple[bool, float]:
+    await asyncio.sleep(delay_s)
+    t0 = time.monotonic()
+    clean = await drain.run()
+    return clean, time.monotonic() - t0
+
+
+async def test_idle_drain_announces_then_leaves_at_once():
+    calls = []
+    drain = Drain(5.0)
+
+    async def announce():
+        calls.append(("announce", drain.draining))
+
+    async def leave():
+        calls.append(("leave", drain.draining))
+
+    drain.announce, drain.leave = announce, leave
+    t0 = time.monotonic()
+    assert await drain.run() is True
+    assert time.monotonic() - t0 < 0.5
+    assert calls == [("announce", True), ("leave", True)]
+    assert not drain.cut.is_set()
+
+
+async def test_a_failing_hook_does_not_keep_the_drain_from_leaving():
+    left = []
+
+    async def announce():
+        raise RuntimeError("tracker down")
+
+    async def leave():
+        left.append(True)
+
+    drain = Drain(1.0)
+    drain.announce, drain.leave = announce, leave
+    assert await drain.run() is True
+    assert left == [True]
+
+
+async def test_drain_waits_for_the_apps_idle_test_within_the_grace():
+    busy_until = time.monotonic() + 0.3
+    drain = Drain(5.0)
+    drain.idle = lambda: time.monotonic() >= busy_until
+    clean, took = await drain_after(drain, 0)
+    assert clean is True
+    assert 0.25 <= took < 1.0
+
+
+async def test_grace_runs_out_cuts_and_still_leaves():
+    left = []
+
+    async def leave():
+        left.append(drain.cut.is_set())
+
+    drain = Drain(0.2, cut_linger_s=0.1)
+    drain.idle, drain.leave = (lambda: False), leave
+    clean, took = await drain_after(drain, 0)
+    assert clean is False and left == [True]
+    assert 0.2 <= took < 1.0
+
+
+async def test_a_second_run_waits_for_the_first():
+    drain = Drain(5.0)
+    drain.idle = lambda: drain.started_s is not None and time.monotonic() - drain.started_s > 0.2
+    first, second = await asyncio.gather(drain.run(), drain.run())
+    assert first is True and second is True
+
+
+def test_refuse_new_only_while_draining():
+    drain = Drain()
+    drain.refuse_new("chats")
+    drain.draining = True
+    with pytest.raises(Draining) as info:
+        drain.refuse_new("chats")
+    assert info.value.status == 503 and info.value.code == "draining"
+
+
+def test_negative_grace_is_refused():
+    with pytest.raises(ValueError, match="grace"):
+        Drain(-1)
+
+
+async def test_a_stream_in_flight_finishes_whole_and_the_drain_waits_for_it():
+    drain = Drain(5.0)
+    async with client(drain) as c:
+        resp, (clean, took) = await asyncio.gather(c.post("/v1/chat/completions"), drain_after(drain, 0.15))
+    lines = data_lines(resp.text)
+    assert resp.status_code == 200
+    assert lines[-1] == "[DONE]" and len(lines) == EVENTS + 1
+    assert clean is True and took >= 0.2  # it waited for the rest of the stream
+    assert drain.in_flight == 0
+
+
+async def test_past_the_grace_a_stream_ends_with_an_error_event():
+    drain = Drain(0.1, cut_linger_s=1.0)
+    async with client(drain) as c:
+        resp, (clean, _) = await asyncio.gather(c.post("/v1/chat/completions"), drain_after(drain, 0.12))
+    lines = data_lines(resp.text)
+    assert clean is False
+    assert "[DONE]" not in lines and len(lines) < EVENTS
+    assert json.loads(lines[-1])["error"]["code"] == "draining"
+    assert drain.in_flight == 0
+
+
+async def test_while_draining_a_new_chat_is_503_and_other_routes_still_answer():
+    drain = Drain(5.0)
+    drain.draining = True
+    async with client(drain) as c:
+        chat = await c.post("/v1/chat/completions")
+        other = await c.get("/other")
+    assert chat.status_code == 503
+    assert chat.headers["retry-after"] == "1"
+    assert chat.json()["error"]["code"] == "draining"
+    assert other.status_code == 200
