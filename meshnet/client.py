@@ -46,6 +46,23 @@ class _Base:
         _raise_for(resp, what)
         return resp.json() if resp.content else None
 
+    async def _ready(self, what: str, **kw) -> dict:
+        """``GET /v1/ready``: the body whether ready (200) or not (503, with ``reasons``)."""
+        try:
+            resp = await self.http.get("/v1/ready", **kw)
+        except httpx.HTTPError as exc:
+            raise MeshnetError(f"{what}: cannot reach {self.url}: {type(exc).__name__}: {exc}",
+                               code="unreachable", status=503, hint="is the service running?") from exc
+        if resp.status_code == 503:
+            try:
+                body = resp.json()
+            except ValueError:
+                body = None
+            if isinstance(body, dict) and "ready" in body:
+                return body
+        _raise_for(resp, what)
+        return resp.json()
+
     async def aclose(self) -> None:
         await self.http.aclose()
 
@@ -64,6 +81,14 @@ class TrackerClient(_Base):
 
     async def heartbeat(self, node_id: str, payload: dict) -> dict:
         return await self._call("POST", f"/v1/nodes/{node_id}/heartbeat", "heartbeat", json=payload)
+
+    async def announce_drain(self, node_id: str, timeout_s: float = 5.0) -> dict:
+        """Tell the tracker this node is draining: no new routes or entry choices through it."""
+        return await self._call("POST", f"/v1/nodes/{node_id}/drain", "announce drain", timeout=timeout_s)
+
+    async def deregister(self, node_id: str, timeout_s: float = 5.0) -> dict:
+        """Remove this node from the tracker now (instead of waiting for the heartbeat timeout)."""
+        return await self._call("DELETE", f"/v1/nodes/{node_id}", "deregister node", timeout=timeout_s)
 
     async def report_failure(self, node_id: str, reason: str) -> None:
         await self._call("POST", f"/v1/nodes/{node_id}/failure", "report hop failure", json={"reason": reason})
@@ -117,14 +142,32 @@ class TrackerClient(_Base):
         return await self._call("POST", "/v1/chat/completions", "chat", json=payload, timeout=timeout_s)
 
     async def health(self) -> dict:
+        """Liveness: 200 while the tracker process runs."""
         return await self._call("GET", "/v1/health", "health")
+
+    async def ready(self, model: str | None = None) -> dict:
+        """Readiness ``{"ready", "reasons", "models"}`` (of ``model`` alone when given), 200 or 503 alike.
+
+        Raises:
+            MeshnetError: the tracker is unreachable, or ``model`` is unknown (404).
+        """
+        return await self._ready("tracker readiness", params={"model": model} if model else None)
 
 
 class NodeClient(_Base):
     """Client of a node's control API."""
 
     async def health(self) -> dict:
+        """Liveness: 200 while the node process runs."""
         return await self._call("GET", "/v1/health", "node health")
+
+    async def ready(self) -> dict:
+        """Readiness ``{"ready", "reasons", ...}``, 200 or 503 alike.
+
+        Raises:
+            MeshnetError: the node is unreachable.
+        """
+        return await self._ready("node readiness")
 
     async def doctor(self) -> dict:
         return await self._call("POST", "/v1/doctor", "doctor", timeout=300.0)

@@ -13,6 +13,8 @@ tracker_app = typer.Typer(help="Run the tracker (coverage map, placement, routin
 node_app = typer.Typer(help="Run a node that serves layer shards.", no_args_is_help=True)
 
 LogOpt = typer.Option(None, "--log-level", help="DEBUG, INFO, WARNING (env MESHNET_LOG_LEVEL).")
+DrainOpt = typer.Option(30.0, "--drain-grace", min=0.0, envvar="MESHNET_DRAIN_GRACE",
+                        help="On SIGTERM, seconds in-flight generations may take to finish before they are cut.")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -23,9 +25,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _serve(app, host: str, port: int) -> None:
-    import uvicorn
+    from meshnet.cli.server import serve
 
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
+    serve(app, host, port, drain=getattr(app.state, "drain", None))  # SIGTERM drains first (ADR-0031)
 
 
 @tracker_app.command("start")
@@ -42,6 +44,7 @@ def tracker_start(
                                           help="Seconds to wait for more joins before placing, s."),
         operator_token: str = typer.Option(None, "--operator-token", envvar="MESHNET_OPERATOR_TOKEN",
                                            help="Bearer token required for operator actions."),
+        drain_grace: float = DrainOpt,
         log_level: str = LogOpt) -> None:
     """Start a tracker that keeps the given models covered."""
     from meshnet.models.sources import cache_dir
@@ -59,7 +62,8 @@ def tracker_start(
         db = str(cache_dir() / "tracker.db")
     settings = TrackerSettings(host=host, port=port, models=names, heartbeat_interval_s=heartbeat_interval,
                                node_timeout_s=node_timeout, rebalance_interval_s=rebalance_interval, db_path=db,
-                               operator_token=operator_token, join_settle_s=join_settle)
+                               operator_token=operator_token, join_settle_s=join_settle,
+                               drain_grace_s=drain_grace)
     _serve(build_app(settings), host, port)
 
 
@@ -82,6 +86,7 @@ def node_start(
         heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", min=0.1, help="Seconds."),
         no_placement: bool = typer.Option(False, "--no-placement", help="Refuse tracker-assigned shards."),
         threads: int = typer.Option(None, "--threads", min=1, help="torch intra-op threads."),
+        drain_grace: float = DrainOpt,
         log_level: str = LogOpt) -> None:
     """Start a node. With --model and --shard-start/--shard-end it serves that shard (pinned); with
     --model alone it asks the tracker which range to take; with neither it waits for directives."""
@@ -109,7 +114,8 @@ def node_start(
                             memory_bytes=None if memory is None else memory * 1024 * 1024,
                             max_loaded_shards=max_shards, compute_dtype=dtype, quantization=quantization,
                             wire_dtype=wire_dtype, heartbeat_interval_s=heartbeat_interval,
-                            accepts_placement=not no_placement, torch_threads=threads)
+                            accepts_placement=not no_placement, torch_threads=threads,
+                            drain_grace_s=drain_grace)
     from meshnet.node.app import build_app
 
     app = build_app(settings)

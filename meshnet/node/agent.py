@@ -36,6 +36,9 @@ class TrackerAgent:
         self.wake = asyncio.Event()
         self.applying = asyncio.Lock()
         self.tasks: set[asyncio.Task] = set()
+        self.last_ok_s: float | None = None   # monotonic time the tracker last accepted us
+        self.last_error: str | None = None    # why the latest register/heartbeat failed, if it did
+        self.leaving = False                  # deregistered (drain): no more heartbeats
 
     # ---- payloads ---------------------------------------------------------------------
 
@@ -71,9 +74,11 @@ class TrackerAgent:
         for attempt in range(attempts):
             try:
                 await self.client.register(self.registration())
+                self._ok()
                 log.info("registered %s with %s", self.settings.node_id, self.settings.tracker_url)
                 return
             except MeshnetError as exc:
+                self.last_error = exc.message
                 if attempt == attempts - 1:
                     raise
                 log.info("tracker not ready (%s); retrying", exc.message)
@@ -104,18 +109,23 @@ class TrackerAgent:
             await self.heartbeat()
 
     async def heartbeat(self) -> None:
+        if self.leaving:
+            return
         updates, self.updates = self.updates, []
         payload = {"shards": self.shards_payload(), "stats": self.stats(), "directive_updates": updates}
         try:
             resp = await self.client.heartbeat(self.settings.node_id, payload)
         except MeshnetError as exc:
-            if exc.status == 404:  # the tracker forgot us (restart): register again
-                self.updates = updates + self.updates
-                await self.client.register(self.registration())
-                return
             self.updates = updates + self.updates
+            self.last_error = exc.message
+            if exc.status == 404 and not (self.leaving or self.node.drain.draining):
+                # the tracker forgot us (restart): register again; a draining node stays forgotten
+                await self.client.register(self.registration())
+                self._ok()
+                return
             log.warning("heartbeat failed: %s", exc.message)
             return
+        self._ok()
         directives = resp.get("directives", [])
         for directive in directives:
             self.updates.append({"id": directive["id"], "status": "acked"})
@@ -164,6 +174,26 @@ class TrackerAgent:
                 self.node.reports[key] = await asyncio.to_thread(run_doctor, slot, lock=rt.lock)
         failed = [r["reason"] for r in self.node.reports.values() if r and not r["passed"]]
         return ("failed", "; ".join(failed)) if failed else ("done", None)
+
+    def _ok(self) -> None:
+        self.last_ok_s, self.last_error = asyncio.get_running_loop().time(), None
+
+    def heartbeat_age_s(self) -> float | None:
+        """Seconds since the tracker last accepted a registration or heartbeat (None: never)."""
+        return None if self.last_ok_s is None else asyncio.get_running_loop().time() - self.last_ok_s
+
+    # ---- drain (ADR-0031) -------------------------------------------------------------
+
+    async def announce_drain(self) -> None:
+        """Tell the tracker at once that this node drains (no new routes or entry choices)."""
+        await self.client.announce_drain(self.settings.node_id)
+        log.info("told %s that %s is draining", self.settings.tracker_url, self.settings.node_id)
+
+    async def leave(self) -> None:
+        """Stop heartbeating and deregister (end of a drain)."""
+        self.leaving = True
+        await self.client.deregister(self.settings.node_id)
+        log.info("deregistered %s from %s", self.settings.node_id, self.settings.tracker_url)
 
     # ---- used by the orchestrator -----------------------------------------------------
 

@@ -3,7 +3,8 @@
 Routes:
     POST   /v1/forward              activation frame in, activation frame out (headers below)
     DELETE /v1/sessions/{id}        release a session's KV caches
-    GET    /v1/health               node id, shard slots, sessions, cache bytes left
+    GET    /v1/health               liveness: node id, shard slots, sessions, cache bytes left, draining
+    GET    /v1/ready                readiness: 200 {"ready": true} or 503 {"ready": false, "reasons"} (ADR-0031)
     POST   /v1/doctor               run doctor on the loaded shards, return capability reports
     GET    /v1/models, POST /v1/chat/completions   OpenAI surface (entry nodes)
     GET    /metrics                 Prometheus text
@@ -11,6 +12,10 @@ Routes:
 Forward headers: ``X-Meshnet-Session``, ``X-Meshnet-Start-Layer`` and
 ``X-Meshnet-End-Layer`` (inclusive, ADR-0002), ``X-Meshnet-Position``, optional
 ``X-Meshnet-Model`` and ``X-Meshnet-Last-Only: 1`` (return only the last position).
+
+SIGTERM drains (ADR-0031, :mod:`meshnet.drain`): the node tells the tracker, refuses new
+chats and new hop sessions (position 0) with 503 ``draining``, keeps serving the sessions it
+holds until they end or ``drain_grace_s`` runs out, deregisters, then exits.
 """
 
 from __future__ import annotations
@@ -23,17 +28,20 @@ from dataclasses import dataclass, field
 
 import httpx
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshnet import wire
+from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.gateway import openai_api
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
 from meshnet.node.metrics import NodeMetrics
+from meshnet.node.readiness import NodeFacts, ShardFact, TrackerFact, node_readiness
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings
 
@@ -51,6 +59,8 @@ class NodeState:
     agent: object | None = None  # meshnet.node.agent.TrackerAgent when a tracker is configured
     started_at: float = field(default_factory=time.time)
     reports: dict = field(default_factory=dict)  # slot key -> latest capability report
+    drain: Drain = field(default_factory=Drain)
+    last_forward_s: float = 0.0  # monotonic time of the latest hop call (drain: are sessions live?)
 
 
 def _state(request: Request) -> NodeState:
@@ -84,6 +94,9 @@ async def forward(request: Request) -> Response:
         raise InvalidRequest("X-Meshnet-End-Layer must be >= X-Meshnet-Start-Layer", code="invalid_field",
                              status=422)
     position = _int_header(request, "X-Meshnet-Position", 0)
+    if position == 0:  # a new session (or a replay): a draining node takes none, the entry fails over
+        node.drain.refuse_new("new hop sessions")
+    node.last_forward_s = time.monotonic()
     body = await request.body()
     hidden = wire.decode(body)
     t0 = time.perf_counter()
@@ -104,10 +117,55 @@ async def release_session(request: Request) -> JSONResponse:
 async def health(request: Request) -> JSONResponse:
     node = _state(request)
     rt = node.runtime
-    return JSONResponse({"status": "ok", "node_id": node.settings.node_id, "endpoint": node.settings.endpoint,
+    return JSONResponse({"status": "ok", "draining": node.drain.draining, "node_id": node.settings.node_id,
+                         "endpoint": node.settings.endpoint,
                          "shards": rt.describe(), "slots_total": rt.max_loaded_shards,
                          "sessions": len(rt.sessions), "cache_bytes_left": rt.sessions.bytes_left,
                          "compute_dtype": rt.compute_dtype, "rss_bytes": hardware.rss_bytes(), "uptime_s": round(time.time() - node.started_at, 1)})
+
+
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: 200 ``{"ready": true, "reasons": []}`` or 503 with the reasons (ADR-0031)."""
+    facts = await gather_facts(_state(request))
+    body = node_readiness(facts)
+    body["node_id"] = _state(request).settings.node_id
+    return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+
+async def gather_facts(node: NodeState, route_timeout_s: float = 3.0) -> NodeFacts:
+    """The facts :func:`node_readiness` decides on; an entry shard asks the tracker for a route
+    (bounded by ``route_timeout_s``)."""
+    agent = node.agent
+    shards = []
+    for key, slot in list(node.runtime.slots.items()):
+        start, end = slot.layers.to_inclusive()
+        report = node.reports.get(key)
+        route_error = None
+        if slot.shard.is_entry and agent is not None and slot.layers.end < slot.shard.num_layers:
+            try:
+                await asyncio.wait_for(agent.route(slot.model, LayerRange(slot.layers.end, slot.shard.num_layers),
+                                                   frozenset()), route_timeout_s)
+            except MeshnetError as exc:
+                route_error = exc.message
+            except asyncio.TimeoutError:
+                route_error = f"route lookup took over {route_timeout_s:.0f} s"
+        shards.append(ShardFact(slot.model, start, end, slot.shard.is_entry,
+                                None if report is None else bool(report.get("passed")),
+                                (report or {}).get("reason") or "", route_error))
+    tracker = TrackerFact(None)
+    if agent is not None:
+        tracker = TrackerFact(node.settings.tracker_url, agent.heartbeat_age_s(), agent.last_error,
+                              timeout_s=2.5 * node.settings.heartbeat_interval_s)
+    elif node.settings.tracker_url:
+        tracker = TrackerFact(node.settings.tracker_url, None, "no tracker agent is running")
+    return NodeFacts(draining=node.drain.draining, shards=shards, tracker=tracker,
+                     num_layers={s.model: s.shard.num_layers for s in node.runtime.slots.values()})
+
+
+def hop_sessions_idle(node: NodeState) -> bool:
+    """Drain test: no hop session is held, or none was used within ``drain_hop_idle_s``."""
+    return (len(node.runtime.sessions) == 0
+            or time.monotonic() - node.last_forward_s > node.settings.drain_hop_idle_s)
 
 
 def orchestrator_for(node: NodeState, model: str | None, pipelined: bool | None = None) -> tuple[str, Orchestrator]:
@@ -175,7 +233,12 @@ async def _meshnet_error(request: Request, exc: MeshnetError) -> Response:
 
 def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, start_agent: bool = True) -> Starlette:
     """Create the node app. The lifespan loads the configured shard (if any) and starts the
-    tracker agent (register + heartbeat loop) when ``settings.tracker_url`` is set."""
+    tracker agent (register + heartbeat loop) when ``settings.tracker_url`` is set.
+
+    ``app.state.drain`` is the node's :class:`Drain` (grace ``settings.drain_grace_s``): it
+    announces to the tracker, waits for chats in flight and live hop sessions, deregisters.
+    """
+    drain = Drain(settings.drain_grace_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -183,8 +246,9 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
                                     compute_dtype=settings.compute_dtype)
         async with httpx.AsyncClient(timeout=settings.hop_timeout_s,
                                      limits=httpx.Limits(max_keepalive_connections=32)) as http:
-            node = NodeState(settings=settings, runtime=rt, http=http)
+            node = NodeState(settings=settings, runtime=rt, http=http, drain=drain)
             app.state.node = node
+            drain.idle = lambda: hop_sessions_idle(node)
             agent_task = None
             if not settings.tracker_url and settings.model and settings.shard:
                 from meshnet.node.loader import load_shard
@@ -193,6 +257,7 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
                 from meshnet.node.agent import TrackerAgent
                 node.agent = TrackerAgent(node)
                 await node.agent.start()
+                drain.announce, drain.leave = node.agent.announce_drain, node.agent.leave
                 agent_task = asyncio.create_task(node.agent.run())
             try:
                 yield
@@ -204,7 +269,10 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
 
     routes = [Route("/v1/forward", forward, methods=["POST"]),
               Route("/v1/sessions/{session_id}", release_session, methods=["DELETE"]),
-              Route("/v1/health", health), Route("/v1/doctor", doctor, methods=["POST"]),
+              Route("/v1/health", health), Route("/v1/ready", ready), Route("/v1/doctor", doctor, methods=["POST"]),
               Route("/v1/models", list_models), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/metrics", metrics)]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _meshnet_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _meshnet_error},
+                    middleware=[Middleware(DrainMiddleware, drain=drain)])
+    app.state.drain = drain
+    return app

@@ -24,6 +24,10 @@ class NodeSettings:
         session_ttl_s, session_cache_bytes: KV-cache session expiry and memory cap.
         accepts_placement: let the tracker assign shards (managed placement).
         torch_threads: intra-op threads (None: torch default).
+        drain_grace_s: on SIGTERM, seconds in-flight generations and hop sessions may take to
+            finish before the node leaves (ADR-0031).
+        drain_hop_idle_s: while draining, a hop session untouched this long counts as over
+            (its entry finished without releasing it, or died), seconds.
     """
 
     host: str = "127.0.0.1"
@@ -45,6 +49,8 @@ class NodeSettings:
     accepts_placement: bool = True
     wallet: str = ""
     torch_threads: int | None = None
+    drain_grace_s: float = 30.0
+    drain_hop_idle_s: float = 5.0
 
     @property
     def endpoint(self) -> str:

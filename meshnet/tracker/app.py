@@ -3,8 +3,10 @@
 Routes (JSON unless noted; ``shard_start``/``shard_end``/``start_layer``/``end_layer`` are
 inclusive on the wire, ADR-0002):
     POST /v1/nodes/register, POST /v1/nodes/{id}/heartbeat, POST /v1/nodes/{id}/failure
+    POST /v1/nodes/{id}/drain, DELETE /v1/nodes/{id}  (a node's own drain and leave, ADR-0031)
     GET  /v1/nodes, /v1/coverage, /v1/coverage/{model}, /v1/route, /v1/network/assign,
-         /v1/directives, /v1/demand, /v1/models, /v1/health, /metrics
+         /v1/directives, /v1/demand, /v1/models, /metrics
+    GET  /v1/health (liveness), /v1/ready[?model=] (readiness: 200, or 503 with reasons)
     POST /v1/chat/completions  (forwarded to an entry node; 503 model_loading when not routable)
     POST /v1/operator/{pin,reload,doctor,drain}  (bearer operator token when configured)
 """
@@ -19,11 +21,13 @@ import time
 import httpx
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from meshnet.errors import InvalidRequest, MeshnetError
+from meshnet.drain import Drain, DrainMiddleware, sse_error
+from meshnet.errors import Draining, InvalidRequest, MeshnetError
 from meshnet.gateway.schema import error_response, parse_chat_request, validate_json
 from meshnet.layers import LayerRange
 from meshnet.tracker import operator, placement, views
@@ -33,6 +37,9 @@ from meshnet.tracker.registry import FailureReport, HeartbeatPayload, RegisterPa
 from meshnet.tracker.service import TrackerService, TrackerSettings
 
 log = logging.getLogger(__name__)
+
+#: entry nodes one chat tries (each unreachable or draining one is skipped for the next)
+ENTRY_ATTEMPTS = 3
 
 
 def _svc(request: Request) -> TrackerService:
@@ -74,6 +81,21 @@ async def failure(request: Request) -> JSONResponse:
     body = validate_json(FailureReport, await request.body())
     _svc(request).report_failure(request.path_params["node_id"], body.reason)
     return JSONResponse({"ok": True})
+
+
+async def drain_node(request: Request) -> JSONResponse:
+    """A node's own announcement that it drains: no new routes or entry choices through it."""
+    node = _svc(request).drain_node(request.path_params["node_id"])
+    request.app.state.wake.set()
+    return JSONResponse({"node_id": node.node_id, "draining": True})
+
+
+async def deregister(request: Request) -> JSONResponse:
+    """A node leaving on purpose (end of its drain): forgotten now, not after the heartbeat timeout."""
+    node_id = request.path_params["node_id"]
+    _svc(request).deregister(node_id)
+    request.app.state.wake.set()
+    return JSONResponse({"node_id": node_id, "deregistered": True})
 
 
 async def nodes(request: Request) -> JSONResponse:
@@ -145,7 +167,14 @@ async def models(request: Request) -> JSONResponse:
 
 async def health(request: Request) -> JSONResponse:
     svc = _svc(request)
-    return JSONResponse({"status": "ok", "nodes": len(svc.nodes), "models": [m.name for m in svc.tracked_models()]})
+    return JSONResponse({"status": "ok", "draining": request.app.state.drain.draining, "nodes": len(svc.nodes),
+                         "models": [m.name for m in svc.tracked_models()]})
+
+
+async def ready(request: Request) -> JSONResponse:
+    """Readiness (ADR-0031): 200 ``{"ready": true, ...}`` or 503 ``{"ready": false, "reasons": [...]}``."""
+    body = _svc(request).readiness(request.query_params.get("model"), draining=request.app.state.drain.draining)
+    return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
 
 async def chat(request: Request) -> Response:
@@ -156,21 +185,85 @@ async def chat(request: Request) -> Response:
     body = await request.body()
     req = parse_chat_request(body)
     model = req.model or default_model()
-    node = svc.entry_node(model)
-    svc.metrics.requests.labels(model=model).inc()
-    svc.add_served(model)
-    http: httpx.AsyncClient = request.app.state.http
-    upstream = http.build_request("POST", f"{node.endpoint}/v1/chat/completions", content=body,
-                                  headers={"Content-Type": "application/json"})
-    try:
-        resp = await http.send(upstream, stream=True)
-    except httpx.HTTPError as exc:
-        svc.report_failure(node.node_id, str(exc))
-        raise MeshnetError(f"entry node {node.node_id} unreachable: {exc}", code="entry_unreachable",
-                           status=502) from exc
+    resp, node_id = await open_entry(svc, request.app.state.http, model, body)
     headers = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "cache-control")}
-    return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code, headers=headers,
-                             background=BackgroundTask(resp.aclose))
+    event_stream = resp.headers.get("content-type", "").startswith("text/event-stream")
+    return StreamingResponse(relay(svc, resp, node_id, event_stream), status_code=resp.status_code,
+                             headers=headers, background=BackgroundTask(resp.aclose))
+
+
+async def open_entry(svc: TrackerService, http: httpx.AsyncClient, model: str, body: bytes) -> tuple[httpx.Response, str]:
+    """Send a chat to an entry node (counting it as served once one is chosen), trying up to
+    ``ENTRY_ATTEMPTS`` of them: one that cannot
+    be reached is reported (routes and entry choice avoid it for a while), one that answers
+    503 ``draining`` is marked draining. A new chat so never sees a node's absence while
+    another entry is up.
+
+    Returns:
+        ``(response with its body still streaming, entry node id)``.
+
+    Raises:
+        ModelNotRoutable: no entry node (503 ``model_loading``).
+        MeshnetError: 502 ``entry_unreachable``: no entry node answered.
+    """
+    tried: set[str] = set()
+    failure: MeshnetError | None = None
+    while len(tried) < ENTRY_ATTEMPTS:
+        try:
+            node = svc.entry_node(model, frozenset(tried))
+        except MeshnetError as exc:
+            if failure is not None and exc.code == "entry_unreachable":
+                raise failure from None
+            raise
+        if not tried:
+            svc.metrics.requests.labels(model=model).inc()
+            svc.add_served(model)
+        upstream = http.build_request("POST", f"{node.endpoint}/v1/chat/completions", content=body,
+                                      headers={"Content-Type": "application/json"})
+        try:
+            resp = await http.send(upstream, stream=True)
+        except httpx.HTTPError as exc:
+            svc.report_failure(node.node_id, str(exc))
+            failure = MeshnetError(f"entry node {node.node_id} unreachable: {exc}", code="entry_unreachable",
+                                   status=502)
+        else:
+            if resp.status_code != 503 or not await _says_draining(resp):
+                return resp, node.node_id
+            if node.node_id in svc.nodes:
+                svc.drain_node(node.node_id)
+            failure = MeshnetError(f"entry node {node.node_id} is draining", code="entry_unreachable", status=502)
+        tried.add(node.node_id)
+        log.warning("%s; trying another entry node", failure.message)
+    raise failure
+
+
+async def _says_draining(resp: httpx.Response) -> bool:
+    """Read a 503 answer (and close it): is it a node's ``draining`` refusal?"""
+    try:
+        await resp.aread()
+        return resp.json().get("error", {}).get("code") == Draining.code
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
+    finally:
+        await resp.aclose()
+
+
+async def relay(svc: TrackerService, resp: httpx.Response, node_id: str, event_stream: bool):
+    """The entry's body, passed through. If the entry's connection breaks mid-body, an event
+    stream ends with an SSE error event (code ``entry_unreachable``) instead of silently."""
+    tail = b"\n\n"
+    try:
+        async for chunk in resp.aiter_raw():
+            if chunk:
+                tail = chunk[-2:]
+            yield chunk
+    except httpx.HTTPError as exc:
+        svc.report_failure(node_id, f"stream cut: {exc}")
+        log.warning("entry node %s cut a proxied stream: %s", node_id, exc)
+        if event_stream:
+            error = MeshnetError(f"entry node {node_id} stopped mid-generation: {type(exc).__name__}",
+                                 code="entry_unreachable", status=502, hint="send the request again")
+            yield (b"" if tail == b"\n\n" else b"\n\n") + sse_error(error)
 
 
 async def metrics(request: Request) -> Response:
@@ -207,6 +300,8 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
               *, run_loop: bool = True) -> Starlette:
     """Create the tracker app; the lifespan runs the control loop unless ``run_loop`` is False."""
 
+    drain = Drain((service.settings if service else settings).drain_grace_s)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         app.state.service = service or TrackerService(settings)
@@ -226,10 +321,16 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
     routes = [Route("/v1/nodes/register", register, methods=["POST"]),
               Route("/v1/nodes/{node_id}/heartbeat", heartbeat, methods=["POST"]),
               Route("/v1/nodes/{node_id}/failure", failure, methods=["POST"]),
+              Route("/v1/nodes/{node_id}/drain", drain_node, methods=["POST"]),
+              Route("/v1/nodes/{node_id}", deregister, methods=["DELETE"]),
               Route("/v1/nodes", nodes), Route("/v1/coverage", coverage_all),
               Route("/v1/coverage/{model}", coverage_one), Route("/v1/route", route),
               Route("/v1/network/assign", network_assign), Route("/v1/directives", directives),
               Route("/v1/demand", demand), Route("/v1/models", models), Route("/v1/health", health),
+              Route("/v1/ready", ready),
               Route("/v1/chat/completions", chat, methods=["POST"]), Route("/metrics", metrics),
               *operator.routes()]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _on_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _on_error},
+                    middleware=[Middleware(DrainMiddleware, drain=drain)])
+    app.state.drain = drain  # SIGTERM: new chats 503, proxied chats get drain_grace_s to finish (ADR-0031)
+    return app

@@ -113,9 +113,7 @@ async def doctor(request: Request) -> JSONResponse:
 async def drain(request: Request) -> JSONResponse:
     _authorize(request)
     svc = request.app.state.service
-    node = svc.get(validate_json(NodeRequest, await request.body()).node_id)
-    node.draining = True
-    svc.dirty = True
+    node = svc.drain_node(validate_json(NodeRequest, await request.body()).node_id)
     return JSONResponse({"node_id": node.node_id, "draining": True})
 
 

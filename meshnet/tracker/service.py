@@ -14,10 +14,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from meshnet.errors import InvalidRequest, ModelNotRoutable, NotFound
+from meshnet.errors import InvalidRequest, MeshnetError, ModelNotRoutable, NotFound
 from meshnet.layers import LayerRange
 from meshnet.presets import find_preset
-from meshnet.tracker import placement, routing
+from meshnet.tracker import placement, readiness, routing
 from meshnet.tracker.registry import HeartbeatPayload, NodeRecord, RegisterPayload, ShardRecord
 from meshnet.tracker.store import OPEN_STATUSES, TrackerStore
 
@@ -38,6 +38,7 @@ class TrackerSettings:
         load_failure_cooldown_s: a node whose LOAD_SHARD failed gets no new load for this long.
         join_settle_s: after a join, wait this long for more joins before rebalancing, so nodes
             starting together are planned together (the widest range to the biggest/fastest).
+        drain_grace_s: on SIGTERM, seconds proxied chats may take to finish (ADR-0031).
     """
 
     host: str = "127.0.0.1"
@@ -51,6 +52,7 @@ class TrackerSettings:
     load_failure_cooldown_s: float = 60.0
     join_settle_s: float = 2.0
     demand_window_s: float = 300.0
+    drain_grace_s: float = 30.0
 
 
 @dataclass
@@ -166,13 +168,38 @@ class TrackerService:
         now = time.monotonic() if now is None else now
         gone = [nid for nid, n in self.nodes.items() if now - n.last_heartbeat_s > self.settings.node_timeout_s]
         for nid in gone:
-            del self.nodes[nid]
-            for d in self.store.directives(node_id=nid, statuses=OPEN_STATUSES):
-                self.store.set_status(d["id"], "failed", "node dropped out")
+            self._forget(nid, "node dropped out")
             log.warning("node %s dropped out (no heartbeat for %.0f s)", nid, self.settings.node_timeout_s)
-        if gone:
-            self.dirty = True
         return gone
+
+    def drain_node(self, node_id: str) -> NodeRecord:
+        """Mark a node draining: out of coverage, routes, entry choice and placement at once
+        (sessions it already holds go on: their entries call it directly).
+
+        Raises:
+            NotFound: unknown node.
+        """
+        node = self.get(node_id)
+        node.draining = True
+        self.dirty = True
+        log.info("node %s is draining", node_id)
+        return node
+
+    def deregister(self, node_id: str) -> None:
+        """Forget a node that leaves on purpose (end of its drain); its open directives fail.
+
+        Raises:
+            NotFound: unknown node.
+        """
+        self.get(node_id)
+        self._forget(node_id, "node deregistered")
+        log.info("node %s deregistered", node_id)
+
+    def _forget(self, node_id: str, why: str) -> None:
+        del self.nodes[node_id]
+        for d in self.store.directives(node_id=node_id, statuses=OPEN_STATUSES):
+            self.store.set_status(d["id"], "failed", why)
+        self.dirty = True
 
     # ---- coverage and routes ----------------------------------------------------------
 
@@ -228,11 +255,14 @@ class TrackerService:
             full.coverage = self.coverage(model)
             raise full from None
 
-    def entry_node(self, model: str) -> NodeRecord:
-        """The least-loaded admitted entry node of a routable model.
+    def entry_node(self, model: str, exclude: frozenset[str] = frozenset()) -> NodeRecord:
+        """The entry node a chat goes to: admitted (so never a draining one), not in ``exclude``
+        (entries this chat already failed on), one without a recent hop failure first, then the
+        least loaded.
 
         Raises:
             ModelNotRoutable: coverage gap or no entry node; the request counts as demand.
+            MeshnetError: 502 ``entry_unreachable``: every entry node is in ``exclude``.
         """
         info = self.ensure_model(model)
         cov = self.coverage(info.name)
@@ -242,8 +272,25 @@ class TrackerService:
             raise ModelNotRoutable(f"model {info.name} is not routable yet: {cov['covered_layers']}/{info.num_layers} "
                                    "layers covered by admitted nodes", coverage=cov, retry_after_s=5,
                                    hint="retry after Retry-After seconds; the tracker places shards where demand appears")
-        node, _ = min(entries, key=lambda e: (int(e[0].stats.get("in_flight") or 0), e[0].node_id))
-        return node
+        usable = [n for n, _ in entries if n.node_id not in exclude]
+        if not usable:
+            raise MeshnetError(f"no entry node of {info.name} answered (tried {', '.join(sorted(exclude))})",
+                               code="entry_unreachable", status=502, hint="retry shortly")
+        now = time.monotonic()
+
+        def failed_recently(n: NodeRecord) -> bool:
+            return n.last_failure_s is not None and now - n.last_failure_s < routing.FAILURE_COOLDOWN_S
+
+        return min(usable, key=lambda n: (failed_recently(n), int(n.stats.get("in_flight") or 0), n.node_id))
+
+    def readiness(self, model: str | None = None, *, draining: bool = False) -> dict:
+        """Whether a chat can be served now (of ``model``, or of any tracked model), and why not.
+
+        Raises:
+            NotFound: ``model`` is not known.
+        """
+        names = [self.ensure_model(model).name] if model else [m.name for m in self.tracked_models()]
+        return readiness.tracker_readiness([self.coverage(n) for n in names], draining=draining)
 
     # ---- demand -----------------------------------------------------------------------
 

@@ -382,7 +382,8 @@ async def test_operator_pin_queues_a_load(tracker):
 
 async def test_health_and_models(tracker):
     await register(tracker, node("node-a", shard(0, 3)))
-    assert (await tracker.get("/v1/health")).json() == {"status": "ok", "nodes": 1, "models": [MODEL]}
+    assert (await tracker.get("/v1/health")).json() == {"status": "ok", "draining": False, "nodes": 1,
+                                                         "models": [MODEL]}
     assert (await tracker.get("/v1/models")).json() == {"object": "list", "data": [
         {"id": MODEL, "object": "model", "owned_by": "meshnet", "num_layers": 4, "routable": True}]}
 
