@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from meshnet.cli.output import JsonOpt, TokenOpt, UrlOpt, console, emit, fail, human_bytes, run, tracker_url
-from meshnet.client import TrackerClient
+from meshnet.client import NodeClient, TrackerClient
 from meshnet.errors import MeshnetError
 
 
@@ -222,5 +222,33 @@ def drain(node: str = typer.Argument(..., help="Node id."), url: str = UrlOpt, t
     emit(data, as_json, lambda d: console.print(f"{node} draining"))
 
 
+def ready(url: str = UrlOpt,
+          node: str = typer.Option(None, "--node", help="Ask the node at this URL instead of the tracker."),
+          model: str = typer.Option(None, "--model", "-m", help="Tracker: ask about this model only."),
+          as_json: bool = JsonOpt) -> None:
+    """Readiness: can a chat be served now? Exit 0 when ready, 1 with the reasons when not."""
+
+    async def ask() -> dict:
+        if node:
+            async with NodeClient(node, timeout_s=10.0) as c:
+                return await c.ready()
+        async with _client(url) as c:
+            return await c.ready(model)
+
+    data = run(ask())
+
+    def human(d):
+        if d["ready"]:
+            console.print("[green]ready[/]")
+        else:
+            console.print("[red]not ready[/]")
+            for reason in d["reasons"]:
+                console.print(f"  - {reason}", highlight=False)
+
+    emit(data, as_json, human)
+    if not data["ready"]:
+        raise typer.Exit(1)
+
+
 COMMANDS = {"chat": chat, "coverage": coverage, "nodes": nodes, "directives": directives, "demand": demand,
-            "pin": pin, "reload": reload, "doctor": doctor, "drain": drain}
+            "pin": pin, "reload": reload, "doctor": doctor, "drain": drain, "ready": ready}

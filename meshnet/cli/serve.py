@@ -2,8 +2,11 @@
 
 Pulls the model (once), starts a tracker and ``--nodes`` node processes that split the
 model's layers evenly, waits until the model is routable, prints the URL, and stops every
-child on Ctrl-C or SIGTERM. A node that dies leaves a coverage gap and the rest keeps
-running; the tracker dying stops everything. Child logs go to ``<cache>/logs/``.
+child on Ctrl-C or SIGTERM: the tracker first (it takes no new chats and lets the ones in
+flight finish, which needs the nodes), then the nodes together; each stop is a drain
+(ADR-0031) bounded by ``--drain-grace``, and a second Ctrl-C kills what is left at once.
+A node that dies leaves a coverage gap and the rest keeps running; the tracker dying stops
+everything. Child logs go to ``<cache>/logs/``.
 """
 
 from __future__ import annotations
@@ -45,18 +48,27 @@ def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def stop_all(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    """SIGTERM every child (by PID), then SIGKILL those still alive after ``grace_s``."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+def stop_all(groups: list[list[subprocess.Popen]], grace_s: float = 5.0) -> None:
+    """Stop children by PID, group after group: SIGTERM to every child of a group (each drains),
+    up to ``grace_s`` seconds for them to exit, SIGKILL to those still alive, then the next
+    group. A KeyboardInterrupt (second Ctrl-C) meanwhile kills every child left at once."""
+    try:
+        for group in groups:
+            for p in group:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for p in group:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+    except KeyboardInterrupt:
+        for p in (p for group in groups for p in group):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def wait_routable(url: str, model: str, procs: list[subprocess.Popen], timeout_s: float) -> dict:
@@ -91,6 +103,8 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
           timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the model to be routable."),
           threads: int = typer.Option(None, "--threads", help="torch threads per node (default: all cores)."),
           heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", help="Seconds between heartbeats."),
+          drain_grace: float = typer.Option(30.0, "--drain-grace", min=0.0,
+                                            help="On stop, seconds chats in flight get to finish."),
           exit_when_ready: bool = typer.Option(False, "--exit-when-ready", help="Stop everything once ready (smoke test).")) -> None:
     """Start a tracker and N local nodes that split the model evenly; Ctrl-C stops them all."""
     from meshnet.models.sources import cache_dir, resolve
@@ -111,7 +125,7 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
     logs.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
     procs: list[subprocess.Popen] = []
-    common = ["--heartbeat-interval", str(heartbeat_interval)]
+    common = ["--heartbeat-interval", str(heartbeat_interval), "--drain-grace", str(drain_grace)]
     try:
         procs.append(_spawn(["tracker", "start", "--model", preset.name, "--port", str(port),
                              "--db", str(cache_dir() / f"serve-tracker-{port}.db"), *common], logs / "tracker.log"))
@@ -144,7 +158,7 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
     except MeshnetError as exc:
         for f in sorted(logs.glob("*.log")):
             err_console.print(f"--- {f.name} (tail) ---\n" + "\n".join(f.read_text().splitlines()[-8:]))
-        stop_all(procs)
+        stop_all([procs[:1], procs[1:]], drain_grace + 5.0)
         fail(exc)
     finally:
-        stop_all(procs)
+        stop_all([procs[:1], procs[1:]], drain_grace + 5.0)

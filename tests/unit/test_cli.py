@@ -50,3 +50,27 @@ def test_local_doctor_reports_json_for_a_recipe(tmp_path):
     assert (report["model"], report["shard_start"], report["shard_end"]) == ("tiny-llama", 1, 2)
     assert report["passed"] and report["recipe"] == {"quantization": "int8", "compute_dtype": "bfloat16"}
     assert report["tokens_per_s"] > 0 and len(report["weights_digest"]) == 32
+
+
+def test_ready_exits_1_with_the_reasons_and_json(monkeypatch):
+    from meshnet.client import TrackerClient
+
+    body = {"ready": False, "reasons": ["smollm2-135m-instruct: coverage gap at layers 10-19"], "models": []}
+
+    async def fake_ready(self, model=None):
+        return body
+
+    monkeypatch.setattr(TrackerClient, "ready", fake_ready)
+    human = runner.invoke(app, ["ready", "--url", "http://tracker.test"])
+    assert human.exit_code == 1
+    assert "not ready" in human.stdout and "coverage gap at layers 10-19" in human.stdout
+    as_json = runner.invoke(app, ["ready", "--url", "http://tracker.test", "--json"])
+    assert as_json.exit_code == 1 and json.loads(as_json.stdout) == body
+    body = {"ready": True, "reasons": [], "models": []}
+    assert runner.invoke(app, ["ready", "--url", "http://tracker.test"]).exit_code == 0
+
+
+def test_ready_of_an_unreachable_node_is_a_clean_error():
+    result = runner.invoke(app, ["ready", "--node", "http://127.0.0.1:9"])
+    assert result.exit_code == 1
+    assert "cannot reach http://127.0.0.1:9" in result.output
