@@ -5,8 +5,9 @@ running after ``timeout_graceful_shutdown``: a middle node would refuse the next
 a generation in flight and a stream would be cut without a word. So the first signal starts
 the app's :class:`meshnet.drain.Drain` instead, with the server still accepting (hop calls of
 existing sessions go on); only when the drain has finished does uvicorn shut down, by which
-time nothing of value is open. A second signal skips the rest of the drain; a third (Ctrl-C)
-forces the exit. After a drain the process exits 0.
+time nothing of value is open. A second signal cuts what is still open (streams end with an
+error event) and stops at once, exiting by that signal; a third (Ctrl-C) forces the exit.
+After a drain the process exits 0.
 """
 
 from __future__ import annotations
@@ -38,17 +39,30 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self._signalled and not self.should_exit:  # signalled while starting: drain now
+            self._start_drain()
+
     def handle_exit(self, sig: int, frame) -> None:
-        """Signal handler (main thread): first signal drains, later ones fall back to uvicorn's."""
-        if self.drain is None or self._loop is None or not self.started or self._signalled:
+        """Signal handler (main thread): the first signal drains (once started: a node registers
+        while it starts, so it must still deregister); later ones fall back to uvicorn's."""
+        if self.drain is None or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        if self._signalled:  # again: cut what is open (error events) and let uvicorn stop now
+            log.warning("signal %d again: cutting %d request(s) in flight", sig, self.drain.in_flight)
+            self._loop.call_soon_threadsafe(self.drain.cut.set)
             super().handle_exit(sig, frame)
             return
         self._signalled = True
         log.info("signal %d: draining before exit (send it again to skip the drain)", sig)
-        self._loop.call_soon_threadsafe(self._start_drain)
+        if self.started:
+            self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
-        self._drain_task = self._loop.create_task(self._drain_then_exit())
+        if self._drain_task is None:
+            self._drain_task = self._loop.create_task(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
         try:

@@ -1,0 +1,156 @@
+"""SIGTERM drains a node (ADR-0031), with real processes and the real model.
+
+Mesh: two entry nodes (0-9), two middle nodes (10-19), one tail (20-29), float32 end to end
+so that tokens are exact. SIGTERM to the node serving a stream, mid-stream: the stream still
+ends with ``[DONE]`` and the very tokens of an undisturbed run, the node exits 0 by itself
+within its grace and is deregistered at once (the tracker's node timeout is far longer), and
+every chat started meanwhile or right after is served by the remaining nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import REAL
+from tests.integration.mesh import Mesh
+
+pytestmark = pytest.mark.slow
+STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
+GRACE_S = 90.0
+MAX_TOKENS = 32
+SIGTERM_AT_TOKEN = 4
+
+
+@pytest.fixture(scope="module")
+def mesh(real_model_path, tmp_path_factory):
+    m = Mesh(tmp_path_factory.mktemp("drain"))
+    try:
+        m.start_tracker(REAL, node_timeout_s=120.0)  # a node that is gone early was deregistered, not timed out
+        shards = {"entry-a": (0, 9), "entry-b": (0, 9), "mid-a": (10, 19), "mid-b": (10, 19), "tail": (20, 29)}
+        for name, (a, b) in shards.items():
+            m.start_node(name, "--model", REAL, "--shard-start", str(a), "--shard-end", str(b), "--dtype", "float32",
+                         "--wire-dtype", "float32", "--drain-grace", str(GRACE_S))
+        m.wait(lambda: [(s["end_layer"], s["node_count"]) for s in m.get(f"/v1/coverage/{REAL}")["segments"]]
+               == [(19, 2), (29, 1)], 300, "two entries, two middles, one tail")
+        yield m
+    finally:
+        m.stop()
+
+
+def stream(mesh, max_tokens: int, on_token=None) -> tuple[list[int], dict, list[str]]:
+    """A greedy streamed chat through the tracker: (token ids, meshnet block, raw data lines)."""
+    body = {"model": REAL, "messages": STORY, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    final, count, lines = None, 0, []
+    with httpx.stream("POST", f"{mesh.url}/v1/chat/completions", json=body, timeout=600) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            lines.append(line[6:])
+            if line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            if chunk["choices"][0]["delta"].get("content"):
+                count += 1
+                if on_token:
+                    on_token(count)
+            if chunk.get("meshnet"):
+                final = chunk["meshnet"]
+    assert final is not None, lines[-3:]
+    return final["completion_token_ids"], final, lines
+
+
+def node_endpoint(mesh, name: str) -> str:
+    return next(n["endpoint"] for n in mesh.get("/v1/nodes")["nodes"] if n["node_id"] == name)
+
+
+def holder_of_the_session(mesh, names: tuple[str, ...]) -> str:
+    for name in names:
+        if httpx.get(f"{node_endpoint(mesh, name)}/v1/health", timeout=5).json()["sessions"] > 0:
+            return name
+    raise AssertionError(f"none of {names} holds the session")
+
+
+class ChatsMeanwhile(threading.Thread):
+    """Short new chats through the tracker, one after another, until stopped: their statuses."""
+
+    def __init__(self, mesh) -> None:
+        super().__init__(daemon=True)
+        self.mesh, self.statuses, self.stop = mesh, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            resp = self.mesh.chat(REAL, max_tokens=2)
+            self.statuses.append(resp.status_code if resp.status_code == 200 else (resp.status_code, resp.text[:300]))
+            self.stop.wait(0.3)
+
+
+def sigterm_mid_stream(mesh, names: tuple[str, ...]) -> dict:
+    """Stream; at SIGTERM_AT_TOKEN send SIGTERM to whichever of ``names`` holds the session.
+    Returns what happened, with timings in seconds after the SIGTERM."""
+    signalled: dict = {}
+    meanwhile = ChatsMeanwhile(mesh)
+
+    def on_token(count: int) -> None:
+        if count == SIGTERM_AT_TOKEN and not signalled:
+            name = holder_of_the_session(mesh, names)
+            proc = mesh.procs.pop(name)  # stopped here, by its PID
+            signalled.update(name=name, proc=proc, t=time.monotonic())
+            proc.send_signal(signal.SIGTERM)
+            meanwhile.start()
+
+    tokens, meta, lines = stream(mesh, MAX_TOKENS, on_token)
+    assert signalled, "the SIGTERM did not happen"
+    signalled["stream_done_s"] = time.monotonic() - signalled["t"]
+    proc = signalled["proc"]
+    try:
+        proc.wait(timeout=GRACE_S + 15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"{signalled['name']} did not exit within its drain grace") from None
+    finally:
+        meanwhile.stop.set()
+        meanwhile.join(timeout=120)
+    signalled.update(exit_s=time.monotonic() - signalled["t"], returncode=proc.returncode, tokens=tokens,
+                     meta=meta, lines=lines, meanwhile=meanwhile.statuses)
+    return signalled
+
+
+def check_drained(mesh, result: dict, expected: list[int]) -> None:
+    name = result["name"]
+    print(f"SIGTERM {name}: stream done {result['stream_done_s']:.2f} s later, process exit "
+          f"{result['exit_s']:.2f} s later, {len(result['meanwhile'])} new chat(s) meanwhile: {result['meanwhile']}")
+    assert result["lines"][-1] == "[DONE]"
+    assert result["tokens"] == expected
+    assert result["returncode"] == 0
+    assert result["exit_s"] < GRACE_S
+    assert result["meanwhile"] and all(s == 200 for s in result["meanwhile"]), result["meanwhile"]
+    assert name not in [n["node_id"] for n in mesh.get("/v1/nodes")["nodes"]]  # deregistered, not timed out
+    after = mesh.chat(REAL, max_tokens=4)
+    assert after.status_code == 200, after.text
+    assert name not in [h["node_id"] for h in after.json()["meshnet"]["route"]]
+    assert mesh.get("/v1/ready").get("ready") is True
+
+
+def test_sigterm_to_the_entry_node_mid_stream_finishes_the_stream(mesh):
+    expected, _, _ = stream(mesh, MAX_TOKENS)
+    assert len(expected) == MAX_TOKENS
+    result = sigterm_mid_stream(mesh, ("entry-a", "entry-b"))
+    check_drained(mesh, result, expected)
+
+
+def test_sigterm_to_a_middle_node_mid_stream_keeps_its_session(mesh):
+    expected, _, _ = stream(mesh, MAX_TOKENS)
+    result = sigterm_mid_stream(mesh, ("mid-a", "mid-b"))
+    check_drained(mesh, result, expected)
+    assert result["meta"]["failovers"] == 0  # the draining node served its session to the end
+    assert result["name"] in [h["node_id"] for h in result["meta"]["route"]]
