@@ -38,6 +38,7 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+        log.info("server closed")
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)

@@ -154,3 +154,33 @@ def test_sigterm_to_a_middle_node_mid_stream_keeps_its_session(mesh):
     check_drained(mesh, result, expected)
     assert result["meta"]["failovers"] == 0  # the draining node served its session to the end
     assert result["name"] in [h["node_id"] for h in result["meta"]["route"]]
+
+
+def test_sigterm_to_the_tracker_mid_stream_finishes_the_stream_and_nodes_then_say_not_ready(mesh):
+    """The tracker drains too: its proxied stream finishes, a new chat meanwhile is a clear 503
+    ``draining``, it exits 0. Its nodes stay alive (health 200) but say why they are not ready."""
+    expected, _, _ = stream(mesh, MAX_TOKENS)
+    endpoints = {n["node_id"]: n["endpoint"] for n in mesh.get("/v1/nodes")["nodes"]}
+    signalled: dict = {}
+
+    def on_token(count: int) -> None:
+        if count == SIGTERM_AT_TOKEN and not signalled:
+            proc = mesh.procs.pop("tracker")  # stopped here, by its PID
+            signalled.update(proc=proc, t=time.monotonic())
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            refused = mesh.chat(REAL, max_tokens=2)
+            signalled["refused"] = (refused.status_code, refused.json()["error"]["code"])
+
+    tokens, _, lines = stream(mesh, MAX_TOKENS, on_token)
+    stream_done_s = time.monotonic() - signalled["t"]
+    assert lines[-1] == "[DONE]" and tokens == expected
+    assert signalled["refused"] == (503, "draining")
+    assert signalled["proc"].wait(timeout=40) == 0
+    exit_s = time.monotonic() - signalled["t"]
+    print(f"SIGTERM tracker: stream done {stream_done_s:.2f} s later, process exit {exit_s:.2f} s later")
+    for name, endpoint in endpoints.items():
+        ready = mesh.wait(lambda: (r := httpx.get(f"{endpoint}/v1/ready", timeout=5)).status_code == 503 and r.json(),
+                          20, f"{name} not ready")
+        assert any(r.startswith(f"tracker {mesh.url} unreachable") for r in ready["reasons"]), ready
+        assert httpx.get(f"{endpoint}/v1/health", timeout=5).status_code == 200

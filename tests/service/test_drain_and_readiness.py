@@ -92,6 +92,22 @@ async def test_tracker_ready_names_the_coverage_gap_until_the_model_is_routable(
     assert resp.json() == {"ready": True, "reasons": [], "models": [{"model": MODEL, "routable": True, "gaps": []}]}
 
 
+async def test_after_a_middle_node_drops_out_health_stays_ok_and_ready_names_its_layers(tracker, tracker_app):
+    """Issue 9 §4, first input: SIGKILL of the middle node and 30 s later health said 200 ``ok``
+    while chat got 503. Liveness stays 200; readiness now says 503 and which layers are gone."""
+    await register(tracker, node("entry", shard(0, 0)), node("mid", shard(1, 2)), node("tail", shard(3, 3)))
+    svc = tracker_app.state.service
+    for n in ("entry", "tail"):  # they keep heartbeating; the middle one was SIGKILLed
+        svc.nodes[n].last_heartbeat_s += 30.0
+    assert svc.check_dropouts(now=time.monotonic() + 30.0) == ["mid"]
+    health = await tracker.get("/v1/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    ready = await tracker.get("/v1/ready")
+    assert ready.status_code == 503
+    assert ready.json()["reasons"] == [f"{MODEL}: coverage gap at layers 1-2 (no admitted node serves them)"]
+    assert (await tracker.post("/v1/chat/completions", json=CHAT)).status_code == 503
+
+
 async def test_tracker_ready_without_an_entry_node_says_so(tracker):
     await register(tracker, node("a", shard(0, 3, entry=False)))
     resp = await tracker.get("/v1/ready", params={"model": MODEL})
