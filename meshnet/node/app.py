@@ -41,7 +41,7 @@ from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
 from meshnet.node.metrics import NodeMetrics
-from meshnet.node.readiness import NodeFacts, ShardFact, TrackerFact, node_readiness
+from meshnet.node.readiness import gather_facts, node_readiness
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings
 
@@ -130,36 +130,6 @@ async def ready(request: Request) -> JSONResponse:
     body = node_readiness(facts)
     body["node_id"] = _state(request).settings.node_id
     return JSONResponse(body, status_code=200 if body["ready"] else 503)
-
-
-async def gather_facts(node: NodeState, route_timeout_s: float = 3.0) -> NodeFacts:
-    """The facts :func:`node_readiness` decides on; an entry shard asks the tracker for a route
-    (bounded by ``route_timeout_s``)."""
-    agent = node.agent
-    shards = []
-    for key, slot in list(node.runtime.slots.items()):
-        start, end = slot.layers.to_inclusive()
-        report = node.reports.get(key)
-        route_error = None
-        if slot.shard.is_entry and agent is not None and slot.layers.end < slot.shard.num_layers:
-            try:
-                await asyncio.wait_for(agent.route(slot.model, LayerRange(slot.layers.end, slot.shard.num_layers),
-                                                   frozenset()), route_timeout_s)
-            except MeshnetError as exc:
-                route_error = exc.message
-            except asyncio.TimeoutError:
-                route_error = f"route lookup took over {route_timeout_s:.0f} s"
-        shards.append(ShardFact(slot.model, start, end, slot.shard.is_entry,
-                                None if report is None else bool(report.get("passed")),
-                                (report or {}).get("reason") or "", route_error))
-    tracker = TrackerFact(None)
-    if agent is not None:
-        tracker = TrackerFact(node.settings.tracker_url, agent.heartbeat_age_s(), agent.last_error,
-                              timeout_s=2.5 * node.settings.heartbeat_interval_s)
-    elif node.settings.tracker_url:
-        tracker = TrackerFact(node.settings.tracker_url, None, "no tracker agent is running")
-    return NodeFacts(draining=node.drain.draining, shards=shards, tracker=tracker,
-                     num_layers={s.model: s.shard.num_layers for s in node.runtime.slots.values()})
 
 
 def hop_sessions_idle(node: NodeState) -> bool:

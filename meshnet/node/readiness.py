@@ -4,12 +4,17 @@ Liveness (``GET /v1/health``) only says the process runs. Readiness (``GET /v1/r
 says whether work sent here now would be served: shards loaded and passed by doctor,
 the tracker reachable (so that routes exist and the node is known), not draining, and for
 an entry node that a route covers the rest of its model. :func:`node_readiness` is the
-decision as a pure function over those facts; the app gathers them.
+decision as a pure function over those facts; :func:`gather_facts` collects them from a
+running node.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+
+from meshnet.errors import MeshnetError
+from meshnet.layers import LayerRange
 
 
 @dataclass(frozen=True)
@@ -84,3 +89,34 @@ def node_readiness(facts: NodeFacts) -> dict:
             reasons.append(f"{s.model}: standalone entry holds layers 0-{s.shard_end} of "
                            f"{facts.num_layers[s.model]} and has no tracker to route the rest")
     return {"ready": not reasons, "reasons": reasons}
+
+
+async def gather_facts(node, route_timeout_s: float = 3.0) -> NodeFacts:
+    """The facts :func:`node_readiness` decides on, from ``node`` (the app's NodeState). An entry
+    shard that needs remote layers asks the tracker for a route, bounded by ``route_timeout_s``
+    seconds (a slow tracker is then a reason, not a hung probe)."""
+    agent = node.agent
+    shards = []
+    for key, slot in list(node.runtime.slots.items()):
+        start, end = slot.layers.to_inclusive()
+        report = node.reports.get(key)
+        route_error = None
+        if slot.shard.is_entry and agent is not None and slot.layers.end < slot.shard.num_layers:
+            try:
+                await asyncio.wait_for(agent.route(slot.model, LayerRange(slot.layers.end, slot.shard.num_layers),
+                                                   frozenset()), route_timeout_s)
+            except MeshnetError as exc:
+                route_error = exc.message
+            except asyncio.TimeoutError:
+                route_error = f"route lookup took over {route_timeout_s:.0f} s"
+        shards.append(ShardFact(slot.model, start, end, slot.shard.is_entry,
+                                None if report is None else bool(report.get("passed")),
+                                (report or {}).get("reason") or "", route_error))
+    tracker = TrackerFact(None)
+    if agent is not None:
+        tracker = TrackerFact(node.settings.tracker_url, agent.heartbeat_age_s(), agent.last_error,
+                              timeout_s=2.5 * node.settings.heartbeat_interval_s)
+    elif node.settings.tracker_url:
+        tracker = TrackerFact(node.settings.tracker_url, None, "no tracker agent is running")
+    return NodeFacts(draining=node.drain.draining, shards=shards, tracker=tracker,
+                     num_layers={s.model: s.shard.num_layers for s in node.runtime.slots.values()})

@@ -26,20 +26,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from meshnet.drain import Drain, DrainMiddleware, sse_error
-from meshnet.errors import Draining, InvalidRequest, MeshnetError
+from meshnet.drain import Drain, DrainMiddleware
+from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.gateway.schema import error_response, parse_chat_request, validate_json
 from meshnet.layers import LayerRange
-from meshnet.tracker import operator, placement, views
+from meshnet.tracker import operator, placement, proxy, views
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.rebalance import rebalance
 from meshnet.tracker.registry import FailureReport, HeartbeatPayload, RegisterPayload
 from meshnet.tracker.service import TrackerService, TrackerSettings
 
 log = logging.getLogger(__name__)
-
-#: entry nodes one chat tries (each unreachable or draining one is skipped for the next)
-ENTRY_ATTEMPTS = 3
 
 
 def _svc(request: Request) -> TrackerService:
@@ -178,92 +175,18 @@ async def ready(request: Request) -> JSONResponse:
 
 
 async def chat(request: Request) -> Response:
-    """Forward the chat body to the least-loaded entry node (streams pass straight through)."""
+    """Forward the chat body to an entry node (streams pass straight through; see :mod:`proxy`)."""
     from meshnet.presets import default_model
 
     svc = _svc(request)
     body = await request.body()
     req = parse_chat_request(body)
     model = req.model or default_model()
-    resp, node_id = await open_entry(svc, request.app.state.http, model, body)
+    resp, node_id = await proxy.open_entry(svc, request.app.state.http, model, body)
     headers = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "cache-control")}
     event_stream = resp.headers.get("content-type", "").startswith("text/event-stream")
-    return StreamingResponse(relay(svc, resp, node_id, event_stream), status_code=resp.status_code,
+    return StreamingResponse(proxy.relay(svc, resp, node_id, event_stream), status_code=resp.status_code,
                              headers=headers, background=BackgroundTask(resp.aclose))
-
-
-async def open_entry(svc: TrackerService, http: httpx.AsyncClient, model: str, body: bytes) -> tuple[httpx.Response, str]:
-    """Send a chat to an entry node (counting it as served once one is chosen), trying up to
-    ``ENTRY_ATTEMPTS`` of them: one that cannot
-    be reached is reported (routes and entry choice avoid it for a while), one that answers
-    503 ``draining`` is marked draining. A new chat so never sees a node's absence while
-    another entry is up.
-
-    Returns:
-        ``(response with its body still streaming, entry node id)``.
-
-    Raises:
-        ModelNotRoutable: no entry node (503 ``model_loading``).
-        MeshnetError: 502 ``entry_unreachable``: no entry node answered.
-    """
-    tried: set[str] = set()
-    failure: MeshnetError | None = None
-    while len(tried) < ENTRY_ATTEMPTS:
-        try:
-            node = svc.entry_node(model, frozenset(tried))
-        except MeshnetError as exc:
-            if failure is not None and exc.code == "entry_unreachable":
-                raise failure from None
-            raise
-        if not tried:
-            svc.metrics.requests.labels(model=model).inc()
-            svc.add_served(model)
-        upstream = http.build_request("POST", f"{node.endpoint}/v1/chat/completions", content=body,
-                                      headers={"Content-Type": "application/json"})
-        try:
-            resp = await http.send(upstream, stream=True)
-        except httpx.HTTPError as exc:
-            svc.report_failure(node.node_id, str(exc))
-            failure = MeshnetError(f"entry node {node.node_id} unreachable: {exc}", code="entry_unreachable",
-                                   status=502)
-        else:
-            if resp.status_code != 503 or not await _says_draining(resp):
-                return resp, node.node_id
-            if node.node_id in svc.nodes:
-                svc.drain_node(node.node_id)
-            failure = MeshnetError(f"entry node {node.node_id} is draining", code="entry_unreachable", status=502)
-        tried.add(node.node_id)
-        log.warning("%s; trying another entry node", failure.message)
-    raise failure
-
-
-async def _says_draining(resp: httpx.Response) -> bool:
-    """Read a 503 answer (and close it): is it a node's ``draining`` refusal?"""
-    try:
-        await resp.aread()
-        return resp.json().get("error", {}).get("code") == Draining.code
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return False
-    finally:
-        await resp.aclose()
-
-
-async def relay(svc: TrackerService, resp: httpx.Response, node_id: str, event_stream: bool):
-    """The entry's body, passed through. If the entry's connection breaks mid-body, an event
-    stream ends with an SSE error event (code ``entry_unreachable``) instead of silently."""
-    tail = b"\n\n"
-    try:
-        async for chunk in resp.aiter_raw():
-            if chunk:
-                tail = chunk[-2:]
-            yield chunk
-    except httpx.HTTPError as exc:
-        svc.report_failure(node_id, f"stream cut: {exc}")
-        log.warning("entry node %s cut a proxied stream: %s", node_id, exc)
-        if event_stream:
-            error = MeshnetError(f"entry node {node_id} stopped mid-generation: {type(exc).__name__}",
-                                 code="entry_unreachable", status=502, hint="send the request again")
-            yield (b"" if tail == b"\n\n" else b"\n\n") + sse_error(error)
 
 
 async def metrics(request: Request) -> Response:
