@@ -8,6 +8,7 @@ running; the tracker dying stops everything. Child logs go to ``<cache>/logs/``.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -37,6 +38,25 @@ def split_layers(num_layers: int, parts: int) -> list[LayerRange]:
         ranges.append(LayerRange(start, start + size))
         start += size
     return ranges
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_node(nodes: int, cores: int) -> int:
+    """torch intra-op threads for each of ``nodes`` local node processes sharing ``cores``.
+
+    The cores are split evenly (``cores // nodes``, at least 1), so the nodes together never
+    ask for more threads than there are cores; with more nodes than cores each gets one.
+    torch's default (one thread per core in every process) would run ``nodes × cores``
+    threads on ``cores`` cores.
+    """
+    return max(1, cores // max(1, nodes))
 
 
 def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
@@ -89,7 +109,8 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
                                     help="Node compute dtype: bfloat16 (faster) or float32 (exact)."),
           wire_dtype: str = typer.Option("bfloat16", "--wire-dtype", help="Activation dtype between nodes."),
           timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the model to be routable."),
-          threads: int = typer.Option(None, "--threads", help="torch threads per node (default: all cores)."),
+          threads: int = typer.Option(None, "--threads", min=1,
+                                     help="torch threads per node (default: the usable cores split evenly between the nodes)."),
           heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", help="Seconds between heartbeats."),
           exit_when_ready: bool = typer.Option(False, "--exit-when-ready", help="Stop everything once ready (smoke test).")) -> None:
     """Start a tracker and N local nodes that split the model evenly; Ctrl-C stops them all."""
@@ -112,6 +133,7 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
     url = f"http://127.0.0.1:{port}"
     procs: list[subprocess.Popen] = []
     common = ["--heartbeat-interval", str(heartbeat_interval)]
+    threads = threads or threads_per_node(nodes, usable_cores())
     try:
         procs.append(_spawn(["tracker", "start", "--model", preset.name, "--port", str(port),
                              "--db", str(cache_dir() / f"serve-tracker-{port}.db"), *common], logs / "tracker.log"))
@@ -119,9 +141,9 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
             start, end = layers.to_inclusive()
             args = ["node", "start", "--tracker", url, "--model", preset.name, "--shard-start", str(start),
                     "--shard-end", str(end), "--dtype", dtype, "--wire-dtype", wire_dtype, "--node-id",
-                    f"node-{i}", *common] + (["--threads", str(threads)] if threads else [])
+                    f"node-{i}", "--threads", str(threads), *common]
             procs.append(_spawn(args, logs / f"node-{i}.log"))
-        console.print(f"started tracker and {nodes} node(s); logs in {logs}")
+        console.print(f"started tracker and {nodes} node(s), {threads} torch thread(s) each; logs in {logs}")
         with console.status(f"loading {preset.name} across {nodes} node(s)"):
             cov = wait_routable(url, preset.name, procs, timeout)
         console.print(f"[green]meshnet ready[/]: {preset.name} ({cov['num_layers']} layers) routable at {url}")
