@@ -98,6 +98,9 @@ class TrackerClient(_Base):
         return await self._call("POST", "/v1/operator/pin", "pin", json={"model": model, "node_id": node_id,
                                                                         "shard": shard})
 
+    async def unpin(self, model: str, node_id: str) -> dict:
+        return await self._call("POST", "/v1/operator/unpin", "unpin", json={"model": model, "node_id": node_id})
+
     async def reload(self, node_id: str) -> dict:
         return await self._call("POST", "/v1/operator/reload", "reload", json={"node_id": node_id})
 

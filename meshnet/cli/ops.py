@@ -164,6 +164,14 @@ def pin(model: str = typer.Argument(..., help="Model preset."),
                                                 f"{d['pinned']['shard_start']}-{d['pinned']['shard_end']} to {node}"))
 
 
+def unpin(model: str = typer.Argument(..., help="Model preset."),
+          node: str = typer.Option(..., "--node", help="Node id."),
+          url: str = UrlOpt, token: str = TokenOpt, as_json: bool = JsonOpt) -> None:
+    """Forget a pin: the node no longer gets that shard back when it restarts (it keeps serving it now)."""
+    data = run(_call(url, "unpin", model, node, token=token))
+    emit(data, as_json, lambda d: console.print(f"unpinned {d['unpinned']['model']} from {node}"))
+
+
 def reload(node: str = typer.Argument(..., help="Node id."), url: str = UrlOpt, token: str = TokenOpt,
            as_json: bool = JsonOpt) -> None:
     """Reload a node's shards (its reports go stale until doctor passes again)."""
@@ -223,4 +231,4 @@ def drain(node: str = typer.Argument(..., help="Node id."), url: str = UrlOpt, t
 
 
 COMMANDS = {"chat": chat, "coverage": coverage, "nodes": nodes, "directives": directives, "demand": demand,
-            "pin": pin, "reload": reload, "doctor": doctor, "drain": drain}
+            "pin": pin, "unpin": unpin, "reload": reload, "doctor": doctor, "drain": drain}

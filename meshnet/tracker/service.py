@@ -125,7 +125,103 @@ class TrackerService:
         if old is None:
             self.last_join_s = time.monotonic()
         log.info("node %s registered at %s with %d shard(s)", node_id, record.endpoint, len(record.shards))
+        self.restore_pins(record)
         return record
+
+    # ---- operator decisions (the HTTP handlers only validate and call these) ---------------
+
+    def queue_directive(self, node_id: str, type_: str, *, model: str | None = None,
+                        layers: LayerRange | None = None, tier: str | None = None, reason: str = "") -> dict:
+        """Queue one directive for ``node_id`` (delivered with its next heartbeat); returns its row."""
+        start, end = layers.to_inclusive() if layers is not None else (None, None)
+        return self.store.add_directive(node_id, type_, model=model, shard_start=start, shard_end=end, tier=tier,
+                                        reason=reason)
+
+    def restore_pins(self, node: NodeRecord) -> list[dict]:
+        """Give a (re)registering node back every shard the operator pinned on it.
+
+        A pin is operator intent kept in the store: a node that comes back without its pinned
+        shard (a restart with no shard flags, or after a tracker restart) gets a ``LOAD_SHARD``
+        with tier ``pinned``, unless it already holds that range or such a load is still open.
+        Returns the directives queued.
+        """
+        held = {(s.model, s.layers) for s in node.shards}
+        open_loads = {(d["model"], d["shard_start"], d["shard_end"])
+                      for d in self.store.directives(node_id=node.node_id, statuses=OPEN_STATUSES)
+                      if d["type"] == "LOAD_SHARD"}
+        queued = []
+        for pin in self.store.pins(node.node_id):
+            layers = LayerRange.from_inclusive(pin["shard_start"], pin["shard_end"])
+            if (pin["model"], layers) in held or (pin["model"], pin["shard_start"], pin["shard_end"]) in open_loads:
+                continue
+            self.ensure_model(pin["model"])
+            queued.append(self.queue_directive(node.node_id, "LOAD_SHARD", model=pin["model"], layers=layers,
+                                               tier="pinned", reason="operator pin (restored)"))
+            log.info("restoring pin %s %s on %s", pin["model"], layers, node.node_id)
+        return queued
+
+    def pin(self, node_id: str, model: str, layers: LayerRange | None = None) -> tuple[dict, list[dict]]:
+        """Pin ``model`` (``layers``, or the range placement would give the node) on ``node_id``.
+
+        The pin is stored (it survives node and tracker restarts, see :meth:`restore_pins`); the
+        node gets a ``LOAD_SHARD`` with tier ``pinned``, preceded by a ``DROP_SHARD`` of a
+        non-pinned shard when all its slots are full (managed shards go first).
+
+        Returns:
+            ``(pin {node_id, model, shard_start, shard_end}, directives queued)``.
+
+        Raises:
+            NotFound: unknown node or model. InvalidRequest (422): ``layers`` beyond the model.
+        """
+        node = self.get(node_id)
+        info = self.ensure_model(model)
+        if layers is None:
+            spec = placement.ModelSpec(info.name, info.num_layers, info.bytes_per_layer)
+            counts = placement.coverage_counts(info.num_layers, [s.layers for _, s in self.admitted_shards(info.name)])
+            layers, _ = placement.find_assignment(spec, counts, node.vram_bytes, node.quantization)
+        elif layers.end > info.num_layers:
+            start, end = layers.to_inclusive()
+            raise InvalidRequest(f"shard {start}-{end} beyond {info.name}'s {info.num_layers} layers",
+                                 code="invalid_field", status=422)
+        start, end = layers.to_inclusive()
+        self.store.add_model(info.name)
+        self.store.add_pin(node.node_id, info.name, start, end)
+        queued = []
+        free = node.max_loaded_shards - len(node.shards)
+        for shard in sorted(node.shards, key=lambda s: s.tier != "managed"):
+            if free >= 1:
+                break
+            if shard.tier != "pinned":
+                queued.append(self.queue_directive(node.node_id, "DROP_SHARD", model=shard.model, layers=shard.layers,
+                                                   tier=shard.tier, reason="operator pin"))
+                free += 1
+        queued.append(self.queue_directive(node.node_id, "LOAD_SHARD", model=info.name, layers=layers, tier="pinned",
+                                           reason="operator pin"))
+        return {"node_id": node.node_id, "model": info.name, "shard_start": start, "shard_end": end}, queued
+
+    def unpin(self, node_id: str, model: str) -> bool:
+        """Forget the operator's pin of ``model`` on ``node_id``: it is no longer restored when the
+        node re-registers. The shard the node holds now keeps serving until it is dropped or the
+        node restarts. Returns True when a pin was removed.
+
+        Raises:
+            NotFound: unknown model.
+        """
+        return self.store.remove_pin(node_id, self.ensure_model(model).name)
+
+    def reload(self, node_id: str) -> dict:
+        """Queue a ``RELOAD``; the node's current reports stop counting until a new doctor passes."""
+        node = self.get(node_id)
+        node.mark_reports_stale()
+        self.dirty = True
+        return self.queue_directive(node.node_id, "RELOAD", reason="operator reload")
+
+    def drain(self, node_id: str) -> NodeRecord:
+        """Take ``node_id`` out of routes and placement (it keeps its shards and its record)."""
+        node = self.get(node_id)
+        node.draining = True
+        self.dirty = True
+        return node
 
     def get(self, node_id: str) -> NodeRecord:
         try:

@@ -80,8 +80,16 @@ class TrackerStore:
         self._exec("INSERT OR REPLACE INTO pins VALUES (?,?,?,?,?)",
                    (node_id, model, shard_start, shard_end, time.time()))
 
-    def pins(self) -> list[dict]:
-        return self._rows("SELECT * FROM pins ORDER BY created_at")
+    def pins(self, node_id: str | None = None) -> list[dict]:
+        """Operator pins (all, or one node's), oldest first: ``{node_id, model, shard_start, shard_end}``."""
+        if node_id is None:
+            return self._rows("SELECT * FROM pins ORDER BY created_at")
+        return self._rows("SELECT * FROM pins WHERE node_id = ? ORDER BY created_at", (node_id,))
+
+    def remove_pin(self, node_id: str, model: str) -> bool:
+        """Delete the pin of ``model`` on ``node_id``; True when there was one."""
+        with self.lock:
+            return self.db.execute("DELETE FROM pins WHERE node_id = ? AND model = ?", (node_id, model)).rowcount > 0
 
     # models
     def add_model(self, name: str, source: str = "operator") -> None:
