@@ -121,13 +121,3 @@ class TrackerClient(_Base):
 
     async def health(self) -> dict:
         return await self._call("GET", "/v1/health", "health")
-
-
-class NodeClient(_Base):
-    """Client of a node's control API."""
-
-    async def health(self) -> dict:
-        return await self._call("GET", "/v1/health", "node health")
-
-    async def doctor(self) -> dict:
-        return await self._call("POST", "/v1/doctor", "doctor", timeout=300.0)

@@ -40,13 +40,6 @@ class ModelPreset:
     bytes_per_layer: dict[str, int] = field(default_factory=dict)
     source: dict = field(default_factory=dict)
 
-    def layer_bytes(self, quantization: str) -> int:
-        """Bytes of one layer under ``quantization``; falls back to bfloat16 scaled by bits."""
-        if quantization in self.bytes_per_layer:
-            return int(self.bytes_per_layer[quantization])
-        base = int(self.bytes_per_layer.get("bfloat16", self.hidden_size * self.hidden_size * 12 * 2))
-        return {"float32": base * 2, "int8": base // 2, "nf4": base // 4}.get(quantization, base)
-
 
 def _path() -> Path:
     return Path(os.environ.get("MESHNET_PRESETS", PRESETS_PATH))

@@ -111,9 +111,6 @@ class NodeRuntime:
         raise NotFound(f"no loaded shard serves layers {layers} of {model or 'any model'} (holding {held})",
                        code="shard_not_loaded")
 
-    def entry_slot(self, model: str) -> ShardSlot | None:
-        return next((s for s in self.slots.values() if s.model == model and s.shard.is_entry), None)
-
     # ---- compute ----------------------------------------------------------------------
 
     def forward(self, *, model: str | None, session_id: str, layers: LayerRange, position: int,

@@ -78,7 +78,7 @@ async def doctor(request: Request) -> JSONResponse:
     _authorize(request)
     svc = request.app.state.service
     node = svc.get(validate_json(NodeRequest, await request.body()).node_id)
-    directive = svc.store.add_directive(node.node_id, "RUN_DOCTOR", reason="operator doctor")
+    directive = svc.queue_directive(node.node_id, "RUN_DOCTOR", reason="operator doctor")
     svc.store.set_status(directive["id"], "delivered")
     try:
         resp = await request.app.state.http.post(f"{node.endpoint}/v1/doctor", timeout=300.0)

@@ -64,27 +64,23 @@ def rebalance(service: TrackerService) -> placement.PlacementPlan:
     plan = placement.plan_placement(nodes, models)
     sources = service.store.model_sources()
     for node_id, a in plan.loads:
-        start, end = a.layers.to_inclusive()
         # a model tracked only because chat demand asked for it is placed as `managed` (ADR-0026)
         tier = "managed" if sources.get(a.model) == "demand" and a.tier == "bootstrap" else a.tier
-        service.store.add_directive(node_id, "LOAD_SHARD", model=a.model, shard_start=start, shard_end=end,
-                                    tier=tier, reason=plan.reasons.get(node_id, ""))
+        service.queue_directive(node_id, "LOAD_SHARD", model=a.model, layers=a.layers, tier=tier,
+                                reason=plan.reasons.get(node_id, ""))
         log.info("LOAD_SHARD %s %s → %s (%s)", a.model, a.layers, node_id, a.tier)
     for node_id, a in plan.drops:
-        start, end = a.layers.to_inclusive()
-        service.store.add_directive(node_id, "DROP_SHARD", model=a.model, shard_start=start, shard_end=end,
-                                    tier=a.tier, reason=plan.reasons.get(node_id, ""))
+        service.queue_directive(node_id, "DROP_SHARD", model=a.model, layers=a.layers, tier=a.tier,
+                                reason=plan.reasons.get(node_id, ""))
     service.plan_reasons = plan.reasons  # read per node by GET /v1/nodes (computed lazily)
     for node in service.nodes.values():
         node.reason = ""
     for node_id, old, new in demand_moves(service, nodes, models, plan):
         for a in old:
-            s0, s1 = a.layers.to_inclusive()
-            service.store.add_directive(node_id, "DROP_SHARD", model=a.model, shard_start=s0, shard_end=s1,
-                                        tier=a.tier, reason=f"moved to {new.model} by demand")
-        s0, s1 = new.layers.to_inclusive()
-        service.store.add_directive(node_id, "LOAD_SHARD", model=new.model, shard_start=s0, shard_end=s1,
-                                    tier="managed", reason=f"demand for {new.model}")
+            service.queue_directive(node_id, "DROP_SHARD", model=a.model, layers=a.layers, tier=a.tier,
+                                    reason=f"moved to {new.model} by demand")
+        service.queue_directive(node_id, "LOAD_SHARD", model=new.model, layers=new.layers, tier="managed",
+                                reason=f"demand for {new.model}")
         service.nodes[node_id].last_move_s = time.monotonic()
         service.nodes[node_id].reason = f"moved to {new.model} {new.layers} by demand (ADR-0005)"
         log.info("demand move: %s from %s to %s %s", node_id, [a.model for a in old], new.model, new.layers)
