@@ -32,7 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.integration.mesh import Mesh  # noqa: E402
+from meshnet.localmesh import LocalMesh  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 WORDS = ("the quick brown fox jumps over a lazy dog while distant rivers carry old songs to the sea " * 80).split()
@@ -177,14 +177,12 @@ def main() -> None:
     prompts = {512: prompt_of(tok, 512), 1024: prompt_of(tok, 1024)}
     lengths = {n: len(chat_ids(tok, msgs)) for n, msgs in prompts.items()}
     story = [{"role": "user", "content": "Tell me about the sea."}]
-    mesh = Mesh(Path(tempfile.mkdtemp(prefix="meshnet-bench-")), heartbeat_s=1.0)
+    mesh = LocalMesh(Path(tempfile.mkdtemp(prefix="meshnet-bench-")), heartbeat_s=1.0)
     try:
         mesh.start_tracker(MODEL)
         for i, (a, b) in enumerate([(0, 9), (10, 19), (20, 29)]):
-            mesh._spawn(f"node-{i}", ["node", "start", "--tracker", mesh.url, "--node-id", f"node-{i}",
-                                      "--model", MODEL, "--shard-start", str(a), "--shard-end", str(b),
-                                      "--threads", str(args.threads), "--wire-dtype", args.wire_dtype, "--dtype", args.dtype,
-                                      "--heartbeat-interval", "1"])
+            mesh.start_node(f"node-{i}", "--model", MODEL, "--shard-start", str(a), "--shard-end", str(b),
+                            "--wire-dtype", args.wire_dtype, "--dtype", args.dtype, threads=args.threads)
         mesh.wait_routable(MODEL, 300)
         chat(mesh.url, story, 4)  # warm-up
         node_health = [httpx.get(f"{n['endpoint']}/v1/health", timeout=10).json()

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-import httpx
 import typer
 
 from meshnet.cli.output import console, err_console, fail
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
+from meshnet.localmesh import LocalMesh
 
 
 def split_layers(num_layers: int, parts: int) -> list[LayerRange]:
@@ -59,49 +56,6 @@ def threads_per_node(nodes: int, cores: int) -> int:
     return max(1, cores // max(1, nodes))
 
 
-def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "wb")
-    return subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", *args], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def stop_all(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    """SIGTERM every child (by PID), then SIGKILL those still alive after ``grace_s``."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def wait_routable(url: str, model: str, procs: list[subprocess.Popen], timeout_s: float) -> dict:
-    """Poll the tracker until ``model`` is routable (bounded by ``timeout_s``).
-
-    Raises:
-        MeshnetError: a child exited, or the timeout passed.
-    """
-    deadline = time.monotonic() + timeout_s
-    last = {}
-    while time.monotonic() < deadline:
-        dead = [p for p in procs if p.poll() is not None]
-        if dead:
-            raise MeshnetError(f"a meshnet process exited early (code {dead[0].returncode})",
-                               hint="see the logs printed above")
-        try:
-            last = httpx.get(f"{url}/v1/coverage/{model}", timeout=2.0).json()
-            if last.get("routable"):
-                return last
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise MeshnetError(f"{model} not routable after {timeout_s:.0f} s (coverage: {last})")
-
-
 def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve (default: the default preset)."),
           nodes: int = typer.Option(3, "--nodes", "-n", min=1, help="Local node processes splitting the layers."),
           port: int = typer.Option(8700, "--port", help="Tracker port (the URL clients use)."),
@@ -129,44 +83,40 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
 
     signal.signal(signal.SIGTERM, _terminate)
     logs = cache_dir() / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    url = f"http://127.0.0.1:{port}"
-    procs: list[subprocess.Popen] = []
-    common = ["--heartbeat-interval", str(heartbeat_interval)]
     threads = threads or threads_per_node(nodes, usable_cores())
+    mesh = LocalMesh(logs, port=port, heartbeat_s=heartbeat_interval, detach=True)
+    url = mesh.url
     try:
-        procs.append(_spawn(["tracker", "start", "--model", preset.name, "--port", str(port),
-                             "--db", str(cache_dir() / f"serve-tracker-{port}.db"), *common], logs / "tracker.log"))
+        mesh.start_tracker(preset.name, node_timeout_s=25.0, rebalance_s=30.0,
+                           db=cache_dir() / f"serve-tracker-{port}.db")
         for i, layers in enumerate(ranges):
             start, end = layers.to_inclusive()
-            args = ["node", "start", "--tracker", url, "--model", preset.name, "--shard-start", str(start),
-                    "--shard-end", str(end), "--dtype", dtype, "--wire-dtype", wire_dtype, "--node-id",
-                    f"node-{i}", "--threads", str(threads), *common]
-            procs.append(_spawn(args, logs / f"node-{i}.log"))
+            mesh.start_node(f"node-{i}", "--model", preset.name, "--shard-start", str(start), "--shard-end", str(end),
+                            "--dtype", dtype, "--wire-dtype", wire_dtype, threads=threads)
         console.print(f"started tracker and {nodes} node(s), {threads} torch thread(s) each; logs in {logs}")
         with console.status(f"loading {preset.name} across {nodes} node(s)"):
-            cov = wait_routable(url, preset.name, procs, timeout)
+            cov = mesh.wait_routable(preset.name, timeout)
         console.print(f"[green]meshnet ready[/]: {preset.name} ({cov['num_layers']} layers) routable at {url}")
         console.print(f"  try: meshnet chat \"What is the capital of France?\" --url {url}")
         console.print("  OpenAI API: POST {}/v1/chat/completions · console: meshnet tui --url {}".format(url, url))
         print(f"READY {url}", flush=True)
-        reported: set[int] = set()
+        reported: set[str] = set()
         while not exit_when_ready:
-            if procs[0].poll() is not None:
-                err_console.print(f"[red]the tracker exited (code {procs[0].returncode}); stopping[/]")
-                raise typer.Exit(1)
-            for i, p in enumerate(procs[1:]):
-                if p.poll() is not None and i not in reported:  # the mesh goes on; the tracker shows the gap
-                    reported.add(i)
-                    err_console.print(f"[yellow]node-{i} exited (code {p.returncode}); its layers are a "
-                                      f"coverage gap until another node serves them (log: {logs / f'node-{i}.log'})[/]")
+            for name, code in mesh.exited().items():
+                if name == "tracker":
+                    err_console.print(f"[red]the tracker exited (code {code}); stopping[/]")
+                    raise typer.Exit(1)
+                if name not in reported:  # the mesh goes on; the tracker shows the gap
+                    reported.add(name)
+                    err_console.print(f"[yellow]{name} exited (code {code}); its layers are a coverage gap until "
+                                      f"another node serves them (log: {logs / f'{name}.log'})[/]")
             time.sleep(1.0)
     except KeyboardInterrupt:
         console.print("stopping…")
     except MeshnetError as exc:
         for f in sorted(logs.glob("*.log")):
             err_console.print(f"--- {f.name} (tail) ---\n" + "\n".join(f.read_text().splitlines()[-8:]))
-        stop_all(procs)
+        mesh.stop()
         fail(exc)
     finally:
-        stop_all(procs)
+        mesh.stop()
