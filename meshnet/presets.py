@@ -14,7 +14,6 @@ from pathlib import Path
 
 from meshnet.errors import NotFound
 
-QUANTIZATIONS = ("bfloat16", "int8", "nf4")
 PRESETS_PATH = Path(__file__).resolve().parent.parent / "model_presets.toml"
 
 

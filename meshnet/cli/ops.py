@@ -218,7 +218,7 @@ def _local_doctor(model: str | None, shard: str | None, dtype: str, quantization
         with console.status(f"loading {preset.name} layers {layers}"):
             runtime = NodeRuntime(compute_dtype=dtype)
             slot = runtime.load(preset.name, resolve(preset.name), layers, quantization=quantization)
-        return run_doctor(slot)
+        return run_doctor(slot).model_dump()
     except (MeshnetError, ValueError) as exc:
         fail(exc if isinstance(exc, MeshnetError) else MeshnetError(str(exc)))
 

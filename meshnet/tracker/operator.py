@@ -18,6 +18,7 @@ from starlette.routing import Route
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound, Unauthorized
 from meshnet.gateway.schema import validate_json
 from meshnet.layers import LayerRange
+from meshnet.protocol.control import DoctorResponse
 
 
 class PinRequest(BaseModel):
@@ -54,7 +55,7 @@ async def pin(request: Request) -> JSONResponse:
         except ValueError as exc:
             raise InvalidRequest(f"invalid field 'shard': {exc}", code="invalid_field", status=422) from exc
     pinned, queued = request.app.state.service.pin(req.node_id, req.model, layers)
-    return JSONResponse({"pinned": pinned, "directives": queued})
+    return JSONResponse({"pinned": pinned, "directives": [d.model_dump() for d in queued]})
 
 
 async def unpin(request: Request) -> JSONResponse:
@@ -70,7 +71,7 @@ async def unpin(request: Request) -> JSONResponse:
 async def reload(request: Request) -> JSONResponse:
     _authorize(request)
     node_id = validate_json(NodeRequest, await request.body()).node_id
-    return JSONResponse({"directive": request.app.state.service.reload(node_id)})
+    return JSONResponse({"directive": request.app.state.service.reload(node_id).model_dump()})
 
 
 async def doctor(request: Request) -> JSONResponse:
@@ -79,22 +80,22 @@ async def doctor(request: Request) -> JSONResponse:
     svc = request.app.state.service
     node = svc.get(validate_json(NodeRequest, await request.body()).node_id)
     directive = svc.queue_directive(node.node_id, "RUN_DOCTOR", reason="operator doctor")
-    svc.store.set_status(directive["id"], "delivered")
+    svc.store.set_status(directive.id, "delivered")
     try:
         resp = await request.app.state.http.post(f"{node.endpoint}/v1/doctor", timeout=300.0)
         resp.raise_for_status()
     except httpx.HTTPError as exc:
-        svc.store.set_status(directive["id"], "failed", str(exc))
+        svc.store.set_status(directive.id, "failed", str(exc))
         raise MeshnetError(f"doctor on {node.node_id} failed: {exc}", code="doctor_failed", status=502) from exc
-    reports = resp.json()["reports"]
-    by_range = {(r["model"], r["shard_start"], r["shard_end"]): r for r in reports}
-    for shard in node.shards:
-        start, end = shard.layers.to_inclusive()
-        shard.report = by_range.get((shard.model, start, end), shard.report)
-    failed = [r["reason"] for r in reports if not r["passed"]]
-    svc.store.set_status(directive["id"], "failed" if failed else "done", "; ".join(failed) or None)
-    svc.dirty = True
-    return JSONResponse({"node_id": node.node_id, "reports": reports})
+    try:
+        reports = DoctorResponse.model_validate(resp.json()).reports
+    except ValueError as exc:
+        svc.store.set_status(directive.id, "failed", f"bad doctor answer: {exc}")
+        raise MeshnetError(f"doctor on {node.node_id} answered an invalid body: {exc}", code="doctor_failed",
+                           status=502) from exc
+    failed = svc.record_doctor(node.node_id, reports)
+    svc.store.set_status(directive.id, "failed" if failed else "done", "; ".join(failed) or None)
+    return JSONResponse({"node_id": node.node_id, "reports": [r.model_dump() for r in reports]})
 
 
 async def drain(request: Request) -> JSONResponse:

@@ -12,26 +12,25 @@ import logging
 import time
 
 from meshnet.layers import LayerRange
+from meshnet.protocol.control import OPEN_STATUSES, TIERS, Directive
 from meshnet.tracker import placement, policy
 from meshnet.tracker.service import TrackerService
-from meshnet.tracker.store import OPEN_STATUSES
 
 log = logging.getLogger(__name__)
 
 
-def _assignments(node, open_directives: list[dict]) -> tuple[placement.Assignment, ...]:
+def _assignments(node, open_directives: list[Directive]) -> tuple[placement.Assignment, ...]:
     """The node's shards, plus its open LOAD_SHARDs, minus its open DROP_SHARDs."""
     held = {(s.model, s.layers): s.tier for s in node.shards}
-    for d in sorted(open_directives, key=lambda d: d["id"]):
-        if not d["model"]:
+    for d in sorted(open_directives, key=lambda d: d.id):
+        if not d.model or d.layers is None:
             continue
-        key = (d["model"], LayerRange.from_inclusive(d["shard_start"], d["shard_end"]))
-        if d["type"] == "LOAD_SHARD":
-            held.setdefault(key, d["tier"] or "bootstrap")
-        elif d["type"] == "DROP_SHARD":
+        key = (d.model, d.layers)
+        if d.type == "LOAD_SHARD":
+            held.setdefault(key, d.tier or "bootstrap")
+        elif d.type == "DROP_SHARD":
             held.pop(key, None)
-    tiers = placement.TIERS
-    return tuple(placement.Assignment(m, r, t if t in tiers else "pinned") for (m, r), t in sorted(held.items()))
+    return tuple(placement.Assignment(m, r, t if t in TIERS else "pinned") for (m, r), t in sorted(held.items()))
 
 
 def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState], list[placement.ModelSpec]]:
@@ -41,12 +40,12 @@ def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState]
     models = [placement.ModelSpec(m.name, m.num_layers, m.bytes_per_layer, service.load_rate(m.name))
               for m in service.tracked_models()]
     known = {m.name for m in models}
-    open_by_node: dict[str, list[dict]] = {}
+    open_by_node: dict[str, list[Directive]] = {}
     for d in service.store.directives(statuses=OPEN_STATUSES, limit=1_000_000):
-        open_by_node.setdefault(d["node_id"], []).append(d)
+        open_by_node.setdefault(d.node_id, []).append(d)
     cooldown = service.settings.load_failure_cooldown_s
-    failed_recently = {d["node_id"] for d in service.store.directives(statuses=("failed",), limit=1_000_000)
-                       if d["type"] == "LOAD_SHARD" and now - d["updated_at"] < cooldown}
+    failed_recently = {d.node_id for d in service.store.directives(statuses=("failed",), limit=1_000_000)
+                       if d.type == "LOAD_SHARD" and now - d.updated_at < cooldown}
     nodes = []
     for node in service.nodes.values():
         assignments = tuple(a for a in _assignments(node, open_by_node.get(node.node_id, []))

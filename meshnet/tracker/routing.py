@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from meshnet.errors import ModelNotRoutable
 from meshnet.layers import LayerRange
+from meshnet.protocol.route import Hop
 
 __all__ = [
     "Hop",
@@ -66,15 +67,6 @@ class ShardCandidate:
     latency_s: float = 0.0
     in_flight: int = 0
     last_failure_age_s: float | None = None
-
-
-@dataclass(frozen=True)
-class Hop:
-    """One step of a route: ``node_id`` runs ``layers``, a sub-range of its shard (ADR-0012)."""
-
-    node_id: str
-    endpoint: str
-    layers: LayerRange
 
 
 class NoRoute(ModelNotRoutable):

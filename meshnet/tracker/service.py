@@ -18,8 +18,10 @@ from meshnet.errors import InvalidRequest, ModelNotRoutable, NotFound
 from meshnet.layers import LayerRange
 from meshnet.presets import find_preset
 from meshnet.tracker import placement, routing
-from meshnet.tracker.registry import HeartbeatPayload, NodeRecord, RegisterPayload, ShardRecord
-from meshnet.tracker.store import OPEN_STATUSES, TrackerStore
+from meshnet.protocol.control import (OPEN_STATUSES, CapabilityReport, Directive, HeartbeatRequest,
+                                      RegisterRequest)
+from meshnet.tracker.registry import NodeRecord, ShardRecord
+from meshnet.tracker.store import TrackerStore
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +108,7 @@ class TrackerService:
 
     # ---- nodes ------------------------------------------------------------------------
 
-    def register(self, payload: RegisterPayload) -> NodeRecord:
+    def register(self, payload: RegisterRequest) -> NodeRecord:
         node_id = payload.node_id or f"node-{uuid.uuid4().hex[:8]}"
         for s in payload.shards:
             self.ensure_model(s.model, s.num_layers)
@@ -131,13 +133,13 @@ class TrackerService:
     # ---- operator decisions (the HTTP handlers only validate and call these) ---------------
 
     def queue_directive(self, node_id: str, type_: str, *, model: str | None = None,
-                        layers: LayerRange | None = None, tier: str | None = None, reason: str = "") -> dict:
+                        layers: LayerRange | None = None, tier: str | None = None, reason: str = "") -> Directive:
         """Queue one directive for ``node_id`` (delivered with its next heartbeat); returns its row."""
         start, end = layers.to_inclusive() if layers is not None else (None, None)
         return self.store.add_directive(node_id, type_, model=model, shard_start=start, shard_end=end, tier=tier,
                                         reason=reason)
 
-    def restore_pins(self, node: NodeRecord) -> list[dict]:
+    def restore_pins(self, node: NodeRecord) -> list[Directive]:
         """Give a (re)registering node back every shard the operator pinned on it.
 
         A pin is operator intent kept in the store: a node that comes back without its pinned
@@ -146,9 +148,9 @@ class TrackerService:
         Returns the directives queued.
         """
         held = {(s.model, s.layers) for s in node.shards}
-        open_loads = {(d["model"], d["shard_start"], d["shard_end"])
+        open_loads = {(d.model, d.shard_start, d.shard_end)
                       for d in self.store.directives(node_id=node.node_id, statuses=OPEN_STATUSES)
-                      if d["type"] == "LOAD_SHARD"}
+                      if d.type == "LOAD_SHARD"}
         queued = []
         for pin in self.store.pins(node.node_id):
             layers = LayerRange.from_inclusive(pin["shard_start"], pin["shard_end"])
@@ -160,7 +162,7 @@ class TrackerService:
             log.info("restoring pin %s %s on %s", pin["model"], layers, node.node_id)
         return queued
 
-    def pin(self, node_id: str, model: str, layers: LayerRange | None = None) -> tuple[dict, list[dict]]:
+    def pin(self, node_id: str, model: str, layers: LayerRange | None = None) -> tuple[dict, list[Directive]]:
         """Pin ``model`` (``layers``, or the range placement would give the node) on ``node_id``.
 
         The pin is stored (it survives node and tracker restarts, see :meth:`restore_pins`); the
@@ -209,12 +211,22 @@ class TrackerService:
         """
         return self.store.remove_pin(node_id, self.ensure_model(model).name)
 
-    def reload(self, node_id: str) -> dict:
+    def reload(self, node_id: str) -> Directive:
         """Queue a ``RELOAD``; the node's current reports stop counting until a new doctor passes."""
         node = self.get(node_id)
         node.mark_reports_stale()
         self.dirty = True
         return self.queue_directive(node.node_id, "RELOAD", reason="operator reload")
+
+    def record_doctor(self, node_id: str, reports: list[CapabilityReport]) -> list[str]:
+        """Store the capability reports a doctor run on ``node_id`` returned (matched to its shards
+        by model and range); returns the reasons of those that failed."""
+        node = self.get(node_id)
+        by_range = {(r.model, r.layers): r for r in reports}
+        for shard in node.shards:
+            shard.report = by_range.get((shard.model, shard.layers), shard.report)
+        self.dirty = True
+        return [r.reason for r in reports if not r.passed]
 
     def drain(self, node_id: str) -> NodeRecord:
         """Take ``node_id`` out of routes and placement (it keeps its shards and its record)."""
@@ -230,7 +242,7 @@ class TrackerService:
             raise NotFound(f"unknown node {node_id!r}", code="unknown_node",
                            hint="see `meshnet nodes` for node ids (a node itself re-registers on this error)") from None
 
-    def heartbeat(self, node_id: str, payload: HeartbeatPayload) -> list[dict]:
+    def heartbeat(self, node_id: str, payload: HeartbeatRequest) -> list[Directive]:
         """Record a heartbeat; returns the directives to deliver (queued → delivered)."""
         node = self.get(node_id)
         node.last_heartbeat_s = time.monotonic()
@@ -247,9 +259,8 @@ class TrackerService:
                 self.dirty = True
         out = []
         for d in reversed(self.store.directives(node_id=node_id, statuses=("queued",))):
-            self.store.set_status(d["id"], "delivered")
-            d["status"] = "delivered"
-            out.append(d)
+            self.store.set_status(d.id, "delivered")
+            out.append(d.model_copy(update={"status": "delivered"}))
         return out
 
     def report_failure(self, node_id: str, reason: str) -> None:
@@ -264,7 +275,7 @@ class TrackerService:
         for nid in gone:
             del self.nodes[nid]
             for d in self.store.directives(node_id=nid, statuses=OPEN_STATUSES):
-                self.store.set_status(d["id"], "failed", "node dropped out")
+                self.store.set_status(d.id, "failed", "node dropped out")
             log.warning("node %s dropped out (no heartbeat for %.0f s)", nid, self.settings.node_timeout_s)
         if gone:
             self.dirty = True
@@ -294,7 +305,11 @@ class TrackerService:
 
     def candidates(self, model: str, end_layer: int) -> list[routing.ShardCandidate]:
         """Admitted shards of ``model`` starting before ``end_layer`` (full shard ranges: the
-        measured tokens/s is over the whole shard; choose_route trims past ``num_layers``)."""
+        measured tokens/s is over the whole shard; choose_route trims past ``num_layers``).
+
+        Load is the node's live KV-cache sessions. Per-hop network latency is not measured yet
+        (nodes report compute time only, which tokens/s already counts), so it is 0 here.
+        """
         now = time.monotonic()
         out = []
         for node, shard in self.admitted_shards(model):
@@ -302,8 +317,7 @@ class TrackerService:
                 continue
             age = None if node.last_failure_s is None else now - node.last_failure_s
             out.append(routing.ShardCandidate(node.node_id, node.endpoint, shard.layers, node.tokens_per_s(shard),
-                                              float(node.stats.get("latency_s") or 0.0),
-                                              int(node.stats.get("in_flight") or 0), age))
+                                              0.0, node.stats.sessions, age))
         return out
 
     def route(self, model: str, layers: LayerRange, exclude: frozenset[str] = frozenset()) -> list[routing.Hop]:
@@ -338,7 +352,7 @@ class TrackerService:
             raise ModelNotRoutable(f"model {info.name} is not routable yet: {cov['covered_layers']}/{info.num_layers} "
                                    "layers covered by admitted nodes", coverage=cov, retry_after_s=5,
                                    hint="retry after Retry-After seconds; the tracker places shards where demand appears")
-        node, _ = min(entries, key=lambda e: (int(e[0].stats.get("in_flight") or 0), e[0].node_id))
+        node, _ = min(entries, key=lambda e: (e[0].stats.requests_running, e[0].stats.sessions, e[0].node_id))
         return node
 
     # ---- demand -----------------------------------------------------------------------

@@ -8,25 +8,25 @@ import pytest
 from meshnet.layers import LayerRange
 from meshnet.tracker.app import build_app
 from meshnet.tracker.rebalance import rebalance
-from meshnet.tracker.registry import RegisterPayload
+from meshnet.protocol.control import RegisterRequest
 from meshnet.tracker.service import TrackerService, TrackerSettings
 
 MODEL = "tiny-llama"
 
 
-def bare_node(node_id: str = "pn") -> RegisterPayload:
+def bare_node(node_id: str = "pn") -> RegisterRequest:
     """A model-less node (no shard flags), as `meshnet node start --tracker URL --node-id pn` registers."""
-    return RegisterPayload(node_id=node_id, endpoint=f"http://{node_id}.test:8000", vram_bytes=2 * 1024**3)
+    return RegisterRequest(node_id=node_id, endpoint=f"http://{node_id}.test:8000", vram_bytes=2 * 1024**3)
 
 
 def loads(svc: TrackerService, node_id: str = "pn") -> list[tuple]:
-    return [(d["type"], d["model"], d["shard_start"], d["shard_end"], d["tier"], d["status"])
+    return [(d.type, d.model, d.shard_start, d.shard_end, d.tier, d.status)
             for d in reversed(svc.store.directives(node_id=node_id))]
 
 
 def finish_open_directives(svc: TrackerService, node_id: str = "pn") -> None:
     for d in svc.store.directives(node_id=node_id, statuses=("queued", "delivered")):
-        svc.store.set_status(d["id"], "done")
+        svc.store.set_status(d.id, "done")
 
 
 def test_restarted_node_gets_its_pinned_shard_back_as_pinned(tmp_path):
@@ -34,7 +34,7 @@ def test_restarted_node_gets_its_pinned_shard_back_as_pinned(tmp_path):
     svc.register(bare_node())
     pinned, queued = svc.pin("pn", MODEL, LayerRange.from_inclusive(0, 3))
     assert pinned == {"node_id": "pn", "model": MODEL, "shard_start": 0, "shard_end": 3}
-    assert [(d["type"], d["tier"]) for d in queued] == [("LOAD_SHARD", "pinned")]
+    assert [(d.type, d.tier) for d in queued] == [("LOAD_SHARD", "pinned")]
     finish_open_directives(svc)
 
     svc.register(bare_node())  # the node restarts with the same --node-id and no shard flags
