@@ -24,7 +24,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.integration.mesh import Mesh  # noqa: E402
+from meshnet.localmesh import LocalMesh  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
@@ -55,7 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
-    mesh = Mesh(Path(tempfile.mkdtemp(prefix="meshnet-failover-")), heartbeat_s=1.0)
+    mesh = LocalMesh(Path(tempfile.mkdtemp(prefix="meshnet-failover-")), heartbeat_s=1.0)
     rows = []
     try:
         mesh.start_tracker(MODEL, node_timeout_s=5.0)

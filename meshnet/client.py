@@ -6,11 +6,17 @@ message says what was asked of whom.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from meshnet.errors import MeshnetError, ModelNotRoutable
+from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
+                                      RegisterRequest, RegisterResponse)
+from meshnet.protocol.route import Hop, RouteResponse
+
+T = TypeVar("T", bound=BaseModel)
 
 
 def _raise_for(resp: httpx.Response, what: str) -> None:
@@ -27,6 +33,21 @@ def _raise_for(resp: httpx.Response, what: str) -> None:
                                retry_after_s=int(resp.headers.get("Retry-After", "5")))
     raise MeshnetError(f"{what}: HTTP {resp.status_code}: {message}", code=err.get("code", "http_error"),
                        status=resp.status_code, hint=err.get("hint"))
+
+
+def _parse(model: type[T], body: Any, what: str) -> T:
+    """Validate a response body into ``model``.
+
+    Raises:
+        MeshnetError: the body does not match (``bad_response``, 502), naming the first bad field.
+    """
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "body"
+        raise MeshnetError(f"{what}: unexpected answer, field '{field}': {err['msg']}", code="bad_response",
+                           status=502, hint="tracker and node versions may differ") from exc
 
 
 class _Base:
@@ -76,11 +97,14 @@ class _Base:
 class TrackerClient(_Base):
     """Client of the tracker API (``/v1/...``)."""
 
-    async def register(self, payload: dict) -> dict:
-        return await self._call("POST", "/v1/nodes/register", "register node", json=payload)
+    async def register(self, payload: RegisterRequest) -> RegisterResponse:
+        body = await self._call("POST", "/v1/nodes/register", "register node", json=payload.model_dump(mode="json"))
+        return _parse(RegisterResponse, body, "register node")
 
-    async def heartbeat(self, node_id: str, payload: dict) -> dict:
-        return await self._call("POST", f"/v1/nodes/{node_id}/heartbeat", "heartbeat", json=payload)
+    async def heartbeat(self, node_id: str, payload: HeartbeatRequest) -> HeartbeatResponse:
+        body = await self._call("POST", f"/v1/nodes/{node_id}/heartbeat", "heartbeat",
+                                json=payload.model_dump(mode="json"))
+        return _parse(HeartbeatResponse, body, "heartbeat")
 
     async def announce_drain(self, node_id: str, timeout_s: float = 5.0) -> dict:
         """Tell the tracker this node is draining: no new routes or entry choices through it."""
@@ -91,14 +115,17 @@ class TrackerClient(_Base):
         return await self._call("DELETE", f"/v1/nodes/{node_id}", "deregister node", timeout=timeout_s)
 
     async def report_failure(self, node_id: str, reason: str) -> None:
-        await self._call("POST", f"/v1/nodes/{node_id}/failure", "report hop failure", json={"reason": reason})
+        await self._call("POST", f"/v1/nodes/{node_id}/failure", "report hop failure",
+                         json=FailureReport(reason=reason[:2000]).model_dump())
 
-    async def route(self, model: str, start_layer: int, end_layer: int, exclude: frozenset[str] = frozenset()) -> list[dict]:
-        """Hops (dicts with node_id, endpoint, start_layer, end_layer inclusive) for the layers."""
+    async def route(self, model: str, start_layer: int, end_layer: int,
+                    exclude: frozenset[str] = frozenset()) -> list[Hop]:
+        """Hops serving layers ``start_layer..end_layer`` (inclusive) of ``model``, in order."""
         params = {"model": model, "start_layer": start_layer, "end_layer": end_layer}
         if exclude:
             params["exclude"] = ",".join(sorted(exclude))
-        return (await self._call("GET", "/v1/route", "route lookup", params=params))["hops"]
+        body = await self._call("GET", "/v1/route", "route lookup", params=params)
+        return _parse(RouteResponse, body, "route lookup").to_hops()
 
     async def nodes(self) -> list[dict]:
         return (await self._call("GET", "/v1/nodes", "list nodes"))["nodes"]
@@ -116,12 +143,16 @@ class TrackerClient(_Base):
     async def demand(self) -> dict:
         return await self._call("GET", "/v1/demand", "demand")
 
-    async def assign(self, **params) -> dict:
-        return await self._call("GET", "/v1/network/assign", "network assignment", params=params)
+    async def assign(self, **params) -> AssignResponse:
+        return _parse(AssignResponse, await self._call("GET", "/v1/network/assign", "network assignment",
+                                                       params=params), "network assignment")
 
     async def pin(self, model: str, node_id: str, shard: str | None = None) -> dict:
         return await self._call("POST", "/v1/operator/pin", "pin", json={"model": model, "node_id": node_id,
                                                                         "shard": shard})
+
+    async def unpin(self, model: str, node_id: str) -> dict:
+        return await self._call("POST", "/v1/operator/unpin", "unpin", json={"model": model, "node_id": node_id})
 
     async def reload(self, node_id: str) -> dict:
         return await self._call("POST", "/v1/operator/reload", "reload", json={"node_id": node_id})
@@ -155,7 +186,7 @@ class TrackerClient(_Base):
 
 
 class NodeClient(_Base):
-    """Client of a node's control API."""
+    """Client of a node's probes (``meshnet ready --node``)."""
 
     async def health(self) -> dict:
         """Liveness: 200 while the node process runs."""
@@ -168,6 +199,3 @@ class NodeClient(_Base):
             MeshnetError: the node is unreachable.
         """
         return await self._ready("node readiness")
-
-    async def doctor(self) -> dict:
-        return await self._call("POST", "/v1/doctor", "doctor", timeout=300.0)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from meshnet.errors import NotFound
 
-QUANTIZATIONS = ("bfloat16", "int8", "nf4")
 PRESETS_PATH = Path(__file__).resolve().parent.parent / "model_presets.toml"
 
 
@@ -39,13 +38,6 @@ class ModelPreset:
     hidden_size: int
     bytes_per_layer: dict[str, int] = field(default_factory=dict)
     source: dict = field(default_factory=dict)
-
-    def layer_bytes(self, quantization: str) -> int:
-        """Bytes of one layer under ``quantization``; falls back to bfloat16 scaled by bits."""
-        if quantization in self.bytes_per_layer:
-            return int(self.bytes_per_layer[quantization])
-        base = int(self.bytes_per_layer.get("bfloat16", self.hidden_size * self.hidden_size * 12 * 2))
-        return {"float32": base * 2, "int8": base // 2, "nf4": base // 4}.get(quantization, base)
 
 
 def _path() -> Path:

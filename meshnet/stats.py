@@ -3,8 +3,6 @@
 - :class:`PerformanceEMA`: throughput of a node, tokens/s, as a bias-corrected EMA.
 - :class:`EMA`: a plain value such as hop latency in seconds, bias-corrected.
 - :class:`RollingCounter`: events per minute over a sliding window (requests per minute).
-- :class:`ExpiringDict`: entries that vanish ``ttl_s`` seconds after they were last set
-  (tracker heartbeats).
 
 Every method that depends on time takes an optional ``now`` (seconds, from
 ``time.monotonic`` when omitted) so tests are deterministic. No I/O.
@@ -14,10 +12,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable
-from typing import Any
 
-__all__ = ["EMA", "ExpiringDict", "PerformanceEMA", "RollingCounter"]
+__all__ = ["EMA", "PerformanceEMA", "RollingCounter"]
 
 #: Default EMA smoothing factor: weight of the newest sample (ADR-0013).
 DEFAULT_ALPHA = 0.1
@@ -139,65 +135,3 @@ class RollingCounter:
         horizon = now - self.window_s
         while self._events and self._events[0] <= horizon:
             self._events.popleft()
-
-
-class ExpiringDict:
-    """A dict whose entries expire ``ttl_s`` seconds after they were last set (ADR-0013).
-
-    The tracker keeps node heartbeats here: each heartbeat calls :meth:`set`, and
-    :meth:`pop_expired` lists the nodes that went quiet. An entry set at ``t`` is live
-    while ``now < t + ttl_s``. Times are seconds on a monotonic clock and must not go
-    backwards; re-setting a key moves it to the back, so expiry scans stop at the first
-    live entry.
-    """
-
-    def __init__(self, ttl_s: float) -> None:
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        self.ttl_s = ttl_s
-        self._entries: dict[Hashable, tuple[float, Any]] = {}  # key -> (expires_at, value)
-
-    def set(self, key: Hashable, value: Any, now: float | None = None) -> None:
-        """Store ``value`` under ``key`` until ``now + ttl_s``."""
-        now = time.monotonic() if now is None else now
-        self._entries.pop(key, None)
-        self._entries[key] = (now + self.ttl_s, value)
-
-    def get(self, key: Hashable, default: Any = None, now: float | None = None) -> Any:
-        """The live value under ``key``, else ``default``."""
-        now = time.monotonic() if now is None else now
-        entry = self._entries.get(key)
-        return entry[1] if entry is not None and now < entry[0] else default
-
-    def pop(self, key: Hashable, default: Any = None) -> Any:
-        """Remove ``key`` now (a node that left); return its value, expired or not, else ``default``."""
-        entry = self._entries.pop(key, None)
-        return entry[1] if entry is not None else default
-
-    def items(self, now: float | None = None) -> list[tuple[Hashable, Any]]:
-        """Live ``(key, value)`` pairs, oldest set first."""
-        now = time.monotonic() if now is None else now
-        return [(key, value) for key, (expires_at, value) in self._entries.items() if now < expires_at]
-
-    def pop_expired(self, now: float | None = None) -> list[Hashable]:
-        """Remove the entries expired at ``now``; return their keys, oldest first."""
-        now = time.monotonic() if now is None else now
-        expired = []
-        for key, (expires_at, _) in self._entries.items():
-            if now < expires_at:
-                break
-            expired.append(key)
-        for key in expired:
-            del self._entries[key]
-        return expired
-
-    def __contains__(self, key: object) -> bool:
-        """Whether ``key`` is live now (monotonic clock)."""
-        return self.get(key, _MISSING) is not _MISSING
-
-    def __len__(self) -> int:
-        """Entries held, expired ones not yet popped included."""
-        return len(self._entries)
-
-
-_MISSING = object()

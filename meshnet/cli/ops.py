@@ -164,6 +164,14 @@ def pin(model: str = typer.Argument(..., help="Model preset."),
                                                 f"{d['pinned']['shard_start']}-{d['pinned']['shard_end']} to {node}"))
 
 
+def unpin(model: str = typer.Argument(..., help="Model preset."),
+          node: str = typer.Option(..., "--node", help="Node id."),
+          url: str = UrlOpt, token: str = TokenOpt, as_json: bool = JsonOpt) -> None:
+    """Forget a pin: the node no longer gets that shard back when it restarts (it keeps serving it now)."""
+    data = run(_call(url, "unpin", model, node, token=token))
+    emit(data, as_json, lambda d: console.print(f"unpinned {d['unpinned']['model']} from {node}"))
+
+
 def reload(node: str = typer.Argument(..., help="Node id."), url: str = UrlOpt, token: str = TokenOpt,
            as_json: bool = JsonOpt) -> None:
     """Reload a node's shards (its reports go stale until doctor passes again)."""
@@ -210,7 +218,7 @@ def _local_doctor(model: str | None, shard: str | None, dtype: str, quantization
         with console.status(f"loading {preset.name} layers {layers}"):
             runtime = NodeRuntime(compute_dtype=dtype)
             slot = runtime.load(preset.name, resolve(preset.name), layers, quantization=quantization)
-        return run_doctor(slot)
+        return run_doctor(slot).model_dump()
     except (MeshnetError, ValueError) as exc:
         fail(exc if isinstance(exc, MeshnetError) else MeshnetError(str(exc)))
 
@@ -251,4 +259,4 @@ def ready(url: str = UrlOpt,
 
 
 COMMANDS = {"chat": chat, "coverage": coverage, "nodes": nodes, "directives": directives, "demand": demand,
-            "pin": pin, "reload": reload, "doctor": doctor, "drain": drain, "ready": ready}
+            "pin": pin, "unpin": unpin, "reload": reload, "doctor": doctor, "drain": drain, "ready": ready}

@@ -2,27 +2,25 @@
 
 Pulls the model (once), starts a tracker and ``--nodes`` node processes that split the
 model's layers evenly, waits until the model is routable, prints the URL, and stops every
-child on Ctrl-C or SIGTERM: the tracker first (it takes no new chats and lets the ones in
-flight finish, which needs the nodes), then the nodes together; each stop is a drain
-(ADR-0031) bounded by ``--drain-grace``, and a second Ctrl-C kills what is left at once.
+child on Ctrl-C or SIGTERM. Each child drains (ADR-0031): chats in flight finish within
+``--drain-grace`` seconds, new ones are refused, nodes deregister; a second Ctrl-C kills what
+is left at once.
 A node that dies leaves a coverage gap and the rest keeps running; the tracker dying stops
 everything. Child logs go to ``<cache>/logs/``.
 """
 
 from __future__ import annotations
 
+import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-import httpx
 import typer
 
 from meshnet.cli.output import console, err_console, fail
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
+from meshnet.localmesh import LocalMesh
 
 
 def split_layers(num_layers: int, parts: int) -> list[LayerRange]:
@@ -42,56 +40,23 @@ def split_layers(num_layers: int, parts: int) -> list[LayerRange]:
     return ranges
 
 
-def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "wb")
-    return subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", *args], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def stop_all(groups: list[list[subprocess.Popen]], grace_s: float = 5.0) -> None:
-    """Stop children by PID, group after group: SIGTERM to every child of a group (each drains),
-    up to ``grace_s`` seconds for them to exit, SIGKILL to those still alive, then the next
-    group. A KeyboardInterrupt (second Ctrl-C) meanwhile kills every child left at once."""
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
     try:
-        for group in groups:
-            for p in group:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            for p in group:
-                try:
-                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-    except KeyboardInterrupt:
-        for p in (p for group in groups for p in group):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
-def wait_routable(url: str, model: str, procs: list[subprocess.Popen], timeout_s: float) -> dict:
-    """Poll the tracker until ``model`` is routable (bounded by ``timeout_s``).
+def threads_per_node(nodes: int, cores: int) -> int:
+    """torch intra-op threads for each of ``nodes`` local node processes sharing ``cores``.
 
-    Raises:
-        MeshnetError: a child exited, or the timeout passed.
+    The cores are split evenly (``cores // nodes``, at least 1), so the nodes together never
+    ask for more threads than there are cores; with more nodes than cores each gets one.
+    torch's default (one thread per core in every process) would run ``nodes × cores``
+    threads on ``cores`` cores.
     """
-    deadline = time.monotonic() + timeout_s
-    last = {}
-    while time.monotonic() < deadline:
-        dead = [p for p in procs if p.poll() is not None]
-        if dead:
-            raise MeshnetError(f"a meshnet process exited early (code {dead[0].returncode})",
-                               hint="see the logs printed above")
-        try:
-            last = httpx.get(f"{url}/v1/coverage/{model}", timeout=2.0).json()
-            if last.get("routable"):
-                return last
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise MeshnetError(f"{model} not routable after {timeout_s:.0f} s (coverage: {last})")
+    return max(1, cores // max(1, nodes))
 
 
 def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve (default: the default preset)."),
@@ -101,7 +66,8 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
                                     help="Node compute dtype: bfloat16 (faster) or float32 (exact)."),
           wire_dtype: str = typer.Option("bfloat16", "--wire-dtype", help="Activation dtype between nodes."),
           timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the model to be routable."),
-          threads: int = typer.Option(None, "--threads", help="torch threads per node (default: all cores)."),
+          threads: int = typer.Option(None, "--threads", min=1,
+                                     help="torch threads per node (default: the usable cores split evenly between the nodes)."),
           heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", help="Seconds between heartbeats."),
           drain_grace: float = typer.Option(30.0, "--drain-grace", min=0.0,
                                             help="On stop, seconds chats in flight get to finish."),
@@ -122,43 +88,41 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
 
     signal.signal(signal.SIGTERM, _terminate)
     logs = cache_dir() / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    url = f"http://127.0.0.1:{port}"
-    procs: list[subprocess.Popen] = []
-    common = ["--heartbeat-interval", str(heartbeat_interval), "--drain-grace", str(drain_grace)]
+    threads = threads or threads_per_node(nodes, usable_cores())
+    mesh = LocalMesh(logs, port=port, heartbeat_s=heartbeat_interval, detach=True)
+    url = mesh.url
     try:
-        procs.append(_spawn(["tracker", "start", "--model", preset.name, "--port", str(port),
-                             "--db", str(cache_dir() / f"serve-tracker-{port}.db"), *common], logs / "tracker.log"))
+        mesh.start_tracker(preset.name, node_timeout_s=25.0, rebalance_s=30.0,
+                           db=cache_dir() / f"serve-tracker-{port}.db", extra=["--drain-grace", str(drain_grace)])
         for i, layers in enumerate(ranges):
             start, end = layers.to_inclusive()
-            args = ["node", "start", "--tracker", url, "--model", preset.name, "--shard-start", str(start),
-                    "--shard-end", str(end), "--dtype", dtype, "--wire-dtype", wire_dtype, "--node-id",
-                    f"node-{i}", *common] + (["--threads", str(threads)] if threads else [])
-            procs.append(_spawn(args, logs / f"node-{i}.log"))
-        console.print(f"started tracker and {nodes} node(s); logs in {logs}")
+            mesh.start_node(f"node-{i}", "--model", preset.name, "--shard-start", str(start), "--shard-end", str(end),
+                            "--dtype", dtype, "--wire-dtype", wire_dtype, "--drain-grace", str(drain_grace),
+                            threads=threads)
+        console.print(f"started tracker and {nodes} node(s), {threads} torch thread(s) each; logs in {logs}")
         with console.status(f"loading {preset.name} across {nodes} node(s)"):
-            cov = wait_routable(url, preset.name, procs, timeout)
+            cov = mesh.wait_routable(preset.name, timeout)
         console.print(f"[green]meshnet ready[/]: {preset.name} ({cov['num_layers']} layers) routable at {url}")
         console.print(f"  try: meshnet chat \"What is the capital of France?\" --url {url}")
         console.print("  OpenAI API: POST {}/v1/chat/completions · console: meshnet tui --url {}".format(url, url))
         print(f"READY {url}", flush=True)
-        reported: set[int] = set()
+        reported: set[str] = set()
         while not exit_when_ready:
-            if procs[0].poll() is not None:
-                err_console.print(f"[red]the tracker exited (code {procs[0].returncode}); stopping[/]")
-                raise typer.Exit(1)
-            for i, p in enumerate(procs[1:]):
-                if p.poll() is not None and i not in reported:  # the mesh goes on; the tracker shows the gap
-                    reported.add(i)
-                    err_console.print(f"[yellow]node-{i} exited (code {p.returncode}); its layers are a "
-                                      f"coverage gap until another node serves them (log: {logs / f'node-{i}.log'})[/]")
+            for name, code in mesh.exited().items():
+                if name == "tracker":
+                    err_console.print(f"[red]the tracker exited (code {code}); stopping[/]")
+                    raise typer.Exit(1)
+                if name not in reported:  # the mesh goes on; the tracker shows the gap
+                    reported.add(name)
+                    err_console.print(f"[yellow]{name} exited (code {code}); its layers are a coverage gap until "
+                                      f"another node serves them (log: {logs / f'{name}.log'})[/]")
             time.sleep(1.0)
     except KeyboardInterrupt:
         console.print("stopping…")
     except MeshnetError as exc:
         for f in sorted(logs.glob("*.log")):
             err_console.print(f"--- {f.name} (tail) ---\n" + "\n".join(f.read_text().splitlines()[-8:]))
-        stop_all([procs[:1], procs[1:]], drain_grace + 5.0)
+        mesh.stop(grace_s=drain_grace + 5.0)
         fail(exc)
     finally:
-        stop_all([procs[:1], procs[1:]], drain_grace + 5.0)
+        mesh.stop(grace_s=drain_grace + 5.0)

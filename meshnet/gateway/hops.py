@@ -19,19 +19,9 @@ import torch
 from meshnet import wire
 from meshnet.errors import HopFailed, MeshnetError
 from meshnet.layers import LayerRange
-from meshnet.tracker.routing import Hop
+from meshnet.protocol.route import Hop
 
 log = logging.getLogger(__name__)
-
-
-def hop_to_json(hop: Hop) -> dict:
-    """Public JSON form of a hop (inclusive ``start_layer``/``end_layer``, ADR-0002)."""
-    start, end = hop.layers.to_inclusive()
-    return {"node_id": hop.node_id, "endpoint": hop.endpoint, "start_layer": start, "end_layer": end}
-
-
-def hop_from_json(data: dict) -> Hop:
-    return Hop(data["node_id"], data["endpoint"], LayerRange.from_inclusive(data["start_layer"], data["end_layer"]))
 
 
 #: async (model, layers, exclude node ids) -> hops covering exactly ``layers``

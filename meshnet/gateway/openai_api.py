@@ -18,7 +18,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from meshnet.errors import InvalidRequest, MeshnetError
-from meshnet.gateway.hops import hop_to_json
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator
 from meshnet.gateway.schema import ChatRequest, SamplingParams, error_response, parse_chat_request
 
@@ -80,7 +79,7 @@ async def text_deltas(orchestrator: Orchestrator, prompt: list[int], params: Sam
 
 def meshnet_block(stats: GenerationStats) -> dict:
     """The ``meshnet`` object of a response: route used and measured speeds."""
-    return {"route": [hop_to_json(h) for h in stats.route], "prefill_s": round(stats.prefill_s, 4),
+    return {"route": [h.to_json() for h in stats.route], "prefill_s": round(stats.prefill_s, 4),
             "decode_tokens_per_s": round(stats.decode_tokens_per_s, 3), "failovers": stats.failovers,
             "completion_token_ids": stats.token_ids}
 

@@ -11,19 +11,37 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+#: packages transformers needs to read a GGUF file (module name -> pip package)
+GGUF_REQUIREMENTS = {"gguf": "gguf", "accelerate": "accelerate"}
+
+
+def missing_gguf_requirements() -> list[str]:
+    """The pip packages transformers' GGUF loader needs that are not importable here.
+
+    Both are declared dependencies of meshnet; this names them when an install skipped them.
+    """
+    import importlib.util
+
+    return [pkg for module, pkg in GGUF_REQUIREMENTS.items() if importlib.util.find_spec(module) is None]
+
 
 def convert_gguf(gguf_path: Path, target: Path, say: Callable[[str], None]) -> Path:
     """Dequantize ``gguf_path`` with transformers and save config, tokenizer and float32
     safetensors into ``target`` (written to a temporary directory, then renamed).
 
     Raises:
-        meshnet.errors.ModelSourceError: transformers cannot read the file.
+        meshnet.errors.ModelSourceError: a package the GGUF loader needs is missing (the hint names
+            it), or transformers cannot read the file.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from meshnet.errors import ModelSourceError
 
+    missing = missing_gguf_requirements()
+    if missing:
+        raise ModelSourceError(f"cannot convert {gguf_path.name}: missing package(s) {', '.join(missing)}",
+                               hint=f"pip install {' '.join(missing)} (declared in meshnet's dependencies)")
     say(f"converting {gguf_path.name} to safetensors (one time)")
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -33,7 +51,7 @@ def convert_gguf(gguf_path: Path, target: Path, say: Callable[[str], None]) -> P
                                                      dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001
         raise ModelSourceError(f"cannot read GGUF {gguf_path}: {exc}",
-                               hint="install the `gguf` package; delete the cache to retry") from exc
+                               hint=f"delete {gguf_path.parent} to fetch the file again") from exc
     # transformers refuses save_pretrained on a GGUF-loaded model; the dequantized
     # tensors are plain float32, so write them and a clean config directly.
     from safetensors.torch import save_file

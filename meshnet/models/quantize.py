@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from meshnet.errors import ModelSourceError
-
-RECIPES = ("bfloat16", "float32", "int8", "nf4")
+from meshnet.protocol.control import RECIPES
 
 
 def _replacement(linear: nn.Linear, recipe: str, compute_dtype: torch.dtype) -> nn.Module:

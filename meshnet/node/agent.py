@@ -14,12 +14,13 @@ import logging
 
 from meshnet.client import TrackerClient
 from meshnet.errors import MeshnetError
-from meshnet.gateway.hops import hop_from_json
-from meshnet.tracker.routing import Hop
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
 from meshnet.node.doctor import run_doctor
 from meshnet.node.loader import load_shard
+from meshnet.protocol.control import (CapabilityReport, Directive, DirectiveUpdate, HeartbeatRequest, NodeStats,
+                                      RegisterRequest, ShardInfo)
+from meshnet.protocol.route import Hop
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class TrackerAgent:
         self.settings = node.settings
         self.client = TrackerClient(self.settings.tracker_url, timeout_s=30.0)
         self.hw = hardware.detect()
-        self.updates: list[dict] = []
+        self.updates: list[DirectiveUpdate] = []
         self.wake = asyncio.Event()
         self.applying = asyncio.Lock()
         self.tasks: set[asyncio.Task] = set()
@@ -42,29 +43,22 @@ class TrackerAgent:
 
     # ---- payloads ---------------------------------------------------------------------
 
-    def shards_payload(self) -> list[dict]:
-        out = []
-        for key, slot in self.node.runtime.slots.items():
-            entry = slot.describe()
-            entry["report"] = self.node.reports.get(key)
-            out.append(entry)
-        return out
+    def shards_payload(self) -> list[ShardInfo]:
+        return [slot.describe(self.node.reports.get(key)) for key, slot in self.node.runtime.slots.items()]
 
-    def registration(self) -> dict:
+    def registration(self) -> RegisterRequest:
         s = self.settings
-        budget = hardware.memory_budget_bytes(s.memory_bytes, self.hw)
-        tokens_per_s = max((r.get("tokens_per_s", 0.0) for r in self.node.reports.values() if r), default=0.0)
-        return {"node_id": s.node_id, "wallet": s.wallet, "endpoint": s.endpoint, "vram_bytes": budget,
-                "ram_bytes": self.hw["ram_bytes"], "device": self.hw["device"],
-                "quantizations": [s.quantization], "benchmark_tokens_per_sec": tokens_per_s,
-                "benchmark_model": next(iter({sl.model for sl in self.node.runtime.slots.values()}), None),
-                "max_loaded_shards": s.max_loaded_shards, "accepts_placement": s.accepts_placement,
-                "shards": self.shards_payload()}
+        tokens_per_s = max((r.tokens_per_s for r in self.node.reports.values() if r), default=0.0)
+        return RegisterRequest(node_id=s.node_id, wallet=s.wallet, endpoint=s.endpoint,
+                               vram_bytes=hardware.node_memory_bytes(s.memory_bytes, self.hw),
+                               ram_bytes=self.hw.ram_bytes, device=self.hw.device, quantizations=[s.quantization],
+                               benchmark_tokens_per_sec=tokens_per_s,
+                               benchmark_model=next(iter({sl.model for sl in self.node.runtime.slots.values()}), None),
+                               max_loaded_shards=s.max_loaded_shards, accepts_placement=s.accepts_placement,
+                               shards=self.shards_payload())
 
-    def stats(self) -> dict:
-        out = self.node.metrics.heartbeat_stats(self.node.runtime)
-        out["rss_bytes"] = hardware.rss_bytes()
-        return out
+    def stats(self) -> NodeStats:
+        return self.node.metrics.heartbeat_stats(self.node.runtime, rss_bytes=hardware.rss_bytes())
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -90,12 +84,12 @@ class TrackerAgent:
             return
         layers, tier = s.shard, "pinned"
         if layers is None:  # ADR-0011: ask the tracker which range to take
-            info = await self.client.assign(hf_repo=s.model, device=self.hw["device"], quantization=s.quantization,
-                                            vram_mb=hardware.memory_budget_bytes(s.memory_bytes, self.hw) >> 20)
-            layers, tier = LayerRange.from_inclusive(info["shard_start"], info["shard_end"]), "bootstrap"
+            info = await self.client.assign(hf_repo=s.model, device=self.hw.device, quantization=s.quantization,
+                                            vram_mb=hardware.node_memory_bytes(s.memory_bytes, self.hw) >> 20)
+            layers, tier = LayerRange.from_inclusive(info.shard_start, info.shard_end), "bootstrap"
         await self.load(s.model, layers, tier)
 
-    async def load(self, model: str, layers: LayerRange, tier: str) -> dict:
+    async def load(self, model: str, layers: LayerRange, tier: str) -> CapabilityReport:
         return await load_shard(self.node, model, layers, tier)
 
     async def run(self) -> None:
@@ -112,7 +106,7 @@ class TrackerAgent:
         if self.leaving:
             return
         updates, self.updates = self.updates, []
-        payload = {"shards": self.shards_payload(), "stats": self.stats(), "directive_updates": updates}
+        payload = HeartbeatRequest(shards=self.shards_payload(), stats=self.stats(), directive_updates=updates)
         try:
             resp = await self.client.heartbeat(self.settings.node_id, payload)
         except MeshnetError as exc:
@@ -126,40 +120,41 @@ class TrackerAgent:
             log.warning("heartbeat failed: %s", exc.message)
             return
         self._ok()
-        directives = resp.get("directives", [])
+        directives = resp.directives
         for directive in directives:
-            self.updates.append({"id": directive["id"], "status": "acked"})
+            self.updates.append(DirectiveUpdate(id=directive.id, status="acked"))
         if directives:
             self.tasks.add(task := asyncio.create_task(self.apply_in_order(directives)))
             task.add_done_callback(self.tasks.discard)
 
-    async def apply_in_order(self, directives: list[dict]) -> None:
+    async def apply_in_order(self, directives: list[Directive]) -> None:
         """Apply directives one at a time, in the tracker's order (a DROP frees the slot a
         LOAD after it needs), and never two batches at once."""
         async with self.applying:
             for directive in directives:
                 await self.apply(directive)
 
-    async def apply(self, directive: dict) -> None:
-        kind = directive["type"]
+    async def apply(self, directive: Directive) -> None:
+        kind = directive.type
         try:
-            if kind == "LOAD_SHARD":
-                layers = LayerRange.from_inclusive(directive["shard_start"], directive["shard_end"])
-                report = await self.load(directive["model"], layers, directive.get("tier", "bootstrap"))
-                status, error = ("done", None) if report["passed"] else ("failed", report["reason"])
+            if kind in ("LOAD_SHARD", "DROP_SHARD") and (directive.model is None or directive.layers is None):
+                status, error = "failed", f"{kind} without a model and layer range"
+            elif kind == "LOAD_SHARD":
+                report = await self.load(directive.model, directive.layers, directive.tier or "bootstrap")
+                status, error = ("done", None) if report.passed else ("failed", report.reason)
             elif kind == "DROP_SHARD":
-                layers = LayerRange.from_inclusive(directive["shard_start"], directive["shard_end"])
-                self.node.runtime.drop(directive["model"], layers)
-                self.node.reports.pop(f"{directive['model']}:{layers.start}-{layers.end}", None)
+                layers = directive.layers
+                self.node.runtime.drop(directive.model, layers)
+                self.node.reports.pop(f"{directive.model}:{layers.start}-{layers.end}", None)
                 status, error = "done", None
             elif kind in ("RUN_DOCTOR", "RELOAD"):
                 status, error = await self.redo(kind)
             else:
                 status, error = "failed", f"unknown directive type {kind}"
         except Exception as exc:  # noqa: BLE001 - report every failure to the tracker
-            log.exception("directive %s failed", directive["id"])
+            log.exception("directive %s failed", directive.id)
             status, error = "failed", f"{type(exc).__name__}: {exc}"
-        self.updates.append({"id": directive["id"], "status": status, "error": error})
+        self.updates.append(DirectiveUpdate(id=directive.id, status=status, error=error))
         self.wake.set()
 
     async def redo(self, kind: str) -> tuple[str, str | None]:
@@ -172,7 +167,7 @@ class TrackerAgent:
                 await self.load(slot.model, slot.layers, slot.tier)
             else:
                 self.node.reports[key] = await asyncio.to_thread(run_doctor, slot, lock=rt.lock)
-        failed = [r["reason"] for r in self.node.reports.values() if r and not r["passed"]]
+        failed = [r.reason for r in self.node.reports.values() if r and not r.passed]
         return ("failed", "; ".join(failed)) if failed else ("done", None)
 
     def _ok(self) -> None:
@@ -198,8 +193,7 @@ class TrackerAgent:
     # ---- used by the orchestrator -----------------------------------------------------
 
     async def route(self, model: str, layers: LayerRange, exclude: frozenset[str]) -> list[Hop]:
-        hops = await self.client.route(model, layers.start, layers.end - 1, exclude)
-        return [hop_from_json(h) for h in hops]
+        return await self.client.route(model, layers.start, layers.end - 1, exclude)
 
     async def report_failure(self, node_id: str, reason: str) -> None:
         try:

@@ -44,6 +44,7 @@ from meshnet.node.metrics import NodeMetrics
 from meshnet.node.readiness import gather_facts, node_readiness
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings
+from meshnet.protocol.control import CapabilityReport, DoctorResponse
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class NodeState:
     metrics: NodeMetrics = field(default_factory=NodeMetrics)
     agent: object | None = None  # meshnet.node.agent.TrackerAgent when a tracker is configured
     started_at: float = field(default_factory=time.time)
-    reports: dict = field(default_factory=dict)  # slot key -> latest capability report
+    reports: dict[str, CapabilityReport] = field(default_factory=dict)  # slot key -> latest report
     drain: Drain = field(default_factory=Drain)
     last_forward_s: float = 0.0  # monotonic time of the latest hop call (drain: are sessions live?)
 
@@ -119,7 +120,7 @@ async def health(request: Request) -> JSONResponse:
     rt = node.runtime
     return JSONResponse({"status": "ok", "draining": node.drain.draining, "node_id": node.settings.node_id,
                          "endpoint": node.settings.endpoint,
-                         "shards": rt.describe(), "slots_total": rt.max_loaded_shards,
+                         "shards": [s.model_dump(exclude={"report"}) for s in rt.describe()], "slots_total": rt.max_loaded_shards,
                          "sessions": len(rt.sessions), "cache_bytes_left": rt.sessions.bytes_left,
                          "compute_dtype": rt.compute_dtype, "rss_bytes": hardware.rss_bytes(), "uptime_s": round(time.time() - node.started_at, 1)})
 
@@ -187,7 +188,7 @@ async def doctor(request: Request) -> JSONResponse:
 
     node = _state(request)
     reports = await asyncio.to_thread(run_doctor_all, node)
-    return JSONResponse({"reports": reports})
+    return JSONResponse(DoctorResponse(reports=reports).model_dump())
 
 
 async def metrics(request: Request) -> Response:

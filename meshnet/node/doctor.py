@@ -18,6 +18,7 @@ import torch
 
 from meshnet.models.shard import KVCache
 from meshnet.node import hardware
+from meshnet.protocol.control import CapabilityReport
 
 PROBE_TOKENS = 16
 DECODE_STEPS = 8
@@ -63,6 +64,7 @@ def _measure_tokens_per_s(shard) -> float:
 
 
 def _within_tolerance(slot, out: torch.Tensor, report: dict) -> bool:
+    """Quantized recipes only: compare with the unquantized shard; records the error in ``report``."""
     """Quantized recipes only: compare with the unquantized shard (loaded transiently)."""
     if slot.quantization not in TOLERANCE:
         return True
@@ -76,18 +78,16 @@ def _within_tolerance(slot, out: torch.Tensor, report: dict) -> bool:
     return error <= TOLERANCE[slot.quantization]
 
 
-def run_doctor(slot, *, lock=None) -> dict:
-    """Capability report of one shard slot.
+def run_doctor(slot, *, lock=None) -> CapabilityReport:
+    """Capability report of one shard slot (see :class:`meshnet.protocol.control.CapabilityReport`).
 
-    Returns:
-        ``{model, shard_start, shard_end, recipe: {quantization, compute_dtype}, hardware,
-        weights_digest, tokens_per_s, passed, reason, timestamp}`` (timestamp: unix seconds).
+    Never raises: a probe that fails or raises gives a report with ``passed`` False and the reason.
     """
     shard = slot.shard
     start, end = slot.layers.to_inclusive()
     report = {"model": slot.model, "shard_start": start, "shard_end": end,
               "recipe": {"quantization": slot.quantization, "compute_dtype": str(shard.dtype).split(".")[-1]},
-              "hardware": hardware.detect(), "weights_digest": "", "tokens_per_s": 0.0,
+              "hardware": hardware.detect().model_dump(), "weights_digest": "", "tokens_per_s": 0.0,
               "passed": False, "reason": "", "timestamp": time.time()}
     try:
         if lock is not None:
@@ -112,10 +112,10 @@ def run_doctor(slot, *, lock=None) -> dict:
     except Exception as exc:  # noqa: BLE001 - any failure is a failed report, never a crash
         report["reason"] = f"probe raised {type(exc).__name__}: {exc}"
     report["timestamp"] = time.time()
-    return report
+    return CapabilityReport.model_validate(report)
 
 
-def run_doctor_all(node) -> list[dict]:
+def run_doctor_all(node) -> list[CapabilityReport]:
     """Run doctor on every slot of ``node`` (a NodeState); stores and returns the reports."""
     reports = []
     for key, slot in list(node.runtime.slots.items()):

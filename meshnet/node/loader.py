@@ -7,11 +7,12 @@ import logging
 
 from meshnet.layers import LayerRange
 from meshnet.node.doctor import run_doctor
+from meshnet.protocol.control import CapabilityReport
 
 log = logging.getLogger(__name__)
 
 
-async def load_shard(node, model: str, layers: LayerRange, tier: str) -> dict:
+async def load_shard(node, model: str, layers: LayerRange, tier: str) -> CapabilityReport:
     """Resolve ``model``'s weights, load ``layers`` into a free slot of ``node`` (a NodeState),
     run doctor on it and store the capability report. Returns the report.
 
@@ -25,6 +26,6 @@ async def load_shard(node, model: str, layers: LayerRange, tier: str) -> dict:
                                    quantization=node.settings.quantization, tier=tier)
     report = await asyncio.to_thread(run_doctor, slot, lock=node.runtime.lock)
     node.reports[slot.key] = report
-    if not report["passed"]:
-        log.warning("doctor failed for %s %s: %s", model, layers, report["reason"])
+    if not report.passed:
+        log.warning("doctor failed for %s %s: %s", model, layers, report.reason)
     return report

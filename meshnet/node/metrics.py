@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from meshnet.protocol.control import NodeStats
 from meshnet.stats import EMA, PerformanceEMA, RollingCounter
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -38,6 +39,9 @@ class NodeMetrics:
         self.decode_latency_s = EMA(alpha=0.1)
         #: sessions started here per minute (requests through this node)
         self.session_rate = RollingCounter(window_s=60.0)
+        #: generations driven as entry node: running now, and since start (what the gauges show)
+        self.requests_running = 0
+        self.requests_total = 0
 
     def observe_forward(self, n_tokens: int, seconds: float, position: int) -> None:
         self.tokens.inc(n_tokens)
@@ -49,11 +53,14 @@ class NodeMetrics:
             self.decode_latency_s.update(seconds)
 
     def generation_started(self) -> None:
+        self.requests_total += 1
+        self.requests_running += 1
         self.requests.inc()
         self.running.inc()
 
     def generation_finished(self, stats) -> None:
         """Record one finished generation's GenerationStats."""
+        self.requests_running -= 1
         self.running.dec()
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.completion_tokens.inc(stats.completion_tokens)
@@ -66,14 +73,14 @@ class NodeMetrics:
         self.sessions.set(len(runtime.sessions))
         self.cache_bytes_left.set(runtime.sessions.bytes_left)
 
-    def heartbeat_stats(self, runtime) -> dict:
-        """Stats for the tracker (ADR-0013): tokens/s EMA, in-flight sessions, requests per
-        minute, decode latency, KV-cache bytes left."""
-        return {"tokens_per_s": round(self.tokens_per_s.value, 3), "in_flight": len(runtime.sessions),
-                "requests_per_min": round(self.session_rate.per_minute(), 3),
-                "decode_latency_s": round(self.decode_latency_s.value, 5), "sessions": len(runtime.sessions),
-                "cache_bytes_left": runtime.sessions.bytes_left, "tokens_processed": runtime.tokens_processed,
-                "requests_running": int(self.running._value.get()), "requests_total": int(self.requests._value.get())}
+    def heartbeat_stats(self, runtime, rss_bytes: int = 0) -> NodeStats:
+        """Stats for the tracker (ADR-0013), see :class:`meshnet.protocol.control.NodeStats`."""
+        return NodeStats(tokens_per_s=round(self.tokens_per_s.value, 3),
+                         decode_latency_s=round(self.decode_latency_s.value, 5),
+                         requests_per_min=round(self.session_rate.per_minute(), 3), sessions=len(runtime.sessions),
+                         requests_running=self.requests_running, requests_total=self.requests_total,
+                         cache_bytes_left=runtime.sessions.bytes_left, tokens_processed=runtime.tokens_processed,
+                         rss_bytes=rss_bytes)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -110,8 +110,8 @@ async def gather_facts(node, route_timeout_s: float = 3.0) -> NodeFacts:
             except asyncio.TimeoutError:
                 route_error = f"route lookup took over {route_timeout_s:.0f} s"
         shards.append(ShardFact(slot.model, start, end, slot.shard.is_entry,
-                                None if report is None else bool(report.get("passed")),
-                                (report or {}).get("reason") or "", route_error))
+                                None if report is None else report.passed,
+                                "" if report is None else report.reason, route_error))
     tracker = TrackerFact(None)
     if agent is not None:
         tracker = TrackerFact(node.settings.tracker_url, agent.heartbeat_age_s(), agent.last_error,

@@ -21,6 +21,7 @@ from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.layers import LayerRange
 from meshnet.models.shard import ShardModel
 from meshnet.node.sessions import SessionStore
+from meshnet.protocol.control import CapabilityReport, ShardInfo
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +41,12 @@ class ShardSlot:
     def key(self) -> str:
         return f"{self.model}:{self.layers.start}-{self.layers.end}"
 
-    def describe(self) -> dict:
+    def describe(self, report: CapabilityReport | None = None) -> ShardInfo:
+        """This slot as the node reports it to the tracker (with its latest capability report)."""
         start, end = self.layers.to_inclusive()
-        return {"model": self.model, "shard_start": start, "shard_end": end, "tier": self.tier,
-                "quantization": self.quantization, "weight_bytes": self.shard.weight_bytes(),
-                "entry": self.shard.is_entry, "num_layers": self.shard.num_layers}
+        return ShardInfo(model=self.model, shard_start=start, shard_end=end, tier=self.tier,
+                         quantization=self.quantization, weight_bytes=self.shard.weight_bytes(),
+                         entry=self.shard.is_entry, num_layers=self.shard.num_layers, report=report)
 
 
 class NodeRuntime:
@@ -111,9 +113,6 @@ class NodeRuntime:
         raise NotFound(f"no loaded shard serves layers {layers} of {model or 'any model'} (holding {held})",
                        code="shard_not_loaded")
 
-    def entry_slot(self, model: str) -> ShardSlot | None:
-        return next((s for s in self.slots.values() if s.model == model and s.shard.is_entry), None)
-
     # ---- compute ----------------------------------------------------------------------
 
     def forward(self, *, model: str | None, session_id: str, layers: LayerRange, position: int,
@@ -159,5 +158,5 @@ class NodeRuntime:
             self.tokens_processed += input_ids.shape[1]
         return out
 
-    def describe(self) -> list[dict]:
+    def describe(self) -> list[ShardInfo]:
         return [slot.describe() for slot in self.slots.values()]

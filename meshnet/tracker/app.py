@@ -33,7 +33,9 @@ from meshnet.layers import LayerRange
 from meshnet.tracker import operator, placement, proxy, views
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.rebalance import rebalance
-from meshnet.tracker.registry import FailureReport, HeartbeatPayload, RegisterPayload
+from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
+                                      RegisterRequest, RegisterResponse)
+from meshnet.protocol.route import RouteResponse
 from meshnet.tracker.service import TrackerService, TrackerSettings
 
 log = logging.getLogger(__name__)
@@ -61,17 +63,18 @@ def _int_param(request: Request, name: str, default: int | None = None) -> int:
 
 async def register(request: Request) -> JSONResponse:
     svc = _svc(request)
-    record = svc.register(validate_json(RegisterPayload, await request.body()))
+    record = svc.register(validate_json(RegisterRequest, await request.body()))
     request.app.state.wake.set()
-    return JSONResponse({"node_id": record.node_id, "heartbeat_interval_s": svc.settings.heartbeat_interval_s})
+    return JSONResponse(RegisterResponse(node_id=record.node_id,
+                                         heartbeat_interval_s=svc.settings.heartbeat_interval_s).model_dump())
 
 
 async def heartbeat(request: Request) -> JSONResponse:
     svc = _svc(request)
-    directives = svc.heartbeat(request.path_params["node_id"], validate_json(HeartbeatPayload, await request.body()))
+    directives = svc.heartbeat(request.path_params["node_id"], validate_json(HeartbeatRequest, await request.body()))
     if svc.dirty:
         request.app.state.wake.set()
-    return JSONResponse({"directives": directives})
+    return JSONResponse(HeartbeatResponse(directives=directives).model_dump(mode="json"))
 
 
 async def failure(request: Request) -> JSONResponse:
@@ -82,7 +85,7 @@ async def failure(request: Request) -> JSONResponse:
 
 async def drain_node(request: Request) -> JSONResponse:
     """A node's own announcement that it drains: no new routes or entry choices through it."""
-    node = _svc(request).drain_node(request.path_params["node_id"])
+    node = _svc(request).drain(request.path_params["node_id"])
     request.app.state.wake.set()
     return JSONResponse({"node_id": node.node_id, "draining": True})
 
@@ -120,7 +123,7 @@ async def route(request: Request) -> JSONResponse:
         raise InvalidRequest("end_layer must be >= start_layer", code="invalid_field", status=422)
     exclude = frozenset(x for x in request.query_params.get("exclude", "").split(",") if x)
     hops = svc.route(info.name, LayerRange.from_inclusive(start, end), exclude)
-    return JSONResponse({"model": info.name, "hops": [views.hop_json(h) for h in hops]})
+    return JSONResponse(RouteResponse(model=info.name, hops=[h.to_json() for h in hops]).model_dump())
 
 
 async def network_assign(request: Request) -> JSONResponse:
@@ -138,14 +141,14 @@ async def network_assign(request: Request) -> JSONResponse:
     counts = placement.coverage_counts(info.num_layers, [s.layers for _, s in svc.admitted_shards(info.name)])
     layers, gap = placement.find_assignment(spec, counts, vram_mb * 1024 * 1024, quant)
     start, end = layers.to_inclusive()
-    return JSONResponse({"hf_repo": info.hf_repo or info.name, "model": info.name, "shard_start": start,
-                         "shard_end": end, "num_layers": info.num_layers, "gap_found": gap,
-                         "price_per_token": 0.0})
+    return JSONResponse(AssignResponse(hf_repo=info.hf_repo or info.name, model=info.name, shard_start=start,
+                                       shard_end=end, num_layers=info.num_layers, gap_found=gap).model_dump())
 
 
 async def directives(request: Request) -> JSONResponse:
     svc = _svc(request)
-    return JSONResponse({"directives": svc.store.directives(node_id=request.query_params.get("node_id"))})
+    return JSONResponse({"directives": [d.model_dump(mode="json")
+                                        for d in svc.store.directives(node_id=request.query_params.get("node_id"))]})
 
 
 async def demand(request: Request) -> JSONResponse:

@@ -20,9 +20,9 @@ class TrackerMetrics:
 
     def render(self, service) -> tuple[bytes, str]:
         self.nodes.set(len(service.nodes))
-        self.running.set(sum(int(n.stats.get("requests_running") or 0) for n in service.nodes.values()))
+        self.running.set(sum(n.stats.requests_running for n in service.nodes.values()))
         for m in service.tracked_models():
             self.covered.labels(model=m.name).set(service.coverage(m.name)["covered_layers"])
         for n in service.nodes.values():
-            self.node_tokens_per_s.labels(node=n.node_id).set(float(n.stats.get("tokens_per_s") or 0.0))
+            self.node_tokens_per_s.labels(node=n.node_id).set(n.stats.tokens_per_s)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

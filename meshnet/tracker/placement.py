@@ -27,11 +27,11 @@ from types import MappingProxyType
 
 from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
+from meshnet.protocol.control import TIERS  # ADR-0026; only managed shards ever move
 
 MEMORY_FRACTION = 0.8
 """Share of a node's memory budget that shards may fill; the rest is left to activations,
 KV caches and the runtime (ADR-0003)."""
-TIERS = ("pinned", "bootstrap", "managed")   # ADR-0026; only managed shards ever move
 _NUM, _DEN = Fraction(MEMORY_FRACTION).limit_denominator(1000).as_integer_ratio()   # exact 4/5
 _MILLI = 1000   # throughput is summed as integer milli-tokens/s, so sums never depend on order
 _NEVER = float("inf")

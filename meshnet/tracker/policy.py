@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from meshnet.protocol.control import TIERS  # most to least sticky (ADR-0026)
+
 __all__ = [
     "COOLDOWN_S",
     "DEMAND_MULTIPLIER",
@@ -26,8 +28,6 @@ __all__ = [
     "pick_managed_nodes",
 ]
 
-#: Assignment tiers, most to least sticky (ADR-0026).
-TIERS = ("pinned", "bootstrap", "managed")
 #: Copies of the old model that must remain after a move (ADR-0005).
 MIN_COPIES_LEFT = 3
 #: The new model's demand must be at least this multiple of the old model's (ADR-0005).

@@ -59,7 +59,7 @@ async def open_entry(svc: TrackerService, http: httpx.AsyncClient, model: str, b
             if resp.status_code != 503 or not await _says_draining(resp):
                 return resp, node.node_id
             if node.node_id in svc.nodes:
-                svc.drain_node(node.node_id)
+                svc.drain(node.node_id)
             failure = MeshnetError(f"entry node {node.node_id} is draining", code="entry_unreachable", status=502)
         tried.add(node.node_id)
         log.warning("%s; trying another entry node", failure.message)

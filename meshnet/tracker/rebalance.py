@@ -12,26 +12,25 @@ import logging
 import time
 
 from meshnet.layers import LayerRange
+from meshnet.protocol.control import OPEN_STATUSES, TIERS, Directive
 from meshnet.tracker import placement, policy
 from meshnet.tracker.service import TrackerService
-from meshnet.tracker.store import OPEN_STATUSES
 
 log = logging.getLogger(__name__)
 
 
-def _assignments(node, open_directives: list[dict]) -> tuple[placement.Assignment, ...]:
+def _assignments(node, open_directives: list[Directive]) -> tuple[placement.Assignment, ...]:
     """The node's shards, plus its open LOAD_SHARDs, minus its open DROP_SHARDs."""
     held = {(s.model, s.layers): s.tier for s in node.shards}
-    for d in sorted(open_directives, key=lambda d: d["id"]):
-        if not d["model"]:
+    for d in sorted(open_directives, key=lambda d: d.id):
+        if not d.model or d.layers is None:
             continue
-        key = (d["model"], LayerRange.from_inclusive(d["shard_start"], d["shard_end"]))
-        if d["type"] == "LOAD_SHARD":
-            held.setdefault(key, d["tier"] or "bootstrap")
-        elif d["type"] == "DROP_SHARD":
+        key = (d.model, d.layers)
+        if d.type == "LOAD_SHARD":
+            held.setdefault(key, d.tier or "bootstrap")
+        elif d.type == "DROP_SHARD":
             held.pop(key, None)
-    tiers = placement.TIERS
-    return tuple(placement.Assignment(m, r, t if t in tiers else "pinned") for (m, r), t in sorted(held.items()))
+    return tuple(placement.Assignment(m, r, t if t in TIERS else "pinned") for (m, r), t in sorted(held.items()))
 
 
 def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState], list[placement.ModelSpec]]:
@@ -41,12 +40,12 @@ def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState]
     models = [placement.ModelSpec(m.name, m.num_layers, m.bytes_per_layer, service.load_rate(m.name))
               for m in service.tracked_models()]
     known = {m.name for m in models}
-    open_by_node: dict[str, list[dict]] = {}
+    open_by_node: dict[str, list[Directive]] = {}
     for d in service.store.directives(statuses=OPEN_STATUSES, limit=1_000_000):
-        open_by_node.setdefault(d["node_id"], []).append(d)
+        open_by_node.setdefault(d.node_id, []).append(d)
     cooldown = service.settings.load_failure_cooldown_s
-    failed_recently = {d["node_id"] for d in service.store.directives(statuses=("failed",), limit=1_000_000)
-                       if d["type"] == "LOAD_SHARD" and now - d["updated_at"] < cooldown}
+    failed_recently = {d.node_id for d in service.store.directives(statuses=("failed",), limit=1_000_000)
+                       if d.type == "LOAD_SHARD" and now - d.updated_at < cooldown}
     nodes = []
     for node in service.nodes.values():
         assignments = tuple(a for a in _assignments(node, open_by_node.get(node.node_id, []))
@@ -64,27 +63,23 @@ def rebalance(service: TrackerService) -> placement.PlacementPlan:
     plan = placement.plan_placement(nodes, models)
     sources = service.store.model_sources()
     for node_id, a in plan.loads:
-        start, end = a.layers.to_inclusive()
         # a model tracked only because chat demand asked for it is placed as `managed` (ADR-0026)
         tier = "managed" if sources.get(a.model) == "demand" and a.tier == "bootstrap" else a.tier
-        service.store.add_directive(node_id, "LOAD_SHARD", model=a.model, shard_start=start, shard_end=end,
-                                    tier=tier, reason=plan.reasons.get(node_id, ""))
+        service.queue_directive(node_id, "LOAD_SHARD", model=a.model, layers=a.layers, tier=tier,
+                                reason=plan.reasons.get(node_id, ""))
         log.info("LOAD_SHARD %s %s → %s (%s)", a.model, a.layers, node_id, a.tier)
     for node_id, a in plan.drops:
-        start, end = a.layers.to_inclusive()
-        service.store.add_directive(node_id, "DROP_SHARD", model=a.model, shard_start=start, shard_end=end,
-                                    tier=a.tier, reason=plan.reasons.get(node_id, ""))
+        service.queue_directive(node_id, "DROP_SHARD", model=a.model, layers=a.layers, tier=a.tier,
+                                reason=plan.reasons.get(node_id, ""))
     service.plan_reasons = plan.reasons  # read per node by GET /v1/nodes (computed lazily)
     for node in service.nodes.values():
         node.reason = ""
     for node_id, old, new in demand_moves(service, nodes, models, plan):
         for a in old:
-            s0, s1 = a.layers.to_inclusive()
-            service.store.add_directive(node_id, "DROP_SHARD", model=a.model, shard_start=s0, shard_end=s1,
-                                        tier=a.tier, reason=f"moved to {new.model} by demand")
-        s0, s1 = new.layers.to_inclusive()
-        service.store.add_directive(node_id, "LOAD_SHARD", model=new.model, shard_start=s0, shard_end=s1,
-                                    tier="managed", reason=f"demand for {new.model}")
+            service.queue_directive(node_id, "DROP_SHARD", model=a.model, layers=a.layers, tier=a.tier,
+                                    reason=f"moved to {new.model} by demand")
+        service.queue_directive(node_id, "LOAD_SHARD", model=new.model, layers=new.layers, tier="managed",
+                                reason=f"demand for {new.model}")
         service.nodes[node_id].last_move_s = time.monotonic()
         service.nodes[node_id].reason = f"moved to {new.model} {new.layers} by demand (ADR-0005)"
         log.info("demand move: %s from %s to %s %s", node_id, [a.model for a in old], new.model, new.layers)

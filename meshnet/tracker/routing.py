@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from meshnet.errors import ModelNotRoutable
 from meshnet.layers import LayerRange
+from meshnet.protocol.route import Hop
 
 __all__ = [
     "Hop",
@@ -29,7 +30,6 @@ __all__ = [
     "ShardCandidate",
     "choose_route",
     "estimate_hop_seconds",
-    "route_seconds",
     "seconds_per_layer",
 ]
 
@@ -69,15 +69,6 @@ class ShardCandidate:
     last_failure_age_s: float | None = None
 
 
-@dataclass(frozen=True)
-class Hop:
-    """One step of a route: ``node_id`` runs ``layers``, a sub-range of its shard (ADR-0012)."""
-
-    node_id: str
-    endpoint: str
-    layers: LayerRange
-
-
 class NoRoute(ModelNotRoutable):
     """``[start_layer, num_layers)`` cannot be covered by the usable candidates.
 
@@ -114,22 +105,6 @@ def estimate_hop_seconds(candidate: ShardCandidate, n_layers: int, *,
     """
     compute_s = n_layers * seconds_per_layer(candidate, load_penalty=load_penalty)
     return compute_s + max(candidate.latency_s, 0.0)
-
-
-def route_seconds(route: Sequence[Hop], candidates: Sequence[ShardCandidate], *,
-                  load_penalty: float = LOAD_PENALTY) -> float:
-    """Estimated seconds per token through ``route``: the sum of its hops (ADR-0004).
-
-    Raises:
-        ValueError: if a hop names a node absent from ``candidates``.
-    """
-    by_id = {c.node_id: c for c in candidates}
-    total = 0.0
-    for hop in route:
-        if hop.node_id not in by_id:
-            raise ValueError(f"hop node {hop.node_id!r} is not among the candidates")
-        total += estimate_hop_seconds(by_id[hop.node_id], len(hop.layers), load_penalty=load_penalty)
-    return total
 
 
 def choose_route(num_layers: int, candidates: Sequence[ShardCandidate], *, start_layer: int = 0,

@@ -18,8 +18,10 @@ from meshnet.errors import InvalidRequest, MeshnetError, ModelNotRoutable, NotFo
 from meshnet.layers import LayerRange
 from meshnet.presets import find_preset
 from meshnet.tracker import placement, readiness, routing
-from meshnet.tracker.registry import HeartbeatPayload, NodeRecord, RegisterPayload, ShardRecord
-from meshnet.tracker.store import OPEN_STATUSES, TrackerStore
+from meshnet.protocol.control import (OPEN_STATUSES, CapabilityReport, Directive, HeartbeatRequest,
+                                      RegisterRequest)
+from meshnet.tracker.registry import NodeRecord, ShardRecord
+from meshnet.tracker.store import TrackerStore
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,7 @@ class TrackerService:
 
     # ---- nodes ------------------------------------------------------------------------
 
-    def register(self, payload: RegisterPayload) -> NodeRecord:
+    def register(self, payload: RegisterRequest) -> NodeRecord:
         node_id = payload.node_id or f"node-{uuid.uuid4().hex[:8]}"
         for s in payload.shards:
             self.ensure_model(s.model, s.num_layers)
@@ -127,7 +129,113 @@ class TrackerService:
         if old is None:
             self.last_join_s = time.monotonic()
         log.info("node %s registered at %s with %d shard(s)", node_id, record.endpoint, len(record.shards))
+        self.restore_pins(record)
         return record
+
+    # ---- operator decisions (the HTTP handlers only validate and call these) ---------------
+
+    def queue_directive(self, node_id: str, type_: str, *, model: str | None = None,
+                        layers: LayerRange | None = None, tier: str | None = None, reason: str = "") -> Directive:
+        """Queue one directive for ``node_id`` (delivered with its next heartbeat); returns its row."""
+        start, end = layers.to_inclusive() if layers is not None else (None, None)
+        return self.store.add_directive(node_id, type_, model=model, shard_start=start, shard_end=end, tier=tier,
+                                        reason=reason)
+
+    def restore_pins(self, node: NodeRecord) -> list[Directive]:
+        """Give a (re)registering node back every shard the operator pinned on it.
+
+        A pin is operator intent kept in the store: a node that comes back without its pinned
+        shard (a restart with no shard flags, or after a tracker restart) gets a ``LOAD_SHARD``
+        with tier ``pinned``, unless it already holds that range or such a load is still open.
+        Returns the directives queued.
+        """
+        held = {(s.model, s.layers) for s in node.shards}
+        open_loads = {(d.model, d.shard_start, d.shard_end)
+                      for d in self.store.directives(node_id=node.node_id, statuses=OPEN_STATUSES)
+                      if d.type == "LOAD_SHARD"}
+        queued = []
+        for pin in self.store.pins(node.node_id):
+            layers = LayerRange.from_inclusive(pin["shard_start"], pin["shard_end"])
+            if (pin["model"], layers) in held or (pin["model"], pin["shard_start"], pin["shard_end"]) in open_loads:
+                continue
+            self.ensure_model(pin["model"])
+            queued.append(self.queue_directive(node.node_id, "LOAD_SHARD", model=pin["model"], layers=layers,
+                                               tier="pinned", reason="operator pin (restored)"))
+            log.info("restoring pin %s %s on %s", pin["model"], layers, node.node_id)
+        return queued
+
+    def pin(self, node_id: str, model: str, layers: LayerRange | None = None) -> tuple[dict, list[Directive]]:
+        """Pin ``model`` (``layers``, or the range placement would give the node) on ``node_id``.
+
+        The pin is stored (it survives node and tracker restarts, see :meth:`restore_pins`); the
+        node gets a ``LOAD_SHARD`` with tier ``pinned``, preceded by a ``DROP_SHARD`` of a
+        non-pinned shard when all its slots are full (managed shards go first).
+
+        Returns:
+            ``(pin {node_id, model, shard_start, shard_end}, directives queued)``.
+
+        Raises:
+            NotFound: unknown node or model. InvalidRequest (422): ``layers`` beyond the model.
+        """
+        node = self.get(node_id)
+        info = self.ensure_model(model)
+        if layers is None:
+            spec = placement.ModelSpec(info.name, info.num_layers, info.bytes_per_layer)
+            counts = placement.coverage_counts(info.num_layers, [s.layers for _, s in self.admitted_shards(info.name)])
+            layers, _ = placement.find_assignment(spec, counts, node.vram_bytes, node.quantization)
+        elif layers.end > info.num_layers:
+            start, end = layers.to_inclusive()
+            raise InvalidRequest(f"shard {start}-{end} beyond {info.name}'s {info.num_layers} layers",
+                                 code="invalid_field", status=422)
+        start, end = layers.to_inclusive()
+        self.store.add_model(info.name)
+        self.store.add_pin(node.node_id, info.name, start, end)
+        queued = []
+        free = node.max_loaded_shards - len(node.shards)
+        for shard in sorted(node.shards, key=lambda s: s.tier != "managed"):
+            if free >= 1:
+                break
+            if shard.tier != "pinned":
+                queued.append(self.queue_directive(node.node_id, "DROP_SHARD", model=shard.model, layers=shard.layers,
+                                                   tier=shard.tier, reason="operator pin"))
+                free += 1
+        queued.append(self.queue_directive(node.node_id, "LOAD_SHARD", model=info.name, layers=layers, tier="pinned",
+                                           reason="operator pin"))
+        return {"node_id": node.node_id, "model": info.name, "shard_start": start, "shard_end": end}, queued
+
+    def unpin(self, node_id: str, model: str) -> bool:
+        """Forget the operator's pin of ``model`` on ``node_id``: it is no longer restored when the
+        node re-registers. The shard the node holds now keeps serving until it is dropped or the
+        node restarts. Returns True when a pin was removed.
+
+        Raises:
+            NotFound: unknown model.
+        """
+        return self.store.remove_pin(node_id, self.ensure_model(model).name)
+
+    def reload(self, node_id: str) -> Directive:
+        """Queue a ``RELOAD``; the node's current reports stop counting until a new doctor passes."""
+        node = self.get(node_id)
+        node.mark_reports_stale()
+        self.dirty = True
+        return self.queue_directive(node.node_id, "RELOAD", reason="operator reload")
+
+    def record_doctor(self, node_id: str, reports: list[CapabilityReport]) -> list[str]:
+        """Store the capability reports a doctor run on ``node_id`` returned (matched to its shards
+        by model and range); returns the reasons of those that failed."""
+        node = self.get(node_id)
+        by_range = {(r.model, r.layers): r for r in reports}
+        for shard in node.shards:
+            shard.report = by_range.get((shard.model, shard.layers), shard.report)
+        self.dirty = True
+        return [r.reason for r in reports if not r.passed]
+
+    def drain(self, node_id: str) -> NodeRecord:
+        """Take ``node_id`` out of routes and placement (it keeps its shards and its record)."""
+        node = self.get(node_id)
+        node.draining = True
+        self.dirty = True
+        return node
 
     def get(self, node_id: str) -> NodeRecord:
         try:
@@ -136,7 +244,7 @@ class TrackerService:
             raise NotFound(f"unknown node {node_id!r}", code="unknown_node",
                            hint="see `meshnet nodes` for node ids (a node itself re-registers on this error)") from None
 
-    def heartbeat(self, node_id: str, payload: HeartbeatPayload) -> list[dict]:
+    def heartbeat(self, node_id: str, payload: HeartbeatRequest) -> list[Directive]:
         """Record a heartbeat; returns the directives to deliver (queued → delivered)."""
         node = self.get(node_id)
         node.last_heartbeat_s = time.monotonic()
@@ -153,9 +261,8 @@ class TrackerService:
                 self.dirty = True
         out = []
         for d in reversed(self.store.directives(node_id=node_id, statuses=("queued",))):
-            self.store.set_status(d["id"], "delivered")
-            d["status"] = "delivered"
-            out.append(d)
+            self.store.set_status(d.id, "delivered")
+            out.append(d.model_copy(update={"status": "delivered"}))
         return out
 
     def report_failure(self, node_id: str, reason: str) -> None:
@@ -172,19 +279,6 @@ class TrackerService:
             log.warning("node %s dropped out (no heartbeat for %.0f s)", nid, self.settings.node_timeout_s)
         return gone
 
-    def drain_node(self, node_id: str) -> NodeRecord:
-        """Mark a node draining: out of coverage, routes, entry choice and placement at once
-        (sessions it already holds go on: their entries call it directly).
-
-        Raises:
-            NotFound: unknown node.
-        """
-        node = self.get(node_id)
-        node.draining = True
-        self.dirty = True
-        log.info("node %s is draining", node_id)
-        return node
-
     def deregister(self, node_id: str) -> None:
         """Forget a node that leaves on purpose (end of its drain); its open directives fail.
 
@@ -198,7 +292,7 @@ class TrackerService:
     def _forget(self, node_id: str, why: str) -> None:
         del self.nodes[node_id]
         for d in self.store.directives(node_id=node_id, statuses=OPEN_STATUSES):
-            self.store.set_status(d["id"], "failed", why)
+            self.store.set_status(d.id, "failed", why)
         self.dirty = True
 
     # ---- coverage and routes ----------------------------------------------------------
@@ -225,7 +319,11 @@ class TrackerService:
 
     def candidates(self, model: str, end_layer: int) -> list[routing.ShardCandidate]:
         """Admitted shards of ``model`` starting before ``end_layer`` (full shard ranges: the
-        measured tokens/s is over the whole shard; choose_route trims past ``num_layers``)."""
+        measured tokens/s is over the whole shard; choose_route trims past ``num_layers``).
+
+        Load is the node's live KV-cache sessions. Per-hop network latency is not measured yet
+        (nodes report compute time only, which tokens/s already counts), so it is 0 here.
+        """
         now = time.monotonic()
         out = []
         for node, shard in self.admitted_shards(model):
@@ -233,8 +331,7 @@ class TrackerService:
                 continue
             age = None if node.last_failure_s is None else now - node.last_failure_s
             out.append(routing.ShardCandidate(node.node_id, node.endpoint, shard.layers, node.tokens_per_s(shard),
-                                              float(node.stats.get("latency_s") or 0.0),
-                                              int(node.stats.get("in_flight") or 0), age))
+                                              0.0, node.stats.sessions, age))
         return out
 
     def route(self, model: str, layers: LayerRange, exclude: frozenset[str] = frozenset()) -> list[routing.Hop]:
@@ -281,7 +378,8 @@ class TrackerService:
         def failed_recently(n: NodeRecord) -> bool:
             return n.last_failure_s is not None and now - n.last_failure_s < routing.FAILURE_COOLDOWN_S
 
-        return min(usable, key=lambda n: (failed_recently(n), int(n.stats.get("in_flight") or 0), n.node_id))
+        return min(usable, key=lambda n: (failed_recently(n), n.stats.requests_running, n.stats.sessions,
+                                           n.node_id))
 
     def readiness(self, model: str | None = None, *, draining: bool = False) -> dict:
         """Whether a chat can be served now (of ``model``, or of any tracked model), and why not.

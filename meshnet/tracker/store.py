@@ -12,6 +12,10 @@ import threading
 import time
 from pathlib import Path
 
+from meshnet.protocol.control import OPEN_STATUSES, Directive
+
+__all__ = ["OPEN_STATUSES", "TrackerStore"]
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS directives (
   id INTEGER PRIMARY KEY AUTOINCREMENT, node_id TEXT NOT NULL, type TEXT NOT NULL,
@@ -23,12 +27,10 @@ CREATE TABLE IF NOT EXISTS pins (
 CREATE TABLE IF NOT EXISTS models (name TEXT PRIMARY KEY, added_at REAL NOT NULL, source TEXT);
 """
 
-#: directive lifecycle (issue: queued → delivered → acked → done | failed)
-OPEN_STATUSES = ("queued", "delivered", "acked")
 
 
 class TrackerStore:
-    """Thread-safe sqlite wrapper. Rows come back as plain dicts."""
+    """Thread-safe sqlite wrapper. Directives come back as :class:`Directive`, other rows as dicts."""
 
     def __init__(self, path: str | Path = ":memory:") -> None:
         self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
@@ -47,19 +49,20 @@ class TrackerStore:
 
     # directives
     def add_directive(self, node_id: str, type_: str, *, model: str | None = None, shard_start: int | None = None,
-                      shard_end: int | None = None, tier: str | None = None, reason: str = "") -> dict:
+                      shard_end: int | None = None, tier: str | None = None, reason: str = "") -> Directive:
         now = time.time()
         rid = self._exec("INSERT INTO directives (node_id, type, model, shard_start, shard_end, tier, status, "
                          "reason, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
                          (node_id, type_, model, shard_start, shard_end, tier, "queued", reason, now, now))
         return self.directive(rid)
 
-    def directive(self, directive_id: int) -> dict | None:
+    def directive(self, directive_id: int) -> Directive | None:
         rows = self._rows("SELECT * FROM directives WHERE id = ?", (directive_id,))
-        return rows[0] if rows else None
+        return Directive.model_validate(rows[0]) if rows else None
 
     def directives(self, *, node_id: str | None = None, statuses: tuple[str, ...] | None = None,
-                   limit: int = 500) -> list[dict]:
+                   limit: int = 500) -> list[Directive]:
+        """Directives, newest first (rows were validated when queued, so they are not re-validated)."""
         sql, args = "SELECT * FROM directives WHERE 1=1", []
         if node_id:
             sql += " AND node_id = ?"
@@ -69,7 +72,7 @@ class TrackerStore:
             args.extend(statuses)
         sql += " ORDER BY id DESC LIMIT ?"
         args.append(limit)
-        return self._rows(sql, tuple(args))
+        return [Directive.model_construct(**row) for row in self._rows(sql, tuple(args))]
 
     def set_status(self, directive_id: int, status: str, error: str | None = None) -> None:
         self._exec("UPDATE directives SET status = ?, error = ?, updated_at = ? WHERE id = ?",
@@ -80,8 +83,16 @@ class TrackerStore:
         self._exec("INSERT OR REPLACE INTO pins VALUES (?,?,?,?,?)",
                    (node_id, model, shard_start, shard_end, time.time()))
 
-    def pins(self) -> list[dict]:
-        return self._rows("SELECT * FROM pins ORDER BY created_at")
+    def pins(self, node_id: str | None = None) -> list[dict]:
+        """Operator pins (all, or one node's), oldest first: ``{node_id, model, shard_start, shard_end}``."""
+        if node_id is None:
+            return self._rows("SELECT * FROM pins ORDER BY created_at")
+        return self._rows("SELECT * FROM pins WHERE node_id = ? ORDER BY created_at", (node_id,))
+
+    def remove_pin(self, node_id: str, model: str) -> bool:
+        """Delete the pin of ``model`` on ``node_id``; True when there was one."""
+        with self.lock:
+            return self.db.execute("DELETE FROM pins WHERE node_id = ? AND model = ?", (node_id, model)).rowcount > 0
 
     # models
     def add_model(self, name: str, source: str = "operator") -> None:

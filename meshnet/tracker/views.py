@@ -5,12 +5,6 @@ from __future__ import annotations
 import time
 
 from meshnet.tracker import placement
-from meshnet.tracker.routing import Hop
-
-
-def hop_json(hop: Hop) -> dict:
-    start, end = hop.layers.to_inclusive()
-    return {"node_id": hop.node_id, "endpoint": hop.endpoint, "start_layer": start, "end_layer": end}
 
 
 def node_json(service, node, models) -> dict:
@@ -26,13 +20,14 @@ def node_json(service, node, models) -> dict:
     shards = []
     for s in node.shards:
         start, end = s.layers.to_inclusive()
-        report = s.report or {}
+        report = s.report
         shards.append({"model": s.model, "shard_start": start, "shard_end": end, "tier": s.tier,
                        "quantization": s.quantization, "entry": s.entry, "weight_bytes": s.weight_bytes,
                        "admitted": node.admitted(s),
-                       "capability": {"passed": report.get("passed"), "reason": report.get("reason"),
-                                      "tokens_per_s": report.get("tokens_per_s"),
-                                      "timestamp": report.get("timestamp"),
+                       "capability": {"passed": report.passed if report else None,
+                                      "reason": report.reason if report else None,
+                                      "tokens_per_s": report.tokens_per_s if report else None,
+                                      "timestamp": report.timestamp if report else None,
                                       "stale": node.is_stale(report)}})
     return {"node_id": node.node_id, "endpoint": node.endpoint, "device": node.device, "wallet": node.wallet,
             "vram_bytes": node.vram_bytes, "memory_budget_bytes": budget, "ram_bytes": node.ram_bytes,
@@ -40,7 +35,7 @@ def node_json(service, node, models) -> dict:
             "slots_used": len(node.shards), "slots_total": node.max_loaded_shards, "shards": shards,
             "accepts_placement": node.accepts_placement, "draining": node.draining,
             "reason": node.reason or service.plan_reasons.get(node.node_id, ""),
-            "stats": node.stats, "last_heartbeat_age_s": round(now - node.last_heartbeat_s, 1),
+            "stats": node.stats.model_dump(), "last_heartbeat_age_s": round(now - node.last_heartbeat_s, 1),
             "benchmark_tokens_per_sec": node.benchmark_tokens_per_sec}
 
 

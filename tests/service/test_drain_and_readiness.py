@@ -22,6 +22,7 @@ from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings
 from meshnet.tracker.app import build_app as build_tracker
 from meshnet.tracker.service import TrackerSettings
+from tests.payloads import capability_report
 
 MODEL = "tiny-llama"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
@@ -30,7 +31,7 @@ SSE_DONE = b'data: {"choices": [{"delta": {"content": "x"}}]}\n\ndata: [DONE]\n\
 
 def shard(start: int, end: int, *, entry: bool | None = None) -> dict:
     return {"model": MODEL, "shard_start": start, "shard_end": end, "entry": start == 0 if entry is None else entry,
-            "tier": "pinned", "report": {"passed": True, "tokens_per_s": 100.0, "timestamp": time.time()}}
+            "tier": "pinned", "report": capability_report(MODEL, start, end)}
 
 
 def node(node_id: str, *shards: dict) -> dict:

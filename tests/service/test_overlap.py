@@ -11,7 +11,6 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 
-from meshnet.gateway.hops import hop_to_json
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
 from meshnet.gateway.schema import SamplingParams
 from meshnet.layers import LayerRange
@@ -69,7 +68,7 @@ async def test_overlapping_route_starts_inside_the_shard_and_matches(mesh):
     plain, plain_stats = await generate(orchestrator(runtimes, client, via("c")))
     overlap, stats = await generate(orchestrator(runtimes, client, via("b")))
     assert overlap == plain and len(plain) == 12
-    assert [hop_to_json(h) for h in stats.route] == [
+    assert [h.to_json() for h in stats.route] == [
         {"node_id": "entry", "endpoint": "http://entry", "start_layer": 0, "end_layer": 1},
         {"node_id": "b", "endpoint": "http://b", "start_layer": 2, "end_layer": 3}]
     # b ran only layers 2-3 of its 1-3 shard: every prompt and decode token went through it once

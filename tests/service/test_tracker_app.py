@@ -11,25 +11,26 @@ import time
 import pytest
 
 from meshnet.tracker.app import build_app
-from meshnet.tracker.registry import DEFAULT_VRAM_BYTES
+from meshnet.protocol.control import DEFAULT_VRAM_BYTES
 from meshnet.tracker.service import TrackerSettings
+from tests.payloads import capability_report
 
 MODEL = "tiny-llama"
 PASSED = "passed"
 
 
-def report(kind: str | None = PASSED) -> dict | None:
-    """A capability report: ``passed``, ``failed`` or None (missing)."""
+def report(start: int, end: int, kind: str | None = PASSED) -> dict | None:
+    """A capability report of layers ``start..end``: ``passed``, ``failed`` or None (missing)."""
     if kind is None:
         return None
-    return {"passed": kind == PASSED, "reason": "" if kind == PASSED else "forward mismatch",
-            "tokens_per_s": 100.0, "timestamp": time.time()}
+    return capability_report(MODEL, start, end, passed=kind == PASSED,
+                             reason=None if kind == PASSED else "forward mismatch")
 
 
 def shard(start: int, end: int, *, entry: bool | None = None, report_kind: str | None = PASSED) -> dict:
     """A shard payload with the public inclusive ``shard_start``/``shard_end``."""
     return {"model": MODEL, "shard_start": start, "shard_end": end, "entry": start == 0 if entry is None else entry,
-            "tier": "pinned", "quantization": "bfloat16", "report": report(report_kind)}
+            "tier": "pinned", "quantization": "bfloat16", "report": report(start, end, report_kind)}
 
 
 def node(node_id: str, *shards: dict, **extra) -> dict:
@@ -95,7 +96,16 @@ async def test_register_validation_is_422_naming_the_field(tracker, override, fi
 async def test_unknown_quantization_is_labelled_with_its_field(tracker):
     resp = await tracker.post("/v1/nodes/register", json={**node("node-a"), "quantizations": ["fp8"]})
     error = assert_envelope(resp, 422, "invalid_field")["error"]
-    assert error["message"].startswith("invalid field 'quantizations'")
+    assert error["message"] == ("invalid field 'quantizations.0': "
+                                "Input should be 'bfloat16', 'int8', 'nf4' or 'float32'")
+
+
+async def test_a_renamed_heartbeat_field_is_a_422_naming_it(tracker):
+    await register(tracker, node("node-a", shard(0, 3)))
+    # a node that still sends the old name of a stats field is refused, not silently read as 0
+    resp = await tracker.post("/v1/nodes/node-a/heartbeat", json={"shards": [], "stats": {"in_flight": 1}})
+    error = assert_envelope(resp, 422, "invalid_field")["error"]
+    assert error["message"] == "invalid field 'stats.in_flight': Extra inputs are not permitted"
 
 
 async def test_register_body_that_is_not_json_is_400(tracker):
@@ -248,10 +258,12 @@ async def test_heartbeat_for_an_unknown_node_is_404(tracker):
 async def test_heartbeat_updates_shards_and_stats(tracker):
     await register(tracker, node("node-a"))
     resp = await tracker.post("/v1/nodes/node-a/heartbeat",
-                              json={"shards": [shard(0, 3)], "stats": {"tokens_per_s": 42.0, "in_flight": 1}})
+                              json={"shards": [shard(0, 3)], "stats": {"tokens_per_s": 42.0, "sessions": 1}})
     assert resp.status_code == 200 and resp.json() == {"directives": []}
     (view,) = (await tracker.get("/v1/nodes")).json()["nodes"]
-    assert view["stats"] == {"tokens_per_s": 42.0, "in_flight": 1}
+    assert view["stats"] == {"tokens_per_s": 42.0, "decode_latency_s": 0.0, "requests_per_min": 0.0,
+                             "sessions": 1, "requests_running": 0, "requests_total": 0, "cache_bytes_left": 0,
+                             "tokens_processed": 0, "rss_bytes": 0}
     assert [(s["shard_start"], s["shard_end"], s["admitted"]) for s in view["shards"]] == [(0, 3, True)]
     assert (await tracker.get(f"/v1/coverage/{MODEL}")).json()["routable"] is True
 

@@ -28,8 +28,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from meshnet.client import TrackerClient
+from meshnet.protocol.control import HeartbeatRequest, RegisterRequest
 from meshnet.tracker.app import build_app
 from meshnet.tracker.service import TrackerSettings
+from tests.payloads import capability_report
 from tui.app import MeshnetConsole
 
 MODEL = "tiny-llama"
@@ -43,15 +45,19 @@ def shard(start: int, end: int, *, model: str = MODEL, tier: str = "bootstrap", 
     """One shard of a register/heartbeat payload with its capability report (inclusive range)."""
     return {"model": model, "shard_start": start, "shard_end": end, "tier": tier, "entry": start == 0,
             "quantization": "bfloat16", "weight_bytes": weight_bytes,
-            "report": {"passed": passed, "timestamp": time.time() if timestamp is None else timestamp,
-                       "tokens_per_s": tokens_per_s,
-                       "reason": "forward pass finite and well-shaped" if passed else "probe output has NaN"}}
+            "report": capability_report(model, start, end, passed=passed, timestamp=timestamp,
+                                        tokens_per_s=tokens_per_s)}
 
 
 def node_payload(node_id: str, endpoint: str, shards: list[dict], *, vram_bytes: int = 2 * GiB,
-                 max_loaded_shards: int = 2) -> dict:
-    return {"node_id": node_id, "endpoint": endpoint, "vram_bytes": vram_bytes, "device": "cpu",
-            "max_loaded_shards": max_loaded_shards, "shards": shards}
+                 max_loaded_shards: int = 2) -> RegisterRequest:
+    return RegisterRequest.model_validate({"node_id": node_id, "endpoint": endpoint, "vram_bytes": vram_bytes,
+                                           "device": "cpu", "max_loaded_shards": max_loaded_shards,
+                                           "shards": shards})
+
+
+def heartbeat_payload(shards: list[dict], stats: dict | None = None) -> HeartbeatRequest:
+    return HeartbeatRequest.model_validate({"shards": shards, "stats": stats or {}})
 
 
 class FakeClock:
@@ -127,12 +133,12 @@ class TrackerHarness:
     def service(self):
         return self.app.state.service
 
-    async def register(self, node_id: str, shards: list[dict], endpoint: str | None = None, **kw) -> dict:
+    async def register(self, node_id: str, shards: list[dict], endpoint: str | None = None, **kw):
         return await self.client.register(node_payload(node_id, endpoint or f"http://{node_id}.test:8701",
                                                        shards, **kw))
 
-    async def heartbeat(self, node_id: str, shards: list[dict], stats: dict | None = None) -> list[dict]:
-        return (await self.client.heartbeat(node_id, {"shards": shards, "stats": stats or {}}))["directives"]
+    async def heartbeat(self, node_id: str, shards: list[dict], stats: dict | None = None) -> list:
+        return (await self.client.heartbeat(node_id, heartbeat_payload(shards, stats))).directives
 
     def console(self, *, transport: httpx.AsyncBaseTransport | None = None, **kw) -> MeshnetConsole:
         kw.setdefault("interval_s", 60.0)  # tests poll explicitly (refresh_now)

@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 from conftest import SIZE, TRACKER_URL, FakeClock, LazyTrackerTransport, SwitchableTransport, node_payload, \
+    heartbeat_payload, \
     shard, tracker_app
 
 from meshnet.client import TrackerClient
@@ -67,8 +68,8 @@ async def seed(app: MeshnetConsole, transport: httpx.AsyncBaseTransport, clock: 
         clock.advance(2.0)
         for i, (node_id, held) in enumerate(shards.items()):
             stats = {"tokens_per_s": shards[node_id][0]["report"]["tokens_per_s"] + wobble[step] * (1 - i / 2),
-                     "requests_total": 4 * step * (i + 1), "sessions": i, "in_flight": 0}
-            await client.heartbeat(node_id, {"shards": held, "stats": stats})
+                     "requests_total": 4 * step * (i + 1), "sessions": i, "requests_running": 0}
+            await client.heartbeat(node_id, heartbeat_payload(held, stats))
         await app.refresh_now()
 
 

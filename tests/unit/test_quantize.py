@@ -21,9 +21,10 @@ def test_recipe_swaps_every_linear_and_passes_doctor(recipe, weight_dtype, tiny_
     assert len(linears) == 2 * 7  # q, k, v, o, gate, up, down per layer
     assert {m.weight.dtype for m in linears} == {weight_dtype}
     report = run_doctor(slot)
-    assert report["passed"], report["reason"]
-    assert report["recipe"]["quantization"] == recipe
-    assert 0 < report["reference_rel_error"] <= TOLERANCE[recipe]
+    assert report.passed, report.reason
+    assert report.recipe.quantization == recipe
+    assert 0 < report.reference_rel_error <= TOLERANCE[recipe]
+    assert report.tolerance == TOLERANCE[recipe]
 
 
 def test_unquantized_recipes_change_nothing_and_unknown_is_an_error():

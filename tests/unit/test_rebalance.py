@@ -7,15 +7,16 @@ import time
 import pytest
 
 from meshnet.tracker.rebalance import rebalance
-from meshnet.tracker.registry import RegisterPayload
+from meshnet.protocol.control import RegisterRequest
 from meshnet.tracker.service import TrackerService, TrackerSettings
+from tests.payloads import capability_report
 
 
 def service_with(copies: int, tier: str = "managed") -> TrackerService:
     svc = TrackerService(TrackerSettings(models=("tiny-llama",)))
     for i in range(copies):
-        report = {"passed": True, "timestamp": time.time(), "tokens_per_s": 10.0 + i}
-        svc.register(RegisterPayload.model_validate({
+        report = capability_report("tiny-llama", 0, 3, tokens_per_s=10.0 + i)
+        svc.register(RegisterRequest.model_validate({
             "node_id": f"n{i}", "endpoint": f"http://127.0.0.1:{9000 + i}",
             "shards": [{"model": "tiny-llama", "shard_start": 0, "shard_end": 3, "tier": tier, "entry": True,
                         "report": report}]}))
@@ -23,7 +24,7 @@ def service_with(copies: int, tier: str = "managed") -> TrackerService:
 
 
 def directives(svc) -> list[tuple]:
-    return sorted((d["node_id"], d["type"], d["model"], d["shard_start"], d["shard_end"], d["tier"])
+    return sorted((d.node_id, d.type, d.model, d.shard_start, d.shard_end, d.tier)
                   for d in svc.store.directives())
 
 

@@ -15,7 +15,6 @@ from meshnet.tracker.routing import (
     ShardCandidate,
     choose_route,
     estimate_hop_seconds,
-    route_seconds,
     seconds_per_layer,
 )
 
@@ -156,15 +155,6 @@ def test_estimate_hop_seconds(candidate, n_layers, load_penalty, expected):
 def test_seconds_per_layer_spreads_shard_time_over_its_layers():
     assert seconds_per_layer(cand("a", 0, 10, 50.0)) == pytest.approx(0.002)
     assert seconds_per_layer(cand("a", 0, 10, 50.0, in_flight=1)) == pytest.approx(0.003)
-
-
-def test_route_seconds_sums_the_hops():
-    candidates = [cand("a", 0, 5, 200.0, latency_s=0.001), cand("b", 2, 8, 100.0, latency_s=0.002)]
-    route = choose_route(8, candidates)
-    assert hops(route) == [("a", 0, 5), ("b", 5, 8)]
-    assert route_seconds(route, candidates) == pytest.approx(0.005 + 0.001 + 0.005 + 0.002)
-    with pytest.raises(ValueError):
-        route_seconds([Hop("ghost", "http://ghost", LayerRange(0, 8))], candidates)
 
 
 def _ps(seconds: float) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshnet.stats import EMA, ExpiringDict, PerformanceEMA, RollingCounter
+from meshnet.stats import EMA, PerformanceEMA, RollingCounter
 
 # (id, alpha, samples, expected value after each sample)
 EMA_CASES = [
@@ -113,60 +113,3 @@ def test_rolling_counter_uses_the_monotonic_clock_by_default():
 def test_rolling_counter_rejects_empty_window():
     with pytest.raises(ValueError):
         RollingCounter(window_s=0.0)
-
-
-def test_expiring_dict_get_and_expiry_boundary():
-    beats = ExpiringDict(ttl_s=30.0)
-    beats.set("node-a", {"in_flight": 1}, now=100.0)
-    assert beats.get("node-a", now=100.0) == {"in_flight": 1}
-    assert beats.get("node-a", now=129.999) == {"in_flight": 1}
-    assert beats.get("node-a", now=130.0) is None  # live while now < set time + ttl
-    assert beats.get("node-a", "gone", now=130.0) == "gone"
-    assert beats.get("missing", now=100.0) is None
-
-
-def test_expiring_dict_set_refreshes_the_deadline():
-    beats = ExpiringDict(ttl_s=30.0)
-    beats.set("a", 1, now=0.0)
-    beats.set("b", 2, now=10.0)
-    beats.set("a", 3, now=20.0)  # heartbeat: a now lives until 50
-    assert beats.items(now=35.0) == [("b", 2), ("a", 3)]
-    assert beats.pop_expired(now=45.0) == ["b"]
-    assert beats.items(now=45.0) == [("a", 3)]
-    assert beats.pop_expired(now=45.0) == []
-    assert beats.pop_expired(now=50.0) == ["a"]
-    assert len(beats) == 0
-
-
-# (id, sets as (key, value, now), now, expected live items, expected popped keys)
-EXPIRY_CASES = [
-    ("nothing stored", [], 0.0, [], []),
-    ("all live", [("a", 1, 0.0), ("b", 2, 5.0)], 9.0, [("a", 1), ("b", 2)], []),
-    ("oldest expires first", [("a", 1, 0.0), ("b", 2, 5.0)], 10.0, [("b", 2)], ["a"]),
-    ("all expired, oldest first", [("a", 1, 0.0), ("b", 2, 5.0), ("c", 3, 6.0)], 99.0, [], ["a", "b", "c"]),
-]
-
-
-@pytest.mark.parametrize("sets, now, live, popped",
-                         [case[1:] for case in EXPIRY_CASES], ids=[case[0] for case in EXPIRY_CASES])
-def test_expiring_dict_items_and_pop_expired(sets, now, live, popped):
-    beats = ExpiringDict(ttl_s=10.0)
-    for key, value, at in sets:
-        beats.set(key, value, now=at)
-    assert beats.items(now=now) == live
-    assert beats.pop_expired(now=now) == popped
-    assert len(beats) == len(live)
-
-
-def test_expiring_dict_pop_and_contains():
-    beats = ExpiringDict(ttl_s=3600.0)
-    beats.set("a", 1)  # monotonic clock: live for an hour
-    assert "a" in beats and "b" not in beats
-    assert beats.pop("a") == 1
-    assert beats.pop("a", "none") == "none"
-    assert "a" not in beats
-
-
-def test_expiring_dict_rejects_empty_ttl():
-    with pytest.raises(ValueError):
-        ExpiringDict(ttl_s=0.0)

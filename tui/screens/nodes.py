@@ -107,7 +107,7 @@ def detail_text(node: dict, now: float, palette: Palette, num_layers: dict[str, 
         text.append(f"\nplacement: {node['reason']}", style=palette.muted)
     stats = node.get("stats") or {}
     if stats:
-        keys = ("sessions", "in_flight", "requests_running", "requests_total", "tokens_processed",
+        keys = ("sessions", "requests_running", "requests_total", "tokens_processed",
                 "decode_latency_s")
         text.append("\n" + "  ".join(f"{k} {stats[k]}" for k in keys if k in stats), style=palette.muted)
     return text

@@ -1,0 +1,177 @@
+"""A whole mesh on this machine: one tracker and node processes on 127.0.0.1.
+
+The one launcher behind ``meshnet serve``, the integration tests and ``bench/``. Every
+process is a real ``python -m meshnet.cli.main`` child; every child started here is stopped
+by its PID in :meth:`LocalMesh.stop` (SIGTERM, then SIGKILL after a grace period). Waits are
+bounded in time and fail fast when a child exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import httpx
+
+from meshnet.errors import MeshnetError
+
+T = TypeVar("T")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` (IPv4 or IPv6 literal) right now."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalMesh:
+    """A tracker plus nodes, each a real meshnet process, with their logs in ``log_dir``.
+
+    Args:
+        log_dir: one ``<name>.log`` per process (stdout and stderr).
+        port: tracker port (default: a free one).
+        heartbeat_s: heartbeat interval given to the tracker and every node, seconds.
+        detach: start children in their own session, so a terminal's Ctrl-C reaches only the
+            launcher, which then stops them in order (``meshnet serve``).
+        env: extra environment for every child.
+    """
+
+    def __init__(self, log_dir: Path, *, port: int | None = None, heartbeat_s: float = 0.5,
+                 detach: bool = False, env: dict[str, str] | None = None) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.heartbeat_s = heartbeat_s
+        self.detach = detach
+        self.env = dict(env or {})
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    # ---- processes --------------------------------------------------------------------
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start ``meshnet <args>`` as child ``name`` (its output goes to ``<log_dir>/<name>.log``)."""
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", *args], stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=self.detach,
+                                    env={**os.environ, "MESHNET_LOG_LEVEL": "INFO", **self.env, **(env or {})})
+        self.procs[name] = proc
+        return proc
+
+    def start_tracker(self, *models: str, node_timeout_s: float = 3.0, rebalance_s: float = 2.0,
+                      db: Path | None = None, extra: list[str] | None = None, wait_s: float = 30.0) -> None:
+        """Start the tracker keeping ``models`` covered and wait until it answers (``wait_s``).
+
+        Raises:
+            MeshnetError: it exited or did not answer within ``wait_s``.
+        """
+        args = ["tracker", "start", "--port", str(self.port), "--db", str(db or self.log_dir / "tracker.db"),
+                "--heartbeat-interval", str(self.heartbeat_s), "--node-timeout", str(node_timeout_s),
+                "--rebalance-interval", str(rebalance_s)]
+        for m in models:
+            args += ["--model", m]
+        self.spawn("tracker", args + (extra or []))
+        self.wait(lambda: httpx.get(f"{self.url}/v1/health", timeout=1).status_code == 200, wait_s, "tracker up")
+
+    def start_node(self, name: str, *args: str, threads: int = 1, env: dict[str, str] | None = None) -> None:
+        """Start node ``name`` (its ``--node-id``) joining this mesh's tracker; ``args`` as for
+        ``meshnet node start`` (for example ``--model M --shard-start 0 --shard-end 9``)."""
+        self.spawn(name, ["node", "start", "--tracker", self.url, "--node-id", name,
+                          "--heartbeat-interval", str(self.heartbeat_s), "--threads", str(threads), *args], env)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 10.0) -> int:
+        """Send ``sig`` to child ``name``, wait for it to exit and forget it; returns its exit code."""
+        proc = self.procs.pop(name)
+        proc.send_signal(sig)
+        return proc.wait(timeout=timeout_s)
+
+    def exited(self) -> dict[str, int]:
+        """Children that have exited: name → exit code."""
+        return {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every child (nodes first, the tracker last, so nodes can deregister), wait up
+        to ``grace_s`` in all (each child drains meanwhile, ADR-0031), then SIGKILL what is left.
+        A KeyboardInterrupt while waiting (a second Ctrl-C) SIGKILLs every child left at once."""
+        order = sorted(self.procs.items(), key=lambda item: item[0] == "tracker")
+        for _, proc in order:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        try:
+            for _, proc in order:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        except KeyboardInterrupt:
+            for _, proc in order:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            raise
+        finally:
+            self.procs.clear()
+
+    def __enter__(self) -> "LocalMesh":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- waiting and reading ----------------------------------------------------------
+
+    def get(self, path: str, **kw) -> dict:
+        """``GET`` a tracker path; the JSON body.
+
+        Raises:
+            httpx.HTTPStatusError: a non-2xx answer.
+        """
+        resp = httpx.get(f"{self.url}{path}", timeout=30, **kw)
+        resp.raise_for_status()
+        return resp.json()
+
+    def wait(self, check: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.25) -> T:
+        """Poll ``check`` until it returns something truthy (returned), for at most ``timeout_s``.
+
+        HTTP errors and missing keys inside ``check`` count as "not yet".
+
+        Raises:
+            MeshnetError: a child exited (``process_exited``, with its log tail) or the time ran
+                out (``mesh_timeout``, with every log's tail).
+        """
+        deadline = time.monotonic() + timeout_s
+        last_exc = None
+        while time.monotonic() < deadline:
+            for name, code in self.exited().items():
+                raise MeshnetError(f"{name} exited with {code} while waiting for {what}:\n{self.tail(name)}",
+                                   code="process_exited")
+            try:
+                value = check()
+                if value:
+                    return value
+            except (httpx.HTTPError, KeyError, ValueError) as exc:
+                last_exc = exc
+            time.sleep(interval_s)
+        raise MeshnetError(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: {last_exc})\n"
+                           + "\n".join(self.tail(n) for n in self.procs), code="mesh_timeout")
+
+    def wait_routable(self, model: str, timeout_s: float = 120.0) -> dict:
+        """Wait until ``model`` is routable; returns its coverage map (see :meth:`wait`)."""
+        return self.wait(lambda: (c := self.get(f"/v1/coverage/{model}"))["routable"] and c, timeout_s,
+                         f"{model} routable", interval_s=0.5)
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        """The last ``lines`` lines of child ``name``'s log, headed by its name."""
+        path = self.log_dir / f"{name}.log"
+        text = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
+        return f"--- {name} ---\n" + "\n".join(text)

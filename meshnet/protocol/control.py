@@ -1,0 +1,235 @@
+"""The control plane between nodes and the tracker: registration, heartbeats, directives.
+
+Every payload that crosses the node ↔ tracker boundary is one of these pydantic models, used
+on both ends: the sender builds the model and sends ``model_dump(mode="json")``, the receiver
+validates the body into the same model. Unknown fields are refused (``extra="forbid"``), so
+a field renamed on one side fails loudly (a 422 naming it) instead of silently reading a
+default. Layer ranges are inclusive ``shard_start``/``shard_end`` here (ADR-0002); inside
+meshnet they are :class:`meshnet.layers.LayerRange`.
+
+Vocabulary defined once for every service: :data:`TIERS`, :data:`RECIPES`,
+:data:`DIRECTIVE_TYPES`, :data:`DIRECTIVE_STATUSES`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from meshnet.layers import LayerRange
+
+#: assignment tiers (ADR-0026): ``pinned`` (operator), ``bootstrap`` (first join), ``managed`` (demand)
+TIERS = ("pinned", "bootstrap", "managed")
+Tier = Literal["pinned", "bootstrap", "managed"]
+#: how a shard's weights are held (the recipe's quantization); float32 for exactness runs
+RECIPES = ("bfloat16", "int8", "nf4", "float32")
+Recipe = Literal["bfloat16", "int8", "nf4", "float32"]
+#: tracker → node instructions (DESIGN.md, glossary)
+DIRECTIVE_TYPES = ("LOAD_SHARD", "DROP_SHARD", "RUN_DOCTOR", "RELOAD")
+DirectiveType = Literal["LOAD_SHARD", "DROP_SHARD", "RUN_DOCTOR", "RELOAD"]
+#: directive lifecycle: queued → delivered → acked → done | failed
+DIRECTIVE_STATUSES = ("queued", "delivered", "acked", "done", "failed")
+DirectiveStatus = Literal["queued", "delivered", "acked", "done", "failed"]
+#: statuses of a directive not finished yet
+OPEN_STATUSES = ("queued", "delivered", "acked")
+#: registration default when a node reports no memory: 8 GiB (older nodes keep working)
+DEFAULT_VRAM_BYTES = 8 * 1024**3
+
+
+class Payload(BaseModel):
+    """Base of every control-plane payload: unknown fields are a validation error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ShardRange(Payload):
+    """An inclusive layer range of one model (ADR-0002)."""
+
+    model: str = Field(min_length=1)
+    shard_start: int = Field(ge=0)
+    shard_end: int = Field(ge=0)
+
+    @field_validator("shard_end")
+    @classmethod
+    def _order(cls, value: int, info: ValidationInfo) -> int:
+        if value < info.data.get("shard_start", 0):
+            raise ValueError("shard_end must be >= shard_start (inclusive range)")
+        return value
+
+    @property
+    def layers(self) -> LayerRange:
+        """The half-open internal range."""
+        return LayerRange.from_inclusive(self.shard_start, self.shard_end)
+
+
+class RecipeInfo(Payload):
+    """How a shard is run: weights' quantization and the compute dtype."""
+
+    quantization: Recipe
+    compute_dtype: Literal["float32", "bfloat16", "float16"]
+
+
+class HardwareInfo(Payload):
+    """What a node runs on. Memory in bytes; ``vram_bytes`` is 0 without an accelerator."""
+
+    device: str = "cpu"
+    ram_bytes: int = Field(default=0, ge=0)
+    vram_bytes: int = Field(default=0, ge=0)
+    cpu_count: int = Field(default=1, ge=1)
+    platform: str = ""
+
+
+class CapabilityReport(ShardRange):
+    """Result of ``doctor`` on one shard: a real forward pass checked and measured.
+
+    ``tokens_per_s`` is decode throughput through the whole shard; ``timestamp`` unix seconds
+    on the node's clock (compared only with itself). Quantized recipes also carry the relative
+    error against float32 and the tolerance it was held to.
+    """
+
+    recipe: RecipeInfo
+    hardware: HardwareInfo
+    weights_digest: str = ""
+    tokens_per_s: float = Field(default=0.0, ge=0)
+    passed: bool
+    reason: str = ""
+    timestamp: float
+    reference_rel_error: float | None = None
+    tolerance: float | None = None
+
+
+class ShardInfo(ShardRange):
+    """A shard a node holds, as it reports it in registration and heartbeats."""
+
+    tier: Tier = "pinned"
+    quantization: Recipe = "bfloat16"
+    entry: bool = False
+    weight_bytes: int = Field(default=0, ge=0)
+    num_layers: int | None = Field(default=None, ge=1)
+    report: CapabilityReport | None = None
+
+
+class NodeStats(Payload):
+    """What a node measures and reports in every heartbeat (ADR-0013).
+
+    Attributes:
+        tokens_per_s: decode throughput EMA of the node's layers, tokens/s.
+        decode_latency_s: EMA of one single-token forward call on this node, seconds.
+        requests_per_min: sessions started here per minute (requests passing through).
+        sessions: live KV-cache sessions: requests currently running through the node (the
+            load routing counts, ADR-0004).
+        requests_running: generations this node drives as their entry node, now.
+        requests_total: generations driven as entry since start.
+        cache_bytes_left: KV-cache space left under the node's cap, bytes.
+        tokens_processed: tokens run through this node's layers since start.
+        rss_bytes: resident memory of the node process, bytes.
+    """
+
+    tokens_per_s: float = Field(default=0.0, ge=0)
+    decode_latency_s: float = Field(default=0.0, ge=0)
+    requests_per_min: float = Field(default=0.0, ge=0)
+    sessions: int = Field(default=0, ge=0)
+    requests_running: int = Field(default=0, ge=0)
+    requests_total: int = Field(default=0, ge=0)
+    cache_bytes_left: int = Field(default=0, ge=0)
+    tokens_processed: int = Field(default=0, ge=0)
+    rss_bytes: int = Field(default=0, ge=0)
+
+
+class RegisterRequest(Payload):
+    """Body of ``POST /v1/nodes/register`` (DESIGN.md, Control loop).
+
+    ``vram_bytes`` is the node's raw memory (``--memory``, else accelerator memory, else RAM);
+    the tracker's placement budgets 80 % of it (ADR-0003).
+    """
+
+    node_id: str | None = Field(default=None, min_length=1, max_length=128)
+    wallet: str = ""
+    endpoint: str = Field(min_length=1, pattern=r"^https?://")
+    vram_bytes: int = Field(default=DEFAULT_VRAM_BYTES, gt=0)
+    ram_bytes: int = Field(default=0, ge=0)
+    device: str = "cpu"
+    quantizations: list[Recipe] = Field(default_factory=lambda: ["bfloat16"], min_length=1)
+    benchmark_tokens_per_sec: float = Field(default=0.0, ge=0)
+    benchmark_model: str | None = None
+    max_loaded_shards: int = Field(default=1, ge=1, le=64)
+    accepts_placement: bool = True
+    shards: list[ShardInfo] = Field(default_factory=list)
+
+
+class RegisterResponse(Payload):
+    """Answer to a registration: the node's id and the heartbeat period to use, seconds."""
+
+    node_id: str
+    heartbeat_interval_s: float
+
+
+class Directive(Payload):
+    """One tracker → node instruction with its lifecycle (times: unix seconds)."""
+
+    id: int
+    node_id: str
+    type: DirectiveType
+    model: str | None = None
+    shard_start: int | None = None
+    shard_end: int | None = None
+    tier: Tier | None = None
+    status: DirectiveStatus = "queued"
+    error: str | None = None
+    reason: str | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+    @property
+    def layers(self) -> LayerRange | None:
+        """The half-open range a shard directive names (None for RUN_DOCTOR / RELOAD)."""
+        if self.shard_start is None or self.shard_end is None:
+            return None
+        return LayerRange.from_inclusive(self.shard_start, self.shard_end)
+
+
+class DirectiveUpdate(Payload):
+    """A node's progress on one directive, carried by its next heartbeat."""
+
+    id: int
+    status: Literal["acked", "done", "failed"]
+    error: str | None = None
+
+
+class HeartbeatRequest(Payload):
+    """Body of ``POST /v1/nodes/{id}/heartbeat``."""
+
+    shards: list[ShardInfo] = Field(default_factory=list)
+    stats: NodeStats = Field(default_factory=NodeStats)
+    directive_updates: list[DirectiveUpdate] = Field(default_factory=list)
+
+
+class HeartbeatResponse(Payload):
+    """The directives delivered by this heartbeat, in the order to apply them."""
+
+    directives: list[Directive] = Field(default_factory=list)
+
+
+class FailureReport(Payload):
+    """Body of ``POST /v1/nodes/{id}/failure``: why a hop failed."""
+
+    reason: str = Field(default="", max_length=2000)
+
+
+class DoctorResponse(Payload):
+    """Body of a node's ``POST /v1/doctor``: one capability report per loaded shard."""
+
+    reports: list[CapabilityReport]
+
+
+class AssignResponse(Payload):
+    """Answer of ``GET /v1/network/assign`` (ADR-0011): the range a joining node should take."""
+
+    hf_repo: str
+    model: str
+    shard_start: int
+    shard_end: int
+    num_layers: int
+    gap_found: bool
+    price_per_token: float = 0.0

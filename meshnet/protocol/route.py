@@ -1,0 +1,67 @@
+"""Routes and hops: the one type and the one JSON form, shared by the tracker and entry nodes.
+
+A route is an ordered list of hops covering a model's layers; each hop names the node and the
+layers it runs (a sub-range of its shard, ADR-0012). Inside meshnet a hop holds a half-open
+:class:`meshnet.layers.LayerRange`; its JSON form (``GET /v1/route``, the ``meshnet`` block of
+a chat response) has inclusive ``start_layer``/``end_layer`` (ADR-0002).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from meshnet.layers import LayerRange
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One step of a route: ``node_id`` at ``endpoint`` runs ``layers`` (half-open)."""
+
+    node_id: str
+    endpoint: str
+    layers: LayerRange
+
+    def to_json(self) -> dict:
+        """The public JSON form: ``{node_id, endpoint, start_layer, end_layer}`` (inclusive)."""
+        start, end = self.layers.to_inclusive()
+        return HopJSON(node_id=self.node_id, endpoint=self.endpoint, start_layer=start, end_layer=end).model_dump()
+
+    @classmethod
+    def from_json(cls, data: "dict | HopJSON") -> "Hop":
+        """Parse the public JSON form.
+
+        Raises:
+            pydantic.ValidationError: a field missing or of the wrong type, or a reversed range.
+        """
+        hop = data if isinstance(data, HopJSON) else HopJSON.model_validate(data)
+        return cls(hop.node_id, hop.endpoint, LayerRange.from_inclusive(hop.start_layer, hop.end_layer))
+
+
+class HopJSON(BaseModel):
+    """A hop on the wire (inclusive layers)."""
+
+    model_config = ConfigDict(extra="forbid")
+    node_id: str = Field(min_length=1)
+    endpoint: str = Field(min_length=1)
+    start_layer: int = Field(ge=0)
+    end_layer: int = Field(ge=0)
+
+    @field_validator("end_layer")
+    @classmethod
+    def _order(cls, value: int, info: ValidationInfo) -> int:
+        if value < info.data.get("start_layer", 0):
+            raise ValueError("end_layer must be >= start_layer (inclusive range)")
+        return value
+
+
+class RouteResponse(BaseModel):
+    """Body of ``GET /v1/route``: the hops serving the asked layers of ``model``, in order."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    hops: list[HopJSON]
+
+    def to_hops(self) -> list[Hop]:
+        return [Hop.from_json(h) for h in self.hops]
