@@ -179,8 +179,14 @@ def test_sigterm_to_the_tracker_mid_stream_finishes_the_stream_and_nodes_then_sa
     assert signalled["proc"].wait(timeout=40) == 0
     exit_s = time.monotonic() - signalled["t"]
     print(f"SIGTERM tracker: stream done {stream_done_s:.2f} s later, process exit {exit_s:.2f} s later")
-    for name, endpoint in endpoints.items():
-        ready = mesh.wait(lambda: (r := httpx.get(f"{endpoint}/v1/ready", timeout=5)).status_code == 503 and r.json(),
-                          20, f"{name} not ready")
-        assert any(r.startswith(f"tracker {mesh.url} unreachable") for r in ready["reasons"]), ready
+    unreachable = f"tracker {mesh.url} unreachable"
+
+    def not_ready_for_the_tracker(endpoint: str) -> dict | None:
+        resp = httpx.get(f"{endpoint}/v1/ready", timeout=5)
+        body = resp.json()
+        return body if resp.status_code == 503 and any(r.startswith(unreachable) for r in body["reasons"]) else None
+
+    for name, endpoint in endpoints.items():  # within a few heartbeats (0.5 s each)
+        ready = mesh.wait(lambda: not_ready_for_the_tracker(endpoint), 20, f"{name} to say its tracker is gone")
+        assert ready["ready"] is False
         assert httpx.get(f"{endpoint}/v1/health", timeout=5).status_code == 200
