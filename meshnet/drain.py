@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from meshnet.errors import Draining
+from meshnet.errors import Draining, MeshnetError
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,8 @@ class DrainMiddleware:
     ``drain.in_flight`` until its response is fully sent. If ``drain.cut`` is set first, the
     request is cancelled: a started event stream ends with an SSE error event (code
     ``draining``) and a proper end of body; a response not started yet becomes the 503.
+    Likewise an exception after the response started (a bug, a torch error) ends an event
+    stream with an ``internal_error`` event instead of a silently dropped connection.
 
     Args:
         app: the ASGI app; ``drain``: the process's :class:`Drain`; ``paths``: exact paths.
@@ -168,7 +170,12 @@ class DrainMiddleware:
             finally:
                 cut.cancel()
             if task.done():
-                task.result()
+                if task.cancelled() or task.exception() is None or not sent["started"]:
+                    task.result()  # a response not started yet: the server's own 500
+                    return
+                log.error("chat failed mid-response", exc_info=task.exception())
+                await _end_stream(send, sent, MeshnetError("the generation failed: "
+                                                           f"{type(task.exception()).__name__}"))
                 return
             task.cancel()
             try:
@@ -187,11 +194,17 @@ async def _end_cut(send, sent: dict) -> None:
                    hint="send the request again: another node will serve it")
     if not sent["started"]:
         await _send_error(send, exc)
-    elif sent["event_stream"] and not sent["finished"]:
+    else:
+        await _end_stream(send, sent, exc)
+
+
+async def _end_stream(send, sent: dict, exc: MeshnetError) -> None:
+    """End a started response: an event stream gets ``exc`` as its last event; any body its end."""
+    if sent["finished"]:
+        return
+    if sent["event_stream"]:
         await send({"type": "http.response.body", "body": sse_error(exc), "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-    elif not sent["finished"]:
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _send_error(send, exc: Draining) -> None:

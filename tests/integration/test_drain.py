@@ -190,3 +190,7 @@ def test_sigterm_to_the_tracker_mid_stream_finishes_the_stream_and_nodes_then_sa
         ready = mesh.wait(lambda: not_ready_for_the_tracker(endpoint), 20, f"{name} to say its tracker is gone")
         assert ready["ready"] is False
         assert httpx.get(f"{endpoint}/v1/health", timeout=5).status_code == 200
+        if name.startswith("entry"):  # readiness agrees with what a chat there gets
+            chat = httpx.post(f"{endpoint}/v1/chat/completions", timeout=60, json={
+                "model": REAL, "messages": STORY, "max_tokens": 2, "temperature": 0})
+            assert chat.status_code == 503, chat.text

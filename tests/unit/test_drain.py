@@ -35,8 +35,17 @@ def app_with(drain: Drain) -> Starlette:
     async def other(request):
         return JSONResponse({"ok": True})
 
-    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/other", other)],
-                     middleware=[Middleware(DrainMiddleware, drain=drain)])
+    async def broken(request):
+        async def events():
+            yield "data: {}\n\n"
+            raise RuntimeError("a bug mid-stream")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/other", other),
+                             Route("/broken", broken, methods=["POST"])],
+                     middleware=[Middleware(DrainMiddleware, drain=drain,
+                                            paths=("/v1/chat/completions", "/broken"))])
 
 
 def client(drain: Drain) -> httpx.AsyncClient:
@@ -162,3 +171,13 @@ async def test_while_draining_a_new_chat_is_503_and_other_routes_still_answer():
     assert chat.headers["retry-after"] == "1"
     assert chat.json()["error"]["code"] == "draining"
     assert other.status_code == 200
+
+
+async def test_an_exception_mid_stream_ends_it_with_an_error_event():
+    drain = Drain(5.0)
+    async with client(drain) as c:
+        resp = await c.post("/broken")
+    lines = data_lines(resp.text)
+    assert resp.status_code == 200 and lines[0] == "{}"
+    assert json.loads(lines[-1])["error"]["code"] == "internal_error"
+    assert drain.in_flight == 0
