@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 ENTRY_ATTEMPTS = 3
 
 
-async def open_entry(svc: TrackerService, http: httpx.AsyncClient, model: str, body: bytes) -> tuple[httpx.Response, str]:
+async def open_entry(svc: TrackerService, http: httpx.AsyncClient, model: str,
+                     body: bytes) -> tuple[httpx.Response, str]:
     """Send a chat to an entry node (counting it as served once one is chosen), trying up to
     ``ENTRY_ATTEMPTS`` of them: one that cannot be reached is reported (later chats choose it
     last for a while), one that answers 503 ``draining`` is marked draining.
