@@ -114,7 +114,12 @@ class TrackerAgent:
             self.last_error = exc.message
             if exc.status == 404 and not (self.leaving or self.node.drain.draining):
                 # the tracker forgot us (restart): register again; a draining node stays forgotten
-                await self.client.register(self.registration())
+                try:
+                    await self.client.register(self.registration())
+                except MeshnetError as again:  # keep the loop alive: the next heartbeat tries again
+                    self.last_error = again.message
+                    log.warning("re-registration failed: %s", again.message)
+                    return
                 self._ok()
                 return
             log.warning("heartbeat failed: %s", exc.message)

@@ -74,3 +74,18 @@ def test_ready_of_an_unreachable_node_is_a_clean_error():
     result = runner.invoke(app, ["ready", "--node", "http://127.0.0.1:9"])
     assert result.exit_code == 1
     assert "cannot reach http://127.0.0.1:9" in result.output
+
+
+def test_nodes_marks_a_draining_node(monkeypatch):
+    from meshnet.client import TrackerClient
+
+    row = {"node_id": "mid-a", "endpoint": "http://m:1", "memory_budget_bytes": 1 << 30, "max_assignable_layers": {},
+           "slots_used": 1, "slots_total": 1, "shards": [], "stats": {"tokens_per_s": 0.0}, "last_heartbeat_age_s": 1.0,
+           "reason": "", "draining": True}
+
+    async def fake_nodes(self):
+        return [row]
+
+    monkeypatch.setattr(TrackerClient, "nodes", fake_nodes)
+    result = runner.invoke(app, ["nodes", "--url", "http://tracker.test"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "mid-a (draining)" in result.stdout
