@@ -20,6 +20,7 @@ import torch
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.layers import LayerRange
 from meshnet.models.shard import ShardModel
+from meshnet.presets import canonical_model_name
 from meshnet.node.sessions import SessionStore
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class NodeRuntime:
         Raises:
             MeshnetError: no free slot.
         """
+        model = canonical_model_name(model)
         for slot in self.slots.values():
             if slot.model == model and slot.layers == layers:
                 return slot
@@ -91,7 +93,7 @@ class NodeRuntime:
 
     def drop(self, model: str, layers: LayerRange) -> bool:
         """Free a slot's weights and its sessions; False when it was not loaded."""
-        key = f"{model}:{layers.start}-{layers.end}"
+        key = f"{canonical_model_name(model)}:{layers.start}-{layers.end}"
         with self.lock:
             slot = self.slots.pop(key, None)
             if slot is not None:
@@ -104,6 +106,7 @@ class NodeRuntime:
         Raises:
             NotFound: no loaded shard covers the requested layers.
         """
+        model = None if model is None else canonical_model_name(model)
         for slot in self.slots.values():
             if (model is None or slot.model == model) and slot.layers.contains_range(layers):
                 return slot
@@ -112,6 +115,7 @@ class NodeRuntime:
                        code="shard_not_loaded")
 
     def entry_slot(self, model: str) -> ShardSlot | None:
+        model = canonical_model_name(model)
         return next((s for s in self.slots.values() if s.model == model and s.shard.is_entry), None)
 
     # ---- compute ----------------------------------------------------------------------

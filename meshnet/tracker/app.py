@@ -21,10 +21,12 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from meshnet.errors import InvalidRequest, MeshnetError
-from meshnet.gateway.schema import error_response, parse_chat_request, validate_json
+from meshnet.gateway.body_limit import BodyLimit
+from meshnet.gateway.schema import error_response, read_chat_request, validate_json
 from meshnet.layers import LayerRange
 from meshnet.tracker import operator, placement, views
 from meshnet.tracker.metrics import TrackerMetrics
@@ -139,7 +141,8 @@ async def demand(request: Request) -> JSONResponse:
 async def models(request: Request) -> JSONResponse:
     svc = _svc(request)
     data = [{"id": m.name, "object": "model", "owned_by": "meshnet", "num_layers": m.num_layers,
-             "routable": svc.coverage(m.name)["routable"]} for m in svc.tracked_models()]
+             "routable": svc.coverage(m.name)["routable"],
+             "aliases": [m.hf_repo] if m.hf_repo and m.hf_repo != m.name else []} for m in svc.tracked_models()]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -150,12 +153,12 @@ async def health(request: Request) -> JSONResponse:
 
 async def chat(request: Request) -> Response:
     """Forward the chat body to the least-loaded entry node (streams pass straight through)."""
-    from meshnet.presets import default_model
+    from meshnet.presets import canonical_model_name, default_model
 
     svc = _svc(request)
     body = await request.body()
-    req = parse_chat_request(body)
-    model = req.model or default_model()
+    req = await read_chat_request(body)
+    model = canonical_model_name(req.model or default_model())
     node = svc.entry_node(model)
     svc.metrics.requests.labels(model=model).inc()
     svc.add_served(model)
@@ -232,4 +235,5 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
               Route("/v1/demand", demand), Route("/v1/models", models), Route("/v1/health", health),
               Route("/v1/chat/completions", chat, methods=["POST"]), Route("/metrics", metrics),
               *operator.routes()]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _on_error})
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _on_error},
+                     middleware=[Middleware(BodyLimit, max_bytes=settings.max_body_bytes)])

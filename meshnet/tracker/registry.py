@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from meshnet.layers import LayerRange
+from meshnet.presets import canonical_model_name
 
 #: registration default when a node reports no memory: 8 GiB of bfloat16 (older nodes keep working)
 DEFAULT_VRAM_BYTES = 8 * 1024**3
@@ -29,6 +30,12 @@ class ShardPayload(BaseModel):
     weight_bytes: int = Field(default=0, ge=0)
     num_layers: int | None = Field(default=None, ge=1)
     report: dict | None = None
+
+    @field_validator("model")
+    @classmethod
+    def _canonical(cls, value: str) -> str:
+        """Shards are recorded under the model's one name (aliases resolved)."""
+        return canonical_model_name(value)
 
     @field_validator("shard_end")
     @classmethod

@@ -15,8 +15,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from meshnet.errors import InvalidRequest, ModelNotRoutable, NotFound
+from meshnet.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
 from meshnet.layers import LayerRange
-from meshnet.presets import find_preset
+from meshnet.presets import canonical_model_name, find_preset
 from meshnet.tracker import placement, routing
 from meshnet.tracker.registry import HeartbeatPayload, NodeRecord, RegisterPayload, ShardRecord
 from meshnet.tracker.store import OPEN_STATUSES, TrackerStore
@@ -38,6 +39,8 @@ class TrackerSettings:
         load_failure_cooldown_s: a node whose LOAD_SHARD failed gets no new load for this long.
         join_settle_s: after a join, wait this long for more joins before rebalancing, so nodes
             starting together are planned together (the widest range to the biggest/fastest).
+        max_body_bytes: largest request body (413 above; see
+            :data:`meshnet.gateway.body_limit.DEFAULT_MAX_BODY_BYTES`).
     """
 
     host: str = "127.0.0.1"
@@ -51,6 +54,7 @@ class TrackerSettings:
     load_failure_cooldown_s: float = 60.0
     join_settle_s: float = 2.0
     demand_window_s: float = 300.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 @dataclass
@@ -75,7 +79,7 @@ class TrackerService:
         self.last_join_s = 0.0
         self.plan_reasons: Mapping[str, str] = {}  # node id -> why it did or did not get a range
         for name in settings.models:
-            self.store.add_model(name)
+            self.store.add_model(canonical_model_name(name))
         for name in self.store.models():
             self.ensure_model(name)
 
@@ -87,6 +91,7 @@ class TrackerService:
         Raises:
             NotFound: not a preset and no layer count known.
         """
+        name = canonical_model_name(name)
         if name in self.models:
             return self.models[name]
         preset = find_preset(name)
@@ -101,7 +106,8 @@ class TrackerService:
         return info
 
     def tracked_models(self) -> list[ModelInfo]:
-        names = set(self.store.models()) | {s.model for n in self.nodes.values() for s in n.shards}
+        names = {canonical_model_name(m) for m in self.store.models()}
+        names |= {s.model for n in self.nodes.values() for s in n.shards}
         return [self.ensure_model(n) for n in sorted(names)]
 
     # ---- nodes ------------------------------------------------------------------------
@@ -177,6 +183,8 @@ class TrackerService:
     # ---- coverage and routes ----------------------------------------------------------
 
     def admitted_shards(self, model: str) -> list[tuple[NodeRecord, ShardRecord]]:
+        """Admitted shards of ``model`` (any of its names)."""
+        model = canonical_model_name(model)
         return [(n, s) for n in self.nodes.values() for s in n.shards if s.model == model and n.admitted(s)]
 
     def coverage(self, model: str) -> dict:

@@ -223,9 +223,9 @@ async def test_chat_for_an_unroutable_model_is_503_and_counts_as_demand(tracker)
     assert after[MODEL] == {"model": MODEL, "requests_per_min": 0.4, "routable": False}
 
 
-async def test_bad_chat_body_is_422_before_any_routing(tracker):
+async def test_bad_chat_body_is_400_before_any_routing(tracker):
     resp = await tracker.post("/v1/chat/completions", json={"model": MODEL, "messages": [], "temperature": 0})
-    assert "'messages'" in assert_envelope(resp, 422, "invalid_field")["error"]["message"]
+    assert "'messages'" in assert_envelope(resp, 400, "invalid_field")["error"]["message"]
     demand = {d["model"]: d for d in (await tracker.get("/v1/demand")).json()["demand"]}
     assert demand[MODEL]["requests_per_min"] == 0.0
 
