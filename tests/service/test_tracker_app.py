@@ -384,7 +384,8 @@ async def test_health_and_models(tracker):
     await register(tracker, node("node-a", shard(0, 3)))
     assert (await tracker.get("/v1/health")).json() == {"status": "ok", "nodes": 1, "models": [MODEL]}
     assert (await tracker.get("/v1/models")).json() == {"object": "list", "data": [
-        {"id": MODEL, "object": "model", "owned_by": "meshnet", "num_layers": 4, "routable": True}]}
+        {"id": MODEL, "object": "model", "owned_by": "meshnet", "num_layers": 4, "routable": True,
+         "aliases": ["meshnet/tiny-llama"]}]}
 
 
 async def test_metrics_have_meshnet_names(tracker):
