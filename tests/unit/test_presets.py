@@ -44,3 +44,14 @@ def test_layer_bytes_falls_back_from_bfloat16():
     preset = get_preset("tiny-llama")
     assert preset.layer_bytes("int8") == 28_800  # listed
     assert preset.layer_bytes("float32") == 2 * 57_600  # derived from bfloat16
+
+
+def test_one_canonical_name_for_a_preset_and_its_aliases():
+    from meshnet.presets import canonical_model_name, model_aliases
+
+    for alias in ("smollm2-135m-instruct", "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct",
+                  "huggingfacetb/smollm2-135m-instruct"):
+        assert canonical_model_name(alias) == "smollm2-135m-instruct"
+    assert get_preset("MESHNET/TINY-LLAMA").name == "tiny-llama"
+    assert canonical_model_name("/models/My-Local-Model") == "/models/My-Local-Model"  # not a preset: unchanged
+    assert model_aliases(get_preset("tiny-gpt2")) == ["meshnet/tiny-gpt2"]
