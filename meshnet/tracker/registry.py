@@ -17,18 +17,23 @@ from meshnet.presets import canonical_model_name
 #: registration default when a node reports no memory: 8 GiB of bfloat16 (older nodes keep working)
 DEFAULT_VRAM_BYTES = 8 * 1024**3
 RECIPES = ("bfloat16", "int8", "nf4", "float32")
+#: most decoder layers a reported model may have: the deepest published decoder stacks have
+#: under 200; the tracker does per-layer work (coverage maps) for a model a node reports
+MAX_LAYERS = 1024
+#: heartbeat stats the tracker computes with (routing, metrics): finite numbers >= 0 when sent
+NUMERIC_STATS = ("latency_s", "in_flight", "requests_running", "tokens_per_s")
 
 
 class ShardPayload(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str = Field(min_length=1)
-    shard_start: int = Field(ge=0)
-    shard_end: int = Field(ge=0)
+    shard_start: int = Field(ge=0, lt=MAX_LAYERS)
+    shard_end: int = Field(ge=0, lt=MAX_LAYERS)
     tier: str = "pinned"
     quantization: str = "bfloat16"
     entry: bool = False
     weight_bytes: int = Field(default=0, ge=0)
-    num_layers: int | None = Field(default=None, ge=1)
+    num_layers: int | None = Field(default=None, ge=1, le=MAX_LAYERS)
     report: dict | None = None
 
     @field_validator("model")
@@ -42,6 +47,13 @@ class ShardPayload(BaseModel):
     def _order(cls, value: int, info: ValidationInfo) -> int:
         if value < info.data.get("shard_start", 0):
             raise ValueError("shard_end must be >= shard_start (inclusive range)")
+        return value
+
+    @field_validator("num_layers")
+    @classmethod
+    def _holds_the_shard(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("shard_end", 0) >= value:
+            raise ValueError(f"a model of {value} layers has no layer {info.data.get('shard_end')}")
         return value
 
 
@@ -88,6 +100,18 @@ class HeartbeatPayload(BaseModel):
     shards: list[ShardPayload] = Field(default_factory=list)
     stats: dict = Field(default_factory=dict)
     directive_updates: list[DirectiveUpdate] = Field(default_factory=list)
+
+    @field_validator("stats")
+    @classmethod
+    def _numeric_stats(cls, value: dict) -> dict:
+        """One node's malformed stats must not break routing for everyone: the numbers the
+        tracker computes with are checked here (a 422 naming the stat)."""
+        for key in NUMERIC_STATS:
+            x = value.get(key)
+            if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))
+                                  or not 0 <= x < float("inf")):
+                raise ValueError(f"stats.{key} must be a finite number >= 0, got {x!r}")
+        return value
 
 
 @dataclass
