@@ -25,7 +25,7 @@ import uuid
 from typing import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.gateway.detokenize import TextDecoder, max_token_chars, token_bytes, token_text
@@ -199,20 +199,26 @@ def _choices(params: SamplingParams, n: int) -> tuple[list[SamplingParams], list
 
 
 async def complete(orchestrator: Orchestrator, model: str, req: ChatRequest,
-                   disconnected=None) -> JSONResponse:
+                   disconnected=None) -> Response:
     """Non-streaming completion: ``n`` choices plus ``usage`` and the ``meshnet`` block."""
     prompt, params = await prepare(orchestrator, req)
     params_n, stats = _choices(params, req.n)
     texts = [""] * req.n
     async for i, piece, _ in choice_deltas(orchestrator, prompt, params_n, stats, disconnected):
         texts[i] += piece or ""
-    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                "logprobs": ({"content": logprob_entries(orchestrator.tokenizer, stats[i].logprobs), "refusal": None}
-                             if params.top_logprobs is not None else None),
-                "finish_reason": stats[i].finish_reason} for i in range(req.n)]
-    return JSONResponse({
-        "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
-        "model": model, "choices": choices, "usage": usage(stats), "meshnet": meshnet_block(stats)})
+
+    def render() -> bytes:
+        # up to n * max_tokens * (1 + top_logprobs) entries: built and serialised off the event loop
+        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                    "logprobs": ({"content": logprob_entries(orchestrator.tokenizer, stats[i].logprobs),
+                                  "refusal": None} if params.top_logprobs is not None else None),
+                    "finish_reason": stats[i].finish_reason} for i in range(req.n)]
+        return json.dumps({
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(stats), "meshnet": meshnet_block(stats)},
+            ensure_ascii=False, separators=(",", ":")).encode()
+
+    return Response(await asyncio.to_thread(render), media_type="application/json")
 
 
 async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> StreamingResponse:

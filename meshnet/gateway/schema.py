@@ -65,7 +65,8 @@ class SamplingParams:
     top_logprobs: int | None = None
 
 
-def _unsupported(field: str, what: str) -> PydanticCustomError:
+def _unsupported(what: str) -> PydanticCustomError:
+    """A validation error that maps to 400 ``unsupported_parameter`` (see :func:`validate_json`)."""
     return PydanticCustomError("unsupported", "meshnet does not support {what}", {"what": what})
 
 
@@ -105,7 +106,7 @@ class ResponseFormat(_Strict):
     @classmethod
     def _text_only(cls, value):
         if value != "text":
-            raise _unsupported("response_format", f"response_format type {value!r} (only 'text')")
+            raise _unsupported(f"response_format type {value!r} (only 'text')")
         return value
 
 
@@ -196,7 +197,7 @@ class ChatRequest(_Strict):
     @classmethod
     def _store_nothing(cls, value):
         if value:
-            raise _unsupported("store", "stored completions (store: true)")
+            raise _unsupported("stored completions (store: true)")
         return value
 
     @model_validator(mode="after")
