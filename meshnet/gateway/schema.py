@@ -76,25 +76,32 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class TextPart(_Strict):
-    """One part of a multi-part message; meshnet models read text parts only."""
-
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(_Strict):
     """One message. ``name`` and the tool fields are refused: meshnet's chat templates render
     role and content only, so they would be dropped without a word."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart]
+    content: str
 
-    @field_validator("content")
+    @field_validator("content", mode="before")
     @classmethod
     def _join_parts(cls, value):
-        """OpenAI clients may send ``[{"type": "text", "text": ...}, ...]``: joined into one string."""
-        return value if isinstance(value, str) else "".join(part.text for part in value)
+        """OpenAI clients may send ``[{"type": "text", "text": ...}, ...]``: joined into one
+        string. Other part types (images, audio, files) are refused: meshnet models read text."""
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise _unsupported(f"content part {i} of type {kind!r} (meshnet models read text parts only)")
+            extra = sorted(set(part) - {"type", "text"})
+            if extra:
+                raise _unsupported(f"field {extra[0]!r} of content part {i}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} needs a 'text' string")
+            texts.append(part["text"])
+        return "".join(texts)
 
 
 class ResponseFormat(_Strict):

@@ -230,7 +230,7 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
               Route("/v1/nodes/{node_id}/heartbeat", heartbeat, methods=["POST"]),
               Route("/v1/nodes/{node_id}/failure", failure, methods=["POST"]),
               Route("/v1/nodes", nodes), Route("/v1/coverage", coverage_all),
-              Route("/v1/coverage/{model}", coverage_one), Route("/v1/route", route),
+              Route("/v1/coverage/{model:path}", coverage_one), Route("/v1/route", route),
               Route("/v1/network/assign", network_assign), Route("/v1/directives", directives),
               Route("/v1/demand", demand), Route("/v1/models", models), Route("/v1/health", health),
               Route("/v1/chat/completions", chat, methods=["POST"]), Route("/metrics", metrics),

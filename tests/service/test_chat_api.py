@@ -218,6 +218,7 @@ async def test_the_tracker_resolves_aliases_like_the_nodes(asgi_client, entry):
     app.state.http = entry  # the tracker's forwards reach the in-process entry node
     coverage = (await tracker.get("/v1/coverage")).json()["models"]
     assert [(c["model"], c["routable"]) for c in coverage] == [(MODEL, True)]
+    assert (await tracker.get("/v1/coverage/Meshnet/Tiny-Llama")).json() == coverage[0]  # an alias with a slash
     route = (await tracker.get("/v1/route", params={"model": "Meshnet/Tiny-Llama"})).json()
     assert route["model"] == MODEL and len(route["hops"]) == 1
     resp = await tracker.post(URL, json={**CHAT, "model": "MESHNET/TINY-LLAMA", "max_tokens": 2})

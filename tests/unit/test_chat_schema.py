@@ -70,6 +70,8 @@ def test_the_seed_error_states_the_accepted_range():
     ({"response_format": {"type": "json_object"}}, "response_format.type"),
     ({"temprature": 0.5}, "temprature"),
     ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content"),
 ])
 def test_unsupported_and_unknown_parameters_are_400_naming_them(fields, param):
     err = refusal(**fields)
