@@ -84,9 +84,11 @@ def _aliases(path: str) -> dict[str, str]:
     return table
 
 
-def model_aliases(preset: ModelPreset) -> list[str]:
-    """The other names ``preset`` answers to (its ``hf_repo``), for model listings."""
-    return [preset.hf_repo] if preset.hf_repo and preset.hf_repo != preset.name else []
+def model_aliases(name: str) -> list[str]:
+    """The other names model ``name`` answers to, for model listings: a preset's ``hf_repo``;
+    none for a model that is not a preset."""
+    preset = all_presets().get(canonical_model_name(name))
+    return [preset.hf_repo] if preset is not None and preset.hf_repo and preset.hf_repo != preset.name else []
 
 
 def canonical_model_name(name: str) -> str:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import httpx
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from meshnet import wire
@@ -38,7 +38,7 @@ from meshnet.node import hardware
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings
-from meshnet.presets import canonical_model_name, find_preset, model_aliases
+from meshnet.presets import canonical_model_name, model_aliases
 
 log = logging.getLogger(__name__)
 
@@ -155,12 +155,7 @@ async def list_models(request: Request) -> JSONResponse:
     node = _state(request)
     models = sorted({s.model for s in node.runtime.slots.values() if s.shard.is_entry})
     return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "meshnet",
-                                                     "aliases": _aliases(m)} for m in models]})
-
-
-def _aliases(model: str) -> list[str]:
-    preset = find_preset(model)
-    return model_aliases(preset) if preset is not None else []
+                                                     "aliases": model_aliases(m)} for m in models]})
 
 
 async def doctor(request: Request) -> JSONResponse:

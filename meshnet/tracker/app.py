@@ -19,15 +19,16 @@ import time
 import httpx
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.gateway.body_limit import BodyLimit
 from meshnet.gateway.schema import error_response, read_chat_request, validate_json
 from meshnet.layers import LayerRange
+from meshnet.presets import canonical_model_name, default_model, model_aliases
 from meshnet.tracker import operator, placement, views
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.rebalance import rebalance
@@ -142,7 +143,7 @@ async def models(request: Request) -> JSONResponse:
     svc = _svc(request)
     data = [{"id": m.name, "object": "model", "owned_by": "meshnet", "num_layers": m.num_layers,
              "routable": svc.coverage(m.name)["routable"],
-             "aliases": [m.hf_repo] if m.hf_repo and m.hf_repo != m.name else []} for m in svc.tracked_models()]
+             "aliases": model_aliases(m.name)} for m in svc.tracked_models()]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -153,8 +154,6 @@ async def health(request: Request) -> JSONResponse:
 
 async def chat(request: Request) -> Response:
     """Forward the chat body to the least-loaded entry node (streams pass straight through)."""
-    from meshnet.presets import canonical_model_name, default_model
-
     svc = _svc(request)
     body = await request.body()
     req = await read_chat_request(body)

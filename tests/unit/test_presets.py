@@ -54,4 +54,5 @@ def test_one_canonical_name_for_a_preset_and_its_aliases():
         assert canonical_model_name(alias) == "smollm2-135m-instruct"
     assert get_preset("MESHNET/TINY-LLAMA").name == "tiny-llama"
     assert canonical_model_name("/models/My-Local-Model") == "/models/My-Local-Model"  # not a preset: unchanged
-    assert model_aliases(get_preset("tiny-gpt2")) == ["meshnet/tiny-gpt2"]
+    assert model_aliases("TINY-GPT2") == ["meshnet/tiny-gpt2"]
+    assert model_aliases("/models/My-Local-Model") == []
