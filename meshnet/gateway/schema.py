@@ -9,9 +9,8 @@ heartbeat, ...) keep 422 for a field that fails validation.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -63,6 +62,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs: int | None = None
+
+
+def _invalid(field: str, why: str) -> InvalidRequest:
+    """A 400 about ``field`` from a check across fields (pydantic passes it through)."""
+    return InvalidRequest(f"invalid field '{field}': {field} {why}", code="invalid_field", param=field)
 
 
 def _unsupported(what: str) -> PydanticCustomError:
@@ -210,9 +214,9 @@ class ChatRequest(_Strict):
     @model_validator(mode="after")
     def _dependent_fields(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise PydanticCustomError("invalid", "top_logprobs needs logprobs: true")
+            raise _invalid("top_logprobs", "needs logprobs: true")
         if self.stream_options is not None and not self.stream:
-            raise PydanticCustomError("invalid", "stream_options is only allowed with stream: true")
+            raise _invalid("stream_options", "is only allowed with stream: true")
         return self
 
     def sampling(self) -> SamplingParams:
@@ -232,15 +236,7 @@ def for_choice(params: SamplingParams, index: int) -> SamplingParams:
     the choices differ from each other."""
     if params.seed is None or index == 0:
         return params
-    return dataclasses.replace(params, seed=(params.seed + index) % (SEED_MAX + 1))
-
-
-def _field_of(err: dict) -> str:
-    # a model validator's error has an empty location: name the field from the message
-    loc = [str(p) for p in err["loc"]]
-    if not loc and err["type"] == "invalid":
-        loc = [str(err["msg"]).split()[0]]
-    return ".".join(loc) or "body"
+    return replace(params, seed=(params.seed + index) % (SEED_MAX + 1))
 
 
 def validate_json(model: type[BaseModel], body: bytes, *, status: int = 422):
@@ -259,7 +255,7 @@ def validate_json(model: type[BaseModel], body: bytes, *, status: int = 422):
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        field = _field_of(err)
+        field = ".".join(str(p) for p in err["loc"]) or "body"
         if err["type"] in ("extra_forbidden", "unsupported"):
             why = err["msg"] if err["type"] == "unsupported" else "not a chat parameter meshnet knows"
             raise InvalidRequest(f"unsupported parameter '{field}': {why}", code="unsupported_parameter",
