@@ -12,7 +12,6 @@ import json
 import threading
 import time
 
-import httpx
 import pytest
 import torch
 
