@@ -4,8 +4,9 @@ One Starlette handler serves ``POST /v1/chat/completions`` at every entry node; 
 tracker forwards the same body to an entry node. The request schema (what is honoured,
 what is refused) is :class:`meshnet.gateway.schema.ChatRequest`.
 
-CPU work stays off the event loop: big bodies are parsed, and every prompt is rendered and
-tokenized, in a worker thread; logits and sampling run in the orchestrator's worker thread;
+CPU work stays off the event loop: big bodies are parsed, every prompt is rendered and
+tokenized, and non-streamed responses are serialised in the request pool
+(:mod:`meshnet.gateway.cpu`); logits and sampling run in the orchestrator's worker thread;
 text is decoded incrementally (:class:`~meshnet.gateway.detokenize.TextDecoder`).
 
 ``n`` choices run concurrently, each its own generation (and session on every hop); choice
@@ -28,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from meshnet.errors import InvalidRequest, MeshnetError
+from meshnet.gateway.cpu import off_loop
 from meshnet.gateway.detokenize import TextDecoder, max_token_chars, token_bytes, token_text
 from meshnet.gateway.hops import hop_to_json
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator
@@ -81,7 +83,7 @@ def encode_prompt(orchestrator: Orchestrator, messages: list[dict]) -> list[int]
 
 
 async def prepare(orchestrator: Orchestrator, req: ChatRequest) -> tuple[list[int], SamplingParams]:
-    """Prompt ids (tokenized in a worker thread) and choice-0 settings fitted to the context.
+    """Prompt ids (tokenized in the request pool) and choice-0 settings fitted to the context.
 
     Raises:
         InvalidRequest: a ``logit_bias`` token id outside the vocabulary, or a prompt too long.
@@ -91,7 +93,7 @@ async def prepare(orchestrator: Orchestrator, req: ChatRequest) -> tuple[list[in
     if bad:
         raise InvalidRequest(f"invalid field 'logit_bias': token id {bad[0]} is outside the vocabulary "
                              f"(0..{orchestrator.vocab_size - 1})", code="invalid_field", param="logit_bias")
-    prompt = await asyncio.to_thread(encode_prompt, orchestrator, [m.model_dump() for m in req.messages])
+    prompt = await off_loop(encode_prompt, orchestrator, [m.model_dump() for m in req.messages])
     return prompt, fit_context(orchestrator, prompt, params)
 
 
@@ -218,7 +220,7 @@ async def complete(orchestrator: Orchestrator, model: str, req: ChatRequest,
             "model": model, "choices": choices, "usage": usage(stats), "meshnet": meshnet_block(stats)},
             ensure_ascii=False, separators=(",", ":")).encode()
 
-    return Response(await asyncio.to_thread(render), media_type="application/json")
+    return Response(await off_loop(render), media_type="application/json")
 
 
 async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> StreamingResponse:

@@ -8,7 +8,6 @@ heartbeat, ...) keep 422 for a field that fails validation.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -18,6 +17,7 @@ from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
 
 from meshnet.errors import InvalidRequest, MeshnetError
+from meshnet.gateway.cpu import off_loop
 
 #: largest ``seed``: torch.Generator.manual_seed takes 64-bit values, and choice ``i`` of an
 #: ``n``-choice request uses ``(seed + i) mod 2**63``, so seeds live in [0, 2**63 - 1]
@@ -272,10 +272,10 @@ def parse_chat_request(body: bytes) -> ChatRequest:
 
 
 async def read_chat_request(body: bytes) -> ChatRequest:
-    """:func:`parse_chat_request`, in a worker thread when the body is over
+    """:func:`parse_chat_request`, in the request thread pool when the body is over
     :data:`PARSE_OFF_LOOP_BYTES`, so that JSON of a huge body never blocks the event loop."""
     if len(body) > PARSE_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(parse_chat_request, body)
+        return await off_loop(parse_chat_request, body)
     return parse_chat_request(body)
 
 
