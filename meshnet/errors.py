@@ -17,18 +17,22 @@ class MeshnetError(Exception):
     type: str = "server_error"
 
     def __init__(self, message: str, *, hint: str | None = None, code: str | None = None,
-                 status: int | None = None) -> None:
+                 status: int | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self.param = param  # the request field at fault (OpenAI's ``error.param``), if any
         if code is not None:
             self.code = code
         if status is not None:
             self.status = status
 
     def to_envelope(self) -> dict:
-        """OpenAI-compatible error body: ``{"error": {"message", "type", "code"}}``."""
+        """OpenAI-compatible error body: ``{"error": {"message", "type", "code"}}``, plus
+        ``param`` (the field at fault) and ``hint`` when known."""
         body = {"message": self.message, "type": self.type, "code": self.code}
+        if self.param is not None:
+            body["param"] = self.param
         if self.hint:
             body["hint"] = self.hint
         return {"error": body}

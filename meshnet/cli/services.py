@@ -13,6 +13,13 @@ tracker_app = typer.Typer(help="Run the tracker (coverage map, placement, routin
 node_app = typer.Typer(help="Run a node that serves layer shards.", no_args_is_help=True)
 
 LogOpt = typer.Option(None, "--log-level", help="DEBUG, INFO, WARNING (env MESHNET_LOG_LEVEL).")
+MaxBodyOpt = typer.Option(None, "--max-body-bytes", envvar="MESHNET_MAX_BODY_BYTES", min=1024,
+                          help="Largest JSON request body, bytes; bigger ones get 413 (default 8 MiB).")
+
+
+def _body_limit(max_body_bytes: int | None) -> dict:
+    """Settings keyword for ``--max-body-bytes`` (none: the settings' default)."""
+    return {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -42,6 +49,7 @@ def tracker_start(
                                           help="Seconds to wait for more joins before placing, s."),
         operator_token: str = typer.Option(None, "--operator-token", envvar="MESHNET_OPERATOR_TOKEN",
                                            help="Bearer token required for operator actions."),
+        max_body_bytes: int = MaxBodyOpt,
         log_level: str = LogOpt) -> None:
     """Start a tracker that keeps the given models covered."""
     from meshnet.models.sources import cache_dir
@@ -59,7 +67,8 @@ def tracker_start(
         db = str(cache_dir() / "tracker.db")
     settings = TrackerSettings(host=host, port=port, models=names, heartbeat_interval_s=heartbeat_interval,
                                node_timeout_s=node_timeout, rebalance_interval_s=rebalance_interval, db_path=db,
-                               operator_token=operator_token, join_settle_s=join_settle)
+                               operator_token=operator_token, join_settle_s=join_settle,
+                               **_body_limit(max_body_bytes))
     _serve(build_app(settings), host, port)
 
 
@@ -82,6 +91,7 @@ def node_start(
         heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", min=0.1, help="Seconds."),
         no_placement: bool = typer.Option(False, "--no-placement", help="Refuse tracker-assigned shards."),
         threads: int = typer.Option(None, "--threads", min=1, help="torch intra-op threads."),
+        max_body_bytes: int = MaxBodyOpt,
         log_level: str = LogOpt) -> None:
     """Start a node. With --model and --shard-start/--shard-end it serves that shard (pinned); with
     --model alone it asks the tracker which range to take; with neither it waits for directives."""
@@ -109,7 +119,8 @@ def node_start(
                             memory_bytes=None if memory is None else memory * 1024 * 1024,
                             max_loaded_shards=max_shards, compute_dtype=dtype, quantization=quantization,
                             wire_dtype=wire_dtype, heartbeat_interval_s=heartbeat_interval,
-                            accepts_placement=not no_placement, torch_threads=threads)
+                            accepts_placement=not no_placement, torch_threads=threads,
+                            **_body_limit(max_body_bytes))
     from meshnet.node.app import build_app
 
     app = build_app(settings)

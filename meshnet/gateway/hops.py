@@ -155,11 +155,11 @@ class RemoteRoute:
 
         With ``last_only`` the final hop returns only the last position ``[1, 1, hidden]``.
         """
-        frame = wire.encode(hidden, dtype=self.wire_dtype)
+        frame = await wire.encode_async(hidden, dtype=self.wire_dtype)
         layer = self.start_layer
         while layer < self.end_layer:
             frame, layer = await self.run_stage(layer, frame, position, hidden.shape[1], last_only)
-        return wire.decode(frame)
+        return await wire.decode_async(frame)
 
     async def close(self) -> None:
         """Release the session on every hop (best effort)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -30,6 +31,7 @@ from starlette.routing import Route
 from meshnet import wire
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.gateway import openai_api
+from meshnet.gateway.body_limit import BodyLimit
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
@@ -37,6 +39,7 @@ from meshnet.node.metrics import NodeMetrics
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings
 from meshnet.protocol.control import CapabilityReport, DoctorResponse
+from meshnet.presets import canonical_model_name, model_aliases
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +89,7 @@ async def forward(request: Request) -> Response:
                              status=422)
     position = _int_header(request, "X-Meshnet-Position", 0)
     body = await request.body()
-    hidden = wire.decode(body)
+    hidden = await wire.decode_async(body)
     t0 = time.perf_counter()
     out = await asyncio.to_thread(node.runtime.forward, model=request.headers.get("X-Meshnet-Model"),
                                   session_id=session, layers=LayerRange.from_inclusive(start, end),
@@ -94,7 +97,7 @@ async def forward(request: Request) -> Response:
     node.metrics.observe_forward(hidden.shape[1], time.perf_counter() - t0, position)
     if request.headers.get("X-Meshnet-Last-Only") == "1":
         out = out[:, -1:]
-    return Response(wire.encode(out, dtype=hidden.dtype), media_type="application/octet-stream")
+    return Response(await wire.encode_async(out, dtype=hidden.dtype), media_type="application/octet-stream")
 
 
 async def release_session(request: Request) -> JSONResponse:
@@ -112,13 +115,14 @@ async def health(request: Request) -> JSONResponse:
 
 
 def orchestrator_for(node: NodeState, model: str | None, pipelined: bool | None = None) -> tuple[str, Orchestrator]:
-    """The entry orchestrator of ``model`` (or of the only entry shard when None).
+    """The entry orchestrator of ``model`` (any of its names; the only entry shard when None).
 
     Raises:
         NotFound: this node holds no entry shard of that model.
     """
+    wanted = None if model is None else canonical_model_name(model)
     entries = [s for s in node.runtime.slots.values() if s.shard.is_entry]
-    slot = next((s for s in entries if model in (None, s.model)), None)
+    slot = next((s for s in entries if wanted in (None, s.model)), None)
     if slot is None:
         raise NotFound(f"this node serves no entry shard of {model or 'any model'}", code="model_not_found")
     agent = node.agent
@@ -144,15 +148,15 @@ async def chat_completions(request: Request) -> Response:
     req = await openai_api.read_chat(request)
     model, orchestrator = orchestrator_for(node, req.model, req.pipelined_prefill)
     if req.stream:
-        return openai_api.stream(orchestrator, model, req)
+        return await openai_api.stream(orchestrator, model, req)
     return await openai_api.complete(orchestrator, model, req, disconnected=request.is_disconnected)
 
 
 async def list_models(request: Request) -> JSONResponse:
     node = _state(request)
     models = sorted({s.model for s in node.runtime.slots.values() if s.shard.is_entry})
-    return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "meshnet"}
-                                                    for m in models]})
+    return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "meshnet",
+                                                     "aliases": model_aliases(m)} for m in models]})
 
 
 async def doctor(request: Request) -> JSONResponse:
@@ -208,4 +212,8 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
               Route("/v1/health", health), Route("/v1/doctor", doctor, methods=["POST"]),
               Route("/v1/models", list_models), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/metrics", metrics)]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _meshnet_error})
+    # forward frames may be up to the wire format's limit (plus a header of at most 24 bytes)
+    body_limit = Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
+                            path_limits={"/v1/forward": wire.DEFAULT_MAX_BYTES + 64})
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _meshnet_error},
+                     middleware=[body_limit])

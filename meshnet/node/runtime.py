@@ -20,6 +20,7 @@ import torch
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.layers import LayerRange
 from meshnet.models.shard import ShardModel
+from meshnet.presets import canonical_model_name
 from meshnet.node.sessions import SessionStore
 from meshnet.protocol.control import CapabilityReport, ShardInfo
 
@@ -78,6 +79,7 @@ class NodeRuntime:
         Raises:
             MeshnetError: no free slot.
         """
+        model = canonical_model_name(model)
         for slot in self.slots.values():
             if slot.model == model and slot.layers == layers:
                 return slot
@@ -93,7 +95,7 @@ class NodeRuntime:
 
     def drop(self, model: str, layers: LayerRange) -> bool:
         """Free a slot's weights and its sessions; False when it was not loaded."""
-        key = f"{model}:{layers.start}-{layers.end}"
+        key = f"{canonical_model_name(model)}:{layers.start}-{layers.end}"
         with self.lock:
             slot = self.slots.pop(key, None)
             if slot is not None:
@@ -106,6 +108,7 @@ class NodeRuntime:
         Raises:
             NotFound: no loaded shard covers the requested layers.
         """
+        model = None if model is None else canonical_model_name(model)
         for slot in self.slots.values():
             if (model is None or slot.model == model) and slot.layers.contains_range(layers):
                 return slot

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 
 from meshnet.layers import LayerRange
+from meshnet.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class NodeSettings:
         session_ttl_s, session_cache_bytes: KV-cache session expiry and memory cap.
         accepts_placement: let the tracker assign shards (managed placement).
         torch_threads: intra-op threads (None: torch default).
+        max_body_bytes: largest JSON request body (413 above; see
+            :data:`meshnet.gateway.body_limit.DEFAULT_MAX_BODY_BYTES`); ``/v1/forward`` frames
+            are bounded by the wire format's own limit instead.
     """
 
     host: str = "127.0.0.1"
@@ -45,6 +49,7 @@ class NodeSettings:
     accepts_placement: bool = True
     wallet: str = ""
     torch_threads: int | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     @property
     def endpoint(self) -> str:

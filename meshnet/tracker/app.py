@@ -19,13 +19,16 @@ import time
 import httpx
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from meshnet.errors import InvalidRequest, MeshnetError
-from meshnet.gateway.schema import error_response, parse_chat_request, validate_json
+from meshnet.gateway.body_limit import BodyLimit
+from meshnet.gateway.schema import error_response, read_chat_request, validate_json
 from meshnet.layers import LayerRange
+from meshnet.presets import canonical_model_name, default_model, model_aliases
 from meshnet.tracker import operator, placement, views
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.rebalance import rebalance
@@ -142,7 +145,8 @@ async def demand(request: Request) -> JSONResponse:
 async def models(request: Request) -> JSONResponse:
     svc = _svc(request)
     data = [{"id": m.name, "object": "model", "owned_by": "meshnet", "num_layers": m.num_layers,
-             "routable": svc.coverage(m.name)["routable"]} for m in svc.tracked_models()]
+             "routable": svc.coverage(m.name)["routable"],
+             "aliases": model_aliases(m.name)} for m in svc.tracked_models()]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -153,12 +157,10 @@ async def health(request: Request) -> JSONResponse:
 
 async def chat(request: Request) -> Response:
     """Forward the chat body to the least-loaded entry node (streams pass straight through)."""
-    from meshnet.presets import default_model
-
     svc = _svc(request)
     body = await request.body()
-    req = parse_chat_request(body)
-    model = req.model or default_model()
+    req = await read_chat_request(body)
+    model = canonical_model_name(req.model or default_model())
     node = svc.entry_node(model)
     svc.metrics.requests.labels(model=model).inc()
     svc.add_served(model)
@@ -230,9 +232,10 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
               Route("/v1/nodes/{node_id}/heartbeat", heartbeat, methods=["POST"]),
               Route("/v1/nodes/{node_id}/failure", failure, methods=["POST"]),
               Route("/v1/nodes", nodes), Route("/v1/coverage", coverage_all),
-              Route("/v1/coverage/{model}", coverage_one), Route("/v1/route", route),
+              Route("/v1/coverage/{model:path}", coverage_one), Route("/v1/route", route),
               Route("/v1/network/assign", network_assign), Route("/v1/directives", directives),
               Route("/v1/demand", demand), Route("/v1/models", models), Route("/v1/health", health),
               Route("/v1/chat/completions", chat, methods=["POST"]), Route("/metrics", metrics),
               *operator.routes()]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _on_error})
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _on_error},
+                     middleware=[Middleware(BodyLimit, max_bytes=settings.max_body_bytes)])

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from meshnet.layers import LayerRange
+from meshnet.presets import canonical_model_name
 from meshnet.protocol.control import CapabilityReport, NodeStats, ShardInfo
 
 
@@ -27,7 +28,9 @@ class ShardRecord:
 
     @classmethod
     def from_payload(cls, p: ShardInfo) -> "ShardRecord":
-        return cls(p.model, p.layers, p.tier, p.quantization, p.entry, p.weight_bytes, p.report)
+        """The record of a reported shard, under the model's one canonical name (aliases resolved)."""
+        return cls(canonical_model_name(p.model), p.layers, p.tier, p.quantization, p.entry, p.weight_bytes,
+                   p.report)
 
 
 @dataclass

@@ -15,8 +15,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from meshnet.errors import InvalidRequest, ModelNotRoutable, NotFound
+from meshnet.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
 from meshnet.layers import LayerRange
-from meshnet.presets import find_preset
+from meshnet.presets import canonical_model_name, find_preset
 from meshnet.tracker import placement, routing
 from meshnet.protocol.control import (OPEN_STATUSES, CapabilityReport, Directive, HeartbeatRequest,
                                       RegisterRequest)
@@ -40,6 +41,8 @@ class TrackerSettings:
         load_failure_cooldown_s: a node whose LOAD_SHARD failed gets no new load for this long.
         join_settle_s: after a join, wait this long for more joins before rebalancing, so nodes
             starting together are planned together (the widest range to the biggest/fastest).
+        max_body_bytes: largest request body (413 above; see
+            :data:`meshnet.gateway.body_limit.DEFAULT_MAX_BODY_BYTES`).
     """
 
     host: str = "127.0.0.1"
@@ -53,6 +56,7 @@ class TrackerSettings:
     load_failure_cooldown_s: float = 60.0
     join_settle_s: float = 2.0
     demand_window_s: float = 300.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 @dataclass
@@ -77,7 +81,7 @@ class TrackerService:
         self.last_join_s = 0.0
         self.plan_reasons: Mapping[str, str] = {}  # node id -> why it did or did not get a range
         for name in settings.models:
-            self.store.add_model(name)
+            self.store.add_model(canonical_model_name(name))
         for name in self.store.models():
             self.ensure_model(name)
 
@@ -89,6 +93,7 @@ class TrackerService:
         Raises:
             NotFound: not a preset and no layer count known.
         """
+        name = canonical_model_name(name)
         if name in self.models:
             return self.models[name]
         preset = find_preset(name)
@@ -103,7 +108,8 @@ class TrackerService:
         return info
 
     def tracked_models(self) -> list[ModelInfo]:
-        names = set(self.store.models()) | {s.model for n in self.nodes.values() for s in n.shards}
+        names = {canonical_model_name(m) for m in self.store.models()}
+        names |= {s.model for n in self.nodes.values() for s in n.shards}
         return [self.ensure_model(n) for n in sorted(names)]
 
     # ---- nodes ------------------------------------------------------------------------
@@ -284,6 +290,8 @@ class TrackerService:
     # ---- coverage and routes ----------------------------------------------------------
 
     def admitted_shards(self, model: str) -> list[tuple[NodeRecord, ShardRecord]]:
+        """Admitted shards of ``model`` (any of its names)."""
+        model = canonical_model_name(model)
         return [(n, s) for n in self.nodes.values() for s in n.shards if s.model == model and n.admitted(s)]
 
     def coverage(self, model: str) -> dict:
