@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import socket
-
 import typer
 
 from meshnet.cli.output import fail, setup_logging
+from meshnet.endpoints import check_endpoint, free_port
 from meshnet.errors import MeshnetError
 
 tracker_app = typer.Typer(help="Run the tracker (coverage map, placement, routing).", no_args_is_help=True)
 node_app = typer.Typer(help="Run a node that serves layer shards.", no_args_is_help=True)
 
 LogOpt = typer.Option(None, "--log-level", help="DEBUG, INFO, WARNING (env MESHNET_LOG_LEVEL).")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _serve(app, host: str, port: int) -> None:
@@ -82,6 +74,17 @@ def node_start(
         heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", min=0.1, help="Seconds."),
         no_placement: bool = typer.Option(False, "--no-placement", help="Refuse tracker-assigned shards."),
         threads: int = typer.Option(None, "--threads", min=1, help="torch intra-op threads."),
+        session_cache_mb: int = typer.Option(1024, "--session-cache-mb", min=1, envvar="MESHNET_SESSION_CACHE_MB",
+                                             help="KV-cache memory for sessions, MB; new sessions are refused "
+                                                  "past it (live ones are never evicted)."),
+        session_ttl: float = typer.Option(300.0, "--session-ttl", min=1.0, envvar="MESHNET_SESSION_TTL",
+                                          help="Seconds an idle session's KV cache is kept."),
+        hop_timeout: float = typer.Option(60.0, "--hop-timeout", min=1.0, envvar="MESHNET_HOP_TIMEOUT",
+                                          help="Seconds one hop call may take (entry nodes)."),
+        hop_connect_timeout: float = typer.Option(5.0, "--hop-connect-timeout", min=0.1,
+                                                  envvar="MESHNET_HOP_CONNECT_TIMEOUT",
+                                                  help="Seconds to connect to a hop before failing over."),
+        wallet: str = typer.Option("", "--wallet", envvar="MESHNET_WALLET", help="Wallet reported to the tracker."),
         log_level: str = LogOpt) -> None:
     """Start a node. With --model and --shard-start/--shard-end it serves that shard (pinned); with
     --model alone it asks the tracker which range to take; with neither it waits for directives."""
@@ -98,7 +101,15 @@ def node_start(
     if model and shard_start is None and not tracker:
         fail(MeshnetError("--model without a shard needs --tracker to ask for a range",
                           hint="pass --shard-start/--shard-end, or --tracker URL"))
-    port = port or free_port(host)
+    try:
+        public_url = None if public_url is None else check_endpoint(public_url)
+        tracker = None if tracker is None else check_endpoint(tracker)
+        port = port or free_port(host)
+    except MeshnetError as exc:
+        fail(exc)
+    except OSError as exc:
+        fail(MeshnetError(f"cannot pick a free port on --host {host}: {exc}",
+                          hint="pass an address of this machine (127.0.0.1, ::1, 0.0.0.0) or --port"))
     import torch
 
     if threads:
@@ -109,7 +120,9 @@ def node_start(
                             memory_bytes=None if memory is None else memory * 1024 * 1024,
                             max_loaded_shards=max_shards, compute_dtype=dtype, quantization=quantization,
                             wire_dtype=wire_dtype, heartbeat_interval_s=heartbeat_interval,
-                            accepts_placement=not no_placement, torch_threads=threads)
+                            accepts_placement=not no_placement, torch_threads=threads,
+                            session_cache_bytes=session_cache_mb * 1024 * 1024, session_ttl_s=session_ttl,
+                            hop_timeout_s=hop_timeout, hop_connect_timeout_s=hop_connect_timeout, wallet=wallet)
     from meshnet.node.app import build_app
 
     app = build_app(settings)

@@ -35,6 +35,7 @@ from meshnet.layers import LayerRange
 from meshnet.node import hardware
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.runtime import NodeRuntime
+from meshnet.node.sessions import SessionStore
 from meshnet.node.settings import NodeSettings
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", "node_id": node.settings.node_id, "endpoint": node.settings.endpoint,
                          "shards": rt.describe(), "slots_total": rt.max_loaded_shards,
                          "sessions": len(rt.sessions), "cache_bytes_left": rt.sessions.bytes_left,
+                         "session_cache_bytes": rt.sessions.max_bytes, "session_ttl_s": rt.sessions.ttl_s,
                          "compute_dtype": rt.compute_dtype, "rss_bytes": hardware.rss_bytes(), "uptime_s": round(time.time() - node.started_at, 1)})
 
 
@@ -132,6 +134,7 @@ def orchestrator_for(node: NodeState, model: str | None, pipelined: bool | None 
             await agent.report_failure(node_id, reason)
 
     settings = OrchestratorSettings(wire_dtype=node.settings.wire_dtype, hop_timeout_s=node.settings.hop_timeout_s,
+                                    hop_connect_timeout_s=node.settings.hop_connect_timeout_s,
                                     pipelined=True if pipelined is None else pipelined)
     return slot.model, Orchestrator(node.runtime, slot, node_id=node.settings.node_id,
                                     endpoint=node.settings.endpoint, client=node.http, routes=routes,
@@ -180,8 +183,10 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         rt = runtime or NodeRuntime(max_loaded_shards=settings.max_loaded_shards,
-                                    compute_dtype=settings.compute_dtype)
-        async with httpx.AsyncClient(timeout=settings.hop_timeout_s,
+                                    compute_dtype=settings.compute_dtype,
+                                    sessions=SessionStore(settings.session_ttl_s, settings.session_cache_bytes))
+        async with httpx.AsyncClient(timeout=httpx.Timeout(settings.hop_timeout_s,
+                                                           connect=settings.hop_connect_timeout_s),
                                      limits=httpx.Limits(max_keepalive_connections=32)) as http:
             node = NodeState(settings=settings, runtime=rt, http=http)
             app.state.node = node
