@@ -62,7 +62,7 @@ class NodeRuntime:
             raise InvalidRequest("max_loaded_shards must be >= 1")
         self.max_loaded_shards = max_loaded_shards
         self.compute_dtype = compute_dtype
-        self.sessions = sessions or SessionStore()
+        self.sessions = sessions if sessions is not None else SessionStore()  # an empty store is falsy
         self.slots: dict[str, ShardSlot] = {}
         self.lock = threading.Lock()
         self.tokens_processed = 0
