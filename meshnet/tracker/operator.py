@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hmac
 
-import httpx
 from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -96,10 +95,12 @@ async def doctor(request: Request) -> JSONResponse:
     try:
         resp = await request.app.state.http.post(f"{node.endpoint}/v1/doctor", timeout=300.0)
         resp.raise_for_status()
-    except httpx.HTTPError as exc:
-        svc.store.set_status(directive["id"], "failed", str(exc))
-        raise MeshnetError(f"doctor on {node.node_id} failed: {exc}", code="doctor_failed", status=502) from exc
-    reports = resp.json()["reports"]
+        reports = resp.json()["reports"]
+    except Exception as exc:  # noqa: BLE001 - unreachable, error status, a body without reports
+        why = f"{type(exc).__name__}: {exc}"
+        svc.store.set_status(directive["id"], "failed", why)
+        raise MeshnetError(f"doctor on {node.node_id} at {node.endpoint} failed: {why}", code="doctor_failed",
+                           status=502) from exc
     by_range = {(r["model"], r["shard_start"], r["shard_end"]): r for r in reports}
     for shard in node.shards:
         start, end = shard.layers.to_inclusive()

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from meshnet.endpoints import check_endpoint
+from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
 
 #: registration default when a node reports no memory: 8 GiB of bfloat16 (older nodes keep working)
@@ -54,6 +56,14 @@ class RegisterPayload(BaseModel):
     max_loaded_shards: int = Field(default=1, ge=1, le=64)
     accepts_placement: bool = True
     shards: list[ShardPayload] = Field(default_factory=list)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        try:
+            return check_endpoint(value)
+        except InvalidRequest as exc:
+            raise ValueError(exc.message + " (an IPv6 address goes in brackets: http://[::1]:8821)") from None
 
     @field_validator("quantizations")
     @classmethod
@@ -127,15 +137,21 @@ class NodeRecord:
     draining: bool = False
     last_move_s: float | None = None   # monotonic time of the last demand move (cooldown, ADR-0005)
     reason: str = ""            # why the node did or did not receive a range (placement)
+    #: the tracker connected to ``endpoint`` (meshnet.tracker.probe); until then nothing is admitted
+    reachable: bool = False
+    reach_error: str = "not probed yet"
+    probed_s: float | None = None  # monotonic time of the last probe's answer
 
     @property
     def quantization(self) -> str:
         return self.quantizations[0]
 
     def admitted(self, shard: ShardRecord) -> bool:
-        """A shard counts (coverage, routes) only with a present, passed and fresh report."""
+        """A shard counts (coverage, routes) only with a present, passed and fresh report, on a
+        node the tracker can reach."""
         report = shard.report
-        return bool(report and report.get("passed") and not self.is_stale(report) and not self.draining)
+        return bool(report and report.get("passed") and not self.is_stale(report) and not self.draining
+                    and self.reachable)
 
     def is_stale(self, report: dict | None) -> bool:
         return bool(report) and report.get("timestamp") in self.stale_reports

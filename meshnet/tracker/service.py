@@ -38,6 +38,9 @@ class TrackerSettings:
         load_failure_cooldown_s: a node whose LOAD_SHARD failed gets no new load for this long.
         join_settle_s: after a join, wait this long for more joins before rebalancing, so nodes
             starting together are planned together (the widest range to the biggest/fastest).
+        demand_window_s: window over which demand and load rates are counted, seconds.
+        probe_timeout_s: a reachability probe of a node's endpoint must answer within this, seconds.
+        probe_interval_s: an unreachable node is probed again after this many seconds.
     """
 
     host: str = "127.0.0.1"
@@ -51,6 +54,8 @@ class TrackerSettings:
     load_failure_cooldown_s: float = 60.0
     join_settle_s: float = 2.0
     demand_window_s: float = 300.0
+    probe_timeout_s: float = 3.0
+    probe_interval_s: float = 1.0
 
 
 @dataclass
@@ -120,6 +125,8 @@ class TrackerService:
         old = self.nodes.get(node_id)
         if old is not None:
             record.stale_reports, record.draining = old.stale_reports, old.draining
+            if old.endpoint == record.endpoint:
+                record.reachable, record.reach_error, record.probed_s = old.reachable, old.reach_error, old.probed_s
         self.nodes[node_id] = record
         self.dirty = True
         if old is None:
@@ -155,6 +162,31 @@ class TrackerService:
             d["status"] = "delivered"
             out.append(d)
         return out
+
+    def set_reachability(self, node_id: str, endpoint: str, error: str, now: float | None = None) -> None:
+        """Record a probe of ``node_id`` at ``endpoint``: ``error`` is ``""`` when it answered, else why not.
+        A change in reachability changes admission, so it triggers a rebalance. A probe of an
+        endpoint the node no longer advertises (it re-registered meanwhile) is ignored."""
+        node = self.nodes.get(node_id)
+        if node is None or node.endpoint != endpoint:
+            return
+        node.probed_s = time.monotonic() if now is None else now
+        reachable = not error
+        if reachable != node.reachable:
+            self.dirty = True
+        if reachable and not node.reachable:
+            log.info("node %s is reachable at %s", node_id, node.endpoint)
+        elif node.reachable and not reachable:
+            log.warning("node %s became unreachable: %s", node_id, error)
+        elif not reachable and error != node.reach_error:  # a node registers before it listens: often once
+            log.info("node %s not reachable (yet): %s", node_id, error)
+        node.reachable, node.reach_error = reachable, error
+
+    def to_probe(self, now: float | None = None) -> list[NodeRecord]:
+        """Unreachable nodes whose last probe is ``probe_interval_s`` old or more."""
+        now = time.monotonic() if now is None else now
+        return [n for n in self.nodes.values() if not n.reachable
+                and (n.probed_s is None or now - n.probed_s >= self.settings.probe_interval_s)]
 
     def report_failure(self, node_id: str, reason: str) -> None:
         if node_id in self.nodes:

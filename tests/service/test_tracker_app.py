@@ -13,6 +13,7 @@ import pytest
 from meshnet.tracker.app import build_app
 from meshnet.tracker.registry import DEFAULT_VRAM_BYTES
 from meshnet.tracker.service import TrackerSettings
+from tests.fake_nodes import HealthyNodes
 
 MODEL = "tiny-llama"
 PASSED = "passed"
@@ -40,7 +41,8 @@ def node(node_id: str, *shards: dict, **extra) -> dict:
 @pytest.fixture
 def make_tracker(asgi_client):
     async def make(**settings):
-        app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", **settings), run_loop=False)
+        app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", **settings), run_loop=False,
+                        transport=HealthyNodes())
         return await asgi_client(app, "http://tracker")
 
     return make
@@ -81,6 +83,8 @@ async def test_register_returns_id_and_heartbeat_interval(tracker):
     ({"vram_bytes": -1}, "vram_bytes"),
     ({"endpoint": "node-a:8000"}, "endpoint"),
     ({"endpoint": ""}, "endpoint"),
+    ({"endpoint": "http://::1:8821"}, "endpoint"),  # an IPv6 literal without brackets
+    ({"endpoint": "http://node-a:99999"}, "endpoint"),
     ({"quantizations": ["fp8"]}, "quantizations"),
     ({"shards": [{"model": MODEL, "shard_start": 3, "shard_end": 1}]}, "shard_end"),
     ({"shards": [{"model": MODEL, "shard_start": -1, "shard_end": 1}]}, "shards.0.shard_start"),
@@ -249,7 +253,7 @@ async def test_heartbeat_updates_shards_and_stats(tracker):
     await register(tracker, node("node-a"))
     resp = await tracker.post("/v1/nodes/node-a/heartbeat",
                               json={"shards": [shard(0, 3)], "stats": {"tokens_per_s": 42.0, "in_flight": 1}})
-    assert resp.status_code == 200 and resp.json() == {"directives": []}
+    assert resp.status_code == 200 and resp.json() == {"directives": [], "reachable": True, "reach_error": ""}
     (view,) = (await tracker.get("/v1/nodes")).json()["nodes"]
     assert view["stats"] == {"tokens_per_s": 42.0, "in_flight": 1}
     assert [(s["shard_start"], s["shard_end"], s["admitted"]) for s in view["shards"]] == [(0, 3, True)]

@@ -30,6 +30,7 @@ from starlette.routing import Route
 from meshnet.client import TrackerClient
 from meshnet.tracker.app import build_app
 from meshnet.tracker.service import TrackerSettings
+from tests.fake_nodes import HealthyNodes
 from tui.app import MeshnetConsole
 
 MODEL = "tiny-llama"
@@ -109,7 +110,8 @@ class LazyTrackerTransport(httpx.AsyncBaseTransport):
 
 
 def tracker_app():
-    return build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False)
+    """A tracker whose probes find every fake node reachable (tests.fake_nodes)."""
+    return build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False, transport=HealthyNodes())
 
 
 @dataclass

@@ -1,0 +1,123 @@
+"""The tracker admits a node's shards only once it has reached the node's endpoint.
+
+In-process tracker app; its outbound calls go through :class:`tests.fake_nodes.HealthyNodes`
+(fake nodes answer the probe unless their host is ``down``), or through the real network
+to a 127.0.0.1 port nobody listens on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+
+from meshnet.tracker.app import build_app
+from meshnet.tracker.service import TrackerSettings
+from tests.fake_nodes import HealthyNodes
+
+MODEL = "tiny-llama"
+
+
+def node(node_id: str, endpoint: str | None = None) -> dict:
+    report = {"passed": True, "reason": "", "tokens_per_s": 100.0, "timestamp": time.time()}
+    return {"node_id": node_id, "endpoint": endpoint or f"http://{node_id}.test:8000", "vram_bytes": 2 * 1024**3,
+            "shards": [{"model": MODEL, "shard_start": 0, "shard_end": 3, "entry": True, "report": report}]}
+
+
+@pytest.fixture
+def make_tracker(asgi_client):
+    """``make(transport=None, run_loop=False, **settings) -> (app, client)``; None: the real network."""
+    async def make(transport=None, run_loop: bool = False, **settings):
+        app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", **settings), run_loop=run_loop,
+                        transport=transport)
+        return app, await asgi_client(app, "http://tracker")
+    return make
+
+
+async def routable(client) -> bool:
+    return (await client.get(f"/v1/coverage/{MODEL}")).json()["routable"]
+
+
+async def view(client) -> dict:
+    (one,) = (await client.get("/v1/nodes")).json()["nodes"]
+    return one
+
+
+async def wait_for(check, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await check():
+            return True
+        await asyncio.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+async def test_a_node_nobody_can_connect_to_is_registered_but_not_admitted(make_tracker):
+    with socket.socket() as s:  # a port nothing listens on, on the real network
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _, tracker = await make_tracker()
+    t0 = time.monotonic()
+    resp = await tracker.post("/v1/nodes/register", json=node("n1", f"http://127.0.0.1:{port}"))
+    assert resp.status_code == 200 and time.monotonic() - t0 < 5
+    body = resp.json()
+    assert body["reachable"] is False and "ConnectError" in body["reach_error"]
+    assert f"GET http://127.0.0.1:{port}/v1/health failed" in body["reach_error"]
+    one = await view(tracker)
+    assert one["reachable"] is False and "ConnectError" in one["reach_error"]
+    assert [s["admitted"] for s in one["shards"]] == [False]
+    assert not await routable(tracker)
+    resp = await tracker.get("/v1/route", params={"model": MODEL})
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "model_loading"
+
+
+async def test_a_reachable_node_is_admitted_at_registration(make_tracker):
+    nodes = HealthyNodes()
+    _, tracker = await make_tracker(nodes)
+    body = (await tracker.post("/v1/nodes/register", json=node("n1"))).json()
+    assert body["reachable"] is True and body["reach_error"] == ""
+    assert nodes.probes == ["http://n1.test:8000/v1/health"]
+    assert await routable(tracker)
+
+
+async def test_an_endpoint_answering_as_another_node_is_not_admitted(make_tracker):
+    def other(request):  # the advertised endpoint is someone else's node
+        return httpx.Response(200, json={"status": "ok", "node_id": "n-else"})
+
+    _, tracker = await make_tracker(httpx.MockTransport(other))
+    body = (await tracker.post("/v1/nodes/register", json=node("n1"))).json()
+    assert body["reachable"] is False and "answered as node 'n-else', not 'n1'" in body["reach_error"]
+    assert not await routable(tracker)
+
+
+async def test_an_unreachable_node_is_admitted_once_it_answers(make_tracker):
+    nodes = HealthyNodes()
+    nodes.down.add("n1.test")  # e.g. it registers before it listens
+    _, tracker = await make_tracker(nodes, run_loop=True, probe_interval_s=0.1)
+    assert (await tracker.post("/v1/nodes/register", json=node("n1"))).json()["reachable"] is False
+    assert not await routable(tracker)
+    nodes.down.clear()
+    await wait_for(lambda: routable(tracker))
+    assert (await view(tracker))["reachable"] is True
+    resp = await tracker.post("/v1/nodes/n1/heartbeat", json={"shards": node("n1")["shards"]})
+    assert resp.json()["reachable"] is True
+
+
+async def test_a_failure_report_probes_again_and_an_unreachable_node_leaves_the_routes(make_tracker):
+    nodes = HealthyNodes()
+    _, tracker = await make_tracker(nodes)
+    await tracker.post("/v1/nodes/register", json=node("n1"))
+    assert await routable(tracker)
+    nodes.down.add("n1.test")
+    assert (await tracker.post("/v1/nodes/n1/failure", json={"reason": "hop timed out"})).status_code == 200
+    await wait_for(lambda: _unreachable(tracker))  # no control loop here: the report itself probed
+    assert not await routable(tracker)
+    resp = await tracker.post("/v1/nodes/n1/heartbeat", json={"shards": node("n1")["shards"]})
+    assert resp.json()["reachable"] is False and "Connection refused" in resp.json()["reach_error"]
+
+
+async def _unreachable(tracker) -> bool:
+    return not (await view(tracker))["reachable"]
