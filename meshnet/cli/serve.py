@@ -18,6 +18,7 @@ import httpx
 import typer
 
 from meshnet.cli.output import console, err_console, fail
+from meshnet.endpoints import base_url
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
 
@@ -109,7 +110,7 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
     signal.signal(signal.SIGTERM, _terminate)
     logs = cache_dir() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    url = f"http://127.0.0.1:{port}"
+    url = base_url("127.0.0.1", port)
     procs: list[subprocess.Popen] = []
     common = ["--heartbeat-interval", str(heartbeat_interval)]
     try:

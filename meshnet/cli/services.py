@@ -34,6 +34,9 @@ def tracker_start(
                                           help="Seconds to wait for more joins before placing, s."),
         operator_token: str = typer.Option(None, "--operator-token", envvar="MESHNET_OPERATOR_TOKEN",
                                            help="Bearer token required for operator actions."),
+        probe_timeout: float = typer.Option(3.0, "--probe-timeout", min=0.1, envvar="MESHNET_PROBE_TIMEOUT",
+                                            help="Seconds a node's endpoint has to answer the tracker's "
+                                                 "reachability probe; unreachable nodes are not admitted."),
         log_level: str = LogOpt) -> None:
     """Start a tracker that keeps the given models covered."""
     from meshnet.models.sources import cache_dir
@@ -51,7 +54,8 @@ def tracker_start(
         db = str(cache_dir() / "tracker.db")
     settings = TrackerSettings(host=host, port=port, models=names, heartbeat_interval_s=heartbeat_interval,
                                node_timeout_s=node_timeout, rebalance_interval_s=rebalance_interval, db_path=db,
-                               operator_token=operator_token, join_settle_s=join_settle)
+                               operator_token=operator_token, join_settle_s=join_settle,
+                               probe_timeout_s=probe_timeout)
     _serve(build_app(settings), host, port)
 
 

@@ -189,8 +189,17 @@ class TrackerAgent:
     # ---- used by the orchestrator -----------------------------------------------------
 
     async def route(self, model: str, layers: LayerRange, exclude: frozenset[str]) -> list[Hop]:
+        """Hops over ``layers`` from the tracker, avoiding ``exclude``.
+
+        Raises:
+            MeshnetError: no route (503 model_loading), tracker unreachable, or a malformed answer (502).
+        """
         hops = await self.client.route(model, layers.start, layers.end - 1, exclude)
-        return [hop_from_json(h) for h in hops]
+        try:
+            return [hop_from_json(h) for h in hops]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MeshnetError(f"the tracker sent a malformed route for {model} {layers}: {exc!r}",
+                               code="bad_route", status=502) from exc
 
     async def report_failure(self, node_id: str, reason: str) -> None:
         try:
