@@ -171,6 +171,7 @@ class RemoteRoute:
             HopBusy: the hop is busy and no other node serves its layers (503).
             HopFailed: no replacement, or ``max_failovers`` replacements all failed (502).
         """
+        last: HopFailed | None = None
         for _ in range(self.max_failovers + 1):
             async with self._turn:
                 await self._turn.wait_for(lambda: self._state_at(layer).length == position)
@@ -183,8 +184,10 @@ class RemoteRoute:
                 return out, tensor, state.hop.layers.end
             except HopFailed as exc:
                 log.warning("%s; failing over", exc.message)
+                last = exc
                 await self._replace(state, exc)
-        raise HopFailed(f"the hop at layer {layer} failed {self.max_failovers + 1} times")
+        raise HopFailed(f"the hops from layer {layer} failed {self.max_failovers + 1} times; last: {last.message}",
+                        node_id=last.node_id)
 
     async def _exclude(self, exc: HopFailed) -> None:
         """Keep the hop's node out of this session's routes; report it unless it was only busy."""
