@@ -145,6 +145,7 @@ async def chat_completions(request: Request) -> Response:
     node = _state(request)
     req = await openai_api.read_chat(request)
     model, orchestrator = orchestrator_for(node, req.model, req.pipelined_prefill)
+    await asyncio.to_thread(node.runtime.check_room)  # a full cache is a 503 before any stream starts
     if req.stream:
         return openai_api.stream(orchestrator, model, req)
     return await openai_api.complete(orchestrator, model, req, disconnected=request.is_disconnected)

@@ -159,5 +159,14 @@ class NodeRuntime:
             self.tokens_processed += input_ids.shape[1]
         return out
 
+    def check_room(self) -> None:
+        """Whether a new session may start here now (blocking: waits for a running forward).
+
+        Raises:
+            SessionCacheFull: the session cache is at its cap (HTTP 503).
+        """
+        with self.lock:
+            self.sessions.check_room()
+
     def describe(self) -> list[dict]:
         return [slot.describe() for slot in self.slots.values()]

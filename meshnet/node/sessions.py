@@ -84,12 +84,7 @@ class SessionStore:
         key = (session_id, slot_key)
         if position == 0:
             self._drop(key)
-            if self._nbytes >= self.max_bytes:
-                raise SessionCacheFull(
-                    f"session cache full: {self._nbytes} of {self.max_bytes} bytes held by {len(self)} live "
-                    f"session(s); new session {session_id!r} refused",
-                    hint="another node holding these layers can take it; or raise --session-cache-mb "
-                         "(MESHNET_SESSION_CACHE_MB) on this node")
+            self.check_room(session_id, now)
             self._sessions[key] = Session(last_used_s=now)
         session = self._sessions.get(key)
         if session is None:
@@ -101,6 +96,20 @@ class SessionStore:
         session.last_used_s = now
         self._sessions.move_to_end(key)
         return session
+
+    def check_room(self, session_id: str = "", now: float | None = None) -> None:
+        """Expire idle sessions, then check that a new session may start.
+
+        Raises:
+            SessionCacheFull: the live sessions hold ``max_bytes`` or more.
+        """
+        self.expire(now)
+        if self._nbytes >= self.max_bytes:
+            raise SessionCacheFull(
+                f"session cache full: {self._nbytes} of {self.max_bytes} bytes held by {len(self)} live "
+                f"session(s); new session{f' {session_id!r}' if session_id else ''} refused",
+                hint="another node holding these layers can take it; or raise --session-cache-mb "
+                     "(MESHNET_SESSION_CACHE_MB) on this node")
 
     def commit(self, session: Session, n_tokens: int) -> None:
         """Record ``n_tokens`` more cached tokens and the cache's new size (bytes).

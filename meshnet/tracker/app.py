@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 
@@ -181,29 +182,61 @@ async def health(request: Request) -> JSONResponse:
 
 
 async def chat(request: Request) -> Response:
-    """Forward the chat body to the least-loaded entry node (streams pass straight through)."""
+    """Forward the chat body to the least-loaded entry node (streams pass straight through).
+
+    An entry node whose session cache is full answers 503 ``session_cache_full`` before any
+    stream starts; the next entry node is tried then (up to :data:`ENTRY_TRIES` in all)."""
     from meshnet.presets import default_model
 
     svc = _svc(request)
     body = await request.body()
     req = parse_chat_request(body)
     model = req.model or default_model()
-    node = svc.entry_node(model)
+    entries = svc.entry_nodes(model)[:ENTRY_TRIES]
     svc.metrics.requests.labels(model=model).inc()
     svc.add_served(model)
+    for i, node in enumerate(entries):
+        resp = await _send_chat(request, node, body)
+        if resp.status_code == 503 and i + 1 < len(entries):
+            answer = await resp.aread()
+            await resp.aclose()
+            if _error_code(answer) == "session_cache_full":
+                log.info("entry node %s has no session room; trying %s", node.node_id, entries[i + 1].node_id)
+                continue
+            return Response(answer, status_code=503, media_type=resp.headers.get("content-type"))
+        headers = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "cache-control")}
+        return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code, headers=headers,
+                                 background=BackgroundTask(resp.aclose))
+
+
+#: entry nodes one chat may try when they answer 503 session_cache_full
+ENTRY_TRIES = 3
+
+
+async def _send_chat(request: Request, node, body: bytes) -> httpx.Response:
+    """``POST {entry}/v1/chat/completions``, streaming the answer.
+
+    Raises:
+        MeshnetError (502 ``entry_unreachable``): any error reaching the node; it is reported and probed.
+    """
+    svc = _svc(request)
     http: httpx.AsyncClient = request.app.state.http
-    upstream = http.build_request("POST", f"{node.endpoint}/v1/chat/completions", content=body,
-                                  headers={"Content-Type": "application/json"})
     try:
-        resp = await http.send(upstream, stream=True)
+        upstream = http.build_request("POST", f"{node.endpoint}/v1/chat/completions", content=body,
+                                      headers={"Content-Type": "application/json"})
+        return await http.send(upstream, stream=True)
     except Exception as exc:  # noqa: BLE001 - refused, timed out, bad URL...: the entry node failed
         svc.report_failure(node.node_id, str(exc))
         probe_soon(request.app, node.node_id, node.endpoint)
         raise MeshnetError(f"entry node {node.node_id} at {node.endpoint} unreachable: {type(exc).__name__}: {exc}",
                            code="entry_unreachable", status=502) from exc
-    headers = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "cache-control")}
-    return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code, headers=headers,
-                             background=BackgroundTask(resp.aclose))
+
+
+def _error_code(answer: bytes) -> str | None:
+    try:
+        return json.loads(answer)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 async def metrics(request: Request) -> Response:

@@ -260,8 +260,8 @@ class TrackerService:
             full.coverage = self.coverage(model)
             raise full from None
 
-    def entry_node(self, model: str) -> NodeRecord:
-        """The least-loaded admitted entry node of a routable model.
+    def entry_nodes(self, model: str) -> list[NodeRecord]:
+        """Admitted entry nodes of a routable model, least loaded first (at least one).
 
         Raises:
             ModelNotRoutable: coverage gap or no entry node; the request counts as demand.
@@ -274,8 +274,8 @@ class TrackerService:
             raise ModelNotRoutable(f"model {info.name} is not routable yet: {cov['covered_layers']}/{info.num_layers} "
                                    "layers covered by admitted nodes", coverage=cov, retry_after_s=5,
                                    hint="retry after Retry-After seconds; the tracker places shards where demand appears")
-        node, _ = min(entries, key=lambda e: (int(e[0].stats.get("in_flight") or 0), e[0].node_id))
-        return node
+        ranked = sorted(entries, key=lambda e: (int(e[0].stats.get("in_flight") or 0), e[0].node_id))
+        return list({n.node_id: n for n, _ in ranked}.values())
 
     # ---- demand -----------------------------------------------------------------------
 

@@ -174,13 +174,15 @@ async def test_chat_when_the_only_holder_is_full_is_a_503_session_cache_full_nam
     assert agent.reported == []
 
 
-async def test_an_entry_node_with_a_full_cache_refuses_the_chat_with_a_503(asgi_client, tiny_model_path):
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_entry_node_with_a_full_cache_refuses_the_chat_with_a_503(asgi_client, tiny_model_path, stream):
     runtime = NodeRuntime(sessions=SessionStore(max_bytes=1))
     slot = runtime.load(MODEL, tiny_model_path(MODEL), LayerRange(0, 4))
     runtime.run_entry(slot, "occupier", torch.tensor([[5, 6, 7]]), 0, LayerRange(0, 4))
     http = await asgi_client(build_app(NodeSettings(node_id="entry", port=1), runtime=runtime), "http://entry")
-    resp = await http.post("/v1/chat/completions", json=CHAT)
-    assert resp.status_code == 503 and resp.json()["error"]["code"] == "session_cache_full"
+    resp = await http.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+    assert resp.status_code == 503 and resp.headers["content-type"] == "application/json"  # before any event
+    assert resp.json()["error"]["code"] == "session_cache_full"
     assert "--session-cache-mb" in resp.json()["error"]["hint"]
     assert runtime.sessions.acquire("occupier", slot.key, 3).length == 3  # the live session is untouched
 

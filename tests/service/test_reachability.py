@@ -8,6 +8,7 @@ to a 127.0.0.1 port nobody listens on.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 
@@ -121,3 +122,46 @@ async def test_a_failure_report_probes_again_and_an_unreachable_node_leaves_the_
 
 async def _unreachable(tracker) -> bool:
     return not (await view(tracker))["reachable"]
+
+
+def streamed(status: int, body: dict) -> httpx.Response:
+    """A JSON answer as a not-yet-read stream (what a real node sends; the tracker streams it through)."""
+    return httpx.Response(status, headers={"content-type": "application/json"},
+                          stream=httpx.ByteStream(json.dumps(body).encode()))
+
+
+FULL = {"error": {"message": "session cache full", "type": "service_unavailable", "code": "session_cache_full"}}
+
+
+async def test_a_chat_goes_to_the_next_entry_node_when_the_first_has_no_session_room(make_tracker):
+    calls = []
+
+    def entries(request):
+        if request.url.path == "/v1/health":
+            return httpx.Response(200, json={"status": "ok"})
+        calls.append(request.url.host)
+        if request.url.host == "a.test":
+            return streamed(503, FULL)
+        return streamed(200, {"object": "chat.completion", "served_by": request.url.host})
+
+    _, tracker = await make_tracker(httpx.MockTransport(entries))
+    for name in ("a", "b"):
+        await tracker.post("/v1/nodes/register", json=node(name))
+    resp = await tracker.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user",
+                                                                                          "content": "hi"}]})
+    assert resp.status_code == 200 and resp.json()["served_by"] == "b.test"
+    assert calls == ["a.test", "b.test"]
+
+
+async def test_when_every_entry_node_is_full_the_client_gets_the_503(make_tracker):
+    def full(request):
+        if request.url.path == "/v1/health":
+            return httpx.Response(200, json={"status": "ok"})
+        return streamed(503, FULL)
+
+    _, tracker = await make_tracker(httpx.MockTransport(full))
+    for name in ("a", "b"):
+        await tracker.post("/v1/nodes/register", json=node(name))
+    resp = await tracker.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user",
+                                                                                          "content": "hi"}]})
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "session_cache_full"
