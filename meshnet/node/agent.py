@@ -107,7 +107,10 @@ class TrackerAgent:
             except asyncio.TimeoutError:
                 pass
             self.wake.clear()
-            await self.heartbeat()
+            try:
+                await self.heartbeat()
+            except Exception:  # noqa: BLE001 - one bad round must not stop the heartbeats for good
+                log.exception("heartbeat round failed; retrying next interval")
 
     async def heartbeat(self) -> None:
         updates, self.updates = self.updates, []

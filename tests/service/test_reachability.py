@@ -8,6 +8,7 @@ to a 127.0.0.1 port nobody listens on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -165,3 +166,27 @@ async def test_when_every_entry_node_is_full_the_client_gets_the_503(make_tracke
     resp = await tracker.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user",
                                                                                           "content": "hi"}]})
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "session_cache_full"
+
+
+async def test_a_failed_heartbeat_round_does_not_stop_the_node_agent():
+    """E.g. a heartbeat answered 404 re-registers, and the tracker is gone again: the error
+    used to escape ``run`` and end the heartbeats for good (the node then dropped out)."""
+    from meshnet.errors import MeshnetError
+    from meshnet.node.agent import TrackerAgent
+
+    agent = TrackerAgent.__new__(TrackerAgent)
+    agent.interval_s, agent.wake = 0.01, asyncio.Event()
+    rounds = []
+
+    async def heartbeat():
+        rounds.append(1)
+        if len(rounds) == 1:
+            raise MeshnetError("register node: cannot reach the tracker", status=503)
+
+    agent.heartbeat = heartbeat
+    task = asyncio.create_task(agent.run())
+    await wait_for(lambda: asyncio.sleep(0, len(rounds) >= 3))
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert len(rounds) >= 3
