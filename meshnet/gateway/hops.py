@@ -9,7 +9,9 @@ Every error on a hop call is that hop's failure (:class:`HopFailed`): a refused 
 connection, an unusable URL, a non-200 answer, a reply frame that does not decode or has
 the wrong shape. A hop that answers 503 (session cache full, draining) is *busy*
 (:class:`HopBusy`): it is replaced the same way but not reported to the tracker, since
-it is healthy. When no replacement exists the error names the hop and its layers.
+it is healthy. A hop that answers 409 ``session_conflict`` lost the session (expired or
+restarted): it is neither reported nor excluded, so the replay may restart the session
+on it. When no replacement exists the error names the hop and its layers.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ def hop_from_json(data: dict) -> Hop:
 RouteProvider = Callable[[str, LayerRange, frozenset[str]], Awaitable[list[Hop]]]
 #: async (node id, reason) -> None; tells the tracker a hop failed
 FailureReporter = Callable[[str, str], Awaitable[None]]
+
+
+#: a hop's 409 code: it no longer holds the session (expired, released, restarted) but is healthy
+LOST_SESSION = "session_conflict"
 
 
 @dataclass
@@ -100,7 +106,8 @@ async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, sessi
         raise HopBusy(f"{_describe(hop)} refused the session ({code}): {message}", node_id=hop.node_id, code=code)
     if resp.status_code != 200:
         code, message = _error_of(resp)
-        raise HopFailed(f"{_describe(hop)} answered {resp.status_code} ({code}): {message}", node_id=hop.node_id)
+        raise HopFailed(f"{_describe(hop)} answered {resp.status_code} ({code}): {message}", node_id=hop.node_id,
+                        code=code if code == LOST_SESSION else None)
     try:
         out = wire.decode(resp.content)
     except MeshnetError as exc:
@@ -190,8 +197,9 @@ class RemoteRoute:
                         node_id=last.node_id)
 
     async def _exclude(self, exc: HopFailed) -> None:
-        """Keep the hop's node out of this session's routes; report it unless it was only busy."""
-        if exc.node_id is None:
+        """Keep the hop's node out of this session's routes; report it unless it was only busy.
+        A hop that lost the session stays eligible: the replay restarts the session on it."""
+        if exc.node_id is None or exc.code == LOST_SESSION:
             return
         self.failed.add(exc.node_id)
         if isinstance(exc, HopBusy):

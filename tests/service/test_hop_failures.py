@@ -117,6 +117,40 @@ async def test_a_full_session_cache_is_busy_so_the_next_holder_serves_and_nothin
     assert calls == [set(), {"full"}] and [h.node_id for h in stats.route] == ["entry", "c"]
 
 
+class ForgetfulNode(httpx.AsyncBaseTransport):
+    """Passes calls to a node app, but before forward call number ``at`` the node loses every
+    session (as after an expiry or a restart)."""
+
+    def __init__(self, app, runtime: NodeRuntime, at: int) -> None:
+        self.inner, self.runtime, self.at, self.calls = httpx.ASGITransport(app=app), runtime, at, 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/forward":
+            self.calls += 1
+            if self.calls == self.at:
+                for sid in {key[0] for key in list(self.runtime.sessions._sessions)}:
+                    self.runtime.sessions.release(sid)
+        return await self.inner.handle_async_request(request)
+
+
+async def test_a_hop_that_lost_the_session_gets_it_replayed_and_is_not_reported(tiny_model_path):
+    path = tiny_model_path(MODEL)
+    entry, c = NodeRuntime(), NodeRuntime()
+    entry.load(MODEL, path, LayerRange(0, 2))
+    c.load(MODEL, path, LayerRange(2, 4))
+    app = build_app(NodeSettings(node_id="c", port=1), runtime=c)
+    async with LifespanManager(app):
+        async with httpx.AsyncClient(mounts={"http://c": httpx.ASGITransport(app=app)}) as plain:
+            expected, _ = await generate(orchestrator(entry, plain, routes_via("c")))
+        forgetful = ForgetfulNode(app, c, at=8)  # 5 prefill chunks, then the third decode step
+        async with httpx.AsyncClient(mounts={"http://c": forgetful}) as client:
+            reported, calls = [], []
+            got, stats = await generate(orchestrator(entry, client, routes_via("c", calls=calls), reported))
+    assert got == expected
+    assert reported == [] and calls == [set(), set()]  # c was asked for again, not excluded
+    assert stats.failovers == 1 and [h.node_id for h in stats.route] == ["entry", "c"]
+
+
 async def test_a_failed_prefill_chunk_cancels_its_sibling_chunks(mesh):
     entry, client = mesh
     orch = orchestrator(entry, client, routes_via("bad"), pipelined=True)
