@@ -177,6 +177,12 @@ async def _meshnet_error(request: Request, exc: MeshnetError) -> Response:
     return openai_api.error_response(exc)
 
 
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    """Any other exception: the JSON envelope (500 ``internal_error``), never plain text."""
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return openai_api.error_response(MeshnetError(f"internal error on node: {type(exc).__name__}: {exc}"))
+
+
 def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, start_agent: bool = True) -> Starlette:
     """Create the node app. The lifespan loads the configured shard (if any) and starts the
     tracker agent (register + heartbeat loop) when ``settings.tracker_url`` is set."""
@@ -213,4 +219,5 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
               Route("/v1/health", health), Route("/v1/doctor", doctor, methods=["POST"]),
               Route("/v1/models", list_models), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/metrics", metrics)]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _meshnet_error})
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _meshnet_error,
+                                                                       Exception: _unexpected_error})

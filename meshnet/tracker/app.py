@@ -272,6 +272,12 @@ async def _on_error(request: Request, exc: MeshnetError) -> Response:
     return error_response(exc)
 
 
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    """Any other exception: the JSON envelope (500 ``internal_error``), never plain text."""
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(MeshnetError(f"internal error on tracker: {type(exc).__name__}: {exc}"))
+
+
 def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerService | None = None,
               *, run_loop: bool = True, transport: httpx.AsyncBaseTransport | None = None) -> Starlette:
     """Create the tracker app; the lifespan runs the control loop unless ``run_loop`` is False.
@@ -306,4 +312,5 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
               Route("/v1/demand", demand), Route("/v1/models", models), Route("/v1/health", health),
               Route("/v1/chat/completions", chat, methods=["POST"]), Route("/metrics", metrics),
               *operator.routes()]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _on_error})
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _on_error,
+                                                                       Exception: _unexpected_error})

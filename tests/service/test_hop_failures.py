@@ -229,3 +229,13 @@ async def test_session_cache_and_ttl_settings_reach_the_store_and_health(asgi_cl
     assert body["session_cache_bytes"] == 64 * 1024 * 1024 and body["session_ttl_s"] == 42.0
     store = app.state.node.runtime.sessions
     assert (store.max_bytes, store.ttl_s) == (64 * 1024 * 1024, 42.0)
+
+
+async def test_an_unexpected_error_in_a_node_handler_is_a_json_500(asgi_client, monkeypatch):
+    app = build_app(NodeSettings(node_id="n", port=1))
+    http = await asgi_client(app, "http://n", raise_app_exceptions=False)
+    monkeypatch.setattr(NodeRuntime, "describe", lambda self: 1 / 0)
+    resp = await http.get("/v1/health")
+    assert resp.status_code == 500 and resp.headers["content-type"] == "application/json"
+    assert resp.json()["error"]["code"] == "internal_error"
+    assert "ZeroDivisionError" in resp.json()["error"]["message"]

@@ -190,3 +190,14 @@ async def test_a_failed_heartbeat_round_does_not_stop_the_node_agent():
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert len(rounds) >= 3
+
+
+async def test_an_unexpected_error_in_a_tracker_handler_is_a_json_500(asgi_client, monkeypatch):
+    from meshnet.tracker import views
+
+    app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False, transport=HealthyNodes())
+    tracker = await asgi_client(app, "http://tracker", raise_app_exceptions=False)
+    monkeypatch.setattr(views, "nodes_view", lambda svc: 1 / 0)
+    resp = await tracker.get("/v1/nodes")
+    assert resp.status_code == 500 and resp.headers["content-type"] == "application/json"
+    assert resp.json()["error"]["code"] == "internal_error" and "ZeroDivisionError" in resp.json()["error"]["message"]

@@ -84,3 +84,21 @@ def test_node_start_on_a_host_that_does_not_resolve_is_a_clean_error():
 def test_cli_url_that_is_not_a_url_is_a_clean_error():
     result = CliRunner().invoke(app, ["nodes", "--url", "http://::1:8700"])
     assert result.exit_code == 1 and "is not a usable base URL" in result.output
+
+
+def test_node_start_flags_and_env_reach_the_settings(monkeypatch):
+    import meshnet.cli.services as services
+    import meshnet.node.app as node_app
+
+    seen = {}
+    monkeypatch.setattr(node_app, "build_app", lambda settings: seen.setdefault("settings", settings))
+    monkeypatch.setattr(services, "_serve", lambda app, host, port: seen.update(host=host, port=port))
+    result = CliRunner().invoke(app, ["node", "start", "--host", "::1", "--session-ttl", "42",
+                                      "--hop-connect-timeout", "1.5", "--hop-timeout", "30", "--wallet", "w1"],
+                                env={"MESHNET_SESSION_CACHE_MB": "64"})
+    assert result.exit_code == 0, result.output
+    s = seen["settings"]
+    assert (s.session_cache_bytes, s.session_ttl_s) == (64 * 1024 * 1024, 42.0)
+    assert (s.hop_timeout_s, s.hop_connect_timeout_s, s.wallet) == (30.0, 1.5, "w1")
+    assert seen["host"] == "::1" and seen["port"] > 0 and s.endpoint == f"http://[::1]:{seen['port']}"
+    assert f"listening on http://[::1]:{seen['port']}" in result.output
