@@ -96,6 +96,15 @@ class HopFailed(MeshnetError):
         self.node_id = node_id
 
 
+class HopBusy(HopFailed):
+    """A hop refused new work but is healthy (it answered 503, e.g. ``session_cache_full`` or a
+    drain): try another holder of its layers, and do not report it as failed (HTTP 503)."""
+
+    status = 503
+    code = "hop_busy"
+    type = "service_unavailable"
+
+
 class ModelSourceError(MeshnetError):
     """A model's weights could not be found, fetched or converted."""
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,10 @@ from typing import Callable, TypeVar
 
 import httpx
 
+from meshnet.endpoints import base_url, free_port
 from meshnet.errors import MeshnetError
 
 T = TypeVar("T")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` (IPv4 or IPv6 literal) right now."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class LocalMesh:
@@ -53,7 +45,7 @@ class LocalMesh:
         self.env = dict(env or {})
         self.procs: dict[str, subprocess.Popen] = {}
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = base_url("127.0.0.1", self.port)
 
     # ---- processes --------------------------------------------------------------------
 

@@ -128,7 +128,9 @@ def nodes(url: str = UrlOpt, as_json: bool = JsonOpt) -> None:
             shards = ", ".join(f"{s['model']} {s['shard_start']}-{s['shard_end']} ({s['tier']}"
                                f"{'' if s['admitted'] else ', not admitted'})" for s in n["shards"]) or "-"
             maxl = ", ".join(f"{k}: {v}" for k, v in n["max_assignable_layers"].items())
-            table.add_row(n["node_id"], n["endpoint"], human_bytes(n["memory_budget_bytes"]), maxl,
+            endpoint = n["endpoint"] if n.get("reachable", True) else \
+                f"{n['endpoint']} [red]unreachable: {n.get('reach_error', '')}[/]"
+            table.add_row(n["node_id"], endpoint, human_bytes(n["memory_budget_bytes"]), maxl,
                           f"{n['slots_used']}/{n['slots_total']}", shards,
                           f"{(n['stats'] or {}).get('tokens_per_s', 0):.1f}", f"{n['last_heartbeat_age_s']} s",
                           n["reason"] or "")

@@ -27,7 +27,14 @@ DEFAULT_URL = "http://127.0.0.1:8700"
 
 
 def tracker_url(url: str | None) -> str:
-    return url or DEFAULT_URL
+    """``--url`` (or the default) checked as a base URL; a bad one (e.g. an unbracketed IPv6
+    address) exits 1 with the reason and a hint instead of failing later with a traceback."""
+    from meshnet.endpoints import check_endpoint
+
+    try:
+        return check_endpoint(url or DEFAULT_URL)
+    except MeshnetError as exc:
+        fail(exc)
 
 
 def emit(data: Any, as_json: bool, human: Callable[[Any], None]) -> None:

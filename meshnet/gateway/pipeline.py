@@ -57,6 +57,7 @@ class OrchestratorSettings:
     wire_dtype: str = "bfloat16"
     chunk_tokens: int = CHUNK_TOKENS
     hop_timeout_s: float = 60.0
+    hop_connect_timeout_s: float = 5.0
     pipelined: bool = True
 
 
@@ -127,9 +128,13 @@ class Orchestrator:
         size = self.settings.chunk_tokens
         chunks = [(p, prompt[p:p + size]) for p in range(0, len(prompt), size)]
         if self.settings.pipelined:
-            outs = await asyncio.gather(*(self._step(session_id, remote, c, p, local_turn, local_len)
-                                          for p, c in chunks))
-            return outs[-1]
+            try:  # a failed chunk cancels its siblings (left running, they would wait on it forever)
+                async with asyncio.TaskGroup() as group:
+                    tasks = [group.create_task(self._step(session_id, remote, c, p, local_turn, local_len))
+                             for p, c in chunks]
+            except BaseExceptionGroup as group_exc:
+                raise group_exc.exceptions[0] from None
+            return tasks[-1].result()
         hidden = None
         for p, c in chunks:
             hidden = await self._step(session_id, remote, c, p, local_turn, local_len)
@@ -153,7 +158,8 @@ class Orchestrator:
             hops = await self.routes(self.slot.model, LayerRange(local_end, self.num_layers), frozenset())
             remote = RemoteRoute(self.client, model=self.slot.model, session_id=session_id, hops=hops,
                                  routes=self.routes, report=self.report, wire_dtype=self.settings.wire_dtype,
-                                 timeout_s=self.settings.hop_timeout_s)
+                                 timeout_s=self.settings.hop_timeout_s,
+                                 connect_timeout_s=self.settings.hop_connect_timeout_s)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         picker = TokenPicker(self.vocab_size, params, generator)
         local_turn, local_len = asyncio.Condition(), [0]

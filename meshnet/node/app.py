@@ -37,6 +37,7 @@ from meshnet.layers import LayerRange
 from meshnet.node import hardware
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.runtime import NodeRuntime
+from meshnet.node.sessions import SessionStore
 from meshnet.node.settings import NodeSettings
 from meshnet.protocol.control import CapabilityReport, DoctorResponse
 from meshnet.presets import canonical_model_name, model_aliases
@@ -111,6 +112,7 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", "node_id": node.settings.node_id, "endpoint": node.settings.endpoint,
                          "shards": [s.model_dump(exclude={"report"}) for s in rt.describe()], "slots_total": rt.max_loaded_shards,
                          "sessions": len(rt.sessions), "cache_bytes_left": rt.sessions.bytes_left,
+                         "session_cache_bytes": rt.sessions.max_bytes, "session_ttl_s": rt.sessions.ttl_s,
                          "compute_dtype": rt.compute_dtype, "rss_bytes": hardware.rss_bytes(), "uptime_s": round(time.time() - node.started_at, 1)})
 
 
@@ -137,6 +139,7 @@ def orchestrator_for(node: NodeState, model: str | None, pipelined: bool | None 
             await agent.report_failure(node_id, reason)
 
     settings = OrchestratorSettings(wire_dtype=node.settings.wire_dtype, hop_timeout_s=node.settings.hop_timeout_s,
+                                    hop_connect_timeout_s=node.settings.hop_connect_timeout_s,
                                     pipelined=True if pipelined is None else pipelined)
     return slot.model, Orchestrator(node.runtime, slot, node_id=node.settings.node_id,
                                     endpoint=node.settings.endpoint, client=node.http, routes=routes,
@@ -147,6 +150,7 @@ async def chat_completions(request: Request) -> Response:
     node = _state(request)
     req = await openai_api.read_chat(request)
     model, orchestrator = orchestrator_for(node, req.model, req.pipelined_prefill)
+    await asyncio.to_thread(node.runtime.check_room)  # a full cache is a 503 before any stream starts
     if req.stream:
         return await openai_api.stream(orchestrator, model, req)
     return await openai_api.complete(orchestrator, model, req, disconnected=request.is_disconnected)
@@ -178,6 +182,12 @@ async def _meshnet_error(request: Request, exc: MeshnetError) -> Response:
     return openai_api.error_response(exc)
 
 
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    """Any other exception: the JSON envelope (500 ``internal_error``), never plain text."""
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return openai_api.error_response(MeshnetError(f"internal error on node: {type(exc).__name__}: {exc}"))
+
+
 def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, start_agent: bool = True) -> Starlette:
     """Create the node app. The lifespan loads the configured shard (if any) and starts the
     tracker agent (register + heartbeat loop) when ``settings.tracker_url`` is set."""
@@ -185,8 +195,10 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         rt = runtime or NodeRuntime(max_loaded_shards=settings.max_loaded_shards,
-                                    compute_dtype=settings.compute_dtype)
-        async with httpx.AsyncClient(timeout=settings.hop_timeout_s,
+                                    compute_dtype=settings.compute_dtype,
+                                    sessions=SessionStore(settings.session_ttl_s, settings.session_cache_bytes))
+        async with httpx.AsyncClient(timeout=httpx.Timeout(settings.hop_timeout_s,
+                                                           connect=settings.hop_connect_timeout_s),
                                      limits=httpx.Limits(max_keepalive_connections=32)) as http:
             node = NodeState(settings=settings, runtime=rt, http=http)
             app.state.node = node
@@ -215,5 +227,5 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
     # forward frames may be up to the wire format's limit (plus a header of at most 24 bytes)
     body_limit = Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                             path_limits={"/v1/forward": wire.DEFAULT_MAX_BYTES + 64})
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _meshnet_error},
-                     middleware=[body_limit])
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[body_limit],
+                     exception_handlers={MeshnetError: _meshnet_error, Exception: _unexpected_error})

@@ -65,7 +65,7 @@ class NodeRuntime:
             raise InvalidRequest("max_loaded_shards must be >= 1")
         self.max_loaded_shards = max_loaded_shards
         self.compute_dtype = compute_dtype
-        self.sessions = sessions or SessionStore()
+        self.sessions = sessions if sessions is not None else SessionStore()  # an empty store is falsy
         self.slots: dict[str, ShardSlot] = {}
         self.lock = threading.Lock()
         self.tokens_processed = 0
@@ -160,6 +160,15 @@ class NodeRuntime:
             self.sessions.commit(session, input_ids.shape[1])
             self.tokens_processed += input_ids.shape[1]
         return out
+
+    def check_room(self) -> None:
+        """Whether a new session may start here now (blocking: waits for a running forward).
+
+        Raises:
+            SessionCacheFull: the session cache is at its cap (HTTP 503).
+        """
+        with self.lock:
+            self.sessions.check_room()
 
     def describe(self) -> list[ShardInfo]:
         return [slot.describe() for slot in self.slots.values()]

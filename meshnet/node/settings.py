@@ -6,6 +6,7 @@ import os
 import uuid
 from dataclasses import dataclass
 
+from meshnet.endpoints import base_url
 from meshnet.layers import LayerRange
 from meshnet.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
 
@@ -22,7 +23,10 @@ class NodeSettings:
         compute_dtype: ``float32`` or ``bfloat16``; ``quantization``: recipe name.
         wire_dtype: activation dtype this node sends as an entry node.
         heartbeat_interval_s: seconds between heartbeats (DESIGN: 10 s).
-        session_ttl_s, session_cache_bytes: KV-cache session expiry and memory cap.
+        session_ttl_s, session_cache_bytes: idle seconds before a KV-cache session expires, and
+            the cap in bytes above which new sessions are refused (live ones are never evicted).
+        hop_timeout_s: seconds one hop call may take in all; ``hop_connect_timeout_s`` to connect
+            (short, so an unreachable hop fails over in seconds, not after ``hop_timeout_s``).
         accepts_placement: let the tracker assign shards (managed placement).
         torch_threads: intra-op threads (None: torch default).
         max_body_bytes: largest JSON request body (413 above; see
@@ -46,6 +50,7 @@ class NodeSettings:
     session_ttl_s: float = 300.0
     session_cache_bytes: int = 1 << 30
     hop_timeout_s: float = 60.0
+    hop_connect_timeout_s: float = 5.0
     accepts_placement: bool = True
     wallet: str = ""
     torch_threads: int | None = None
@@ -53,7 +58,8 @@ class NodeSettings:
 
     @property
     def endpoint(self) -> str:
-        return self.public_url or f"http://{self.host}:{self.port}"
+        """Base URL others reach this node at: ``public_url``, else ``http://host:port`` (IPv6 bracketed)."""
+        return self.public_url or base_url(self.host, self.port)
 
 
 def new_node_id() -> str:

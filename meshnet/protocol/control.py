@@ -17,6 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from meshnet.endpoints import check_endpoint
+from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
 
 #: assignment tiers (ADR-0026): ``pinned`` (operator), ``bootstrap`` (first join), ``managed`` (demand)
@@ -168,8 +170,23 @@ class RegisterRequest(Payload):
     accepts_placement: bool = True
     shards: list[ShardInfo] = Field(default_factory=list)
 
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        try:
+            return check_endpoint(value)
+        except InvalidRequest as exc:
+            raise ValueError(exc.message + " (an IPv6 address goes in brackets: http://[::1]:8821)") from None
 
-class RegisterResponse(Payload):
+
+class Reachability(Payload):
+    """Whether the tracker could reach the node's endpoint (its shards are admitted only if so)."""
+
+    reachable: bool = True
+    reach_error: str = ""
+
+
+class RegisterResponse(Reachability):
     """Answer to a registration: the node's id and the heartbeat period to use, seconds."""
 
     node_id: str
@@ -216,7 +233,7 @@ class HeartbeatRequest(Payload):
     directive_updates: list[DirectiveUpdate] = Field(default_factory=list)
 
 
-class HeartbeatResponse(Payload):
+class HeartbeatResponse(Reachability):
     """The directives delivered by this heartbeat, in the order to apply them."""
 
     directives: list[Directive] = Field(default_factory=list)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 
@@ -31,6 +32,7 @@ from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name, default_model, model_aliases
 from meshnet.tracker import operator, placement, views
 from meshnet.tracker.metrics import TrackerMetrics
+from meshnet.tracker.probe import probe_endpoint
 from meshnet.tracker.rebalance import rebalance
 from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
                                       RegisterRequest, RegisterResponse)
@@ -60,25 +62,55 @@ def _int_param(request: Request, name: str, default: int | None = None) -> int:
     return value
 
 
+async def probe(app: Starlette, node_id: str, endpoint: str) -> None:
+    """Probe one node's endpoint now and record the answer (meshnet.tracker.probe)."""
+    svc: TrackerService = app.state.service
+    error = await probe_endpoint(app.state.http, endpoint, node_id, svc.settings.probe_timeout_s)
+    svc.set_reachability(node_id, endpoint, error)
+    if svc.dirty:
+        app.state.wake.set()
+
+
+def probe_soon(app: Starlette, node_id: str, endpoint: str) -> None:
+    """Probe in the background, at most one probe per node at a time."""
+    probing: dict[str, asyncio.Task] = app.state.probing
+    if node_id not in probing:
+        probing[node_id] = task = asyncio.create_task(probe(app, node_id, endpoint))
+        task.add_done_callback(lambda _: probing.pop(node_id, None))
+
+
+def _reachability(node) -> dict:
+    return {"reachable": node.reachable, "reach_error": node.reach_error}
+
+
 async def register(request: Request) -> JSONResponse:
+    """Register a node, then probe its endpoint once before answering: its shards are admitted only
+    once the tracker has reached it (a node that registers before it listens is probed again)."""
     svc = _svc(request)
     record = svc.register(validate_json(RegisterRequest, await request.body()))
+    await probe(request.app, record.node_id, record.endpoint)
     request.app.state.wake.set()
-    return JSONResponse(RegisterResponse(node_id=record.node_id,
-                                         heartbeat_interval_s=svc.settings.heartbeat_interval_s).model_dump())
+    return JSONResponse(RegisterResponse(node_id=record.node_id, heartbeat_interval_s=svc.settings.heartbeat_interval_s,
+                                         **_reachability(record)).model_dump())
 
 
 async def heartbeat(request: Request) -> JSONResponse:
     svc = _svc(request)
-    directives = svc.heartbeat(request.path_params["node_id"], validate_json(HeartbeatRequest, await request.body()))
+    node_id = request.path_params["node_id"]
+    directives = svc.heartbeat(node_id, validate_json(HeartbeatRequest, await request.body()))
     if svc.dirty:
         request.app.state.wake.set()
-    return JSONResponse(HeartbeatResponse(directives=directives).model_dump(mode="json"))
+    return JSONResponse(HeartbeatResponse(directives=directives, **_reachability(svc.get(node_id))).model_dump(mode="json"))
 
 
 async def failure(request: Request) -> JSONResponse:
+    """A hop failure report: recorded (routes avoid the node a while) and the node probed again."""
     body = validate_json(FailureReport, await request.body())
-    _svc(request).report_failure(request.path_params["node_id"], body.reason)
+    svc = _svc(request)
+    node_id = request.path_params["node_id"]
+    svc.report_failure(node_id, body.reason)
+    if node_id in svc.nodes:
+        probe_soon(request.app, node_id, svc.nodes[node_id].endpoint)
     return JSONResponse({"ok": True})
 
 
@@ -156,26 +188,59 @@ async def health(request: Request) -> JSONResponse:
 
 
 async def chat(request: Request) -> Response:
-    """Forward the chat body to the least-loaded entry node (streams pass straight through)."""
+    """Forward the chat body to the least-loaded entry node (streams pass straight through).
+
+    An entry node whose session cache is full answers 503 ``session_cache_full`` before any
+    stream starts; the next entry node is tried then (up to :data:`ENTRY_TRIES` in all)."""
     svc = _svc(request)
     body = await request.body()
     req = await read_chat_request(body)
     model = canonical_model_name(req.model or default_model())
-    node = svc.entry_node(model)
+    entries = svc.entry_nodes(model)[:ENTRY_TRIES]
     svc.metrics.requests.labels(model=model).inc()
     svc.add_served(model)
+    for i, node in enumerate(entries):
+        resp = await _send_chat(request, node, body)
+        if resp.status_code == 503 and i + 1 < len(entries):
+            answer = await resp.aread()
+            await resp.aclose()
+            if _error_code(answer) == "session_cache_full":
+                log.info("entry node %s has no session room; trying %s", node.node_id, entries[i + 1].node_id)
+                continue
+            return Response(answer, status_code=503, media_type=resp.headers.get("content-type"))
+        headers = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "cache-control")}
+        return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code, headers=headers,
+                                 background=BackgroundTask(resp.aclose))
+
+
+#: entry nodes one chat may try when they answer 503 session_cache_full
+ENTRY_TRIES = 3
+
+
+async def _send_chat(request: Request, node, body: bytes) -> httpx.Response:
+    """``POST {entry}/v1/chat/completions``, streaming the answer.
+
+    Raises:
+        MeshnetError (502 ``entry_unreachable``): any error reaching the node; it is reported and probed.
+    """
+    svc = _svc(request)
     http: httpx.AsyncClient = request.app.state.http
-    upstream = http.build_request("POST", f"{node.endpoint}/v1/chat/completions", content=body,
-                                  headers={"Content-Type": "application/json"})
     try:
-        resp = await http.send(upstream, stream=True)
-    except httpx.HTTPError as exc:
+        upstream = http.build_request("POST", f"{node.endpoint}/v1/chat/completions", content=body,
+                                      headers={"Content-Type": "application/json"})
+        return await http.send(upstream, stream=True)
+    except Exception as exc:  # noqa: BLE001 - refused, timed out, bad URL...: the entry node failed
         svc.report_failure(node.node_id, str(exc))
-        raise MeshnetError(f"entry node {node.node_id} unreachable: {exc}", code="entry_unreachable",
-                           status=502) from exc
-    headers = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "cache-control")}
-    return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code, headers=headers,
-                             background=BackgroundTask(resp.aclose))
+        probe_soon(request.app, node.node_id, node.endpoint)
+        raise MeshnetError(f"entry node {node.node_id} at {node.endpoint} unreachable: {type(exc).__name__}: {exc}",
+                           code="entry_unreachable", status=502) from exc
+
+
+def _error_code(answer: bytes) -> str | None:
+    try:
+        return json.loads(answer)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 async def metrics(request: Request) -> Response:
@@ -185,7 +250,8 @@ async def metrics(request: Request) -> Response:
 
 
 async def control_loop(app: Starlette) -> None:
-    """Dropout checks every second; rebalance on every join/leave and every rebalance interval."""
+    """Every second: probe unreachable nodes again and check dropouts; rebalance on every
+    join/leave/reachability change and every rebalance interval."""
     svc: TrackerService = app.state.service
     last = 0.0
     while True:
@@ -195,6 +261,8 @@ async def control_loop(app: Starlette) -> None:
             pass
         app.state.wake.clear()
         try:
+            for node in svc.to_probe():
+                probe_soon(app, node.node_id, node.endpoint)
             svc.check_dropouts()
             settled = time.monotonic() - svc.last_join_s >= svc.settings.join_settle_s
             if (svc.dirty and settled) or time.monotonic() - last >= svc.settings.rebalance_interval_s:
@@ -208,25 +276,36 @@ async def _on_error(request: Request, exc: MeshnetError) -> Response:
     return error_response(exc)
 
 
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    """Any other exception: the JSON envelope (500 ``internal_error``), never plain text."""
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(MeshnetError(f"internal error on tracker: {type(exc).__name__}: {exc}"))
+
+
 def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerService | None = None,
-              *, run_loop: bool = True) -> Starlette:
-    """Create the tracker app; the lifespan runs the control loop unless ``run_loop`` is False."""
+              *, run_loop: bool = True, transport: httpx.AsyncBaseTransport | None = None) -> Starlette:
+    """Create the tracker app; the lifespan runs the control loop unless ``run_loop`` is False.
+
+    ``transport`` carries the tracker's own calls to nodes (probes, chat forwarding, doctor);
+    tests pass an ``httpx.MockTransport`` or ``ASGITransport`` (default: the network)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         app.state.service = service or TrackerService(settings)
         app.state.service.metrics = TrackerMetrics()
         app.state.wake = asyncio.Event()
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0)) as http:
+        app.state.probing = {}
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), transport=transport) as http:
             app.state.http = http
             task = asyncio.create_task(control_loop(app)) if run_loop else None
             try:
                 yield
             finally:
-                if task is not None:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                for pending in [task, *app.state.probing.values()]:
+                    if pending is not None:
+                        pending.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await pending
 
     routes = [Route("/v1/nodes/register", register, methods=["POST"]),
               Route("/v1/nodes/{node_id}/heartbeat", heartbeat, methods=["POST"]),
@@ -237,5 +316,6 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
               Route("/v1/demand", demand), Route("/v1/models", models), Route("/v1/health", health),
               Route("/v1/chat/completions", chat, methods=["POST"]), Route("/metrics", metrics),
               *operator.routes()]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _on_error},
-                     middleware=[Middleware(BodyLimit, max_bytes=settings.max_body_bytes)])
+    return Starlette(routes=routes, lifespan=lifespan,
+                     middleware=[Middleware(BodyLimit, max_bytes=settings.max_body_bytes)],
+                     exception_handlers={MeshnetError: _on_error, Exception: _unexpected_error})

@@ -43,6 +43,9 @@ class TrackerSettings:
             starting together are planned together (the widest range to the biggest/fastest).
         max_body_bytes: largest request body (413 above; see
             :data:`meshnet.gateway.body_limit.DEFAULT_MAX_BODY_BYTES`).
+        demand_window_s: window over which demand and load rates are counted, seconds.
+        probe_timeout_s: a reachability probe of a node's endpoint must answer within this, seconds.
+        probe_interval_s: an unreachable node is probed again after this many seconds.
     """
 
     host: str = "127.0.0.1"
@@ -57,6 +60,8 @@ class TrackerSettings:
     join_settle_s: float = 2.0
     demand_window_s: float = 300.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    probe_timeout_s: float = 3.0
+    probe_interval_s: float = 1.0
 
 
 @dataclass
@@ -128,6 +133,8 @@ class TrackerService:
         old = self.nodes.get(node_id)
         if old is not None:
             record.stale_reports, record.draining = old.stale_reports, old.draining
+            if old.endpoint == record.endpoint:
+                record.reachable, record.reach_error, record.probed_s = old.reachable, old.reach_error, old.probed_s
         self.nodes[node_id] = record
         self.dirty = True
         if old is None:
@@ -269,6 +276,31 @@ class TrackerService:
             out.append(d.model_copy(update={"status": "delivered"}))
         return out
 
+    def set_reachability(self, node_id: str, endpoint: str, error: str, now: float | None = None) -> None:
+        """Record a probe of ``node_id`` at ``endpoint``: ``error`` is ``""`` when it answered, else why not.
+        A change in reachability changes admission, so it triggers a rebalance. A probe of an
+        endpoint the node no longer advertises (it re-registered meanwhile) is ignored."""
+        node = self.nodes.get(node_id)
+        if node is None or node.endpoint != endpoint:
+            return
+        node.probed_s = time.monotonic() if now is None else now
+        reachable = not error
+        if reachable != node.reachable:
+            self.dirty = True
+        if reachable and not node.reachable:
+            log.info("node %s is reachable at %s", node_id, node.endpoint)
+        elif node.reachable and not reachable:
+            log.warning("node %s became unreachable: %s", node_id, error)
+        elif not reachable and error != node.reach_error:  # a node registers before it listens: often once
+            log.info("node %s not reachable (yet): %s", node_id, error)
+        node.reachable, node.reach_error = reachable, error
+
+    def to_probe(self, now: float | None = None) -> list[NodeRecord]:
+        """Unreachable nodes whose last probe is ``probe_interval_s`` old or more."""
+        now = time.monotonic() if now is None else now
+        return [n for n in self.nodes.values() if not n.reachable
+                and (n.probed_s is None or now - n.probed_s >= self.settings.probe_interval_s)]
+
     def report_failure(self, node_id: str, reason: str) -> None:
         if node_id in self.nodes:
             self.nodes[node_id].last_failure_s = time.monotonic()
@@ -346,8 +378,8 @@ class TrackerService:
             full.coverage = self.coverage(model)
             raise full from None
 
-    def entry_node(self, model: str) -> NodeRecord:
-        """The least-loaded admitted entry node of a routable model.
+    def entry_nodes(self, model: str) -> list[NodeRecord]:
+        """Admitted entry nodes of a routable model, least loaded first (at least one).
 
         Raises:
             ModelNotRoutable: coverage gap or no entry node; the request counts as demand.
@@ -360,8 +392,8 @@ class TrackerService:
             raise ModelNotRoutable(f"model {info.name} is not routable yet: {cov['covered_layers']}/{info.num_layers} "
                                    "layers covered by admitted nodes", coverage=cov, retry_after_s=5,
                                    hint="retry after Retry-After seconds; the tracker places shards where demand appears")
-        node, _ = min(entries, key=lambda e: (e[0].stats.requests_running, e[0].stats.sessions, e[0].node_id))
-        return node
+        ranked = sorted(entries, key=lambda e: (e[0].stats.requests_running, e[0].stats.sessions, e[0].node_id))
+        return list({n.node_id: n for n, _ in ranked}.values())
 
     # ---- demand -----------------------------------------------------------------------
 

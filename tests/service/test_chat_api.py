@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from tests.fake_nodes import HealthyNodes
 from tests.payloads import capability_report
 from meshnet.gateway.pipeline import Orchestrator
 from meshnet.gateway.sampling import TokenPicker
@@ -208,7 +209,8 @@ async def test_an_alias_reaches_the_entry_shard_under_the_canonical_name(entry, 
 
 
 async def test_the_tracker_resolves_aliases_like_the_nodes(asgi_client, entry):
-    app = build_tracker(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False)
+    app = build_tracker(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False,
+                        transport=HealthyNodes())
     tracker = await asgi_client(app, "http://tracker")
     report = capability_report("meshnet/tiny-llama", 0, 3)
     shard = {"model": "meshnet/tiny-llama", "shard_start": 0, "shard_end": 3, "entry": True, "report": report}

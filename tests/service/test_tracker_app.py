@@ -14,6 +14,7 @@ from meshnet.tracker.app import build_app
 from meshnet.protocol.control import DEFAULT_VRAM_BYTES
 from meshnet.tracker.service import TrackerSettings
 from tests.payloads import capability_report
+from tests.fake_nodes import HealthyNodes
 
 MODEL = "tiny-llama"
 PASSED = "passed"
@@ -41,7 +42,8 @@ def node(node_id: str, *shards: dict, **extra) -> dict:
 @pytest.fixture
 def make_tracker(asgi_client):
     async def make(**settings):
-        app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", **settings), run_loop=False)
+        app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", **settings), run_loop=False,
+                        transport=HealthyNodes())
         return await asgi_client(app, "http://tracker")
 
     return make
@@ -82,6 +84,8 @@ async def test_register_returns_id_and_heartbeat_interval(tracker):
     ({"vram_bytes": -1}, "vram_bytes"),
     ({"endpoint": "node-a:8000"}, "endpoint"),
     ({"endpoint": ""}, "endpoint"),
+    ({"endpoint": "http://::1:8821"}, "endpoint"),  # an IPv6 literal without brackets
+    ({"endpoint": "http://node-a:99999"}, "endpoint"),
     ({"quantizations": ["fp8"]}, "quantizations"),
     ({"shards": [{"model": MODEL, "shard_start": 3, "shard_end": 1}]}, "shard_end"),
     ({"shards": [{"model": MODEL, "shard_start": -1, "shard_end": 1}]}, "shards.0.shard_start"),
@@ -259,7 +263,7 @@ async def test_heartbeat_updates_shards_and_stats(tracker):
     await register(tracker, node("node-a"))
     resp = await tracker.post("/v1/nodes/node-a/heartbeat",
                               json={"shards": [shard(0, 3)], "stats": {"tokens_per_s": 42.0, "sessions": 1}})
-    assert resp.status_code == 200 and resp.json() == {"directives": []}
+    assert resp.status_code == 200 and resp.json() == {"directives": [], "reachable": True, "reach_error": ""}
     (view,) = (await tracker.get("/v1/nodes")).json()["nodes"]
     assert view["stats"] == {"tokens_per_s": 42.0, "decode_latency_s": 0.0, "requests_per_min": 0.0,
                              "sessions": 1, "requests_running": 0, "requests_total": 0, "cache_bytes_left": 0,

@@ -9,6 +9,7 @@ import pytest
 
 from meshnet.tracker.app import build_app
 from meshnet.tracker.service import TrackerSettings
+from tests.fake_nodes import HealthyNodes
 from tests.payloads import capability_report
 
 MODEL = "tiny-llama"
@@ -21,7 +22,7 @@ def shard(**over) -> dict:
 
 @pytest.fixture
 async def tracker(asgi_client):
-    app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False)
+    app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False, transport=HealthyNodes())
     return await asgi_client(app, "http://tracker", raise_app_exceptions=False)
 
 
