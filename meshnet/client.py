@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from meshnet.endpoints import check_endpoint
 from meshnet.errors import MeshnetError, ModelNotRoutable
 from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
                                       RegisterRequest, RegisterResponse)
@@ -35,6 +36,10 @@ def _raise_for(resp: httpx.Response, what: str) -> None:
                        status=resp.status_code, hint=err.get("hint"))
 
 
+#: seconds to connect before a call fails as unreachable (the whole call may take ``timeout_s``)
+CONNECT_TIMEOUT_S = 5.0
+
+
 def _parse(model: type[T], body: Any, what: str) -> T:
     """Validate a response body into ``model``.
 
@@ -51,21 +56,28 @@ def _parse(model: type[T], body: Any, what: str) -> T:
 
 
 class _Base:
+    """Raises InvalidRequest (``invalid_endpoint``) when ``url`` is not a usable base URL."""
+
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 10.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self.url = url.rstrip("/")
+        self.url = check_endpoint(url)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s, transport=transport)
+        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
+        self.http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
 
     async def _call(self, method: str, path: str, what: str, **kw) -> Any:
         try:
             resp = await self.http.request(method, path, **kw)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
             raise MeshnetError(f"{what}: cannot reach {self.url}: {type(exc).__name__}: {exc}",
                                code="unreachable", status=503,
                                hint="is the service running? check --url / --tracker") from exc
         _raise_for(resp, what)
-        return resp.json() if resp.content else None
+        try:
+            return resp.json() if resp.content else None
+        except ValueError as exc:
+            raise MeshnetError(f"{what}: {self.url} answered {resp.status_code} with a body that is not JSON",
+                               code="bad_answer", status=502) from exc
 
     async def _ready(self, what: str, **kw) -> dict:
         """``GET /v1/ready``: the body whether ready (200) or not (503, with ``reasons``)."""

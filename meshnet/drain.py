@@ -1,4 +1,4 @@
-"""Drain: how a meshnet service stops without cutting anyone off (ADR-0031).
+"""Drain: how a meshnet service stops without cutting anyone off (ADR-0032).
 
 SIGTERM does not stop a service at once. The process first *drains*: it takes no new work
 (a new chat is a 503 ``draining``, so callers go elsewhere at once) and says so to whoever

@@ -17,18 +17,22 @@ class MeshnetError(Exception):
     type: str = "server_error"
 
     def __init__(self, message: str, *, hint: str | None = None, code: str | None = None,
-                 status: int | None = None) -> None:
+                 status: int | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self.param = param  # the request field at fault (OpenAI's ``error.param``), if any
         if code is not None:
             self.code = code
         if status is not None:
             self.status = status
 
     def to_envelope(self) -> dict:
-        """OpenAI-compatible error body: ``{"error": {"message", "type", "code"}}``."""
+        """OpenAI-compatible error body: ``{"error": {"message", "type", "code"}}``, plus
+        ``param`` (the field at fault) and ``hint`` when known."""
         body = {"message": self.message, "type": self.type, "code": self.code}
+        if self.param is not None:
+            body["param"] = self.param
         if self.hint:
             body["hint"] = self.hint
         return {"error": body}
@@ -90,6 +94,15 @@ class HopFailed(MeshnetError):
     def __init__(self, message: str, *, node_id: str | None = None, **kw) -> None:
         super().__init__(message, **kw)
         self.node_id = node_id
+
+
+class HopBusy(HopFailed):
+    """A hop refused new work but is healthy (it answered 503, e.g. ``session_cache_full`` or a
+    drain): try another holder of its layers, and do not report it as failed (HTTP 503)."""
+
+    status = 503
+    code = "hop_busy"
+    type = "service_unavailable"
 
 
 class ModelSourceError(MeshnetError):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,10 @@ from typing import Callable, TypeVar
 
 import httpx
 
+from meshnet.endpoints import base_url, free_port
 from meshnet.errors import MeshnetError
 
 T = TypeVar("T")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` (IPv4 or IPv6 literal) right now."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class LocalMesh:
@@ -53,7 +45,7 @@ class LocalMesh:
         self.env = dict(env or {})
         self.procs: dict[str, subprocess.Popen] = {}
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = base_url("127.0.0.1", self.port)
 
     # ---- processes --------------------------------------------------------------------
 
@@ -99,7 +91,7 @@ class LocalMesh:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child (nodes first, the tracker last, so nodes can deregister), wait up
-        to ``grace_s`` in all (each child drains meanwhile, ADR-0031), then SIGKILL what is left.
+        to ``grace_s`` in all (each child drains meanwhile, ADR-0032), then SIGKILL what is left.
         A KeyboardInterrupt while waiting (a second Ctrl-C) SIGKILLs every child left at once."""
         order = sorted(self.procs.items(), key=lambda item: item[0] == "tracker")
         for _, proc in order:

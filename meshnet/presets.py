@@ -67,18 +67,43 @@ def default_model() -> str:
     return _load(str(_path()))[0]
 
 
+@lru_cache(maxsize=4)
+def _aliases(path: str) -> dict[str, str]:
+    """Lower-cased preset name and ``hf_repo`` → preset name."""
+    presets = _load(path)[1]
+    table = {p.hf_repo.lower(): p.name for p in presets.values() if p.hf_repo}
+    table.update({name.lower(): name for name in presets})
+    return table
+
+
+def model_aliases(name: str) -> list[str]:
+    """The other names model ``name`` answers to, for model listings: a preset's ``hf_repo``;
+    none for a model that is not a preset."""
+    preset = all_presets().get(canonical_model_name(name))
+    return [preset.hf_repo] if preset is not None and preset.hf_repo and preset.hf_repo != preset.name else []
+
+
+def canonical_model_name(name: str) -> str:
+    """The one name of a model: a preset's name for the preset's name or its ``hf_repo``
+    (both matched case-insensitively, as hub repository ids are); any other name (a model
+    only a node knows, a local path) unchanged.
+
+    Tracker, nodes, model listings and metrics labels all name models through this function,
+    so an alias reaches the same coverage, routes, entry shards and counters as the name.
+    """
+    return _aliases(str(_path())).get(name.lower(), name)
+
+
 def get_preset(name: str) -> ModelPreset:
-    """Look up a preset by name or by its ``hf_repo``.
+    """Look up a preset by name or alias (see :func:`canonical_model_name`).
 
     Raises:
         NotFound: no preset of that name or repo.
     """
     presets = all_presets()
-    if name in presets:
-        return presets[name]
-    for preset in presets.values():
-        if preset.hf_repo == name:
-            return preset
+    canonical = canonical_model_name(name)
+    if canonical in presets:
+        return presets[canonical]
     raise NotFound(f"unknown model preset {name!r}",
                    hint=f"known presets: {', '.join(presets)}; see `meshnet models list`")
 

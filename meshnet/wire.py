@@ -19,6 +19,7 @@ numbers: docs/adr/0001-wire-format.md.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import struct
 
@@ -120,3 +121,24 @@ def decode(body: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, check_finite: boo
     if check_finite and not bool(torch.isfinite(tensor).all()):
         raise WireError("activation contains NaN or infinite values")
     return tensor
+
+
+#: frames bigger than this (bytes) are encoded and decoded in a worker thread
+OFF_LOOP_BYTES = 64 * 1024
+
+
+async def encode_async(tensor: torch.Tensor, **kw) -> bytes:
+    """:func:`encode` for async callers: in a worker thread when the tensor is over
+    :data:`OFF_LOOP_BYTES`, so a big frame never blocks the event loop (a one-token decode
+    step is encoded inline, where a thread hop would cost more than it saves)."""
+    if tensor.numel() * tensor.element_size() > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(encode, tensor, **kw)
+    return encode(tensor, **kw)
+
+
+async def decode_async(body: bytes, **kw) -> torch.Tensor:
+    """:func:`decode` for async callers: in a worker thread when the body is over
+    :data:`OFF_LOOP_BYTES` or compressed (a small zstd body may expand to ``max_bytes``)."""
+    if len(body) > OFF_LOOP_BYTES or body[:4] == ZSTD_MAGIC:
+        return await asyncio.to_thread(decode, body, **kw)
+    return decode(body, **kw)

@@ -45,16 +45,16 @@ def chat(prompt: str = typer.Argument(..., help="The user message."),
     try:
         if not body["stream"]:
             resp = httpx.post(endpoint, json=body, timeout=600.0)
-            data = resp.json()
             if resp.status_code != 200:
-                raise MeshnetError(data.get("error", {}).get("message", resp.text), status=resp.status_code)
+                raise _response_error(resp)
+            data = resp.json()
             emit(data, as_json, lambda d: console.print(d["choices"][0]["message"]["content"]))
             return
         final = None
         with httpx.stream("POST", endpoint, json=body, timeout=600.0) as resp:
             if resp.status_code != 200:
                 resp.read()
-                raise MeshnetError(resp.json().get("error", {}).get("message", resp.text), status=resp.status_code)
+                raise _response_error(resp)
             for line in resp.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -75,6 +75,18 @@ def chat(prompt: str = typer.Argument(..., help="The user message."),
         fail(MeshnetError(f"cannot reach {endpoint}: {exc}", hint="is `meshnet serve` running? see --url"))
     except MeshnetError as exc:
         fail(exc)
+
+
+def _response_error(resp: httpx.Response) -> MeshnetError:
+    """The error an HTTP answer carries: the envelope's message (and hint), else the first line
+    of whatever text came back, so a failing server never becomes a traceback here."""
+    try:
+        error = resp.json()["error"]
+        return MeshnetError(str(error["message"]), hint=error.get("hint"), code=str(error.get("code")),
+                            status=resp.status_code)
+    except (ValueError, KeyError, TypeError):
+        text = (resp.text.strip().splitlines() or [""])[0][:200]
+        return MeshnetError(f"HTTP {resp.status_code}: {text or resp.reason_phrase}", status=resp.status_code)
 
 
 def _served_model(url: str, fallback: str) -> str:
@@ -117,7 +129,9 @@ def nodes(url: str = UrlOpt, as_json: bool = JsonOpt) -> None:
                                f"{'' if s['admitted'] else ', not admitted'})" for s in n["shards"]) or "-"
             maxl = ", ".join(f"{k}: {v}" for k, v in n["max_assignable_layers"].items())
             name = n["node_id"] + (" (draining)" if n.get("draining") else "")
-            table.add_row(name, n["endpoint"], human_bytes(n["memory_budget_bytes"]), maxl,
+            endpoint = n["endpoint"] if n.get("reachable", True) else \
+                f"{n['endpoint']} [red]unreachable: {n.get('reach_error', '')}[/]"
+            table.add_row(name, endpoint, human_bytes(n["memory_budget_bytes"]), maxl,
                           f"{n['slots_used']}/{n['slots_total']}", shards,
                           f"{(n['stats'] or {}).get('tokens_per_s', 0):.1f}", f"{n['last_heartbeat_age_s']} s",
                           n["reason"] or "")

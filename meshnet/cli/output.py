@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from meshnet.errors import MeshnetError
 
@@ -26,7 +27,14 @@ DEFAULT_URL = "http://127.0.0.1:8700"
 
 
 def tracker_url(url: str | None) -> str:
-    return url or DEFAULT_URL
+    """``--url`` (or the default) checked as a base URL; a bad one (e.g. an unbracketed IPv6
+    address) exits 1 with the reason and a hint instead of failing later with a traceback."""
+    from meshnet.endpoints import check_endpoint
+
+    try:
+        return check_endpoint(url or DEFAULT_URL)
+    except MeshnetError as exc:
+        fail(exc)
 
 
 def emit(data: Any, as_json: bool, human: Callable[[Any], None]) -> None:
@@ -38,10 +46,11 @@ def emit(data: Any, as_json: bool, human: Callable[[Any], None]) -> None:
 
 
 def fail(exc: MeshnetError) -> None:
-    """Print a MeshnetError (message and hint) to stderr and exit 1."""
-    err_console.print(f"[bold red]error:[/] {exc.message}")
+    """Print a MeshnetError (message and hint) to stderr and exit 1; each stays one line
+    (``soft_wrap``: the terminal wraps it, Rich does not cut it into several)."""
+    err_console.print(f"[bold red]error:[/] {escape(exc.message)}", soft_wrap=True, highlight=False)
     if exc.hint:
-        err_console.print(f"[dim]hint: {exc.hint}[/]")
+        err_console.print(f"[dim]hint: {escape(exc.hint)}[/]", soft_wrap=True, highlight=False)
     raise typer.Exit(1)
 
 

@@ -2,7 +2,7 @@
 
 Pulls the model (once), starts a tracker and ``--nodes`` node processes that split the
 model's layers evenly, waits until the model is routable, prints the URL, and stops every
-child on Ctrl-C or SIGTERM. Each child drains (ADR-0031): chats in flight finish within
+child on Ctrl-C or SIGTERM. Each child drains (ADR-0032): chats in flight finish within
 ``--drain-grace`` seconds, new ones are refused, nodes deregister; a second Ctrl-C kills what
 is left at once.
 A node that dies leaves a coverage gap and the rest keeps running; the tracker dying stops

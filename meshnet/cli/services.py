@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import socket
-
 import typer
 
 from meshnet.cli.output import fail, setup_logging
+from meshnet.endpoints import check_endpoint, free_port
 from meshnet.errors import MeshnetError
 
 tracker_app = typer.Typer(help="Run the tracker (coverage map, placement, routing).", no_args_is_help=True)
@@ -15,19 +14,19 @@ node_app = typer.Typer(help="Run a node that serves layer shards.", no_args_is_h
 LogOpt = typer.Option(None, "--log-level", help="DEBUG, INFO, WARNING (env MESHNET_LOG_LEVEL).")
 DrainOpt = typer.Option(30.0, "--drain-grace", min=0.0, envvar="MESHNET_DRAIN_GRACE",
                         help="On SIGTERM, seconds in-flight generations may take to finish before they are cut.")
+MaxBodyOpt = typer.Option(None, "--max-body-bytes", envvar="MESHNET_MAX_BODY_BYTES", min=1024,
+                          help="Largest JSON request body, bytes; bigger ones get 413 (default 8 MiB).")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _body_limit(max_body_bytes: int | None) -> dict:
+    """Settings keyword for ``--max-body-bytes`` (none: the settings' default)."""
+    return {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
 
 
 def _serve(app, host: str, port: int) -> None:
     from meshnet.cli.server import serve
 
-    serve(app, host, port, drain=getattr(app.state, "drain", None))  # SIGTERM drains first (ADR-0031)
+    serve(app, host, port, drain=getattr(app.state, "drain", None))  # SIGTERM drains first (ADR-0032)
 
 
 @tracker_app.command("start")
@@ -44,6 +43,10 @@ def tracker_start(
                                           help="Seconds to wait for more joins before placing, s."),
         operator_token: str = typer.Option(None, "--operator-token", envvar="MESHNET_OPERATOR_TOKEN",
                                            help="Bearer token required for operator actions."),
+        max_body_bytes: int = MaxBodyOpt,
+        probe_timeout: float = typer.Option(3.0, "--probe-timeout", min=0.1, envvar="MESHNET_PROBE_TIMEOUT",
+                                            help="Seconds a node's endpoint has to answer the tracker's "
+                                                 "reachability probe; unreachable nodes are not admitted."),
         drain_grace: float = DrainOpt,
         log_level: str = LogOpt) -> None:
     """Start a tracker that keeps the given models covered."""
@@ -63,7 +66,8 @@ def tracker_start(
     settings = TrackerSettings(host=host, port=port, models=names, heartbeat_interval_s=heartbeat_interval,
                                node_timeout_s=node_timeout, rebalance_interval_s=rebalance_interval, db_path=db,
                                operator_token=operator_token, join_settle_s=join_settle,
-                               drain_grace_s=drain_grace)
+                               probe_timeout_s=probe_timeout, drain_grace_s=drain_grace,
+                               **_body_limit(max_body_bytes))
     _serve(build_app(settings), host, port)
 
 
@@ -86,6 +90,18 @@ def node_start(
         heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", min=0.1, help="Seconds."),
         no_placement: bool = typer.Option(False, "--no-placement", help="Refuse tracker-assigned shards."),
         threads: int = typer.Option(None, "--threads", min=1, help="torch intra-op threads."),
+        max_body_bytes: int = MaxBodyOpt,
+        session_cache_mb: int = typer.Option(1024, "--session-cache-mb", min=1, envvar="MESHNET_SESSION_CACHE_MB",
+                                             help="KV-cache memory for sessions, MB; new sessions are refused "
+                                                  "past it (live ones are never evicted)."),
+        session_ttl: float = typer.Option(300.0, "--session-ttl", min=1.0, envvar="MESHNET_SESSION_TTL",
+                                          help="Seconds an idle session's KV cache is kept."),
+        hop_timeout: float = typer.Option(60.0, "--hop-timeout", min=1.0, envvar="MESHNET_HOP_TIMEOUT",
+                                          help="Seconds one hop call may take (entry nodes)."),
+        hop_connect_timeout: float = typer.Option(5.0, "--hop-connect-timeout", min=0.1,
+                                                  envvar="MESHNET_HOP_CONNECT_TIMEOUT",
+                                                  help="Seconds to connect to a hop before failing over."),
+        wallet: str = typer.Option("", "--wallet", envvar="MESHNET_WALLET", help="Wallet reported to the tracker."),
         drain_grace: float = DrainOpt,
         log_level: str = LogOpt) -> None:
     """Start a node. With --model and --shard-start/--shard-end it serves that shard (pinned); with
@@ -103,7 +119,15 @@ def node_start(
     if model and shard_start is None and not tracker:
         fail(MeshnetError("--model without a shard needs --tracker to ask for a range",
                           hint="pass --shard-start/--shard-end, or --tracker URL"))
-    port = port or free_port(host)
+    try:
+        public_url = None if public_url is None else check_endpoint(public_url)
+        tracker = None if tracker is None else check_endpoint(tracker)
+        port = port or free_port(host)
+    except MeshnetError as exc:
+        fail(exc)
+    except OSError as exc:
+        fail(MeshnetError(f"cannot pick a free port on --host {host}: {exc}",
+                          hint="pass an address of this machine (127.0.0.1, ::1, 0.0.0.0) or --port"))
     import torch
 
     if threads:
@@ -115,7 +139,9 @@ def node_start(
                             max_loaded_shards=max_shards, compute_dtype=dtype, quantization=quantization,
                             wire_dtype=wire_dtype, heartbeat_interval_s=heartbeat_interval,
                             accepts_placement=not no_placement, torch_threads=threads,
-                            drain_grace_s=drain_grace)
+                            session_cache_bytes=session_cache_mb * 1024 * 1024, session_ttl_s=session_ttl,
+                            hop_timeout_s=hop_timeout, hop_connect_timeout_s=hop_connect_timeout, wallet=wallet,
+                            drain_grace_s=drain_grace, **_body_limit(max_body_bytes))
     from meshnet.node.app import build_app
 
     app = build_app(settings)

@@ -4,6 +4,14 @@ Each hop keeps every input frame it was sent (with its position) for the life of
 session. When a hop fails or times out, the orchestrator reports it, asks for a new
 route over the same layers without the failed node, replays the history to the
 replacement (in the same chunks, so the replacement's KV cache is identical), and goes on.
+
+Every error on a hop call is that hop's failure (:class:`HopFailed`): a refused or slow
+connection, an unusable URL, a non-200 answer, a reply frame that does not decode or has
+the wrong shape. A hop that answers 503 (session cache full, draining) is *busy*
+(:class:`HopBusy`): it is replaced the same way but not reported to the tracker, since
+it is healthy. A hop that answers 409 ``session_conflict`` lost the session (expired or
+restarted): it is neither reported nor excluded, so the replay may restart the session
+on it. When no replacement exists the error names the hop and its layers.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import httpx
 import torch
 
 from meshnet import wire
-from meshnet.errors import HopFailed, MeshnetError
+from meshnet.errors import HopBusy, HopFailed, MeshnetError
 from meshnet.layers import LayerRange
 from meshnet.protocol.route import Hop
 
@@ -30,21 +38,48 @@ RouteProvider = Callable[[str, LayerRange, frozenset[str]], Awaitable[list[Hop]]
 FailureReporter = Callable[[str, str], Awaitable[None]]
 
 
+#: a hop's 409 code: it no longer holds the session (expired, released, restarted) but is healthy
+LOST_SESSION = "session_conflict"
+
+
 @dataclass
 class HopState:
-    """A hop plus what it has been sent: ``history`` of ``(position, frame)``, ``length`` tokens."""
+    """A hop plus what it has been sent: ``history`` of ``(position, frame, tokens)``, ``length`` tokens."""
 
     hop: Hop
-    history: list[tuple[int, bytes]] = field(default_factory=list)
+    history: list[tuple[int, bytes, int]] = field(default_factory=list)
     length: int = 0
 
 
+def _describe(hop: Hop) -> str:
+    return f"hop {hop.node_id} at {hop.endpoint} (layers {hop.layers})"
+
+
+def _error_of(resp: httpx.Response) -> tuple[str, str]:
+    """``(code, message)`` of an error answer (the OpenAI envelope when there is one)."""
+    try:
+        err = resp.json().get("error") or {}
+        return str(err.get("code") or "http_error"), str(err.get("message") or resp.text[:200])
+    except (ValueError, AttributeError):
+        return "http_error", resp.text[:200]
+
+
 async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, session_id: str, position: int,
-                       frame: bytes, last_only: bool, timeout_s: float) -> bytes:
-    """``POST {endpoint}/v1/forward`` with one activation frame; returns the output frame.
+                       frame: bytes, last_only: bool, timeout: httpx.Timeout | float,
+                       expect_shape: tuple[int, ...] | None = None) -> tuple[bytes, torch.Tensor]:
+    """``POST {endpoint}/v1/forward`` with one activation frame.
+
+    Args:
+        timeout: the whole call (seconds) or an ``httpx.Timeout`` with its own connect limit.
+        expect_shape: the output shape the reply must have (None: any).
+
+    Returns:
+        ``(reply frame, decoded tensor)``: the frame goes on to the next hop unchanged.
 
     Raises:
-        HopFailed: transport error, timeout, or a non-200 answer.
+        HopBusy: the hop answered 503 (it is healthy but takes no new work now).
+        HopFailed: any other error: transport, timeout, unusable URL, a non-200 answer, or a reply
+            that fails :func:`meshnet.wire.decode` or does not have ``expect_shape``.
     """
     start, end = hop.layers.to_inclusive()
     headers = {"X-Meshnet-Model": model, "X-Meshnet-Session": session_id, "X-Meshnet-Start-Layer": str(start),
@@ -53,14 +88,24 @@ async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, sessi
     if last_only:
         headers["X-Meshnet-Last-Only"] = "1"
     try:
-        resp = await client.post(f"{hop.endpoint}/v1/forward", content=frame, headers=headers, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise HopFailed(f"hop {hop.node_id} ({hop.layers}) failed: {type(exc).__name__}: {exc}",
-                        node_id=hop.node_id) from exc
+        resp = await client.post(f"{hop.endpoint}/v1/forward", content=frame, headers=headers, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - InvalidURL, StreamError, OSError...: all this hop's failure
+        raise HopFailed(f"{_describe(hop)} failed: {type(exc).__name__}: {exc}", node_id=hop.node_id) from exc
+    if resp.status_code == 503:
+        code, message = _error_of(resp)
+        raise HopBusy(f"{_describe(hop)} refused the session ({code}): {message}", node_id=hop.node_id, code=code)
     if resp.status_code != 200:
-        raise HopFailed(f"hop {hop.node_id} ({hop.layers}) answered {resp.status_code}: {resp.text[:200]}",
+        code, message = _error_of(resp)
+        raise HopFailed(f"{_describe(hop)} answered {resp.status_code} ({code}): {message}", node_id=hop.node_id,
+                        code=code if code == LOST_SESSION else None)
+    try:
+        out = wire.decode(resp.content)
+    except MeshnetError as exc:
+        raise HopFailed(f"{_describe(hop)} sent a bad activation frame: {exc.message}", node_id=hop.node_id) from exc
+    if expect_shape is not None and tuple(out.shape) != tuple(expect_shape):
+        raise HopFailed(f"{_describe(hop)} sent shape {list(out.shape)}, expected {list(expect_shape)}",
                         node_id=hop.node_id)
-    return resp.content
+    return resp.content, out
 
 
 class RemoteRoute:
@@ -73,21 +118,23 @@ class RemoteRoute:
         hops: initial hops, in layer order.
         routes: provider of replacement hops; ``report``: failure reporter.
         wire_dtype: ``bfloat16`` (default) or ``float32``.
-        timeout_s: per hop call.
+        timeout_s: per hop call, seconds; ``connect_timeout_s``: to connect to a hop, seconds.
         max_failovers: replacements per hop call before giving up.
     """
 
     def __init__(self, client: httpx.AsyncClient, *, model: str, session_id: str, hops: list[Hop],
                  routes: RouteProvider, report: FailureReporter, wire_dtype: str = "bfloat16",
-                 timeout_s: float = 60.0, max_failovers: int = 3) -> None:
+                 timeout_s: float = 60.0, connect_timeout_s: float = 5.0, max_failovers: int = 3) -> None:
         self.client, self.model, self.session_id = client, model, session_id
         self.states = [HopState(h) for h in hops]
         self.routes, self.report = routes, report
-        self.wire_dtype, self.timeout_s, self.max_failovers = wire_dtype, timeout_s, max_failovers
-        self.failed: set[str] = set()
+        self.wire_dtype, self.max_failovers = wire_dtype, max_failovers
+        self.timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
+        self.failed: set[str] = set()   # nodes excluded from this session's routes (failed or busy)
         self.failovers = 0
         self.start_layer = hops[0].layers.start if hops else 0
         self.end_layer = hops[-1].layers.end if hops else 0
+        self.hidden_size: int | None = None
         self._turn = asyncio.Condition()
 
     @property
@@ -97,74 +144,120 @@ class RemoteRoute:
     def _state_at(self, layer: int) -> HopState:
         return next(s for s in self.states if s.hop.layers.start == layer)
 
-    async def _send(self, state: HopState, frame: bytes, position: int, seq_len: int, last_only: bool) -> bytes:
+    async def _send(self, state: HopState, frame: bytes, position: int, seq_len: int,
+                    last_only: bool) -> tuple[bytes, torch.Tensor]:
+        shape = None if self.hidden_size is None else (1, 1 if last_only else seq_len, self.hidden_size)
         out = await post_forward(self.client, state.hop, model=self.model, session_id=self.session_id,
-                                 position=position, frame=frame, last_only=last_only, timeout_s=self.timeout_s)
-        state.history.append((position, frame))
+                                 position=position, frame=frame, last_only=last_only, timeout=self.timeout,
+                                 expect_shape=shape)
+        state.history.append((position, frame, seq_len))
         state.length = position + seq_len
         return out
 
-    async def run_stage(self, layer: int, frame: bytes, position: int, seq_len: int, last_only: bool) -> tuple[bytes, int]:
+    async def run_stage(self, layer: int, frame: bytes, position: int, seq_len: int,
+                        last_only: bool) -> tuple[bytes, torch.Tensor, int]:
         """Send ``frame`` (``seq_len`` tokens at ``position``) through the hop starting at ``layer``.
 
         Waits until that hop has received every earlier position (chunks stay in order even
         when prefill is pipelined); on failure replaces the hop and retries.
 
         Returns:
-            ``(output frame, next layer)``.
+            ``(output frame, output tensor, next layer)``.
 
         Raises:
-            HopFailed: ``max_failovers`` replacements all failed.
+            HopBusy: the hop is busy and no other node serves its layers (503).
+            HopFailed: no replacement, or ``max_failovers`` replacements all failed (502).
         """
+        last: HopFailed | None = None
         for _ in range(self.max_failovers + 1):
             async with self._turn:
                 await self._turn.wait_for(lambda: self._state_at(layer).length == position)
                 state = self._state_at(layer)
             is_final = state.hop.layers.end == self.end_layer
             try:
-                out = await self._send(state, frame, position, seq_len, last_only and is_final)
+                out, tensor = await self._send(state, frame, position, seq_len, last_only and is_final)
                 async with self._turn:
                     self._turn.notify_all()
-                return out, state.hop.layers.end
+                return out, tensor, state.hop.layers.end
             except HopFailed as exc:
                 log.warning("%s; failing over", exc.message)
-                await self._replace(state, exc.message)
-        raise HopFailed(f"hop at layer {layer} failed {self.max_failovers + 1} times")
+                last = exc
+                await self._replace(state, exc)
+        raise HopFailed(f"the hops from layer {layer} failed {self.max_failovers + 1} times; last: {last.message}",
+                        node_id=last.node_id)
 
-    async def _replace(self, old: HopState, reason: str) -> None:
-        self.failed.add(old.hop.node_id)
-        await self.report(old.hop.node_id, reason)
+    async def _exclude(self, exc: HopFailed) -> None:
+        """Keep the hop's node out of this session's routes; report it unless it was only busy.
+        A hop that lost the session stays eligible: the replay restarts the session on it."""
+        if exc.node_id is None or exc.code == LOST_SESSION:
+            return
+        self.failed.add(exc.node_id)
+        if isinstance(exc, HopBusy):
+            return
         try:
-            new_hops = await self.routes(self.model, old.hop.layers, frozenset(self.failed))
-        except MeshnetError as exc:
-            raise HopFailed(f"no replacement for layers {old.hop.layers}: {exc.message}",
-                            node_id=old.hop.node_id) from exc
-        self.failovers += 1
-        new_states = [HopState(h) for h in new_hops]
-        for position, frame in old.history:  # replay chunk by chunk through the new sub-route
-            seq_len = wire.decode(frame, check_finite=False).shape[1]
-            for state in new_states:
-                frame = await self._send(state, frame, position, seq_len, False)
-        index = self.states.index(old)
-        self.states[index:index + 1] = new_states
-        async with self._turn:
-            self._turn.notify_all()
+            await self.report(exc.node_id, exc.message)
+        except Exception:  # noqa: BLE001 - a lost report must not fail the generation
+            log.warning("could not report the failure of %s", exc.node_id, exc_info=True)
+
+    async def _new_hops(self, layers: LayerRange, exc: HopFailed) -> list[Hop]:
+        try:
+            return await self.routes(self.model, layers, frozenset(self.failed))
+        except Exception as route_exc:  # noqa: BLE001 - no route, tracker down, bad answer
+            why = getattr(route_exc, "message", None) or f"{type(route_exc).__name__}: {route_exc}"
+            cls = HopBusy if isinstance(exc, HopBusy) else HopFailed
+            raise cls(f"{exc.message}; no other node serves layers {layers}: {why}", node_id=exc.node_id,
+                      code=exc.code) from route_exc
+
+    async def _replace(self, old: HopState, exc: HopFailed) -> None:
+        """Swap ``old`` for a new sub-route over its layers, replaying its history chunk by chunk
+        (a replacement that fails during the replay is itself excluded and replaced).
+
+        Raises:
+            HopBusy, HopFailed: no replacement left (naming the first hop that failed).
+        """
+        await self._exclude(exc)
+        for _ in range(self.max_failovers):
+            new_states = [HopState(h) for h in await self._new_hops(old.hop.layers, exc)]
+            try:
+                for position, frame, seq_len in old.history:  # same chunks: the same KV cache
+                    for state in new_states:
+                        frame, _ = await self._send(state, frame, position, seq_len, False)
+            except HopFailed as replay_exc:
+                log.warning("%s during replay; failing over", replay_exc.message)
+                await self._exclude(replay_exc)
+                await self._release(new_states)
+                continue
+            self.failovers += 1
+            index = self.states.index(old)
+            self.states[index:index + 1] = new_states
+            async with self._turn:
+                self._turn.notify_all()
+            return
+        raise HopFailed(f"{exc.message}; {self.max_failovers} replacements for layers {old.hop.layers} failed",
+                        node_id=exc.node_id)
 
     async def forward(self, hidden: torch.Tensor, position: int, *, last_only: bool) -> torch.Tensor:
         """Run ``hidden`` ``[1, seq, hidden]`` at ``position`` through every remote hop in order.
 
         With ``last_only`` the final hop returns only the last position ``[1, 1, hidden]``.
-        """
-        frame = wire.encode(hidden, dtype=self.wire_dtype)
-        layer = self.start_layer
-        while layer < self.end_layer:
-            frame, layer = await self.run_stage(layer, frame, position, hidden.shape[1], last_only)
-        return wire.decode(frame)
 
-    async def close(self) -> None:
-        """Release the session on every hop (best effort)."""
-        for state in self.states:
+        Raises:
+            HopBusy, HopFailed: see :meth:`run_stage`.
+        """
+        self.hidden_size = hidden.shape[-1]
+        frame = await wire.encode_async(hidden, dtype=self.wire_dtype)
+        layer, out = self.start_layer, hidden
+        while layer < self.end_layer:
+            frame, out, layer = await self.run_stage(layer, frame, position, hidden.shape[1], last_only)
+        return out
+
+    async def _release(self, states: list[HopState]) -> None:
+        for state in states:
             try:
                 await self.client.delete(f"{state.hop.endpoint}/v1/sessions/{self.session_id}", timeout=5.0)
-            except httpx.HTTPError:
+            except Exception:  # noqa: BLE001 - best effort: an unreachable hop expires the session by TTL
                 pass
+
+    async def close(self) -> None:
+        """Release the session on every hop (best effort; never raises)."""
+        await self._release(self.states)

@@ -1,27 +1,49 @@
-"""OpenAI-compatible chat surface: request validation, text streaming, response shapes.
+"""OpenAI-compatible chat surface: request preparation, text streaming, response shapes.
 
 One Starlette handler serves ``POST /v1/chat/completions`` at every entry node; the
-tracker forwards the same body to an entry node. Validation is pydantic v2, so a bad
-field yields a 422 naming it.
+tracker forwards the same body to an entry node. The request schema (what is honoured,
+what is refused) is :class:`meshnet.gateway.schema.ChatRequest`.
+
+CPU work stays off the event loop: big bodies are parsed, every prompt is rendered and
+tokenized, and non-streamed responses are serialised in the request pool
+(:mod:`meshnet.gateway.cpu`); logits and sampling run in the orchestrator's worker thread;
+text is decoded incrementally (:class:`~meshnet.gateway.detokenize.TextDecoder`).
+
+``n`` choices run concurrently, each its own generation (and session on every hop); choice
+``i`` of a seeded request is seeded ``(seed + i) mod 2**63`` (:func:`schema.for_choice`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
+import math
 import time
 import uuid
 from typing import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from meshnet.errors import InvalidRequest, MeshnetError
+from meshnet.gateway.cpu import off_loop
+from meshnet.gateway.detokenize import TextDecoder, max_token_chars, token_bytes, token_text
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator
-from meshnet.gateway.schema import ChatRequest, SamplingParams, error_response, parse_chat_request
+from meshnet.gateway.sampling import TokenLogprob
+from meshnet.gateway.schema import (ChatRequest, SamplingParams, error_response, for_choice, parse_chat_request,
+                                    read_chat_request)
 
 __all__ = ["complete", "stream", "text_deltas", "read_chat", "error_response", "parse_chat_request"]
+
+log = logging.getLogger(__name__)
+
+
+def context_limit(orchestrator: Orchestrator) -> int:
+    """The model's context in tokens (``max_position_embeddings``; 0 when unknown)."""
+    return int(getattr(orchestrator.slot.shard.config, "max_position_embeddings", 0) or 0)
 
 
 def fit_context(orchestrator: Orchestrator, prompt: list[int], params: SamplingParams) -> SamplingParams:
@@ -30,27 +52,62 @@ def fit_context(orchestrator: Orchestrator, prompt: list[int], params: SamplingP
     Raises:
         InvalidRequest: the prompt alone fills the context (400 ``context_length_exceeded``).
     """
-    limit = int(getattr(orchestrator.slot.shard.config, "max_position_embeddings", 0) or 0)
+    limit = context_limit(orchestrator)
     if not limit:
         return params
     if len(prompt) >= limit:
         raise InvalidRequest(f"prompt is {len(prompt)} tokens; the model's context is {limit} tokens",
-                             code="context_length_exceeded", hint="shorten the messages")
+                             code="context_length_exceeded", hint="shorten the messages", param="messages")
     return dataclasses.replace(params, max_tokens=min(params.max_tokens, limit - len(prompt)))
+
+
+def encode_prompt(orchestrator: Orchestrator, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` under the chat template. CPU-bound: call it in a worker thread.
+
+    A prompt that cannot fit is refused before tokenizing it: no token stands for more than
+    :func:`max_token_chars` characters, so ``chars / max_token_chars`` tokens is a lower bound.
+
+    Raises:
+        InvalidRequest: 400 ``context_length_exceeded`` (by the bound or the real count).
+    """
+    limit = context_limit(orchestrator)
+    chars = sum(len(m["content"]) for m in messages)
+    if limit and chars:
+        at_least = math.ceil(chars / max_token_chars(orchestrator.tokenizer))
+        if at_least >= limit:
+            raise InvalidRequest(f"prompt is at least {at_least} tokens ({chars} characters); the model's "
+                                 f"context is {limit} tokens", code="context_length_exceeded",
+                                 hint="shorten the messages", param="messages")
+    return orchestrator.encode_chat(messages)
+
+
+async def prepare(orchestrator: Orchestrator, req: ChatRequest) -> tuple[list[int], SamplingParams]:
+    """Prompt ids (tokenized in the request pool) and choice-0 settings fitted to the context.
+
+    Raises:
+        InvalidRequest: a ``logit_bias`` token id outside the vocabulary, or a prompt too long.
+    """
+    params = req.sampling()
+    bad = [i for i, _ in params.logit_bias if i >= orchestrator.vocab_size]
+    if bad:
+        raise InvalidRequest(f"invalid field 'logit_bias': token id {bad[0]} is outside the vocabulary "
+                             f"(0..{orchestrator.vocab_size - 1})", code="invalid_field", param="logit_bias")
+    prompt = await off_loop(encode_prompt, orchestrator, [m.model_dump() for m in req.messages])
+    return prompt, fit_context(orchestrator, prompt, params)
 
 
 async def text_deltas(orchestrator: Orchestrator, prompt: list[int], params: SamplingParams,
                       stats: GenerationStats, disconnected=None) -> AsyncIterator[str]:
     """Yield text pieces as tokens arrive, honouring ``stop`` strings.
 
-    Text is re-decoded from all generated ids each step so multi-byte characters split
-    across tokens come out whole; a stop string ends the generation and is not emitted.
-    ``disconnected`` (async, optional) is polled every token: a client that went away
-    stops the generation, which frees its sessions on every hop. ``params`` are already
-    fitted to the context by :func:`fit_context`.
+    Text grows through a :class:`TextDecoder`, so multi-byte characters split across tokens
+    come out whole; a stop string ends the generation and is not emitted (the last
+    ``max(len(stop))`` characters are held back until they cannot start one). Only the new
+    text (plus that overlap) is searched for stop strings. ``disconnected`` (async, optional)
+    is polled every token: a client that went away stops the generation, which frees its
+    sessions on every hop. ``params`` are already fitted to the context by :func:`fit_context`.
     """
-    tokenizer = orchestrator.tokenizer
-    ids: list[int] = []
+    decoder = TextDecoder(orchestrator.tokenizer)
     sent = 0
     hold = max((len(s) for s in params.stop), default=0)
     async with contextlib.aclosing(orchestrator.generate(prompt, params, stats)) as tokens:
@@ -58,73 +115,165 @@ async def text_deltas(orchestrator: Orchestrator, prompt: list[int], params: Sam
             if disconnected is not None and await disconnected():
                 stats.finish_reason = "cancelled"
                 return
-            ids.append(token)
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            if text.endswith("\ufffd"):
+            searched = len(decoder.text)
+            text = decoder.add(token)
+            if len(text) == searched:
                 continue
-            for stop in params.stop:
-                cut = text.find(stop)
-                if cut != -1:
-                    stats.finish_reason = "stop"
-                    if cut > sent:
-                        yield text[sent:cut]
-                    return
+            cuts = [text.find(s, max(0, searched - len(s) + 1)) for s in params.stop]
+            cuts = [c for c in cuts if c != -1]
+            if cuts:
+                stats.finish_reason = "stop"
+                if min(cuts) > sent:
+                    yield text[sent:min(cuts)]
+                return
             if len(text) - hold > sent:
                 yield text[sent:len(text) - hold]
                 sent = len(text) - hold
-    text = tokenizer.decode(ids, skip_special_tokens=True)
+    text = decoder.flush()
     if len(text) > sent:
         yield text[sent:]
 
 
-def meshnet_block(stats: GenerationStats) -> dict:
-    """The ``meshnet`` object of a response: route used and measured speeds."""
-    return {"route": [h.to_json() for h in stats.route], "prefill_s": round(stats.prefill_s, 4),
-            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 3), "failovers": stats.failovers,
-            "completion_token_ids": stats.token_ids}
+async def choice_deltas(orchestrator: Orchestrator, prompt: list[int], params: list[SamplingParams],
+                        stats: list[GenerationStats], disconnected=None,
+                        ) -> AsyncIterator[tuple[int, str | None, int]]:
+    """Run the choices concurrently; yield ``(index, piece, logprobs_so_far)`` as pieces come,
+    and ``(index, None, len(stats[index].logprobs))`` when choice ``index`` has finished.
+
+    ``logprobs_so_far`` is how many entries of ``stats[index].logprobs`` belong to the text
+    yielded up to this piece. The first error of any choice is raised and stops the others.
+    """
+    queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+
+    async def run(i: int) -> None:
+        try:
+            async for piece in text_deltas(orchestrator, prompt, params[i], stats[i], disconnected):
+                await queue.put((i, piece, len(stats[i].logprobs), None))
+            await queue.put((i, None, len(stats[i].logprobs), None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((i, None, 0, exc))
+
+    tasks = [asyncio.create_task(run(i)) for i in range(len(params))]
+    try:
+        running = len(tasks)
+        while running:
+            i, piece, count, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            running -= piece is None
+            yield i, piece, count
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def usage(stats: GenerationStats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+def logprob_entries(tokenizer, items: list[TokenLogprob]) -> list[dict]:
+    """OpenAI's ``logprobs.content`` entries: ``{token, logprob, bytes, top_logprobs}``."""
+    def one(token_id: int, logprob: float) -> dict:
+        return {"token": token_text(tokenizer, token_id), "logprob": logprob,
+                "bytes": token_bytes(tokenizer, token_id)}
+    return [{**one(x.token_id, x.logprob), "top_logprobs": [one(t, lp) for t, lp in x.top]} for x in items]
+
+
+def meshnet_block(stats: list[GenerationStats]) -> dict:
+    """The ``meshnet`` object of a response: route used and measured speeds of choice 0, and
+    with ``n > 1`` the same for every choice under ``choices``."""
+    def one(s: GenerationStats) -> dict:
+        return {"route": [h.to_json() for h in s.route], "prefill_s": round(s.prefill_s, 4),
+                "decode_tokens_per_s": round(s.decode_tokens_per_s, 3), "failovers": s.failovers,
+                "completion_token_ids": s.token_ids}
+    block = one(stats[0])
+    if len(stats) > 1:
+        block["choices"] = [one(s) for s in stats]
+    return block
+
+
+def usage(stats: list[GenerationStats]) -> dict:
+    """Token counts: the prompt once, the completions of all choices summed (as OpenAI counts)."""
+    prompt, completion = stats[0].prompt_tokens, sum(s.completion_tokens for s in stats)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _choices(params: SamplingParams, n: int) -> tuple[list[SamplingParams], list[GenerationStats]]:
+    return [for_choice(params, i) for i in range(n)], [GenerationStats() for _ in range(n)]
 
 
 async def complete(orchestrator: Orchestrator, model: str, req: ChatRequest,
-                   disconnected=None) -> JSONResponse:
-    """Non-streaming completion: the whole text plus ``usage`` and the ``meshnet`` block."""
-    stats = GenerationStats()
-    prompt = orchestrator.encode_chat([m.model_dump() for m in req.messages])
-    params = fit_context(orchestrator, prompt, req.sampling())
-    text = "".join([piece async for piece in text_deltas(orchestrator, prompt, params, stats, disconnected)])
-    return JSONResponse({
-        "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": stats.finish_reason}],
-        "usage": usage(stats), "meshnet": meshnet_block(stats)})
+                   disconnected=None) -> Response:
+    """Non-streaming completion: ``n`` choices plus ``usage`` and the ``meshnet`` block."""
+    prompt, params = await prepare(orchestrator, req)
+    params_n, stats = _choices(params, req.n)
+    texts = [""] * req.n
+    async for i, piece, _ in choice_deltas(orchestrator, prompt, params_n, stats, disconnected):
+        texts[i] += piece or ""
+
+    def render() -> bytes:
+        # up to n * max_tokens * (1 + top_logprobs) entries: built and serialised off the event loop
+        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                    "logprobs": ({"content": logprob_entries(orchestrator.tokenizer, stats[i].logprobs),
+                                  "refusal": None} if params.top_logprobs is not None else None),
+                    "finish_reason": stats[i].finish_reason} for i in range(req.n)]
+        return json.dumps({
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(stats), "meshnet": meshnet_block(stats)},
+            ensure_ascii=False, separators=(",", ":")).encode()
+
+    return Response(await off_loop(render), media_type="application/json")
 
 
-def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> StreamingResponse:
-    """Server-sent events in OpenAI's chunk shape, ending with ``data: [DONE]``."""
+async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> StreamingResponse:
+    """Server-sent events in OpenAI's chunk shape, ending with ``data: [DONE]``.
+
+    Each choice opens with a role chunk and ends with a chunk carrying its ``finish_reason``;
+    the last of those also carries ``usage`` and ``meshnet``. With
+    ``stream_options.include_usage`` a final chunk with no choices carries ``usage``, as in
+    OpenAI's API. An error after the first event is sent as an ``{"error": ...}`` event.
+    """
     cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    prompt = orchestrator.encode_chat([m.model_dump() for m in req.messages])
-    params = fit_context(orchestrator, prompt, req.sampling())  # a too-long prompt is a 400 before any event
+    prompt, params = await prepare(orchestrator, req)  # a bad or too-long prompt is a 400 before any event
+    params_n, stats = _choices(params, req.n)
+    want_logprobs = params.top_logprobs is not None
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
 
-    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+    def chunk(index: int | None, delta: dict | None = None, finish: str | None = None, logprobs=None,
+              **extra) -> str:
+        choices = []
+        if index is not None:
+            choice = {"index": index, "delta": delta or {}, "finish_reason": finish}
+            if want_logprobs:
+                choice["logprobs"] = None if logprobs is None else {"content": logprobs, "refusal": None}
+            choices.append(choice)
         body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+                "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
     async def events() -> AsyncIterator[str]:
-        stats = GenerationStats()
-        yield chunk({"role": "assistant", "content": ""})
+        for i in range(req.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        sent, finished = [0] * req.n, 0
         try:
-            async for piece in text_deltas(orchestrator, prompt, params, stats):
-                yield chunk({"content": piece})
+            async for i, piece, count in choice_deltas(orchestrator, prompt, params_n, stats):
+                entries = None
+                if want_logprobs:
+                    entries = logprob_entries(orchestrator.tokenizer, stats[i].logprobs[sent[i]:count])
+                    sent[i] = count
+                if piece is not None:
+                    yield chunk(i, {"content": piece}, logprobs=entries)
+                    continue
+                finished += 1
+                extra = {"usage": usage(stats), "meshnet": meshnet_block(stats)} if finished == req.n else {}
+                yield chunk(i, {}, stats[i].finish_reason, logprobs=entries or None, **extra)
         except MeshnetError as exc:
             yield f"data: {json.dumps(exc.to_envelope())}\n\n"
             return
-        yield chunk({}, stats.finish_reason, usage=usage(stats), meshnet=meshnet_block(stats))
+        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, never drop it
+            log.exception("generation failed mid-stream")
+            err = MeshnetError(f"generation failed: {type(exc).__name__}: {exc}")
+            yield f"data: {json.dumps(err.to_envelope())}\n\n"
+            return
+        if include_usage:
+            yield chunk(None, usage=usage(stats))
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
@@ -132,4 +281,5 @@ def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> Streamin
 
 
 async def read_chat(request: Request) -> ChatRequest:
-    return parse_chat_request(await request.body())
+    """The request's chat body, validated (parsed off the event loop when big)."""
+    return await read_chat_request(await request.body())

@@ -19,7 +19,7 @@ from typing import AsyncIterator
 import torch
 
 from meshnet.gateway.hops import FailureReporter, Hop, RemoteRoute, RouteProvider
-from meshnet.gateway.sampling import sample_token
+from meshnet.gateway.sampling import TokenLogprob, TokenPicker
 from meshnet.gateway.schema import SamplingParams
 from meshnet.layers import LayerRange
 from meshnet.node.runtime import NodeRuntime, ShardSlot
@@ -42,6 +42,8 @@ class GenerationStats:
     failovers: int = 0
     finish_reason: str = "length"
     token_ids: list[int] = field(default_factory=list)
+    #: one entry per generated token when the request asked for logprobs (else empty)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -55,6 +57,7 @@ class OrchestratorSettings:
     wire_dtype: str = "bfloat16"
     chunk_tokens: int = CHUNK_TOKENS
     hop_timeout_s: float = 60.0
+    hop_connect_timeout_s: float = 5.0
     pipelined: bool = True
 
 
@@ -84,6 +87,7 @@ class Orchestrator:
         for value in (eos, gen_eos):
             ids.update(value if isinstance(value, (list, tuple)) else [value])
         self.eos_ids = {i for i in ids if i is not None}
+        self.vocab_size = int(shard.config.vocab_size)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of ``messages`` under the model's chat template (generation prompt added)."""
@@ -101,8 +105,11 @@ class Orchestrator:
             self.metrics.observe_forward(len(ids), time.perf_counter() - t0, position)
         return out
 
-    async def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (await asyncio.to_thread(self.slot.shard.logits, hidden[:, -1:]))[0, -1]
+    async def _pick(self, hidden: torch.Tensor, picker: TokenPicker) -> tuple[int, TokenLogprob | None]:
+        """LM head on the last position and the token choice, in one worker-thread call."""
+        def run():
+            return picker.pick(self.slot.shard.logits(hidden[:, -1:])[0, -1])
+        return await asyncio.to_thread(run)
 
     async def _step(self, session_id: str, remote: RemoteRoute | None, ids: list[int], position: int,
                     local_turn: asyncio.Condition, local_len: list[int]) -> torch.Tensor:
@@ -121,9 +128,13 @@ class Orchestrator:
         size = self.settings.chunk_tokens
         chunks = [(p, prompt[p:p + size]) for p in range(0, len(prompt), size)]
         if self.settings.pipelined:
-            outs = await asyncio.gather(*(self._step(session_id, remote, c, p, local_turn, local_len)
-                                          for p, c in chunks))
-            return outs[-1]
+            try:  # a failed chunk cancels its siblings (left running, they would wait on it forever)
+                async with asyncio.TaskGroup() as group:
+                    tasks = [group.create_task(self._step(session_id, remote, c, p, local_turn, local_len))
+                             for p, c in chunks]
+            except BaseExceptionGroup as group_exc:
+                raise group_exc.exceptions[0] from None
+            return tasks[-1].result()
         hidden = None
         for p, c in chunks:
             hidden = await self._step(session_id, remote, c, p, local_turn, local_len)
@@ -147,8 +158,10 @@ class Orchestrator:
             hops = await self.routes(self.slot.model, LayerRange(local_end, self.num_layers), frozenset())
             remote = RemoteRoute(self.client, model=self.slot.model, session_id=session_id, hops=hops,
                                  routes=self.routes, report=self.report, wire_dtype=self.settings.wire_dtype,
-                                 timeout_s=self.settings.hop_timeout_s)
+                                 timeout_s=self.settings.hop_timeout_s,
+                                 connect_timeout_s=self.settings.hop_connect_timeout_s)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        picker = TokenPicker(self.vocab_size, params, generator)
         local_turn, local_len = asyncio.Condition(), [0]
         if self.metrics is not None:
             self.metrics.generation_started()
@@ -159,13 +172,14 @@ class Orchestrator:
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             for _ in range(params.max_tokens):
-                token = sample_token(await self._logits(hidden), temperature=params.temperature,
-                                     top_p=params.top_p, generator=generator)
+                token, logprob = await self._pick(hidden, picker)
                 if token in self.eos_ids:
                     stats.finish_reason = "stop"
                     break
                 stats.completion_tokens += 1
                 stats.token_ids.append(token)
+                if logprob is not None:
+                    stats.logprobs.append(logprob)
                 yield token
                 if stats.completion_tokens == params.max_tokens:
                     break

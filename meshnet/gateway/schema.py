@@ -1,55 +1,147 @@
 """OpenAI chat request schema and the error envelope: torch-free, shared by tracker and nodes.
 
-Validation is pydantic v2, so a bad field yields a 422 naming it.
+Every parameter meshnet accepts is honoured; every other one is refused (see
+:class:`ChatRequest`). Chat bodies are judged as OpenAI does: any bad or unsupported
+parameter is a 400 whose ``error.param`` names it. The control-plane payloads (register,
+heartbeat, ...) keep 422 for a field that fails validation.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
 
 from meshnet.errors import InvalidRequest, MeshnetError
+from meshnet.gateway.cpu import off_loop
+
+#: largest ``seed``: torch.Generator.manual_seed takes 64-bit values, and choice ``i`` of an
+#: ``n``-choice request uses ``(seed + i) mod 2**63``, so seeds live in [0, 2**63 - 1]
+SEED_MAX = 2**63 - 1
+#: most choices per request: each choice is a whole generation across the route, so ``n``
+#: multiplies the request's cost on every hop; 8 keeps one request from holding a mesh
+N_MAX = 8
+#: OpenAI's bound on ``top_logprobs``
+TOP_LOGPROBS_MAX = 20
+#: bodies above this many bytes are parsed in a worker thread, not on the event loop
+PARSE_OFF_LOOP_BYTES = 64 * 1024
+
+#: OpenAI chat parameters meshnet does not implement, with what they would ask for. Sending any
+#: of them (other than ``null``) is a 400 ``unsupported_parameter`` naming it: silently dropping
+#: a parameter would return an answer the client did not ask for.
+UNSUPPORTED = {
+    "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
+    "functions": "function calling", "function_call": "function calling",
+    "audio": "audio output", "modalities": "output modalities other than text",
+    "prediction": "predicted outputs", "web_search_options": "web search",
+    "reasoning_effort": "reasoning models", "service_tier": "service tiers",
+    "metadata": "stored completions (meshnet stores nothing)", "verbosity": "verbosity control",
+}
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Request-level generation settings (OpenAI names). ``temperature`` 0 = greedy."""
+    """Generation settings of one choice (OpenAI names and ranges).
+
+    ``temperature`` 0 = greedy. ``frequency_penalty``/``presence_penalty`` in [-2, 2] and
+    ``logit_bias`` (token id, bias in [-100, 100]) adjust the logits as in OpenAI's API
+    reference (see :func:`meshnet.gateway.sampling.adjust_logits`). ``top_logprobs`` is None
+    when no log-probabilities are wanted, else 0..20 alternatives per token.
+    """
 
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int | None = None
 
 
-class TextPart(BaseModel):
-    """One part of a multi-part message; meshnet models read text parts only."""
-
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+def _invalid(field: str, why: str) -> InvalidRequest:
+    """A 400 about ``field`` from a check across fields (pydantic passes it through)."""
+    return InvalidRequest(f"invalid field '{field}': {field} {why}", code="invalid_field", param=field)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _unsupported(what: str) -> PydanticCustomError:
+    """A validation error that maps to 400 ``unsupported_parameter`` (see :func:`validate_json`)."""
+    return PydanticCustomError("unsupported", "meshnet does not support {what}", {"what": what})
+
+
+class _Strict(BaseModel):
+    """Unknown fields are refused, not ignored (``extra="forbid"``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessage(_Strict):
+    """One message. ``name`` and the tool fields are refused: meshnet's chat templates render
+    role and content only, so they would be dropped without a word."""
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart]
+    content: str
 
-    @field_validator("content")
+    @field_validator("content", mode="before")
     @classmethod
     def _join_parts(cls, value):
-        """OpenAI clients may send ``[{"type": "text", "text": ...}, ...]``: joined into one string."""
-        return value if isinstance(value, str) else "".join(part.text for part in value)
+        """OpenAI clients may send ``[{"type": "text", "text": ...}, ...]``: joined into one
+        string. Other part types (images, audio, files) are refused: meshnet models read text."""
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise _unsupported(f"content part {i} of type {kind!r} (meshnet models read text parts only)")
+            extra = sorted(set(part) - {"type", "text"})
+            if extra:
+                raise _unsupported(f"field {extra[0]!r} of content part {i}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} needs a 'text' string")
+            texts.append(part["text"])
+        return "".join(texts)
 
 
-class ChatRequest(BaseModel):
-    """The subset of OpenAI's chat request meshnet honours (unknown fields are ignored)."""
+class ResponseFormat(_Strict):
+    """Only plain text: meshnet has no constrained (JSON) decoding."""
 
-    model_config = ConfigDict(extra="ignore")
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value):
+        if value != "text":
+            raise _unsupported(f"response_format type {value!r} (only 'text')")
+        return value
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatRequest(_Strict):
+    """OpenAI's chat completion request, as far as meshnet implements it.
+
+    Honoured: ``model``, ``messages``, ``max_tokens``/``max_completion_tokens``, ``temperature``,
+    ``top_p``, ``seed`` (0..2**63-1), ``stop`` (1-4 non-empty strings), ``n`` (1..8),
+    ``logprobs``/``top_logprobs`` (0..20), ``frequency_penalty``/``presence_penalty`` ([-2, 2]),
+    ``logit_bias`` (token id → [-100, 100]), ``stream``, ``stream_options.include_usage``,
+    ``response_format`` of type ``text``, and meshnet's ``pipelined_prefill``.
+
+    Accepted because they cannot change the answer: ``user`` (an end-user id OpenAI uses for
+    abuse monitoring; meshnet keeps no per-user state) and ``store: false`` (meshnet stores
+    nothing; ``store: true`` is refused).
+
+    Everything else is a 400 naming the field: the parameters in :data:`UNSUPPORTED` and any
+    unknown field. ``null`` counts as not sent, as in OpenAI's API.
+    """
+
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=8192)
@@ -58,44 +150,137 @@ class ChatRequest(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=N_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=TOP_LOGPROBS_MAX)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    store: bool | None = None
     #: meshnet extension: turn pipelined prefill off for this request (benchmarks compare both)
     pipelined_prefill: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        """``null`` means not sent; a known-but-unsupported parameter gets its own message."""
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+        for name, what in UNSUPPORTED.items():
+            if name in data:
+                raise InvalidRequest(f"unsupported parameter '{name}': meshnet does not support {what}",
+                                     code="unsupported_parameter", param=name)
+        return data
 
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value):
-        if isinstance(value, list) and len(value) > 4:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 4:
             raise ValueError("at most 4 stop sequences")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must be non-empty (an empty one would end every answer at once)")
         return value
 
+    @field_validator("seed")
+    @classmethod
+    def _seed_range(cls, value):
+        if value is not None and not 0 <= value <= SEED_MAX:
+            raise ValueError(f"seed must lie in [0, 2**63 - 1] = [0, {SEED_MAX}], got {value}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_map(cls, value):
+        for key, bias in (value or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"keys are token ids as decimal strings, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias of token {key} is {bias}; biases lie in [-100, 100]")
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _store_nothing(cls, value):
+        if value:
+            raise _unsupported("stored completions (store: true)")
+        return value
+
+    @model_validator(mode="after")
+    def _dependent_fields(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _invalid("top_logprobs", "needs logprobs: true")
+        if self.stream_options is not None and not self.stream:
+            raise _invalid("stream_options", "is only allowed with stream: true")
+        return self
+
     def sampling(self) -> SamplingParams:
+        """Settings of choice 0 (:meth:`for_choice` derives the others)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
         return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or 256,
-                              temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stop)
+                              temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stop,
+                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                              logit_bias=bias,
+                              top_logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
 
-def validate_json(model: type[BaseModel], body: bytes):
+def for_choice(params: SamplingParams, index: int) -> SamplingParams:
+    """Settings of choice ``index`` of an ``n``-choice request: its own generator, seeded with
+    ``(seed + index) mod 2**63`` so that every choice of a seeded request is reproducible and
+    the choices differ from each other."""
+    if params.seed is None or index == 0:
+        return params
+    return replace(params, seed=(params.seed + index) % (SEED_MAX + 1))
+
+
+def validate_json(model: type[BaseModel], body: bytes, *, status: int = 422, unknown_is_unsupported: bool = False):
     """Parse and validate a JSON body into ``model``.
 
     Raises:
-        InvalidRequest: not JSON (400), or a field fails validation (422, the field named).
+        InvalidRequest: not JSON (400); a field fails validation (``status``, default 422,
+            code ``invalid_field``; an unknown field too, unless ``unknown_is_unsupported``), or is
+            one meshnet refuses (400 ``unsupported_parameter``, the OpenAI surface's unknown
+            fields with ``unknown_is_unsupported``); the message and ``error.param`` name the field.
     """
     try:
         data = json.loads(body or b"{}")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "body"
-        raise InvalidRequest(f"invalid field '{field}': {err['msg']}", code="invalid_field", status=422) from exc
+        if err["type"] == "extra_forbidden" and not unknown_is_unsupported:
+            raise InvalidRequest(f"invalid field '{field}': unknown field", code="invalid_field", status=status,
+                                 param=field) from exc
+        if err["type"] in ("extra_forbidden", "unsupported"):
+            why = err["msg"] if err["type"] == "unsupported" else "not a chat parameter meshnet knows"
+            raise InvalidRequest(f"unsupported parameter '{field}': {why}", code="unsupported_parameter",
+                                 param=field) from exc
+        msg = err["msg"].removeprefix("Value error, ")
+        raise InvalidRequest(f"invalid field '{field}': {msg}", code="invalid_field", status=status,
+                             param=field) from exc
 
 
 def parse_chat_request(body: bytes) -> ChatRequest:
-    """Validate a chat completion body (see :func:`validate_json`)."""
-    return validate_json(ChatRequest, body)
+    """Validate a chat completion body; every failure is a 400 naming the field (see
+    :func:`validate_json`)."""
+    return validate_json(ChatRequest, body, status=400, unknown_is_unsupported=True)
+
+
+async def read_chat_request(body: bytes) -> ChatRequest:
+    """:func:`parse_chat_request`, in the request thread pool when the body is over
+    :data:`PARSE_OFF_LOOP_BYTES`, so that JSON of a huge body never blocks the event loop."""
+    if len(body) > PARSE_OFF_LOOP_BYTES:
+        return await off_loop(parse_chat_request, body)
+    return parse_chat_request(body)
 
 
 def error_response(exc: MeshnetError) -> JSONResponse:

@@ -18,7 +18,8 @@ from meshnet.layers import LayerRange
 from meshnet.node import hardware
 from meshnet.node.doctor import run_doctor
 from meshnet.node.loader import load_shard
-from meshnet.protocol.control import (CapabilityReport, Directive, DirectiveUpdate, HeartbeatRequest, NodeStats,
+from meshnet.protocol.control import (CapabilityReport, Directive, DirectiveUpdate, HeartbeatRequest,
+                                      HeartbeatResponse, NodeStats, RegisterResponse,
                                       RegisterRequest, ShardInfo)
 from meshnet.protocol.route import Hop
 
@@ -37,6 +38,10 @@ class TrackerAgent:
         self.wake = asyncio.Event()
         self.applying = asyncio.Lock()
         self.tasks: set[asyncio.Task] = set()
+        #: seconds between heartbeats: the node's own setting or the tracker's, whichever is shorter
+        #: (the tracker's dropout timeout is sized for the interval it announces)
+        self.interval_s = self.settings.heartbeat_interval_s
+        self.reachable = True  # what the tracker said last about reaching this node's endpoint
         self.last_ok_s: float | None = None   # monotonic time the tracker last accepted us
         self.last_error: str | None = None    # why the latest register/heartbeat failed, if it did
         self.leaving = False                  # deregistered (drain): no more heartbeats
@@ -67,7 +72,9 @@ class TrackerAgent:
         await self.load_initial()
         for attempt in range(attempts):
             try:
-                await self.client.register(self.registration())
+                resp = await self.client.register(self.registration())
+                self.interval_s = min(self.settings.heartbeat_interval_s, resp.heartbeat_interval_s)
+                self.note_reachability(resp)
                 self._ok()
                 log.info("registered %s with %s", self.settings.node_id, self.settings.tracker_url)
                 return
@@ -96,11 +103,14 @@ class TrackerAgent:
         """Heartbeat forever (cancelled by the app's lifespan)."""
         while True:
             try:
-                await asyncio.wait_for(self.wake.wait(), timeout=self.settings.heartbeat_interval_s)
+                await asyncio.wait_for(self.wake.wait(), timeout=self.interval_s)
             except asyncio.TimeoutError:
                 pass
             self.wake.clear()
-            await self.heartbeat()
+            try:
+                await self.heartbeat()
+            except Exception:  # noqa: BLE001 - one bad round must not stop the heartbeats for good
+                log.exception("heartbeat round failed; retrying next interval")
 
     async def heartbeat(self) -> None:
         if self.leaving:
@@ -115,7 +125,7 @@ class TrackerAgent:
             if exc.status == 404 and not (self.leaving or self.node.drain.draining):
                 # the tracker forgot us (restart): register again; a draining node stays forgotten
                 try:
-                    await self.client.register(self.registration())
+                    self.note_reachability(await self.client.register(self.registration()))
                 except MeshnetError as again:  # keep the loop alive: the next heartbeat tries again
                     self.last_error = again.message
                     log.warning("re-registration failed: %s", again.message)
@@ -125,12 +135,27 @@ class TrackerAgent:
             log.warning("heartbeat failed: %s", exc.message)
             return
         self._ok()
+        self.note_reachability(resp)
         directives = resp.directives
         for directive in directives:
             self.updates.append(DirectiveUpdate(id=directive.id, status="acked"))
         if directives:
             self.tasks.add(task := asyncio.create_task(self.apply_in_order(directives)))
             task.add_done_callback(self.tasks.discard)
+
+    def note_reachability(self, resp: RegisterResponse | HeartbeatResponse) -> None:
+        """Log when the tracker's verdict on reaching this node's endpoint changes: an unreachable
+        node's shards are not admitted, so nothing is routed to it (meshnet.tracker.probe)."""
+        reachable = resp.reachable
+        if reachable == self.reachable:
+            return
+        self.reachable = reachable
+        if reachable:
+            log.info("the tracker reaches this node at %s; its shards can be admitted", self.settings.endpoint)
+        else:
+            log.warning("the tracker cannot reach this node at %s (%s): its shards are not admitted until it "
+                        "can; check --public-url, --host and firewalls", self.settings.endpoint,
+                        resp.reach_error)
 
     async def apply_in_order(self, directives: list[Directive]) -> None:
         """Apply directives one at a time, in the tracker's order (a DROP frees the slot a
@@ -182,7 +207,7 @@ class TrackerAgent:
         """Seconds since the tracker last accepted a registration or heartbeat (None: never)."""
         return None if self.last_ok_s is None else asyncio.get_running_loop().time() - self.last_ok_s
 
-    # ---- drain (ADR-0031) -------------------------------------------------------------
+    # ---- drain (ADR-0032) -------------------------------------------------------------
 
     async def announce_drain(self) -> None:
         """Tell the tracker at once that this node drains (no new routes or entry choices)."""

@@ -4,7 +4,7 @@ Routes:
     POST   /v1/forward              activation frame in, activation frame out (headers below)
     DELETE /v1/sessions/{id}        release a session's KV caches
     GET    /v1/health               liveness: node id, shard slots, sessions, cache bytes left, draining
-    GET    /v1/ready                readiness: 200 {"ready": true} or 503 {"ready": false, "reasons"} (ADR-0031)
+    GET    /v1/ready                readiness: 200 {"ready": true} or 503 {"ready": false, "reasons"} (ADR-0032)
     POST   /v1/doctor               run doctor on the loaded shards, return capability reports
     GET    /v1/models, POST /v1/chat/completions   OpenAI surface (entry nodes)
     GET    /metrics                 Prometheus text
@@ -13,7 +13,7 @@ Forward headers: ``X-Meshnet-Session``, ``X-Meshnet-Start-Layer`` and
 ``X-Meshnet-End-Layer`` (inclusive, ADR-0002), ``X-Meshnet-Position``, optional
 ``X-Meshnet-Model`` and ``X-Meshnet-Last-Only: 1`` (return only the last position).
 
-SIGTERM drains (ADR-0031, :mod:`meshnet.drain`): the node tells the tracker, refuses new
+SIGTERM drains (ADR-0032, :mod:`meshnet.drain`): the node tells the tracker, refuses new
 chats and new hop sessions (position 0) with 503 ``draining``, keeps serving the sessions it
 holds until they end or ``drain_grace_s`` runs out, deregisters, then exits.
 """
@@ -37,14 +37,17 @@ from meshnet import wire
 from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.gateway import openai_api
+from meshnet.gateway.body_limit import BodyLimit
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.readiness import gather_facts, node_readiness
 from meshnet.node.runtime import NodeRuntime
+from meshnet.node.sessions import SessionStore
 from meshnet.node.settings import NodeSettings
 from meshnet.protocol.control import CapabilityReport, DoctorResponse
+from meshnet.presets import canonical_model_name, model_aliases
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +102,7 @@ async def forward(request: Request) -> Response:
         node.drain.refuse_new("new hop sessions")
     node.last_forward_s = time.monotonic()
     body = await request.body()
-    hidden = wire.decode(body)
+    hidden = await wire.decode_async(body)
     t0 = time.perf_counter()
     out = await asyncio.to_thread(node.runtime.forward, model=request.headers.get("X-Meshnet-Model"),
                                   session_id=session, layers=LayerRange.from_inclusive(start, end),
@@ -107,7 +110,7 @@ async def forward(request: Request) -> Response:
     node.metrics.observe_forward(hidden.shape[1], time.perf_counter() - t0, position)
     if request.headers.get("X-Meshnet-Last-Only") == "1":
         out = out[:, -1:]
-    return Response(wire.encode(out, dtype=hidden.dtype), media_type="application/octet-stream")
+    return Response(await wire.encode_async(out, dtype=hidden.dtype), media_type="application/octet-stream")
 
 
 async def release_session(request: Request) -> JSONResponse:
@@ -122,11 +125,12 @@ async def health(request: Request) -> JSONResponse:
                          "endpoint": node.settings.endpoint,
                          "shards": [s.model_dump(exclude={"report"}) for s in rt.describe()], "slots_total": rt.max_loaded_shards,
                          "sessions": len(rt.sessions), "cache_bytes_left": rt.sessions.bytes_left,
+                         "session_cache_bytes": rt.sessions.max_bytes, "session_ttl_s": rt.sessions.ttl_s,
                          "compute_dtype": rt.compute_dtype, "rss_bytes": hardware.rss_bytes(), "uptime_s": round(time.time() - node.started_at, 1)})
 
 
 async def ready(request: Request) -> JSONResponse:
-    """Readiness: 200 ``{"ready": true, "reasons": []}`` or 503 with the reasons (ADR-0031)."""
+    """Readiness: 200 ``{"ready": true, "reasons": []}`` or 503 with the reasons (ADR-0032)."""
     facts = await gather_facts(_state(request))
     body = node_readiness(facts)
     body["node_id"] = _state(request).settings.node_id
@@ -140,13 +144,14 @@ def hop_sessions_idle(node: NodeState) -> bool:
 
 
 def orchestrator_for(node: NodeState, model: str | None, pipelined: bool | None = None) -> tuple[str, Orchestrator]:
-    """The entry orchestrator of ``model`` (or of the only entry shard when None).
+    """The entry orchestrator of ``model`` (any of its names; the only entry shard when None).
 
     Raises:
         NotFound: this node holds no entry shard of that model.
     """
+    wanted = None if model is None else canonical_model_name(model)
     entries = [s for s in node.runtime.slots.values() if s.shard.is_entry]
-    slot = next((s for s in entries if model in (None, s.model)), None)
+    slot = next((s for s in entries if wanted in (None, s.model)), None)
     if slot is None:
         raise NotFound(f"this node serves no entry shard of {model or 'any model'}", code="model_not_found")
     agent = node.agent
@@ -161,6 +166,7 @@ def orchestrator_for(node: NodeState, model: str | None, pipelined: bool | None 
             await agent.report_failure(node_id, reason)
 
     settings = OrchestratorSettings(wire_dtype=node.settings.wire_dtype, hop_timeout_s=node.settings.hop_timeout_s,
+                                    hop_connect_timeout_s=node.settings.hop_connect_timeout_s,
                                     pipelined=True if pipelined is None else pipelined)
     return slot.model, Orchestrator(node.runtime, slot, node_id=node.settings.node_id,
                                     endpoint=node.settings.endpoint, client=node.http, routes=routes,
@@ -171,16 +177,17 @@ async def chat_completions(request: Request) -> Response:
     node = _state(request)
     req = await openai_api.read_chat(request)
     model, orchestrator = orchestrator_for(node, req.model, req.pipelined_prefill)
+    await asyncio.to_thread(node.runtime.check_room)  # a full cache is a 503 before any stream starts
     if req.stream:
-        return openai_api.stream(orchestrator, model, req)
+        return await openai_api.stream(orchestrator, model, req)
     return await openai_api.complete(orchestrator, model, req, disconnected=request.is_disconnected)
 
 
 async def list_models(request: Request) -> JSONResponse:
     node = _state(request)
     models = sorted({s.model for s in node.runtime.slots.values() if s.shard.is_entry})
-    return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "meshnet"}
-                                                    for m in models]})
+    return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "meshnet",
+                                                     "aliases": model_aliases(m)} for m in models]})
 
 
 async def doctor(request: Request) -> JSONResponse:
@@ -202,6 +209,12 @@ async def _meshnet_error(request: Request, exc: MeshnetError) -> Response:
     return openai_api.error_response(exc)
 
 
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    """Any other exception: the JSON envelope (500 ``internal_error``), never plain text."""
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return openai_api.error_response(MeshnetError(f"internal error on node: {type(exc).__name__}: {exc}"))
+
+
 def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, start_agent: bool = True) -> Starlette:
     """Create the node app. The lifespan loads the configured shard (if any) and starts the
     tracker agent (register + heartbeat loop) when ``settings.tracker_url`` is set.
@@ -214,8 +227,10 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         rt = runtime or NodeRuntime(max_loaded_shards=settings.max_loaded_shards,
-                                    compute_dtype=settings.compute_dtype)
-        async with httpx.AsyncClient(timeout=settings.hop_timeout_s,
+                                    compute_dtype=settings.compute_dtype,
+                                    sessions=SessionStore(settings.session_ttl_s, settings.session_cache_bytes))
+        async with httpx.AsyncClient(timeout=httpx.Timeout(settings.hop_timeout_s,
+                                                           connect=settings.hop_connect_timeout_s),
                                      limits=httpx.Limits(max_keepalive_connections=32)) as http:
             node = NodeState(settings=settings, runtime=rt, http=http, drain=drain)
             app.state.node = node
@@ -243,7 +258,11 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
               Route("/v1/health", health), Route("/v1/ready", ready), Route("/v1/doctor", doctor, methods=["POST"]),
               Route("/v1/models", list_models), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/metrics", metrics)]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _meshnet_error},
-                    middleware=[Middleware(DrainMiddleware, drain=drain)])
+    # forward frames may be up to the wire format's limit (plus a header of at most 24 bytes)
+    body_limit = Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
+                            path_limits={"/v1/forward": wire.DEFAULT_MAX_BYTES + 64})
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    middleware=[body_limit, Middleware(DrainMiddleware, drain=drain)],
+                    exception_handlers={MeshnetError: _meshnet_error, Exception: _unexpected_error})
     app.state.drain = drain
     return app

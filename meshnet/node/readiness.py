@@ -1,4 +1,4 @@
-"""Node readiness: can this node take part in a chat now, and if not, why (ADR-0031).
+"""Node readiness: can this node take part in a chat now, and if not, why (ADR-0032).
 
 Liveness (``GET /v1/health``) only says the process runs. Readiness (``GET /v1/ready``)
 says whether work sent here now would be served: shards loaded and passed by doctor,
@@ -115,7 +115,7 @@ async def gather_facts(node, route_timeout_s: float = 3.0) -> NodeFacts:
     tracker = TrackerFact(None)
     if agent is not None:
         tracker = TrackerFact(node.settings.tracker_url, agent.heartbeat_age_s(), agent.last_error,
-                              timeout_s=2.5 * node.settings.heartbeat_interval_s)
+                              timeout_s=2.5 * agent.interval_s)
     elif node.settings.tracker_url:
         tracker = TrackerFact(node.settings.tracker_url, None, "no tracker agent is running")
     return NodeFacts(draining=node.drain.draining, shards=shards, tracker=tracker,

@@ -20,6 +20,7 @@ import torch
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.layers import LayerRange
 from meshnet.models.shard import ShardModel
+from meshnet.presets import canonical_model_name
 from meshnet.node.sessions import SessionStore
 from meshnet.protocol.control import CapabilityReport, ShardInfo
 
@@ -64,7 +65,7 @@ class NodeRuntime:
             raise InvalidRequest("max_loaded_shards must be >= 1")
         self.max_loaded_shards = max_loaded_shards
         self.compute_dtype = compute_dtype
-        self.sessions = sessions or SessionStore()
+        self.sessions = sessions if sessions is not None else SessionStore()  # an empty store is falsy
         self.slots: dict[str, ShardSlot] = {}
         self.lock = threading.Lock()
         self.tokens_processed = 0
@@ -78,6 +79,7 @@ class NodeRuntime:
         Raises:
             MeshnetError: no free slot.
         """
+        model = canonical_model_name(model)
         for slot in self.slots.values():
             if slot.model == model and slot.layers == layers:
                 return slot
@@ -93,7 +95,7 @@ class NodeRuntime:
 
     def drop(self, model: str, layers: LayerRange) -> bool:
         """Free a slot's weights and its sessions; False when it was not loaded."""
-        key = f"{model}:{layers.start}-{layers.end}"
+        key = f"{canonical_model_name(model)}:{layers.start}-{layers.end}"
         with self.lock:
             slot = self.slots.pop(key, None)
             if slot is not None:
@@ -106,6 +108,7 @@ class NodeRuntime:
         Raises:
             NotFound: no loaded shard covers the requested layers.
         """
+        model = None if model is None else canonical_model_name(model)
         for slot in self.slots.values():
             if (model is None or slot.model == model) and slot.layers.contains_range(layers):
                 return slot
@@ -157,6 +160,15 @@ class NodeRuntime:
             self.sessions.commit(session, input_ids.shape[1])
             self.tokens_processed += input_ids.shape[1]
         return out
+
+    def check_room(self) -> None:
+        """Whether a new session may start here now (blocking: waits for a running forward).
+
+        Raises:
+            SessionCacheFull: the session cache is at its cap (HTTP 503).
+        """
+        with self.lock:
+            self.sessions.check_room()
 
     def describe(self) -> list[ShardInfo]:
         return [slot.describe() for slot in self.slots.values()]

@@ -1,9 +1,17 @@
-"""KV-cache sessions on a node, expiring by TTL and evicted LRU under a memory cap.
+"""KV-cache sessions on a node: admitted under a memory cap, expired by TTL, never evicted live.
 
 A session is one generation's KV cache for one shard slot, keyed by the session id the
 orchestrator sends in ``X-Meshnet-Session``. Position 0 (re)starts a session; any other
-position must equal the cached length, so a lost or evicted session surfaces as a clear
+position must equal the cached length, so a lost or expired session surfaces as a clear
 409 instead of silently wrong attention.
+
+A session is *in use* from its position-0 call until it is released (``DELETE
+/v1/sessions/{id}``) or stays idle for more than ``ttl_s``. A session in use is never
+evicted: the memory cap is enforced when a session starts, not by dropping another
+generation half-way. When the cap is reached a new session is refused with 503
+``session_cache_full`` (the entry node then tries another holder of the layers); a
+session already admitted may still grow past the cap, and new ones are refused until
+releases or expiry bring the total back under it (docs/adr/0031-hop-failures-and-session-admission.md).
 """
 
 from __future__ import annotations
@@ -17,11 +25,19 @@ from meshnet.models.shard import KVCache
 
 
 class SessionConflict(MeshnetError):
-    """Position does not continue the cached session (expired, evicted or out of order)."""
+    """Position does not continue the cached session (expired, released or out of order)."""
 
     status = 409
     code = "session_conflict"
     type = "invalid_request_error"
+
+
+class SessionCacheFull(MeshnetError):
+    """No room under the node's session memory cap for a new session (HTTP 503, try another node)."""
+
+    status = 503
+    code = "session_cache_full"
+    type = "service_unavailable"
 
 
 @dataclass
@@ -39,12 +55,17 @@ class SessionStore:
     until it meets a live session, and the byte total is updated by each commit's delta.
 
     Args:
-        ttl_s: idle seconds after which a session expires (default 300 s).
-        max_bytes: cap on the bytes held by all KV caches; least recently used sessions are
-            evicted past it (default 1 GiB).
+        ttl_s: idle seconds after which a session expires (default 300 s); > 0.
+        max_bytes: cap on the bytes held by all KV caches (default 1 GiB); > 0. A new session
+            is refused while the total is at or over it; live sessions are never evicted.
+
+    Raises:
+        ValueError: ``ttl_s`` or ``max_bytes`` not positive.
     """
 
     def __init__(self, ttl_s: float = 300.0, max_bytes: int = 1 << 30) -> None:
+        if ttl_s <= 0 or max_bytes <= 0:
+            raise ValueError(f"session ttl_s and max_bytes must be > 0, got {ttl_s} and {max_bytes}")
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
         self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
@@ -54,6 +75,8 @@ class SessionStore:
         """Session to run ``position..``; position 0 starts it afresh.
 
         Raises:
+            SessionCacheFull: position 0 while the cached bytes are at or over ``max_bytes``
+                (an existing session restarted at 0 first gives back its own bytes).
             SessionConflict: ``position`` differs from the cached length.
         """
         now = time.monotonic() if now is None else now
@@ -61,11 +84,12 @@ class SessionStore:
         key = (session_id, slot_key)
         if position == 0:
             self._drop(key)
+            self.check_room(session_id, now)
             self._sessions[key] = Session(last_used_s=now)
         session = self._sessions.get(key)
         if session is None:
             raise SessionConflict(f"unknown session {session_id!r} at position {position}",
-                                  hint="the session expired or was evicted; replay it from position 0")
+                                  hint="the session expired or was released; replay it from position 0")
         if session.length != position:
             raise SessionConflict(f"session {session_id!r} holds {session.length} tokens, "
                                   f"request is at position {position}")
@@ -73,13 +97,29 @@ class SessionStore:
         self._sessions.move_to_end(key)
         return session
 
+    def check_room(self, session_id: str = "", now: float | None = None) -> None:
+        """Expire idle sessions, then check that a new session may start.
+
+        Raises:
+            SessionCacheFull: the live sessions hold ``max_bytes`` or more.
+        """
+        self.expire(now)
+        if self._nbytes >= self.max_bytes:
+            raise SessionCacheFull(
+                f"session cache full: {self._nbytes} of {self.max_bytes} bytes held by {len(self)} live "
+                f"session(s); new session{f' {session_id!r}' if session_id else ''} refused",
+                hint="another node holding these layers can take it; or raise --session-cache-mb "
+                     "(MESHNET_SESSION_CACHE_MB) on this node")
+
     def commit(self, session: Session, n_tokens: int) -> None:
-        """Record ``n_tokens`` more cached tokens and enforce the memory cap."""
+        """Record ``n_tokens`` more cached tokens and the cache's new size (bytes).
+
+        Never evicts: a live session may grow past ``max_bytes``; new ones are then refused.
+        """
         session.length += n_tokens
         size = session.cache.nbytes
         self._nbytes += size - session.nbytes
         session.nbytes = size
-        self.evict_to_cap()
 
     def _drop(self, key: tuple[str, str]) -> None:
         session = self._sessions.pop(key, None)
@@ -108,13 +148,6 @@ class SessionStore:
             self._drop(key)
             expired += 1
         return expired
-
-    def evict_to_cap(self) -> int:
-        evicted = 0
-        while len(self._sessions) > 1 and self._nbytes > self.max_bytes:
-            self._drop(next(iter(self._sessions)))
-            evicted += 1
-        return evicted
 
     @property
     def nbytes(self) -> int:

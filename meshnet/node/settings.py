@@ -6,7 +6,9 @@ import os
 import uuid
 from dataclasses import dataclass
 
+from meshnet.endpoints import base_url
 from meshnet.layers import LayerRange
+from meshnet.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
 
 
 @dataclass(frozen=True)
@@ -21,11 +23,17 @@ class NodeSettings:
         compute_dtype: ``float32`` or ``bfloat16``; ``quantization``: recipe name.
         wire_dtype: activation dtype this node sends as an entry node.
         heartbeat_interval_s: seconds between heartbeats (DESIGN: 10 s).
-        session_ttl_s, session_cache_bytes: KV-cache session expiry and memory cap.
+        session_ttl_s, session_cache_bytes: idle seconds before a KV-cache session expires, and
+            the cap in bytes above which new sessions are refused (live ones are never evicted).
+        hop_timeout_s: seconds one hop call may take in all; ``hop_connect_timeout_s`` to connect
+            (short, so an unreachable hop fails over in seconds, not after ``hop_timeout_s``).
         accepts_placement: let the tracker assign shards (managed placement).
         torch_threads: intra-op threads (None: torch default).
+        max_body_bytes: largest JSON request body (413 above; see
+            :data:`meshnet.gateway.body_limit.DEFAULT_MAX_BODY_BYTES`); ``/v1/forward`` frames
+            are bounded by the wire format's own limit instead.
         drain_grace_s: on SIGTERM, seconds in-flight generations and hop sessions may take to
-            finish before the node leaves (ADR-0031).
+            finish before the node leaves (ADR-0032).
         drain_hop_idle_s: while draining, a hop session untouched this long counts as over
             (its entry finished without releasing it, or died), seconds.
     """
@@ -46,15 +54,18 @@ class NodeSettings:
     session_ttl_s: float = 300.0
     session_cache_bytes: int = 1 << 30
     hop_timeout_s: float = 60.0
+    hop_connect_timeout_s: float = 5.0
     accepts_placement: bool = True
     wallet: str = ""
     torch_threads: int | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_grace_s: float = 30.0
     drain_hop_idle_s: float = 5.0
 
     @property
     def endpoint(self) -> str:
-        return self.public_url or f"http://{self.host}:{self.port}"
+        """Base URL others reach this node at: ``public_url``, else ``http://host:port`` (IPv6 bracketed)."""
+        return self.public_url or base_url(self.host, self.port)
 
 
 def new_node_id() -> str:

@@ -17,6 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from meshnet.endpoints import check_endpoint
+from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
 
 #: assignment tiers (ADR-0026): ``pinned`` (operator), ``bootstrap`` (first join), ``managed`` (demand)
@@ -35,20 +37,24 @@ DirectiveStatus = Literal["queued", "delivered", "acked", "done", "failed"]
 OPEN_STATUSES = ("queued", "delivered", "acked")
 #: registration default when a node reports no memory: 8 GiB (older nodes keep working)
 DEFAULT_VRAM_BYTES = 8 * 1024**3
+#: most decoder layers a reported model may have: the deepest published decoder stacks have
+#: under 200; the tracker does per-layer work (coverage maps) for a model a node reports
+MAX_LAYERS = 1024
 
 
 class Payload(BaseModel):
-    """Base of every control-plane payload: unknown fields are a validation error."""
+    """Base of every control-plane payload: unknown fields and non-finite numbers are validation
+    errors (one node's malformed report must not break routing for everyone)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ShardRange(Payload):
     """An inclusive layer range of one model (ADR-0002)."""
 
     model: str = Field(min_length=1)
-    shard_start: int = Field(ge=0)
-    shard_end: int = Field(ge=0)
+    shard_start: int = Field(ge=0, lt=MAX_LAYERS)
+    shard_end: int = Field(ge=0, lt=MAX_LAYERS)
 
     @field_validator("shard_end")
     @classmethod
@@ -106,8 +112,15 @@ class ShardInfo(ShardRange):
     quantization: Recipe = "bfloat16"
     entry: bool = False
     weight_bytes: int = Field(default=0, ge=0)
-    num_layers: int | None = Field(default=None, ge=1)
+    num_layers: int | None = Field(default=None, ge=1, le=MAX_LAYERS)
     report: CapabilityReport | None = None
+
+    @field_validator("num_layers")
+    @classmethod
+    def _holds_the_shard(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("shard_end", 0) >= value:
+            raise ValueError(f"a model of {value} layers has no layer {info.data.get('shard_end')}")
+        return value
 
 
 class NodeStats(Payload):
@@ -157,8 +170,23 @@ class RegisterRequest(Payload):
     accepts_placement: bool = True
     shards: list[ShardInfo] = Field(default_factory=list)
 
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        try:
+            return check_endpoint(value)
+        except InvalidRequest as exc:
+            raise ValueError(exc.message + " (an IPv6 address goes in brackets: http://[::1]:8821)") from None
 
-class RegisterResponse(Payload):
+
+class Reachability(Payload):
+    """Whether the tracker could reach the node's endpoint (its shards are admitted only if so)."""
+
+    reachable: bool = True
+    reach_error: str = ""
+
+
+class RegisterResponse(Reachability):
     """Answer to a registration: the node's id and the heartbeat period to use, seconds."""
 
     node_id: str
@@ -205,7 +233,7 @@ class HeartbeatRequest(Payload):
     directive_updates: list[DirectiveUpdate] = Field(default_factory=list)
 
 
-class HeartbeatResponse(Payload):
+class HeartbeatResponse(Reachability):
     """The directives delivered by this heartbeat, in the order to apply them."""
 
     directives: list[Directive] = Field(default_factory=list)

@@ -3,7 +3,7 @@
 Routes (JSON unless noted; ``shard_start``/``shard_end``/``start_layer``/``end_layer`` are
 inclusive on the wire, ADR-0002):
     POST /v1/nodes/register, POST /v1/nodes/{id}/heartbeat, POST /v1/nodes/{id}/failure
-    POST /v1/nodes/{id}/drain, DELETE /v1/nodes/{id}  (a node's own drain and leave, ADR-0031)
+    POST /v1/nodes/{id}/drain, DELETE /v1/nodes/{id}  (a node's own drain and leave, ADR-0032)
     GET  /v1/nodes, /v1/coverage, /v1/coverage/{model}, /v1/route, /v1/network/assign,
          /v1/directives, /v1/demand, /v1/models, /metrics
     GET  /v1/health (liveness), /v1/ready[?model=] (readiness: 200, or 503 with reasons)
@@ -20,18 +20,20 @@ import time
 
 import httpx
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError
-from meshnet.gateway.schema import error_response, parse_chat_request, validate_json
+from meshnet.gateway.body_limit import BodyLimit
+from meshnet.gateway.schema import error_response, read_chat_request, validate_json
 from meshnet.layers import LayerRange
+from meshnet.presets import canonical_model_name, default_model, model_aliases
 from meshnet.tracker import operator, placement, proxy, views
 from meshnet.tracker.metrics import TrackerMetrics
+from meshnet.tracker.probe import probe_endpoint
 from meshnet.tracker.rebalance import rebalance
 from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
                                       RegisterRequest, RegisterResponse)
@@ -61,25 +63,55 @@ def _int_param(request: Request, name: str, default: int | None = None) -> int:
     return value
 
 
+async def probe(app: Starlette, node_id: str, endpoint: str) -> None:
+    """Probe one node's endpoint now and record the answer (meshnet.tracker.probe)."""
+    svc: TrackerService = app.state.service
+    error = await probe_endpoint(app.state.http, endpoint, node_id, svc.settings.probe_timeout_s)
+    svc.set_reachability(node_id, endpoint, error)
+    if svc.dirty:
+        app.state.wake.set()
+
+
+def probe_soon(app: Starlette, node_id: str, endpoint: str) -> None:
+    """Probe in the background, at most one probe per node at a time."""
+    probing: dict[str, asyncio.Task] = app.state.probing
+    if node_id not in probing:
+        probing[node_id] = task = asyncio.create_task(probe(app, node_id, endpoint))
+        task.add_done_callback(lambda _: probing.pop(node_id, None))
+
+
+def _reachability(node) -> dict:
+    return {"reachable": node.reachable, "reach_error": node.reach_error}
+
+
 async def register(request: Request) -> JSONResponse:
+    """Register a node, then probe its endpoint once before answering: its shards are admitted only
+    once the tracker has reached it (a node that registers before it listens is probed again)."""
     svc = _svc(request)
     record = svc.register(validate_json(RegisterRequest, await request.body()))
+    await probe(request.app, record.node_id, record.endpoint)
     request.app.state.wake.set()
-    return JSONResponse(RegisterResponse(node_id=record.node_id,
-                                         heartbeat_interval_s=svc.settings.heartbeat_interval_s).model_dump())
+    return JSONResponse(RegisterResponse(node_id=record.node_id, heartbeat_interval_s=svc.settings.heartbeat_interval_s,
+                                         **_reachability(record)).model_dump())
 
 
 async def heartbeat(request: Request) -> JSONResponse:
     svc = _svc(request)
-    directives = svc.heartbeat(request.path_params["node_id"], validate_json(HeartbeatRequest, await request.body()))
+    node_id = request.path_params["node_id"]
+    directives = svc.heartbeat(node_id, validate_json(HeartbeatRequest, await request.body()))
     if svc.dirty:
         request.app.state.wake.set()
-    return JSONResponse(HeartbeatResponse(directives=directives).model_dump(mode="json"))
+    return JSONResponse(HeartbeatResponse(directives=directives, **_reachability(svc.get(node_id))).model_dump(mode="json"))
 
 
 async def failure(request: Request) -> JSONResponse:
+    """A hop failure report: recorded (routes avoid the node a while) and the node probed again."""
     body = validate_json(FailureReport, await request.body())
-    _svc(request).report_failure(request.path_params["node_id"], body.reason)
+    svc = _svc(request)
+    node_id = request.path_params["node_id"]
+    svc.report_failure(node_id, body.reason)
+    if node_id in svc.nodes:
+        probe_soon(request.app, node_id, svc.nodes[node_id].endpoint)
     return JSONResponse({"ok": True})
 
 
@@ -161,7 +193,8 @@ async def demand(request: Request) -> JSONResponse:
 async def models(request: Request) -> JSONResponse:
     svc = _svc(request)
     data = [{"id": m.name, "object": "model", "owned_by": "meshnet", "num_layers": m.num_layers,
-             "routable": svc.coverage(m.name)["routable"]} for m in svc.tracked_models()]
+             "routable": svc.coverage(m.name)["routable"],
+             "aliases": model_aliases(m.name)} for m in svc.tracked_models()]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -172,24 +205,23 @@ async def health(request: Request) -> JSONResponse:
 
 
 async def ready(request: Request) -> JSONResponse:
-    """Readiness (ADR-0031): 200 ``{"ready": true, ...}`` or 503 ``{"ready": false, "reasons": [...]}``."""
+    """Readiness (ADR-0032): 200 ``{"ready": true, ...}`` or 503 ``{"ready": false, "reasons": [...]}``."""
     body = _svc(request).readiness(request.query_params.get("model"), draining=request.app.state.drain.draining)
     return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
 
 async def chat(request: Request) -> Response:
-    """Forward the chat body to an entry node (streams pass straight through; see :mod:`proxy`)."""
-    from meshnet.presets import default_model
-
+    """Forward the chat body to an entry node; the next one when it is unreachable, draining or
+    out of session room (:mod:`meshnet.tracker.proxy`). Streams pass straight through."""
     svc = _svc(request)
     body = await request.body()
-    req = parse_chat_request(body)
-    model = req.model or default_model()
-    resp, node_id = await proxy.open_entry(svc, request.app.state.http, model, body)
-    headers = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "cache-control")}
-    event_stream = resp.headers.get("content-type", "").startswith("text/event-stream")
-    return StreamingResponse(proxy.relay(svc, resp, node_id, event_stream), status_code=resp.status_code,
-                             headers=headers, background=BackgroundTask(resp.aclose))
+    req = await read_chat_request(body)
+    model = canonical_model_name(req.model or default_model())
+    entries = svc.entry_nodes(model)[:proxy.ENTRY_TRIES]
+    svc.metrics.requests.labels(model=model).inc()
+    svc.add_served(model)
+    return await proxy.forward_chat(svc, request.app.state.http, entries, body,
+                                    lambda node: probe_soon(request.app, node.node_id, node.endpoint))
 
 
 async def metrics(request: Request) -> Response:
@@ -199,7 +231,8 @@ async def metrics(request: Request) -> Response:
 
 
 async def control_loop(app: Starlette) -> None:
-    """Dropout checks every second; rebalance on every join/leave and every rebalance interval."""
+    """Every second: probe unreachable nodes again and check dropouts; rebalance on every
+    join/leave/reachability change and every rebalance interval."""
     svc: TrackerService = app.state.service
     last = 0.0
     while True:
@@ -209,6 +242,8 @@ async def control_loop(app: Starlette) -> None:
             pass
         app.state.wake.clear()
         try:
+            for node in svc.to_probe():
+                probe_soon(app, node.node_id, node.endpoint)
             svc.check_dropouts()
             settled = time.monotonic() - svc.last_join_s >= svc.settings.join_settle_s
             if (svc.dirty and settled) or time.monotonic() - last >= svc.settings.rebalance_interval_s:
@@ -222,9 +257,18 @@ async def _on_error(request: Request, exc: MeshnetError) -> Response:
     return error_response(exc)
 
 
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    """Any other exception: the JSON envelope (500 ``internal_error``), never plain text."""
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(MeshnetError(f"internal error on tracker: {type(exc).__name__}: {exc}"))
+
+
 def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerService | None = None,
-              *, run_loop: bool = True) -> Starlette:
-    """Create the tracker app; the lifespan runs the control loop unless ``run_loop`` is False."""
+              *, run_loop: bool = True, transport: httpx.AsyncBaseTransport | None = None) -> Starlette:
+    """Create the tracker app; the lifespan runs the control loop unless ``run_loop`` is False.
+
+    ``transport`` carries the tracker's own calls to nodes (probes, chat forwarding, doctor);
+    tests pass an ``httpx.MockTransport`` or ``ASGITransport`` (default: the network)."""
 
     drain = Drain((service.settings if service else settings).drain_grace_s)
 
@@ -233,16 +277,18 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
         app.state.service = service or TrackerService(settings)
         app.state.service.metrics = TrackerMetrics()
         app.state.wake = asyncio.Event()
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0)) as http:
+        app.state.probing = {}
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), transport=transport) as http:
             app.state.http = http
             task = asyncio.create_task(control_loop(app)) if run_loop else None
             try:
                 yield
             finally:
-                if task is not None:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                for pending in [task, *app.state.probing.values()]:
+                    if pending is not None:
+                        pending.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await pending
 
     routes = [Route("/v1/nodes/register", register, methods=["POST"]),
               Route("/v1/nodes/{node_id}/heartbeat", heartbeat, methods=["POST"]),
@@ -250,13 +296,15 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
               Route("/v1/nodes/{node_id}/drain", drain_node, methods=["POST"]),
               Route("/v1/nodes/{node_id}", deregister, methods=["DELETE"]),
               Route("/v1/nodes", nodes), Route("/v1/coverage", coverage_all),
-              Route("/v1/coverage/{model}", coverage_one), Route("/v1/route", route),
+              Route("/v1/coverage/{model:path}", coverage_one), Route("/v1/route", route),
               Route("/v1/network/assign", network_assign), Route("/v1/directives", directives),
               Route("/v1/demand", demand), Route("/v1/models", models), Route("/v1/health", health),
               Route("/v1/ready", ready),
               Route("/v1/chat/completions", chat, methods=["POST"]), Route("/metrics", metrics),
               *operator.routes()]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={MeshnetError: _on_error},
-                    middleware=[Middleware(DrainMiddleware, drain=drain)])
-    app.state.drain = drain  # SIGTERM: new chats 503, proxied chats get drain_grace_s to finish (ADR-0031)
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    middleware=[Middleware(BodyLimit, max_bytes=settings.max_body_bytes),
+                                Middleware(DrainMiddleware, drain=drain)],
+                    exception_handlers={MeshnetError: _on_error, Exception: _unexpected_error})
+    app.state.drain = drain  # SIGTERM: new chats 503, proxied chats get drain_grace_s to finish (ADR-0032)
     return app

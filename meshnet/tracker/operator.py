@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hmac
 
-import httpx
 from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -84,14 +83,11 @@ async def doctor(request: Request) -> JSONResponse:
     try:
         resp = await request.app.state.http.post(f"{node.endpoint}/v1/doctor", timeout=300.0)
         resp.raise_for_status()
-    except httpx.HTTPError as exc:
-        svc.store.set_status(directive.id, "failed", str(exc))
-        raise MeshnetError(f"doctor on {node.node_id} failed: {exc}", code="doctor_failed", status=502) from exc
-    try:
         reports = DoctorResponse.model_validate(resp.json()).reports
-    except ValueError as exc:
-        svc.store.set_status(directive.id, "failed", f"bad doctor answer: {exc}")
-        raise MeshnetError(f"doctor on {node.node_id} answered an invalid body: {exc}", code="doctor_failed",
+    except Exception as exc:  # noqa: BLE001 - unreachable, error status, a body without valid reports
+        why = f"{type(exc).__name__}: {exc}"
+        svc.store.set_status(directive.id, "failed", why)
+        raise MeshnetError(f"doctor on {node.node_id} at {node.endpoint} failed: {why}", code="doctor_failed",
                            status=502) from exc
     failed = svc.record_doctor(node.node_id, reports)
     svc.store.set_status(directive.id, "failed" if failed else "done", "; ".join(failed) or None)

@@ -1,81 +1,82 @@
-"""The tracker's chat proxy: which entry node gets a chat, and relaying its answer (ADR-0031).
+"""The tracker's chat proxy: which entry node gets a chat, and relaying its answer (ADR-0032).
 
-A new chat must not see an entry node's absence while another entry is up: one that
-cannot be reached (SIGKILLed, still starting) or that answers 503 ``draining`` is skipped
-for the next. A stream whose entry connection breaks ends with an SSE error event rather
-than stopping mid-event.
+A new chat must not see an entry node's absence while another entry is up. The entry nodes
+are tried in the tracker's order (:meth:`TrackerService.entry_nodes`), at most
+:data:`ENTRY_TRIES` of them: one that cannot be reached (SIGKILLed, still starting, a bad
+URL) is reported and probed, one that answers 503 ``draining`` is marked draining, one that
+answers 503 ``session_cache_full`` has no room; each time the next one is tried. A stream
+whose entry connection breaks ends with an SSE error event rather than stopping mid-event.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httpx
+from starlette.background import BackgroundTask
+from starlette.responses import Response, StreamingResponse
 
 from meshnet.drain import sse_error
 from meshnet.errors import Draining, MeshnetError
+from meshnet.tracker.registry import NodeRecord
 from meshnet.tracker.service import TrackerService
 
 log = logging.getLogger(__name__)
 
-#: entry nodes one chat tries (each unreachable or draining one is skipped for the next)
-ENTRY_ATTEMPTS = 3
+#: entry nodes one chat may try
+ENTRY_TRIES = 3
+#: 503 codes of an entry node after which the next entry node is tried
+NEXT_ENTRY_CODES = frozenset({Draining.code, "session_cache_full"})
 
 
-async def open_entry(svc: TrackerService, http: httpx.AsyncClient, model: str,
-                     body: bytes) -> tuple[httpx.Response, str]:
-    """Send a chat to an entry node (counting it as served once one is chosen), trying up to
-    ``ENTRY_ATTEMPTS`` of them: one that cannot be reached is reported (later chats choose it
-    last for a while), one that answers 503 ``draining`` is marked draining.
+async def forward_chat(svc: TrackerService, http: httpx.AsyncClient, entries: list[NodeRecord], body: bytes,
+                       on_unreachable: Callable[[NodeRecord], None]) -> Response:
+    """Send a chat body to the first entry node of ``entries`` that takes it; its answer, streamed.
 
-    Returns:
-        ``(response with its body still streaming, entry node id)``.
+    ``on_unreachable(node)`` runs for each entry node that could not be reached (the app probes it).
+    The last entry node's answer is returned whatever it is.
 
     Raises:
-        ModelNotRoutable: no entry node (503 ``model_loading``).
-        MeshnetError: 502 ``entry_unreachable``: no entry node answered.
+        MeshnetError: 502 ``entry_unreachable`` when the last entry node tried could not be reached.
     """
-    tried: set[str] = set()
     failure: MeshnetError | None = None
-    while len(tried) < ENTRY_ATTEMPTS:
+    for i, node in enumerate(entries):
+        last = i + 1 == len(entries)
         try:
-            node = svc.entry_node(model, frozenset(tried))
-        except MeshnetError as exc:
-            if failure is not None and exc.code == "entry_unreachable":
-                raise failure from None
-            raise
-        if not tried:
-            svc.metrics.requests.labels(model=model).inc()
-            svc.add_served(model)
-        upstream = http.build_request("POST", f"{node.endpoint}/v1/chat/completions", content=body,
-                                      headers={"Content-Type": "application/json"})
-        try:
+            upstream = http.build_request("POST", f"{node.endpoint}/v1/chat/completions", content=body,
+                                          headers={"Content-Type": "application/json"})
             resp = await http.send(upstream, stream=True)
-        except httpx.HTTPError as exc:
+        except Exception as exc:  # noqa: BLE001 - refused, timed out, bad URL...: the entry node failed
             svc.report_failure(node.node_id, str(exc))
-            failure = MeshnetError(f"entry node {node.node_id} unreachable: {exc}", code="entry_unreachable",
-                                   status=502)
-        else:
-            if resp.status_code != 503 or not await _says_draining(resp):
-                return resp, node.node_id
-            if node.node_id in svc.nodes:
-                svc.drain(node.node_id)
-            failure = MeshnetError(f"entry node {node.node_id} is draining", code="entry_unreachable", status=502)
-        tried.add(node.node_id)
-        log.warning("%s; trying another entry node", failure.message)
+            on_unreachable(node)
+            failure = MeshnetError(f"entry node {node.node_id} at {node.endpoint} unreachable: "
+                                   f"{type(exc).__name__}: {exc}", code="entry_unreachable", status=502)
+            log.warning("%s%s", failure.message, "" if last else "; trying the next entry node")
+            continue
+        if resp.status_code == 503 and not last:
+            answer = await resp.aread()
+            await resp.aclose()
+            code = _error_code(answer)
+            if code in NEXT_ENTRY_CODES:
+                if code == Draining.code and node.node_id in svc.nodes:
+                    svc.drain(node.node_id)  # it says so itself: no more routes through it either
+                log.info("entry node %s answered %s; trying %s", node.node_id, code, entries[i + 1].node_id)
+                continue
+            return Response(answer, status_code=503, media_type=resp.headers.get("content-type"))
+        headers = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "cache-control")}
+        event_stream = resp.headers.get("content-type", "").startswith("text/event-stream")
+        return StreamingResponse(relay(svc, resp, node.node_id, event_stream), status_code=resp.status_code,
+                                 headers=headers, background=BackgroundTask(resp.aclose))
     raise failure
 
 
-async def _says_draining(resp: httpx.Response) -> bool:
-    """Read a 503 answer (and close it): is it a node's ``draining`` refusal?"""
+def _error_code(answer: bytes) -> str | None:
     try:
-        await resp.aread()
-        return resp.json().get("error", {}).get("code") == Draining.code
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return False
-    finally:
-        await resp.aclose()
+        return json.loads(answer)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 async def relay(svc: TrackerService, resp: httpx.Response, node_id: str, event_stream: bool) -> AsyncIterator[bytes]:

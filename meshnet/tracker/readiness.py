@@ -1,4 +1,4 @@
-"""Tracker readiness: can a chat be served through this tracker now, and if not, why (ADR-0031).
+"""Tracker readiness: can a chat be served through this tracker now, and if not, why (ADR-0032).
 
 Liveness (``GET /v1/health``) says the process runs. Readiness (``GET /v1/ready``) says a
 chat would be served: the tracker is not draining and at least one tracked model is

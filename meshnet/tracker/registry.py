@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from meshnet.layers import LayerRange
+from meshnet.presets import canonical_model_name
 from meshnet.protocol.control import CapabilityReport, NodeStats, ShardInfo
 
 
@@ -27,7 +28,9 @@ class ShardRecord:
 
     @classmethod
     def from_payload(cls, p: ShardInfo) -> "ShardRecord":
-        return cls(p.model, p.layers, p.tier, p.quantization, p.entry, p.weight_bytes, p.report)
+        """The record of a reported shard, under the model's one canonical name (aliases resolved)."""
+        return cls(canonical_model_name(p.model), p.layers, p.tier, p.quantization, p.entry, p.weight_bytes,
+                   p.report)
 
 
 @dataclass
@@ -56,15 +59,21 @@ class NodeRecord:
     draining: bool = False
     last_move_s: float | None = None   # monotonic time of the last demand move (cooldown, ADR-0005)
     reason: str = ""            # why the node did or did not receive a range (placement)
+    #: the tracker connected to ``endpoint`` (meshnet.tracker.probe); until then nothing is admitted
+    reachable: bool = False
+    reach_error: str = "not probed yet"
+    probed_s: float | None = None  # monotonic time of the last probe's answer
 
     @property
     def quantization(self) -> str:
         return self.quantizations[0]
 
     def admitted(self, shard: ShardRecord) -> bool:
-        """A shard counts (coverage, routes) only with a present, passed and fresh report."""
+        """A shard counts (coverage, routes) only with a present, passed and fresh report, on a
+        node the tracker can reach."""
         report = shard.report
-        return bool(report is not None and report.passed and not self.is_stale(report) and not self.draining)
+        return bool(report is not None and report.passed and not self.is_stale(report) and not self.draining
+                    and self.reachable)
 
     def is_stale(self, report: CapabilityReport | None) -> bool:
         return report is not None and report.timestamp in self.stale_reports

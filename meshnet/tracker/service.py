@@ -14,9 +14,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from meshnet.errors import InvalidRequest, MeshnetError, ModelNotRoutable, NotFound
+from meshnet.errors import InvalidRequest, ModelNotRoutable, NotFound
+from meshnet.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
 from meshnet.layers import LayerRange
-from meshnet.presets import find_preset
+from meshnet.presets import canonical_model_name, find_preset
 from meshnet.tracker import placement, readiness, routing
 from meshnet.protocol.control import (OPEN_STATUSES, CapabilityReport, Directive, HeartbeatRequest,
                                       RegisterRequest)
@@ -40,7 +41,12 @@ class TrackerSettings:
         load_failure_cooldown_s: a node whose LOAD_SHARD failed gets no new load for this long.
         join_settle_s: after a join, wait this long for more joins before rebalancing, so nodes
             starting together are planned together (the widest range to the biggest/fastest).
-        drain_grace_s: on SIGTERM, seconds proxied chats may take to finish (ADR-0031).
+        max_body_bytes: largest request body (413 above; see
+            :data:`meshnet.gateway.body_limit.DEFAULT_MAX_BODY_BYTES`).
+        demand_window_s: window over which demand and load rates are counted, seconds.
+        probe_timeout_s: a reachability probe of a node's endpoint must answer within this, seconds.
+        probe_interval_s: an unreachable node is probed again after this many seconds.
+        drain_grace_s: on SIGTERM, seconds proxied chats may take to finish (ADR-0032).
     """
 
     host: str = "127.0.0.1"
@@ -54,6 +60,9 @@ class TrackerSettings:
     load_failure_cooldown_s: float = 60.0
     join_settle_s: float = 2.0
     demand_window_s: float = 300.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    probe_timeout_s: float = 3.0
+    probe_interval_s: float = 1.0
     drain_grace_s: float = 30.0
 
 
@@ -79,7 +88,7 @@ class TrackerService:
         self.last_join_s = 0.0
         self.plan_reasons: Mapping[str, str] = {}  # node id -> why it did or did not get a range
         for name in settings.models:
-            self.store.add_model(name)
+            self.store.add_model(canonical_model_name(name))
         for name in self.store.models():
             self.ensure_model(name)
 
@@ -91,6 +100,7 @@ class TrackerService:
         Raises:
             NotFound: not a preset and no layer count known.
         """
+        name = canonical_model_name(name)
         if name in self.models:
             return self.models[name]
         preset = find_preset(name)
@@ -105,7 +115,8 @@ class TrackerService:
         return info
 
     def tracked_models(self) -> list[ModelInfo]:
-        names = set(self.store.models()) | {s.model for n in self.nodes.values() for s in n.shards}
+        names = {canonical_model_name(m) for m in self.store.models()}
+        names |= {s.model for n in self.nodes.values() for s in n.shards}
         return [self.ensure_model(n) for n in sorted(names)]
 
     # ---- nodes ------------------------------------------------------------------------
@@ -124,6 +135,8 @@ class TrackerService:
         old = self.nodes.get(node_id)
         if old is not None:
             record.stale_reports, record.draining = old.stale_reports, old.draining
+            if old.endpoint == record.endpoint:
+                record.reachable, record.reach_error, record.probed_s = old.reachable, old.reach_error, old.probed_s
         self.nodes[node_id] = record
         self.dirty = True
         if old is None:
@@ -265,6 +278,31 @@ class TrackerService:
             out.append(d.model_copy(update={"status": "delivered"}))
         return out
 
+    def set_reachability(self, node_id: str, endpoint: str, error: str, now: float | None = None) -> None:
+        """Record a probe of ``node_id`` at ``endpoint``: ``error`` is ``""`` when it answered, else why not.
+        A change in reachability changes admission, so it triggers a rebalance. A probe of an
+        endpoint the node no longer advertises (it re-registered meanwhile) is ignored."""
+        node = self.nodes.get(node_id)
+        if node is None or node.endpoint != endpoint:
+            return
+        node.probed_s = time.monotonic() if now is None else now
+        reachable = not error
+        if reachable != node.reachable:
+            self.dirty = True
+        if reachable and not node.reachable:
+            log.info("node %s is reachable at %s", node_id, node.endpoint)
+        elif node.reachable and not reachable:
+            log.warning("node %s became unreachable: %s", node_id, error)
+        elif not reachable and error != node.reach_error:  # a node registers before it listens: often once
+            log.info("node %s not reachable (yet): %s", node_id, error)
+        node.reachable, node.reach_error = reachable, error
+
+    def to_probe(self, now: float | None = None) -> list[NodeRecord]:
+        """Unreachable nodes whose last probe is ``probe_interval_s`` old or more."""
+        now = time.monotonic() if now is None else now
+        return [n for n in self.nodes.values() if not n.reachable
+                and (n.probed_s is None or now - n.probed_s >= self.settings.probe_interval_s)]
+
     def report_failure(self, node_id: str, reason: str) -> None:
         if node_id in self.nodes:
             self.nodes[node_id].last_failure_s = time.monotonic()
@@ -298,6 +336,8 @@ class TrackerService:
     # ---- coverage and routes ----------------------------------------------------------
 
     def admitted_shards(self, model: str) -> list[tuple[NodeRecord, ShardRecord]]:
+        """Admitted shards of ``model`` (any of its names)."""
+        model = canonical_model_name(model)
         return [(n, s) for n in self.nodes.values() for s in n.shards if s.model == model and n.admitted(s)]
 
     def coverage(self, model: str) -> dict:
@@ -352,14 +392,13 @@ class TrackerService:
             full.coverage = self.coverage(model)
             raise full from None
 
-    def entry_node(self, model: str, exclude: frozenset[str] = frozenset()) -> NodeRecord:
-        """The entry node a chat goes to: admitted (so never a draining one), not in ``exclude``
-        (entries this chat already failed on), one without a recent hop failure first, then the
-        least loaded.
+    def entry_nodes(self, model: str) -> list[NodeRecord]:
+        """Admitted entry nodes of a routable model (so never a draining one), in the order a chat
+        tries them: ones without a recent failure (hop or proxy) first, then least loaded. At
+        least one.
 
         Raises:
             ModelNotRoutable: coverage gap or no entry node; the request counts as demand.
-            MeshnetError: 502 ``entry_unreachable``: every entry node is in ``exclude``.
         """
         info = self.ensure_model(model)
         cov = self.coverage(info.name)
@@ -369,17 +408,14 @@ class TrackerService:
             raise ModelNotRoutable(f"model {info.name} is not routable yet: {cov['covered_layers']}/{info.num_layers} "
                                    "layers covered by admitted nodes", coverage=cov, retry_after_s=5,
                                    hint="retry after Retry-After seconds; the tracker places shards where demand appears")
-        usable = [n for n, _ in entries if n.node_id not in exclude]
-        if not usable:
-            raise MeshnetError(f"no entry node of {info.name} answered (tried {', '.join(sorted(exclude))})",
-                               code="entry_unreachable", status=502, hint="retry shortly")
         now = time.monotonic()
 
         def failed_recently(n: NodeRecord) -> bool:
             return n.last_failure_s is not None and now - n.last_failure_s < routing.FAILURE_COOLDOWN_S
 
-        return min(usable, key=lambda n: (failed_recently(n), n.stats.requests_running, n.stats.sessions,
-                                           n.node_id))
+        ranked = sorted(entries, key=lambda e: (failed_recently(e[0]), e[0].stats.requests_running,
+                                                e[0].stats.sessions, e[0].node_id))
+        return list({n.node_id: n for n, _ in ranked}.values())
 
     def readiness(self, model: str | None = None, *, draining: bool = False) -> dict:
         """Whether a chat can be served now (of ``model``, or of any tracked model), and why not.

@@ -9,7 +9,8 @@ from meshnet.tracker import placement
 
 def node_json(service, node, models) -> dict:
     """One node: memory budget, ``max_assignable_layers`` per model of ``models`` (the tracked
-    ModelInfos), slots, ranges with tier and admission, the placement reason, stats and heartbeat age."""
+    ModelInfos), slots, ranges with tier and admission, whether the tracker reached its endpoint
+    (``reachable``, ``reach_error``), the placement reason, stats and heartbeat age."""
     now = time.monotonic()
     budget = placement.memory_budget_bytes(node.vram_bytes)
     max_layers = {}
@@ -34,6 +35,7 @@ def node_json(service, node, models) -> dict:
             "quantization": node.quantization, "max_assignable_layers": max_layers,
             "slots_used": len(node.shards), "slots_total": node.max_loaded_shards, "shards": shards,
             "accepts_placement": node.accepts_placement, "draining": node.draining,
+            "reachable": node.reachable, "reach_error": node.reach_error,
             "reason": node.reason or service.plan_reasons.get(node.node_id, ""),
             "stats": node.stats.model_dump(), "last_heartbeat_age_s": round(now - node.last_heartbeat_s, 1),
             "benchmark_tokens_per_sec": node.benchmark_tokens_per_sec}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,13 +11,15 @@ from pathlib import Path
 
 import httpx
 
+from meshnet.endpoints import base_url
+from meshnet.endpoints import free_port as _free_port_on
+
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` (IPv4 or IPv6) right now."""
+    return _free_port_on(host)
 
 
 class Mesh:
@@ -32,7 +33,7 @@ class Mesh:
         self.heartbeat_s = heartbeat_s
         self.procs: dict[str, subprocess.Popen] = {}
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = base_url("127.0.0.1", self.port)
 
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")

@@ -1,4 +1,4 @@
-"""SIGTERM drains a node (ADR-0031), with real processes and the real model.
+"""SIGTERM drains a node (ADR-0032), with real processes and the real model.
 
 Mesh: two entry nodes (0-9), two middle nodes (10-19), one tail (20-29), float32 end to end
 so that tokens are exact. SIGTERM to the node serving a stream, mid-stream: the stream still

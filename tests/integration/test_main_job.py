@@ -80,11 +80,35 @@ def test_float32_wire_greedy_equals_transformers_generate(mesh, real_model_path)
     assert got == expected
 
 
-def test_bad_chat_body_is_a_clear_422(mesh):
+def test_bad_chat_body_is_a_clear_400(mesh):
     resp = httpx.post(f"{mesh.url}/v1/chat/completions", json={"model": REAL, "messages": []}, timeout=30)
-    assert resp.status_code == 422
-    assert "messages" in resp.json()["error"]["message"]
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "messages"
     assert chat(mesh, FRANCE, max_tokens=8)["choices"][0]["message"]["content"]
+
+
+def test_openai_parameters_on_the_real_mesh(mesh):
+    """Issue inputs: each accepted parameter works through three hops, each refused one is a
+    400 naming it, an alias reaches the model, a huge prompt is refused at once."""
+    url = f"{mesh.url}/v1/chat/completions"
+    for fields, param in (({"stop": [""]}, "stop"), ({"seed": 2**64}, "seed"), ({"tools": []}, "tools"),
+                          ({"seed": 2**64, "stream": True}, "seed")):
+        resp = httpx.post(url, json={"model": REAL, "messages": FRANCE, **fields}, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    data = chat(mesh, FRANCE, n=3, logprobs=True, top_logprobs=3, max_tokens=4)
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    for c in data["choices"]:
+        assert len(c["logprobs"]["content"]) == 4 and len(c["logprobs"]["content"][0]["top_logprobs"]) == 3
+    plain = chat(mesh, STORY, max_tokens=24)["choices"][0]["message"]["content"]
+    assert chat(mesh, STORY, max_tokens=24, frequency_penalty=2.0)["choices"][0]["message"]["content"] != plain
+    alias = chat(mesh, FRANCE, max_tokens=4, model="HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert alias["model"] == REAL
+    entry = data["meshnet"]["route"][0]["endpoint"]
+    resp = httpx.post(url, json={"model": REAL, "messages": [{"role": "user", "content": "hello world, " * 200000}]},
+                      timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+    assert "at least" in resp.json()["error"]["message"]  # refused by the length bound, before tokenizing 2.6 MB
+    assert httpx.get(f"{entry}/v1/health", timeout=5).status_code == 200
 
 
 def test_meshnet_serve_then_chat_cli(real_model_path, tmp_path):

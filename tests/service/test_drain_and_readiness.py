@@ -1,4 +1,4 @@
-"""Readiness and drain of the real apps in-process (ADR-0031).
+"""Readiness and drain of the real apps in-process (ADR-0032).
 
 Tracker: readiness shapes with concrete reasons, a node's own drain and deregistration, and
 the chat proxy going around an entry node that is unreachable or draining, or that cuts a
@@ -22,6 +22,7 @@ from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings
 from meshnet.tracker.app import build_app as build_tracker
 from meshnet.tracker.service import TrackerSettings
+from tests.fake_nodes import HealthyNodes
 from tests.payloads import capability_report
 
 MODEL = "tiny-llama"
@@ -41,7 +42,8 @@ def node(node_id: str, *shards: dict) -> dict:
 
 @pytest.fixture
 def tracker_app():
-    return build_tracker(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False)
+    return build_tracker(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False,
+                         transport=HealthyNodes())
 
 
 @pytest.fixture
@@ -70,8 +72,9 @@ def answer(status: int, data: bytes | dict, ctype: str = "application/json") -> 
 
 
 def entry_nodes(app, handler) -> httpx.AsyncClient:
-    """Point the tracker's proxy client at ``handler(request) -> httpx.Response`` (raise to fail)."""
-    app.state.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    """Point the tracker's calls to nodes at ``handler(request) -> httpx.Response`` (raise to fail);
+    reachability probes still find every node healthy."""
+    app.state.http = httpx.AsyncClient(transport=HealthyNodes(httpx.MockTransport(handler)))
     return app.state.http
 
 

@@ -361,9 +361,10 @@ async def test_seeded_sampling_is_reproducible_over_http(entry):
     ({**CHAT, "top_p": 0}, "top_p"),
     ({**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
 ])
-async def test_bad_chat_body_is_422_naming_the_field(entry, body, field):
+async def test_bad_chat_body_is_400_naming_the_field(entry, body, field):
+    """OpenAI answers every bad chat parameter with 400 (SDKs raise BadRequestError on it)."""
     resp = await entry.post("/v1/chat/completions", json=body)
-    error = assert_envelope(resp, 422, "invalid_field")
+    error = assert_envelope(resp, 400, "invalid_field")
     assert error["message"].startswith(f"invalid field '{field}'")
     assert error["type"] == "invalid_request_error"
 
@@ -381,7 +382,8 @@ async def test_chat_for_a_model_without_an_entry_shard_is_404(entry, tail):
 
 
 async def test_models_lists_entry_shards_only(entry, tail):
-    assert (await entry.get("/v1/models")).json()["data"] == [{"id": MODEL, "object": "model", "owned_by": "meshnet"}]
+    assert (await entry.get("/v1/models")).json()["data"] == [{"id": MODEL, "object": "model", "owned_by": "meshnet",
+                                                               "aliases": ["meshnet/tiny-llama"]}]
     assert (await tail.get("/v1/models")).json()["data"] == []
 
 

@@ -32,6 +32,7 @@ from meshnet.protocol.control import HeartbeatRequest, RegisterRequest
 from meshnet.tracker.app import build_app
 from meshnet.tracker.service import TrackerSettings
 from tests.payloads import capability_report
+from tests.fake_nodes import HealthyNodes
 from tui.app import MeshnetConsole
 
 MODEL = "tiny-llama"
@@ -115,7 +116,8 @@ class LazyTrackerTransport(httpx.AsyncBaseTransport):
 
 
 def tracker_app():
-    return build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False)
+    """A tracker whose probes find every fake node reachable (tests.fake_nodes)."""
+    return build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False, transport=HealthyNodes())
 
 
 @dataclass

@@ -172,3 +172,15 @@ def test_node_rpm_prefers_the_nodes_own_figure():
     assert node_rpm({"stats": {"requests_per_min": 3.5}}, history) == 3.5
     assert node_rpm({"stats": {}}, history) == pytest.approx(100.0)
     assert node_rpm({"stats": {}}, None) is None
+
+
+def test_node_detail_names_an_unreachable_endpoint_and_why():
+    from tui.screens.nodes import detail_text
+    from tui.widgets.palette import Palette
+
+    palette = Palette(ok="green", bad="red", warn="yellow", accent="blue", muted="grey50", foreground="white",
+                      background="black")
+    node = {"node_id": "n1", "endpoint": "http://10.0.0.9:8701", "shards": [], "reachable": False,
+            "reach_error": "GET http://10.0.0.9:8701/v1/health failed: ConnectTimeout"}
+    assert "unreachable: GET http://10.0.0.9:8701/v1/health failed: ConnectTimeout" in detail_text(node, 0.0, palette).plain
+    assert "unreachable" not in detail_text({**node, "reachable": True}, 0.0, palette).plain

@@ -89,3 +89,43 @@ def test_nodes_marks_a_draining_node(monkeypatch):
     monkeypatch.setattr(TrackerClient, "nodes", fake_nodes)
     result = runner.invoke(app, ["nodes", "--url", "http://tracker.test"], env={"COLUMNS": "200"})
     assert result.exit_code == 0 and "mid-a (draining)" in result.stdout
+
+
+def _chat_answer(monkeypatch, response) -> None:
+    """Make ``meshnet chat``'s HTTP calls (plain and streamed) get ``response``."""
+    import meshnet.cli.ops as ops
+
+    monkeypatch.setattr(ops.httpx, "post", lambda *a, **kw: response)
+
+    class Stream:
+        def __enter__(self):
+            return response
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(ops.httpx, "stream", lambda *a, **kw: Stream())
+
+
+def test_chat_with_an_out_of_range_seed_prints_one_error_line(monkeypatch):
+    import httpx
+
+    seed = str(2**64)
+    message = f"invalid field 'seed': seed must lie in [0, 2**63 - 1] = [0, {2**63 - 1}], got {seed}"
+    _chat_answer(monkeypatch, httpx.Response(400, json={"error": {"message": message, "type": "invalid_request_error",
+                                                                   "code": "invalid_field", "param": "seed"}}))
+    for stream in ("--stream", "--no-stream"):
+        result = runner.invoke(app, ["chat", "hi", "--model", "tiny-llama", "--seed", seed, stream])
+        assert result.exit_code == 1
+        assert result.output.strip().splitlines() == [f"error: {message}"]
+
+
+def test_chat_against_a_server_error_in_plain_text_is_no_traceback(monkeypatch):
+    import httpx
+
+    _chat_answer(monkeypatch, httpx.Response(500, text="Internal Server Error"))
+    for stream in ("--stream", "--no-stream"):
+        result = runner.invoke(app, ["chat", "hi", "--model", "tiny-llama", stream])
+        assert result.exit_code == 1
+        assert result.output.strip().splitlines() == ["error: HTTP 500: Internal Server Error"]
+        assert result.exception is None or isinstance(result.exception, SystemExit)

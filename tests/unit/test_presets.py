@@ -38,3 +38,15 @@ def test_unknown_preset_raises_not_found_with_a_hint():
     assert info.value.status == 404
     assert "smollm2-135m-instruct" in info.value.hint and "meshnet models list" in info.value.hint
     assert find_preset("nope-7b") is None
+
+
+def test_one_canonical_name_for_a_preset_and_its_aliases():
+    from meshnet.presets import canonical_model_name, model_aliases
+
+    for alias in ("smollm2-135m-instruct", "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct",
+                  "huggingfacetb/smollm2-135m-instruct"):
+        assert canonical_model_name(alias) == "smollm2-135m-instruct"
+    assert get_preset("MESHNET/TINY-LLAMA").name == "tiny-llama"
+    assert canonical_model_name("/models/My-Local-Model") == "/models/My-Local-Model"  # not a preset: unchanged
+    assert model_aliases("TINY-GPT2") == ["meshnet/tiny-gpt2"]
+    assert model_aliases("/models/My-Local-Model") == []

@@ -1,4 +1,4 @@
-"""Readiness decisions (node and tracker) as pure functions, table-driven (ADR-0031)."""
+"""Readiness decisions (node and tracker) as pure functions, table-driven (ADR-0032)."""
 
 from __future__ import annotations
 

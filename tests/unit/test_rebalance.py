@@ -20,6 +20,7 @@ def service_with(copies: int, tier: str = "managed") -> TrackerService:
             "node_id": f"n{i}", "endpoint": f"http://127.0.0.1:{9000 + i}",
             "shards": [{"model": "tiny-llama", "shard_start": 0, "shard_end": 3, "tier": tier, "entry": True,
                         "report": report}]}))
+        svc.set_reachability(f"n{i}", f"http://127.0.0.1:{9000 + i}", "")  # as a probe that answered
     return svc
 
 

@@ -1,11 +1,11 @@
-"""KV-cache sessions (meshnet.node.sessions): start, continuation, TTL expiry, LRU eviction, release."""
+"""KV-cache sessions (meshnet.node.sessions): start, continuation, TTL expiry, admission under the cap, release."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from meshnet.node.sessions import SessionConflict, SessionStore
+from meshnet.node.sessions import SessionCacheFull, SessionConflict, SessionStore
 
 
 def fill(session, n_bytes: int) -> None:
@@ -73,29 +73,56 @@ def test_expire_returns_the_count_dropped():
     assert len(store) == 1
 
 
-def test_lru_eviction_by_max_bytes():
-    store = SessionStore(max_bytes=2500)
-    for sid in ("a", "b"):
-        session = store.acquire(sid, "slot", 0, now=0.0)
-        fill(session, 500)  # 1000 bytes of keys and values
-        store.commit(session, 1)
-    assert store.nbytes == 2000 and store.bytes_left == 500
-    store.acquire("a", "slot", 1, now=1.0)  # touch a: b is now least recently used
-    c = store.acquire("c", "slot", 0, now=2.0)
-    fill(c, 500)
-    store.commit(c, 1)
-    assert len(store) == 2 and store.nbytes == 2000
-    assert store.acquire("a", "slot", 1, now=3.0).length == 1
-    with pytest.raises(SessionConflict, match="unknown session 'b'"):
-        store.acquire("b", "slot", 1, now=3.0)
+def test_a_live_session_is_never_evicted_and_a_new_one_is_refused_at_the_cap():
+    store = SessionStore(max_bytes=1000)
+    a = store.acquire("a", "slot", 0, now=0.0)
+    fill(a, 500)  # 1000 bytes of keys and values: the cap
+    store.commit(a, 7)
+    with pytest.raises(SessionCacheFull, match="new session 'b' refused") as info:
+        store.acquire("b", "slot", 0, now=1.0)
+    assert info.value.status == 503 and info.value.code == "session_cache_full"
+    assert "--session-cache-mb" in info.value.hint
+    assert store.acquire("a", "slot", 7, now=2.0) is a  # A's next step still finds its cache
+    assert len(store) == 1 and store.nbytes == 1000
 
 
-def test_a_single_session_over_the_cap_is_kept():
+def test_room_comes_back_when_a_session_is_released_or_expires():
+    store = SessionStore(max_bytes=1000, ttl_s=10.0)
+    a = store.acquire("a", "slot", 0, now=0.0)
+    fill(a, 500)
+    store.commit(a, 1)
+    store.release("a")
+    assert store.acquire("b", "slot", 0, now=1.0).length == 0  # released: room again
+    b = store.acquire("b", "slot", 0, now=1.0)
+    fill(b, 500)
+    store.commit(b, 1)
+    with pytest.raises(SessionCacheFull):
+        store.acquire("c", "slot", 0, now=5.0)
+    assert store.acquire("c", "slot", 0, now=11.5).length == 0  # b idle 10.5 s: expired, c admitted
+    assert store.nbytes == 0 and len(store) == 1
+
+
+def test_restarting_a_session_at_zero_gives_back_its_own_bytes_first():
+    store = SessionStore(max_bytes=1000)
+    a = store.acquire("a", "slot", 0, now=0.0)
+    fill(a, 500)
+    store.commit(a, 1)
+    assert store.acquire("a", "slot", 0, now=1.0).length == 0  # a replay restarts it under the cap
+
+
+def test_an_admitted_session_may_grow_past_the_cap():
     store = SessionStore(max_bytes=100)
     session = store.acquire("big", "slot", 0, now=0.0)
     fill(session, 400)
     store.commit(session, 1)
-    assert len(store) == 1 and store.bytes_left == 0
+    assert len(store) == 1 and store.nbytes == 800 and store.bytes_left == 0
+    assert store.acquire("big", "slot", 1, now=1.0) is session
+
+
+@pytest.mark.parametrize("kw", [{"ttl_s": 0}, {"max_bytes": 0}, {"max_bytes": -1}])
+def test_store_limits_must_be_positive(kw):
+    with pytest.raises(ValueError, match="must be > 0"):
+        SessionStore(**kw)
 
 
 def test_release_drops_every_slot_of_a_session():

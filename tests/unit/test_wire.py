@@ -221,3 +221,14 @@ def test_truncated_zstd_body():
     assert body[:4] == wire.ZSTD_MAGIC
     with pytest.raises(WireError, match="truncated activation"):
         wire.decode(body[:-6])
+
+
+@pytest.mark.parametrize("positions", [1, 512])  # under and over wire.OFF_LOOP_BYTES (64 KiB of float32)
+async def test_async_encode_and_decode_equal_the_sync_ones(positions):
+    tensor = torch.randn(1, positions, 64, generator=torch.Generator().manual_seed(positions))
+    frame = await wire.encode_async(tensor, dtype="float32")
+    assert frame == wire.encode(tensor, dtype="float32")
+    assert torch.equal(await wire.decode_async(frame), tensor)
+    zeros = wire.encode(torch.zeros(1, positions, 64), dtype="float32")  # compressible: a zstd body
+    assert zeros[:4] == wire.ZSTD_MAGIC
+    assert torch.equal(await wire.decode_async(zeros), torch.zeros(1, positions, 64))

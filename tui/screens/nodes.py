@@ -86,6 +86,8 @@ def detail_text(node: dict, now: float, palette: Palette, num_layers: dict[str, 
         text.append("  draining", style=f"bold {palette.warn}")
     if not node.get("accepts_placement", True):
         text.append("  no placement", style=palette.warn)
+    if not node.get("reachable", True):
+        text.append(f"\nunreachable: {node.get('reach_error', '')}", style=f"bold {palette.bad}")
     for shard in node.get("shards", []):
         cap = shard.get("capability") or {}
         ok = cap.get("passed") and not cap.get("stale") and shard.get("admitted")

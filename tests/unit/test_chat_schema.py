@@ -1,0 +1,97 @@
+"""The chat request schema (meshnet.gateway.schema): every accepted parameter in range, every
+other one a 400 naming it, never silently dropped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshnet.errors import InvalidRequest
+from meshnet.gateway.schema import SEED_MAX, SamplingParams, parse_chat_request
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def parse(**fields):
+    return parse_chat_request(json.dumps({"messages": HI, **fields}).encode())
+
+
+def refusal(**fields) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as info:
+        parse(**fields)
+    assert info.value.status == 400
+    return info.value
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"stop": [""]}, "stop"),
+    ({"stop": ""}, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -1}, "seed"),
+    ({"n": 0}, "n"),
+    ({"n": 9}, "n"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"presence_penalty": -2.01}, "presence_penalty"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"-5": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"max_tokens": 10**30}, "max_tokens"),
+])
+def test_out_of_range_values_are_400_naming_the_field(fields, param):
+    err = refusal(**fields)
+    assert err.code == "invalid_field" and err.param == param
+    assert f"'{param}'" in err.message
+
+
+def test_the_seed_error_states_the_accepted_range():
+    assert f"[0, {SEED_MAX}]" in refusal(seed=2**64).message
+    assert SEED_MAX == 2**63 - 1
+    assert parse(seed=SEED_MAX).seed == SEED_MAX
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"audio": {"voice": "x"}}, "audio"),
+    ({"modalities": ["text"]}, "modalities"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"metadata": {"k": "v"}}, "metadata"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"store": True}, "store"),
+    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"temprature": 0.5}, "temprature"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content"),
+])
+def test_unsupported_and_unknown_parameters_are_400_naming_them(fields, param):
+    err = refusal(**fields)
+    assert err.code == "unsupported_parameter" and err.param == param
+    assert f"'{param}'" in err.message
+
+
+def test_null_means_not_sent_and_harmless_fields_are_accepted():
+    req = parse(tools=None, tool_choice=None, user="end-user-7", store=False,
+                response_format={"type": "text"}, seed=None)
+    assert req.user == "end-user-7"
+
+
+def test_sampling_carries_every_honoured_parameter():
+    req = parse(temperature=0.7, top_p=0.9, seed=3, stop="END", max_completion_tokens=9,
+                frequency_penalty=0.5, presence_penalty=-0.5, logit_bias={"12": -100, "3": 2.5},
+                logprobs=True, top_logprobs=4, n=2)
+    assert req.n == 2
+    assert req.sampling() == SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, seed=3, stop=("END",),
+                                            frequency_penalty=0.5, presence_penalty=-0.5,
+                                            logit_bias=((3, 2.5), (12, -100.0)), top_logprobs=4)
+    assert parse(logprobs=True).sampling().top_logprobs == 0
+    assert parse().sampling().top_logprobs is None
