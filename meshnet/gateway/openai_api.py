@@ -2,11 +2,11 @@
 
 One Starlette handler serves ``POST /v1/chat/completions`` at every entry node; the
 tracker forwards the same body to an entry node. The request schema (what is honoured,
-what is refused) is :class:`meshnet.gateway.schema.ChatRequest`.
+what is refused) is :class:`meshnet.protocol.openai.ChatRequest`.
 
 CPU work stays off the event loop: big bodies are parsed, every prompt is rendered and
 tokenized, and non-streamed responses are serialised in the request pool
-(:mod:`meshnet.gateway.cpu`); logits and sampling run in the orchestrator's worker thread;
+(:mod:`meshnet.cpu`); logits and sampling run in the orchestrator's worker thread;
 text is decoded incrementally (:class:`~meshnet.gateway.detokenize.TextDecoder`).
 
 ``n`` choices run concurrently, each its own generation (and session on every hop); choice
@@ -28,13 +28,13 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from meshnet.cpu import off_loop
 from meshnet.errors import InvalidRequest, MeshnetError
-from meshnet.gateway.cpu import off_loop
 from meshnet.gateway.detokenize import TextDecoder, max_token_chars, token_bytes, token_text
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator
 from meshnet.gateway.sampling import TokenLogprob
-from meshnet.gateway.schema import (ChatRequest, SamplingParams, error_response, for_choice, parse_chat_request,
-                                    read_chat_request)
+from meshnet.protocol.http import error_response
+from meshnet.protocol.openai import ChatRequest, SamplingParams, for_choice, parse_chat_request, read_chat_request
 
 __all__ = ["complete", "stream", "text_deltas", "read_chat", "error_response", "parse_chat_request"]
 

@@ -20,7 +20,7 @@ import torch
 
 from meshnet.gateway.hops import FailureReporter, Hop, RemoteRoute, RouteProvider
 from meshnet.gateway.sampling import TokenLogprob, TokenPicker
-from meshnet.gateway.schema import SamplingParams
+from meshnet.protocol.openai import SamplingParams
 from meshnet.layers import LayerRange
 from meshnet.node.runtime import NodeRuntime, ShardSlot
 

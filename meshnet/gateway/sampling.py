@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshnet.gateway.schema import SamplingParams
+from meshnet.protocol.openai import SamplingParams
 
 
 def sample_token(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float = 1.0,

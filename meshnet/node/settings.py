@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from meshnet.endpoints import base_url
 from meshnet.layers import LayerRange
-from meshnet.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
+from meshnet.protocol.http import DEFAULT_MAX_BODY_BYTES
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class NodeSettings:
         accepts_placement: let the tracker assign shards (managed placement).
         torch_threads: intra-op threads (None: torch default).
         max_body_bytes: largest JSON request body (413 above; see
-            :data:`meshnet.gateway.body_limit.DEFAULT_MAX_BODY_BYTES`); ``/v1/forward`` frames
+            :data:`meshnet.protocol.http.DEFAULT_MAX_BODY_BYTES`); ``/v1/forward`` frames
             are bounded by the wire format's own limit instead.
         drain_grace_s: on SIGTERM, seconds in-flight generations and hop sessions may take to
             finish before the node leaves (ADR-0032).

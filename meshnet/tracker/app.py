@@ -27,8 +27,8 @@ from starlette.routing import Route
 
 from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError
-from meshnet.gateway.body_limit import BodyLimit
-from meshnet.gateway.schema import error_response, read_chat_request, validate_json
+from meshnet.protocol.http import BodyLimit, error_response, validate_json
+from meshnet.protocol.openai import read_chat_request
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name, default_model, model_aliases
 from meshnet.tracker import operator, placement, proxy, views

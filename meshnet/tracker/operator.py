@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound, Unauthorized
-from meshnet.gateway.schema import validate_json
+from meshnet.protocol.http import validate_json
 from meshnet.layers import LayerRange
 from meshnet.protocol.control import DoctorResponse
 

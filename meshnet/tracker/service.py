@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from meshnet.errors import InvalidRequest, ModelNotRoutable, NotFound
-from meshnet.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
+from meshnet.protocol.http import DEFAULT_MAX_BODY_BYTES
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name, find_preset
 from meshnet.tracker import placement, readiness, routing
@@ -42,7 +42,7 @@ class TrackerSettings:
         join_settle_s: after a join, wait this long for more joins before rebalancing, so nodes
             starting together are planned together (the widest range to the biggest/fastest).
         max_body_bytes: largest request body (413 above; see
-            :data:`meshnet.gateway.body_limit.DEFAULT_MAX_BODY_BYTES`).
+            :data:`meshnet.protocol.http.DEFAULT_MAX_BODY_BYTES`).
         demand_window_s: window over which demand and load rates are counted, seconds.
         probe_timeout_s: a reachability probe of a node's endpoint must answer within this, seconds.
         probe_interval_s: an unreachable node is probed again after this many seconds.

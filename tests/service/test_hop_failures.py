@@ -22,7 +22,7 @@ from starlette.routing import Route
 from meshnet import wire
 from meshnet.errors import HopFailed, NotFound
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
-from meshnet.gateway.schema import SamplingParams
+from meshnet.protocol.openai import SamplingParams
 from meshnet.layers import LayerRange
 from meshnet.node.app import build_app
 from meshnet.node.runtime import NodeRuntime

@@ -22,7 +22,7 @@ def imported_after(code: str) -> dict[str, bool]:
 
 
 @pytest.mark.parametrize("modules", ["meshnet.tracker.app, meshnet.client",
-                                     "meshnet.gateway.schema, meshnet.presets, meshnet.errors, meshnet.layers"])
+                                     "meshnet.protocol.openai, meshnet.presets, meshnet.errors, meshnet.layers"])
 def test_torch_free_modules(modules):
     loaded = imported_after(f"import {modules}")
     assert loaded == {"torch": False, "transformers": False, "textual": False, "tui": False}

@@ -12,7 +12,7 @@ import pytest
 from asgi_lifespan import LifespanManager
 
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
-from meshnet.gateway.schema import SamplingParams
+from meshnet.protocol.openai import SamplingParams
 from meshnet.layers import LayerRange
 from meshnet.node.app import build_app
 from meshnet.node.runtime import NodeRuntime

@@ -1,4 +1,4 @@
-"""The chat request schema (meshnet.gateway.schema): every accepted parameter in range, every
+"""The chat request schema (meshnet.protocol.openai): every accepted parameter in range, every
 other one a 400 naming it, never silently dropped."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from meshnet.errors import InvalidRequest
-from meshnet.gateway.schema import SEED_MAX, SamplingParams, parse_chat_request
+from meshnet.protocol.openai import SEED_MAX, SamplingParams, parse_chat_request
 
 HI = [{"role": "user", "content": "hi"}]
 

@@ -60,7 +60,7 @@ def test_low_temperature_concentrates_on_argmax():
 # ---- penalties, logit bias, log-probabilities (OpenAI API reference formulas) ------------------
 
 from meshnet.gateway.sampling import TokenPicker, adjust_logits, token_logprob  # noqa: E402
-from meshnet.gateway.schema import SamplingParams, for_choice  # noqa: E402
+from meshnet.protocol.openai import SamplingParams, for_choice
 
 
 def test_penalties_follow_the_openai_formula():

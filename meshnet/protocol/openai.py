@@ -1,4 +1,4 @@
-"""OpenAI chat request schema and the error envelope: torch-free, shared by tracker and nodes.
+"""OpenAI chat request schema: torch-free, shared by the tracker and entry nodes.
 
 Every parameter meshnet accepts is honoured; every other one is refused (see
 :class:`ChatRequest`). Chat bodies are judged as OpenAI does: any bad or unsupported
@@ -8,16 +8,15 @@ heartbeat, ...) keep 422 for a field that fails validation.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
-from starlette.responses import JSONResponse
 
-from meshnet.errors import InvalidRequest, MeshnetError
-from meshnet.gateway.cpu import off_loop
+from meshnet.errors import InvalidRequest
+from meshnet.cpu import off_loop
+from meshnet.protocol.http import validate_json
 
 #: largest ``seed``: torch.Generator.manual_seed takes 64-bit values, and choice ``i`` of an
 #: ``n``-choice request uses ``(seed + i) mod 2**63``, so seeds live in [0, 2**63 - 1]
@@ -239,36 +238,6 @@ def for_choice(params: SamplingParams, index: int) -> SamplingParams:
     return replace(params, seed=(params.seed + index) % (SEED_MAX + 1))
 
 
-def validate_json(model: type[BaseModel], body: bytes, *, status: int = 422, unknown_is_unsupported: bool = False):
-    """Parse and validate a JSON body into ``model``.
-
-    Raises:
-        InvalidRequest: not JSON (400); a field fails validation (``status``, default 422,
-            code ``invalid_field``; an unknown field too, unless ``unknown_is_unsupported``), or is
-            one meshnet refuses (400 ``unsupported_parameter``, the OpenAI surface's unknown
-            fields with ``unknown_is_unsupported``); the message and ``error.param`` name the field.
-    """
-    try:
-        data = json.loads(body or b"{}")
-    except (ValueError, RecursionError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "body"
-        if err["type"] == "extra_forbidden" and not unknown_is_unsupported:
-            raise InvalidRequest(f"invalid field '{field}': unknown field", code="invalid_field", status=status,
-                                 param=field) from exc
-        if err["type"] in ("extra_forbidden", "unsupported"):
-            why = err["msg"] if err["type"] == "unsupported" else "not a chat parameter meshnet knows"
-            raise InvalidRequest(f"unsupported parameter '{field}': {why}", code="unsupported_parameter",
-                                 param=field) from exc
-        msg = err["msg"].removeprefix("Value error, ")
-        raise InvalidRequest(f"invalid field '{field}': {msg}", code="invalid_field", status=status,
-                             param=field) from exc
-
-
 def parse_chat_request(body: bytes) -> ChatRequest:
     """Validate a chat completion body; every failure is a 400 naming the field (see
     :func:`validate_json`)."""
@@ -281,14 +250,3 @@ async def read_chat_request(body: bytes) -> ChatRequest:
     if len(body) > PARSE_OFF_LOOP_BYTES:
         return await off_loop(parse_chat_request, body)
     return parse_chat_request(body)
-
-
-def error_response(exc: MeshnetError) -> JSONResponse:
-    """The one mapping of a :class:`MeshnetError` to an HTTP response."""
-    headers = {}
-    retry = getattr(exc, "retry_after_s", None)
-    if retry is not None:
-        headers["Retry-After"] = str(retry)
-    return JSONResponse(exc.to_envelope(), status_code=exc.status, headers=headers)
-
-

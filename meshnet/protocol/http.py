@@ -1,0 +1,100 @@
+"""The HTTP edge every meshnet service shares: the error envelope, JSON body validation and
+the request body size limit (torch-free).
+
+- :func:`error_response`: the one mapping of a :class:`meshnet.errors.MeshnetError` to a response.
+- :func:`validate_json`: a JSON body into a pydantic model, a 4xx naming the bad field.
+- :class:`BodyLimit`: ASGI middleware. A body over the limit is refused with 413 ``payload_too_large`` in the JSON error envelope:
+at once when ``Content-Length`` announces it, else as soon as the bytes received pass the
+limit (chunked uploads), so a huge body is never buffered nor parsed.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import BaseModel, ValidationError
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from meshnet.errors import InvalidRequest, MeshnetError, PayloadTooLarge
+
+def error_response(exc: MeshnetError) -> JSONResponse:
+    """The one mapping of a :class:`MeshnetError` to an HTTP response."""
+    headers = {}
+    retry = getattr(exc, "retry_after_s", None)
+    if retry is not None:
+        headers["Retry-After"] = str(retry)
+    return JSONResponse(exc.to_envelope(), status_code=exc.status, headers=headers)
+
+
+def validate_json(model: type[BaseModel], body: bytes, *, status: int = 422, unknown_is_unsupported: bool = False):
+    """Parse and validate a JSON body into ``model``.
+
+    Raises:
+        InvalidRequest: not JSON (400); a field fails validation (``status``, default 422,
+            code ``invalid_field``; an unknown field too, unless ``unknown_is_unsupported``), or is
+            one meshnet refuses (400 ``unsupported_parameter``, the OpenAI surface's unknown
+            fields with ``unknown_is_unsupported``); the message and ``error.param`` name the field.
+    """
+    try:
+        data = json.loads(body or b"{}")
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "body"
+        if err["type"] == "extra_forbidden" and not unknown_is_unsupported:
+            raise InvalidRequest(f"invalid field '{field}': unknown field", code="invalid_field", status=status,
+                                 param=field) from exc
+        if err["type"] in ("extra_forbidden", "unsupported"):
+            why = err["msg"] if err["type"] == "unsupported" else "not a chat parameter meshnet knows"
+            raise InvalidRequest(f"unsupported parameter '{field}': {why}", code="unsupported_parameter",
+                                 param=field) from exc
+        msg = err["msg"].removeprefix("Value error, ")
+        raise InvalidRequest(f"invalid field '{field}': {msg}", code="invalid_field", status=status,
+                             param=field) from exc
+
+
+#: default limit of JSON bodies, bytes. The biggest is a chat request: a prompt filling a
+#: 128k-token context is about 0.5 MB of text (about 4 characters per token), and even at
+#: JSON's worst escaping (6 bytes per character) about 3 MB; 8 MiB leaves room for that while
+#: bounding what one request makes a service read and parse.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+def _too_large(size: int, limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"request body is {size} bytes or more; the limit is {limit} bytes",
+                           hint="send a smaller body (a shorter prompt), or raise --max-body-bytes")
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over ``max_bytes`` (``path_limits`` overrides the
+    limit of exact paths, e.g. the node's binary ``/v1/forward`` frames)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 path_limits: dict[str, int] | None = None) -> None:
+        self.app, self.max_bytes, self.path_limits = app, max_bytes, dict(path_limits or {})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.path_limits.get(scope["path"], self.max_bytes)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await error_response(_too_large(int(declared), limit))(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _too_large(received, limit)  # rendered by the app's MeshnetError handler
+            return message
+
+        await self.app(scope, limited, send)
