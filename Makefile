@@ -25,6 +25,7 @@ serve: model
 	$(MESHNET) serve
 
 test: model
+	$(VENV)/bin/lint-imports    # the package layering (pyproject's [tool.importlinter] contracts)
 	$(PY) -m pytest -q
 
 test-fast: venv

@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import httpx
-import torch
 
-from meshnet import wire
 from meshnet.errors import HopBusy, HopFailed, MeshnetError
+from meshnet.gateway.entry import Activation, ActivationCodec
 from meshnet.layers import LayerRange
 from meshnet.protocol.route import Hop
 
@@ -66,7 +65,8 @@ def _error_of(resp: httpx.Response) -> tuple[str, str]:
 
 async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, session_id: str, position: int,
                        frame: bytes, last_only: bool, timeout: httpx.Timeout | float,
-                       expect_shape: tuple[int, ...] | None = None) -> tuple[bytes, torch.Tensor]:
+                       codec: ActivationCodec, expect_shape: tuple[int, ...] | None = None,
+                       ) -> tuple[bytes, Activation]:
     """``POST {endpoint}/v1/forward`` with one activation frame.
 
     Args:
@@ -79,7 +79,7 @@ async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, sessi
     Raises:
         HopBusy: the hop answered 503 (it is healthy but takes no new work now).
         HopFailed: any other error: transport, timeout, unusable URL, a non-200 answer, or a reply
-            that fails :func:`meshnet.wire.decode` or does not have ``expect_shape``.
+            that ``codec`` cannot decode or that does not have ``expect_shape``.
     """
     start, end = hop.layers.to_inclusive()
     headers = {"X-Meshnet-Model": model, "X-Meshnet-Session": session_id, "X-Meshnet-Start-Layer": str(start),
@@ -99,11 +99,11 @@ async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, sessi
         raise HopFailed(f"{_describe(hop)} answered {resp.status_code} ({code}): {message}", node_id=hop.node_id,
                         code=code if code == LOST_SESSION else None)
     try:
-        out = wire.decode(resp.content)
+        out = await codec.decode(resp.content)
     except MeshnetError as exc:
         raise HopFailed(f"{_describe(hop)} sent a bad activation frame: {exc.message}", node_id=hop.node_id) from exc
-    if expect_shape is not None and tuple(out.shape) != tuple(expect_shape):
-        raise HopFailed(f"{_describe(hop)} sent shape {list(out.shape)}, expected {list(expect_shape)}",
+    if expect_shape is not None and codec.shape(out) != tuple(expect_shape):
+        raise HopFailed(f"{_describe(hop)} sent shape {list(codec.shape(out))}, expected {list(expect_shape)}",
                         node_id=hop.node_id)
     return resp.content, out
 
@@ -117,18 +117,18 @@ class RemoteRoute:
         session_id: id of the generation (``X-Meshnet-Session``).
         hops: initial hops, in layer order.
         routes: provider of replacement hops; ``report``: failure reporter.
-        wire_dtype: ``bfloat16`` (default) or ``float32``.
+        codec: activations to and from frames (the entry node's :class:`ActivationCodec`).
         timeout_s: per hop call, seconds; ``connect_timeout_s``: to connect to a hop, seconds.
         max_failovers: replacements per hop call before giving up.
     """
 
     def __init__(self, client: httpx.AsyncClient, *, model: str, session_id: str, hops: list[Hop],
-                 routes: RouteProvider, report: FailureReporter, wire_dtype: str = "bfloat16",
+                 routes: RouteProvider, report: FailureReporter, codec: ActivationCodec,
                  timeout_s: float = 60.0, connect_timeout_s: float = 5.0, max_failovers: int = 3) -> None:
         self.client, self.model, self.session_id = client, model, session_id
         self.states = [HopState(h) for h in hops]
         self.routes, self.report = routes, report
-        self.wire_dtype, self.max_failovers = wire_dtype, max_failovers
+        self.codec, self.max_failovers = codec, max_failovers
         self.timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
         self.failed: set[str] = set()   # nodes excluded from this session's routes (failed or busy)
         self.failovers = 0
@@ -145,17 +145,17 @@ class RemoteRoute:
         return next(s for s in self.states if s.hop.layers.start == layer)
 
     async def _send(self, state: HopState, frame: bytes, position: int, seq_len: int,
-                    last_only: bool) -> tuple[bytes, torch.Tensor]:
+                    last_only: bool) -> tuple[bytes, Activation]:
         shape = None if self.hidden_size is None else (1, 1 if last_only else seq_len, self.hidden_size)
         out = await post_forward(self.client, state.hop, model=self.model, session_id=self.session_id,
                                  position=position, frame=frame, last_only=last_only, timeout=self.timeout,
-                                 expect_shape=shape)
+                                 codec=self.codec, expect_shape=shape)
         state.history.append((position, frame, seq_len))
         state.length = position + seq_len
         return out
 
     async def run_stage(self, layer: int, frame: bytes, position: int, seq_len: int,
-                        last_only: bool) -> tuple[bytes, torch.Tensor, int]:
+                        last_only: bool) -> tuple[bytes, Activation, int]:
         """Send ``frame`` (``seq_len`` tokens at ``position``) through the hop starting at ``layer``.
 
         Waits until that hop has received every earlier position (chunks stay in order even
@@ -236,7 +236,7 @@ class RemoteRoute:
         raise HopFailed(f"{exc.message}; {self.max_failovers} replacements for layers {old.hop.layers} failed",
                         node_id=exc.node_id)
 
-    async def forward(self, hidden: torch.Tensor, position: int, *, last_only: bool) -> torch.Tensor:
+    async def forward(self, hidden: Activation, position: int, *, last_only: bool) -> Activation:
         """Run ``hidden`` ``[1, seq, hidden]`` at ``position`` through every remote hop in order.
 
         With ``last_only`` the final hop returns only the last position ``[1, 1, hidden]``.
@@ -244,11 +244,12 @@ class RemoteRoute:
         Raises:
             HopBusy, HopFailed: see :meth:`run_stage`.
         """
-        self.hidden_size = hidden.shape[-1]
-        frame = await wire.encode_async(hidden, dtype=self.wire_dtype)
+        shape = self.codec.shape(hidden)
+        self.hidden_size = shape[-1]
+        frame = await self.codec.encode(hidden)
         layer, out = self.start_layer, hidden
         while layer < self.end_layer:
-            frame, out, layer = await self.run_stage(layer, frame, position, hidden.shape[1], last_only)
+            frame, out, layer = await self.run_stage(layer, frame, position, shape[1], last_only)
         return out
 
     async def _release(self, states: list[HopState]) -> None:

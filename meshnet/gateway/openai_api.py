@@ -32,7 +32,7 @@ from meshnet.cpu import off_loop
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.gateway.detokenize import TextDecoder, max_token_chars, token_bytes, token_text
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator
-from meshnet.gateway.sampling import TokenLogprob
+from meshnet.gateway.entry import TokenLogprob
 from meshnet.protocol.http import error_response
 from meshnet.protocol.openai import ChatRequest, SamplingParams, for_choice, parse_chat_request, read_chat_request
 
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 def context_limit(orchestrator: Orchestrator) -> int:
     """The model's context in tokens (``max_position_embeddings``; 0 when unknown)."""
-    return int(getattr(orchestrator.slot.shard.config, "max_position_embeddings", 0) or 0)
+    return orchestrator.entry.context_tokens
 
 
 def fit_context(orchestrator: Orchestrator, prompt: list[int], params: SamplingParams) -> SamplingParams:
@@ -106,8 +106,18 @@ async def text_deltas(orchestrator: Orchestrator, prompt: list[int], params: Sam
     text (plus that overlap) is searched for stop strings. ``disconnected`` (async, optional)
     is polled every token: a client that went away stops the generation, which frees its
     sessions on every hop. ``params`` are already fitted to the context by :func:`fit_context`.
+    When the first piece is handed out, ``stats.first_token_s`` records the time since
+    ``stats.arrived_s``: time to first token as the client sees it.
     """
     decoder = TextDecoder(orchestrator.tokenizer)
+
+    def first(piece: str) -> str:
+        if stats.first_token_s is None and stats.arrived_s:
+            stats.first_token_s = time.perf_counter() - stats.arrived_s
+            if orchestrator.observer is not None:
+                orchestrator.observer.first_token(stats.first_token_s)
+        return piece
+
     sent = 0
     hold = max((len(s) for s in params.stop), default=0)
     async with contextlib.aclosing(orchestrator.generate(prompt, params, stats)) as tokens:
@@ -124,14 +134,14 @@ async def text_deltas(orchestrator: Orchestrator, prompt: list[int], params: Sam
             if cuts:
                 stats.finish_reason = "stop"
                 if min(cuts) > sent:
-                    yield text[sent:min(cuts)]
+                    yield first(text[sent:min(cuts)])
                 return
             if len(text) - hold > sent:
-                yield text[sent:len(text) - hold]
+                yield first(text[sent:len(text) - hold])
                 sent = len(text) - hold
     text = decoder.flush()
     if len(text) > sent:
-        yield text[sent:]
+        yield first(text[sent:])
 
 
 async def choice_deltas(orchestrator: Orchestrator, prompt: list[int], params: list[SamplingParams],
@@ -181,6 +191,7 @@ def meshnet_block(stats: list[GenerationStats]) -> dict:
     with ``n > 1`` the same for every choice under ``choices``."""
     def one(s: GenerationStats) -> dict:
         return {"route": [h.to_json() for h in s.route], "prefill_s": round(s.prefill_s, 4),
+                "time_to_first_token_s": None if s.first_token_s is None else round(s.first_token_s, 4),
                 "decode_tokens_per_s": round(s.decode_tokens_per_s, 3), "failovers": s.failovers,
                 "completion_token_ids": s.token_ids}
     block = one(stats[0])
@@ -195,15 +206,16 @@ def usage(stats: list[GenerationStats]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _choices(params: SamplingParams, n: int) -> tuple[list[SamplingParams], list[GenerationStats]]:
-    return [for_choice(params, i) for i in range(n)], [GenerationStats() for _ in range(n)]
+def _choices(params: SamplingParams, n: int, arrived_s: float) -> tuple[list[SamplingParams], list[GenerationStats]]:
+    return [for_choice(params, i) for i in range(n)], [GenerationStats(arrived_s=arrived_s) for _ in range(n)]
 
 
 async def complete(orchestrator: Orchestrator, model: str, req: ChatRequest,
                    disconnected=None) -> Response:
     """Non-streaming completion: ``n`` choices plus ``usage`` and the ``meshnet`` block."""
+    arrived_s = time.perf_counter()
     prompt, params = await prepare(orchestrator, req)
-    params_n, stats = _choices(params, req.n)
+    params_n, stats = _choices(params, req.n, arrived_s)
     texts = [""] * req.n
     async for i, piece, _ in choice_deltas(orchestrator, prompt, params_n, stats, disconnected):
         texts[i] += piece or ""
@@ -231,8 +243,9 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
     OpenAI's API. An error after the first event is sent as an ``{"error": ...}`` event.
     """
     cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    arrived_s = time.perf_counter()
     prompt, params = await prepare(orchestrator, req)  # a bad or too-long prompt is a 400 before any event
-    params_n, stats = _choices(params, req.n)
+    params_n, stats = _choices(params, req.n, arrived_s)
     want_logprobs = params.top_logprobs is not None
     include_usage = req.stream_options is not None and req.stream_options.include_usage
 

@@ -16,13 +16,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-import torch
-
+from meshnet.gateway.entry import Activation, EntryLayers, GenerationObserver, TokenChooser, TokenLogprob
 from meshnet.gateway.hops import FailureReporter, Hop, RemoteRoute, RouteProvider
-from meshnet.gateway.sampling import TokenLogprob, TokenPicker
-from meshnet.protocol.openai import SamplingParams
 from meshnet.layers import LayerRange
-from meshnet.node.runtime import NodeRuntime, ShardSlot
+from meshnet.protocol.openai import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +33,10 @@ class GenerationStats:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: perf_counter seconds when the request arrived (set by the OpenAI surface; 0: unknown)
+    arrived_s: float = 0.0
+    #: seconds from arrival to the first token handed to the client (streamed or not); None: none yet
+    first_token_s: float | None = None
     prefill_s: float = 0.0
     decode_s: float = 0.0
     route: list[Hop] = field(default_factory=list)
@@ -54,7 +55,8 @@ class GenerationStats:
 
 @dataclass(frozen=True)
 class OrchestratorSettings:
-    wire_dtype: str = "bfloat16"
+    """Chunk length of prefill (tokens), hop timeouts (seconds), pipelined prefill on or off."""
+
     chunk_tokens: int = CHUNK_TOKENS
     hop_timeout_s: float = 60.0
     hop_connect_timeout_s: float = 5.0
@@ -62,69 +64,48 @@ class OrchestratorSettings:
 
 
 class Orchestrator:
-    """Runs generations whose entry layers are in ``slot`` of ``runtime``.
+    """Runs generations whose first layers are the entry node's own (``entry``), the rest remote.
 
     Args:
-        runtime: this node's runtime; ``slot``: its entry shard (holds embeddings and head).
+        entry: the entry node's layers, LM head and tokenizer (:class:`EntryLayers`).
         node_id, endpoint: this node, shown as the first hop of every route.
         client: httpx client for hops; ``routes``/``report``: tracker callbacks.
+        observer: counts generations started and finished (the node's metrics), or None.
     """
 
-    def __init__(self, runtime: NodeRuntime, slot: ShardSlot, *, node_id: str, endpoint: str, client,
+    def __init__(self, entry: EntryLayers, *, node_id: str, endpoint: str, client,
                  routes: RouteProvider, report: FailureReporter,
-                 settings: OrchestratorSettings = OrchestratorSettings(), metrics=None) -> None:
-        self.runtime, self.slot = runtime, slot
+                 settings: OrchestratorSettings = OrchestratorSettings(),
+                 observer: GenerationObserver | None = None) -> None:
+        self.entry = entry
         self.node_id, self.endpoint = node_id, endpoint
         self.client, self.routes, self.report = client, routes, report
         self.settings = settings
-        self.metrics = metrics  # NodeMetrics or None: generation_started / generation_finished
-        shard = slot.shard
-        self.num_layers = shard.num_layers
-        self.tokenizer = shard.tokenizer
-        eos = shard.config.eos_token_id
-        gen_eos = getattr(getattr(shard, "generation_config", None), "eos_token_id", None)
-        ids = {self.tokenizer.eos_token_id}
-        for value in (eos, gen_eos):
-            ids.update(value if isinstance(value, (list, tuple)) else [value])
-        self.eos_ids = {i for i in ids if i is not None}
-        self.vocab_size = int(shard.config.vocab_size)
+        self.observer = observer
+        self.model = entry.model
+        self.num_layers = entry.num_layers
+        self.tokenizer = entry.tokenizer
+        self.eos_ids = entry.eos_ids
+        self.vocab_size = entry.vocab_size
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of ``messages`` under the model's chat template (generation prompt added)."""
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "keys"):
-            out = out["input_ids"]
-        return list(out)
-
-    async def _entry(self, session_id: str, ids: list[int], position: int) -> torch.Tensor:
-        tensor = torch.tensor([ids], dtype=torch.long)
-        layers = LayerRange(0, self.slot.layers.end)
-        t0 = time.perf_counter()
-        out = await asyncio.to_thread(self.runtime.run_entry, self.slot, session_id, tensor, position, layers)
-        if self.metrics is not None:
-            self.metrics.observe_forward(len(ids), time.perf_counter() - t0, position)
-        return out
-
-    async def _pick(self, hidden: torch.Tensor, picker: TokenPicker) -> tuple[int, TokenLogprob | None]:
-        """LM head on the last position and the token choice, in one worker-thread call."""
-        def run():
-            return picker.pick(self.slot.shard.logits(hidden[:, -1:])[0, -1])
-        return await asyncio.to_thread(run)
+        return self.entry.encode_chat(messages)
 
     async def _step(self, session_id: str, remote: RemoteRoute | None, ids: list[int], position: int,
-                    local_turn: asyncio.Condition, local_len: list[int]) -> torch.Tensor:
+                    local_turn: asyncio.Condition, local_len: list[int]) -> Activation:
         async with local_turn:
             await local_turn.wait_for(lambda: local_len[0] == position)
-        hidden = await self._entry(session_id, ids, position)
+        hidden = await self.entry.run(session_id, ids, position)
         async with local_turn:
             local_len[0] = position + len(ids)
             local_turn.notify_all()
         if remote is not None:
             hidden = await remote.forward(hidden, position, last_only=True)
-        return hidden[:, -1:]
+        return self.entry.codec.last(hidden)
 
     async def _prefill(self, session_id: str, remote: RemoteRoute | None, prompt: list[int],
-                       local_turn: asyncio.Condition, local_len: list[int]) -> torch.Tensor:
+                       local_turn: asyncio.Condition, local_len: list[int]) -> Activation:
         size = self.settings.chunk_tokens
         chunks = [(p, prompt[p:p + size]) for p in range(0, len(prompt), size)]
         if self.settings.pipelined:
@@ -151,20 +132,19 @@ class Orchestrator:
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = len(prompt)
         session_id = uuid.uuid4().hex
-        local_end = self.slot.layers.end
+        local_end = self.entry.local_end
         entry_hop = Hop(self.node_id, self.endpoint, LayerRange(0, local_end))
         remote = None
         if local_end < self.num_layers:
-            hops = await self.routes(self.slot.model, LayerRange(local_end, self.num_layers), frozenset())
-            remote = RemoteRoute(self.client, model=self.slot.model, session_id=session_id, hops=hops,
-                                 routes=self.routes, report=self.report, wire_dtype=self.settings.wire_dtype,
+            hops = await self.routes(self.model, LayerRange(local_end, self.num_layers), frozenset())
+            remote = RemoteRoute(self.client, model=self.model, session_id=session_id, hops=hops,
+                                 routes=self.routes, report=self.report, codec=self.entry.codec,
                                  timeout_s=self.settings.hop_timeout_s,
                                  connect_timeout_s=self.settings.hop_connect_timeout_s)
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        picker = TokenPicker(self.vocab_size, params, generator)
+        chooser: TokenChooser = self.entry.new_chooser(params)
         local_turn, local_len = asyncio.Condition(), [0]
-        if self.metrics is not None:
-            self.metrics.generation_started()
+        if self.observer is not None:
+            self.observer.generation_started()
         try:
             t0 = time.perf_counter()
             hidden = await self._prefill(session_id, remote, prompt, local_turn, local_len)
@@ -172,7 +152,7 @@ class Orchestrator:
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             for _ in range(params.max_tokens):
-                token, logprob = await self._pick(hidden, picker)
+                token, logprob = await self.entry.choose(hidden, chooser)
                 if token in self.eos_ids:
                     stats.finish_reason = "stop"
                     break
@@ -191,8 +171,8 @@ class Orchestrator:
         finally:
             stats.route = [entry_hop] + (remote.hops if remote else [])
             stats.failovers = remote.failovers if remote else 0
-            self.runtime.sessions.release(session_id)
-            if self.metrics is not None:
-                self.metrics.generation_finished(stats)
+            self.entry.release(session_id)
+            if self.observer is not None:
+                self.observer.generation_finished(stats)
             if remote is not None:
                 await remote.close()

@@ -41,6 +41,7 @@ from meshnet.protocol.http import BodyLimit
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
+from meshnet.node.entry import LocalEntry
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.readiness import gather_facts, node_readiness
 from meshnet.node.runtime import NodeRuntime
@@ -165,12 +166,13 @@ def orchestrator_for(node: NodeState, model: str | None, pipelined: bool | None 
         if agent is not None:
             await agent.report_failure(node_id, reason)
 
-    settings = OrchestratorSettings(wire_dtype=node.settings.wire_dtype, hop_timeout_s=node.settings.hop_timeout_s,
+    settings = OrchestratorSettings(hop_timeout_s=node.settings.hop_timeout_s,
                                     hop_connect_timeout_s=node.settings.hop_connect_timeout_s,
                                     pipelined=True if pipelined is None else pipelined)
-    return slot.model, Orchestrator(node.runtime, slot, node_id=node.settings.node_id,
-                                    endpoint=node.settings.endpoint, client=node.http, routes=routes,
-                                    report=report, settings=settings, metrics=node.metrics)
+    entry = LocalEntry(node.runtime, slot, wire_dtype=node.settings.wire_dtype, metrics=node.metrics)
+    return slot.model, Orchestrator(entry, node_id=node.settings.node_id, endpoint=node.settings.endpoint,
+                                    client=node.http, routes=routes, report=report, settings=settings,
+                                    observer=node.metrics)
 
 
 async def chat_completions(request: Request) -> Response:

@@ -22,7 +22,8 @@ class NodeMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("meshnet_chat_requests", "chat requests served as entry node", registry=r)
         self.running = Gauge("meshnet_requests_running", "generations in flight on this entry node", registry=r)
-        self.ttft = Histogram("meshnet_time_to_first_token_seconds", "prompt arrival to first token",
+        self.ttft = Histogram("meshnet_time_to_first_token_seconds",
+                              "request arrival to the first token handed to the client",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("meshnet_time_per_output_token_seconds", "decode seconds per generated token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -58,14 +59,16 @@ class NodeMetrics:
         self.requests.inc()
         self.running.inc()
 
+    def first_token(self, seconds: float) -> None:
+        """Time from a request's arrival to its first token handed to the client (streamed or not)."""
+        self.ttft.observe(seconds)
+
     def generation_finished(self, stats) -> None:
         """Record one finished generation's GenerationStats."""
         self.requests_running -= 1
         self.running.dec()
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.completion_tokens.inc(stats.completion_tokens)
-        if stats.completion_tokens:
-            self.ttft.observe(stats.prefill_s)
         if stats.completion_tokens > 1 and stats.decode_s > 0:
             self.tpot.observe(stats.decode_s / (stats.completion_tokens - 1))
 

@@ -17,8 +17,8 @@ import torch
 
 from tests.fake_nodes import HealthyNodes
 from tests.payloads import capability_report
-from meshnet.gateway.pipeline import Orchestrator
-from meshnet.gateway.sampling import TokenPicker
+from meshnet.node.entry import LocalEntry
+from meshnet.node.sampling import TokenPicker
 from meshnet.layers import LayerRange
 from meshnet.node.app import build_app
 from meshnet.node.runtime import NodeRuntime
@@ -236,7 +236,7 @@ async def test_the_tracker_resolves_aliases_like_the_nodes(asgi_client, entry):
 
 async def test_health_answers_while_a_prompt_is_being_tokenized(entry, monkeypatch):
     started, release, finished = threading.Event(), threading.Event(), threading.Event()
-    real = Orchestrator.encode_chat
+    real = LocalEntry.encode_chat
 
     def slow(self, messages):
         started.set()
@@ -244,7 +244,7 @@ async def test_health_answers_while_a_prompt_is_being_tokenized(entry, monkeypat
         finished.set()
         return real(self, messages)
 
-    monkeypatch.setattr(Orchestrator, "encode_chat", slow)
+    monkeypatch.setattr(LocalEntry, "encode_chat", slow)
     chat = asyncio.create_task(entry.post(URL, json={**CHAT, "max_tokens": 2}))
     while not started.is_set():
         await asyncio.sleep(0.005)
@@ -257,7 +257,7 @@ async def test_health_answers_while_a_prompt_is_being_tokenized(entry, monkeypat
 
 async def test_a_huge_prompt_is_refused_without_tokenizing_it(entry, monkeypatch):
     calls = []
-    monkeypatch.setattr(Orchestrator, "encode_chat", lambda self, messages: calls.append(1))
+    monkeypatch.setattr(LocalEntry, "encode_chat", lambda self, messages: calls.append(1))
     huge = {**CHAT, "messages": [{"role": "user", "content": "hello world, " * 200000}]}  # 2.6 MB
     for stream in (False, True):
         error = envelope(await entry.post(URL, json={**huge, "stream": stream}), 400, "context_length_exceeded")

@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from meshnet import wire
 from meshnet.errors import HopFailed, NotFound
+from meshnet.node.entry import LocalEntry
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
 from meshnet.protocol.openai import SamplingParams
 from meshnet.layers import LayerRange
@@ -86,8 +87,9 @@ def orchestrator(entry, client, routes, reported: list | None = None, **settings
             reported.append(node_id)
 
     slot = next(iter(entry.slots.values()))
-    return Orchestrator(entry, slot, node_id="entry", endpoint="http://entry", client=client, routes=routes,
-                        report=report, settings=OrchestratorSettings(wire_dtype="float32", chunk_tokens=8, **settings))
+    return Orchestrator(LocalEntry(entry, slot, wire_dtype="float32"), node_id="entry", endpoint="http://entry",
+                        client=client, routes=routes, report=report,
+                        settings=OrchestratorSettings(chunk_tokens=8, **settings))
 
 
 async def generate(orch) -> tuple[list[int], GenerationStats]:

@@ -420,3 +420,17 @@ async def test_text_parts_content_and_an_overlong_prompt(entry):
         resp = await entry.post("/v1/chat/completions", json={**too_long, "stream": stream})
         assert resp.status_code == 400
         assert resp.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_time_to_first_token_is_measured_to_the_first_streamed_token(entry):
+    """The histogram observes arrival → first content chunk, which includes prefill (not prefill alone)."""
+    body = {**CHAT, "max_tokens": 3, "temperature": 0, "stream": True}
+    async with entry.stream("POST", "/v1/chat/completions", json=body) as resp:
+        events = [line[6:] async for line in resp.aiter_lines() if line.startswith("data: {")]
+    last = json.loads(events[-1])
+    ttft, prefill = last["meshnet"]["time_to_first_token_s"], last["meshnet"]["prefill_s"]
+    assert ttft is not None and ttft >= prefill > 0
+    lines = (await entry.get("/metrics")).text.splitlines()
+    assert "meshnet_time_to_first_token_seconds_count 1.0" in lines
+    observed = float(next(x for x in lines if x.startswith("meshnet_time_to_first_token_seconds_sum")).split()[1])
+    assert observed == pytest.approx(ttft, abs=1e-4)

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 
+from meshnet.node.entry import LocalEntry
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
 from meshnet.protocol.openai import SamplingParams
 from meshnet.layers import LayerRange
@@ -46,9 +47,9 @@ def orchestrator(runtimes, client, routes, reported=None):
             reported.append(node_id)
 
     slot = next(iter(runtimes["entry"].slots.values()))
-    return Orchestrator(runtimes["entry"], slot, node_id="entry", endpoint="http://entry", client=client,
-                        routes=routes, report=report,
-                        settings=OrchestratorSettings(wire_dtype="float32", chunk_tokens=8))
+    return Orchestrator(LocalEntry(runtimes["entry"], slot, wire_dtype="float32"), node_id="entry",
+                        endpoint="http://entry", client=client, routes=routes, report=report,
+                        settings=OrchestratorSettings(chunk_tokens=8))
 
 
 async def generate(orch) -> tuple[list[int], GenerationStats]:

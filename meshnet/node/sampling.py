@@ -3,10 +3,9 @@ log-probabilities. Pure functions over tensors plus one small stateful :class:`T
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from meshnet.gateway.entry import TokenLogprob
 from meshnet.protocol.openai import SamplingParams
 
 
@@ -51,16 +50,6 @@ def adjust_logits(logits: torch.Tensor, counts: torch.Tensor, *, frequency_penal
     if bias is not None:
         out += bias
     return out
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A chosen token's natural-log probability and the ``top`` most likely alternatives
-    (``(token_id, logprob)``, most likely first, ties to the lowest id)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def token_logprob(logits: torch.Tensor, token_id: int, top: int = 0) -> TokenLogprob:

@@ -1,0 +1,104 @@
+"""What the orchestrator needs of the entry node's own layers: an interface, torch-free.
+
+The gateway drives a generation (prefill chunks, decode steps, remote hops, failover) without
+knowing how the entry node computes: activations are opaque values it passes between the
+methods below, and frames are the bytes hops exchange. The node implements it
+(:class:`meshnet.node.entry.LocalEntry`); tests may implement it with a fake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from meshnet.protocol.openai import SamplingParams
+
+#: hidden states ``[1, seq, hidden]`` as the entry node holds them; opaque to the gateway
+Activation = Any
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's natural-log probability and the ``top`` most likely alternatives
+    (``(token_id, logprob)``, most likely first, ties to the lowest id)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class TokenChooser(Protocol):
+    """The state of one choice's token choice (penalty counts, seeded generator)."""
+
+
+class ActivationCodec(Protocol):
+    """Activations to and from the wire frames hops exchange (ADR-0001)."""
+
+    async def encode(self, hidden: Activation) -> bytes:
+        """One frame of ``hidden`` in the session's wire dtype."""
+
+    async def decode(self, frame: bytes) -> Activation:
+        """The activation a frame holds.
+
+        Raises:
+            meshnet.errors.WireError: a malformed frame.
+        """
+
+    def shape(self, hidden: Activation) -> tuple[int, ...]:
+        """``(batch, seq, hidden)`` of an activation."""
+
+    def last(self, hidden: Activation) -> Activation:
+        """The last position only: ``[1, 1, hidden]``."""
+
+
+class EntryLayers(Protocol):
+    """The entry node's own layers ``[0, local_end)`` of ``model``, with embeddings, the final
+    norm and LM head, and the tokenizer.
+
+    Attributes:
+        model: the model's canonical name; ``num_layers`` its decoder layers.
+        local_end: layers ``[0, local_end)`` run here; the rest are remote hops.
+        vocab_size: length of the logits; ``eos_ids``: tokens that end a generation.
+        context_tokens: the model's context (``max_position_embeddings``), 0 when unknown.
+        tokenizer: a transformers tokenizer (``decode``, ``convert_ids_to_tokens``, vocabulary).
+        codec: activations to and from frames.
+    """
+
+    model: str
+    num_layers: int
+    local_end: int
+    vocab_size: int
+    eos_ids: frozenset[int]
+    context_tokens: int
+    tokenizer: Any
+    codec: ActivationCodec
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of ``messages`` under the chat template, generation prompt added (CPU-bound)."""
+
+    async def run(self, session_id: str, ids: list[int], position: int) -> Activation:
+        """Embed ``ids`` at ``position`` and run the local layers in the session's KV cache.
+
+        Raises:
+            meshnet.errors.MeshnetError: the session's cache is full or out of step.
+        """
+
+    def new_chooser(self, params: SamplingParams) -> TokenChooser:
+        """A fresh token chooser for one choice (seeded by ``params.seed`` when given)."""
+
+    async def choose(self, hidden: Activation, chooser: TokenChooser) -> tuple[int, TokenLogprob | None]:
+        """LM head on the last position of ``hidden`` and the next token (with its logprob when asked)."""
+
+    def release(self, session_id: str) -> None:
+        """Drop the session's local KV cache."""
+
+
+class GenerationObserver(Protocol):
+    """Who counts generations (the node's metrics)."""
+
+    def generation_started(self) -> None: ...
+
+    def first_token(self, seconds: float) -> None:
+        """Seconds from the request's arrival to its first token handed to the client."""
+
+    def generation_finished(self, stats: Any) -> None: ...
