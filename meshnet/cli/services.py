@@ -7,12 +7,14 @@ import typer
 from meshnet.cli.output import fail, setup_logging
 from meshnet.endpoints import check_endpoint, free_port
 from meshnet.errors import MeshnetError
+from meshnet.node.settings import NodeSettings as N
+from meshnet.tracker.service import TrackerSettings as T
 
 tracker_app = typer.Typer(help="Run the tracker (coverage map, placement, routing).", no_args_is_help=True)
 node_app = typer.Typer(help="Run a node that serves layer shards.", no_args_is_help=True)
 
 LogOpt = typer.Option(None, "--log-level", help="DEBUG, INFO, WARNING (env MESHNET_LOG_LEVEL).")
-DrainOpt = typer.Option(30.0, "--drain-grace", min=0.0, envvar="MESHNET_DRAIN_GRACE",
+DrainOpt = typer.Option(N.drain_grace_s, "--drain-grace", min=0.0, envvar="MESHNET_DRAIN_GRACE",
                         help="On SIGTERM, seconds in-flight generations may take to finish before they are cut.")
 MaxBodyOpt = typer.Option(None, "--max-body-bytes", envvar="MESHNET_MAX_BODY_BYTES", min=1024,
                           help="Largest JSON request body, bytes; bigger ones get 413 (default 8 MiB).")
@@ -33,18 +35,18 @@ def _serve(app, host: str, port: int) -> None:
 def tracker_start(
         model: list[str] = typer.Option([], "--model", "-m", help="Preset to keep covered (repeatable)."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-        port: int = typer.Option(8700, "--port", help="Port to listen on."),
+        port: int = typer.Option(T.port, "--port", help="Port to listen on."),
         db: str = typer.Option(None, "--db", envvar="MESHNET_TRACKER_DB",
                                help="sqlite file for pins/directives (default: ~/.cache/meshnet/tracker.db)."),
-        heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", min=0.1, help="Node heartbeat, s."),
-        node_timeout: float = typer.Option(25.0, "--node-timeout", min=0.5, help="Dropout after this many s."),
-        rebalance_interval: float = typer.Option(30.0, "--rebalance-interval", min=0.5, help="Rebalance period, s."),
-        join_settle: float = typer.Option(2.0, "--join-settle", min=0.0,
+        heartbeat_interval: float = typer.Option(T.heartbeat_interval_s, "--heartbeat-interval", min=0.1, help="Node heartbeat, s."),
+        node_timeout: float = typer.Option(T.node_timeout_s, "--node-timeout", min=0.5, help="Dropout after this many s."),
+        rebalance_interval: float = typer.Option(T.rebalance_interval_s, "--rebalance-interval", min=0.5, help="Rebalance period, s."),
+        join_settle: float = typer.Option(T.join_settle_s, "--join-settle", min=0.0,
                                           help="Seconds to wait for more joins before placing, s."),
         operator_token: str = typer.Option(None, "--operator-token", envvar="MESHNET_OPERATOR_TOKEN",
                                            help="Bearer token required for operator actions."),
         max_body_bytes: int = MaxBodyOpt,
-        probe_timeout: float = typer.Option(3.0, "--probe-timeout", min=0.1, envvar="MESHNET_PROBE_TIMEOUT",
+        probe_timeout: float = typer.Option(T.probe_timeout_s, "--probe-timeout", min=0.1, envvar="MESHNET_PROBE_TIMEOUT",
                                             help="Seconds a node's endpoint has to answer the tracker's "
                                                  "reachability probe; unreachable nodes are not admitted."),
         drain_grace: float = DrainOpt,
@@ -78,27 +80,27 @@ def node_start(
         shard_start: int = typer.Option(None, "--shard-start", min=0, help="First layer (inclusive)."),
         shard_end: int = typer.Option(None, "--shard-end", min=0, help="Last layer (inclusive)."),
         memory: int = typer.Option(None, "--memory", min=1, help="Memory budget in MB (default: detected)."),
-        max_shards: int = typer.Option(1, "--max-shards", min=1, help="Shard slots (loaded shards at once)."),
-        dtype: str = typer.Option("bfloat16", "--dtype",
+        max_shards: int = typer.Option(N.max_loaded_shards, "--max-shards", min=1, help="Shard slots (loaded shards at once)."),
+        dtype: str = typer.Option(N.compute_dtype, "--dtype",
                                   help="Compute dtype: bfloat16 (about 2x faster decode here) or float32 (exact)."),
-        quantization: str = typer.Option("bfloat16", "--quantization", help="Recipe: bfloat16, int8, nf4."),
-        wire_dtype: str = typer.Option("bfloat16", "--wire-dtype", help="Activation dtype on the wire."),
+        quantization: str = typer.Option(N.quantization, "--quantization", help="Recipe: bfloat16, int8, nf4."),
+        wire_dtype: str = typer.Option(N.wire_dtype, "--wire-dtype", help="Activation dtype on the wire."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
         port: int = typer.Option(0, "--port", help="Port (default: a free one)."),
         public_url: str = typer.Option(None, "--public-url", help="URL others use to reach this node."),
         node_id: str = typer.Option(None, "--node-id", help="Node id (default: random)."),
-        heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", min=0.1, help="Seconds."),
+        heartbeat_interval: float = typer.Option(N.heartbeat_interval_s, "--heartbeat-interval", min=0.1, help="Seconds."),
         no_placement: bool = typer.Option(False, "--no-placement", help="Refuse tracker-assigned shards."),
         threads: int = typer.Option(None, "--threads", min=1, help="torch intra-op threads."),
         max_body_bytes: int = MaxBodyOpt,
-        session_cache_mb: int = typer.Option(1024, "--session-cache-mb", min=1, envvar="MESHNET_SESSION_CACHE_MB",
+        session_cache_mb: int = typer.Option(N.session_cache_bytes >> 20, "--session-cache-mb", min=1, envvar="MESHNET_SESSION_CACHE_MB",
                                              help="KV-cache memory for sessions, MB; new sessions are refused "
                                                   "past it (live ones are never evicted)."),
-        session_ttl: float = typer.Option(300.0, "--session-ttl", min=1.0, envvar="MESHNET_SESSION_TTL",
+        session_ttl: float = typer.Option(N.session_ttl_s, "--session-ttl", min=1.0, envvar="MESHNET_SESSION_TTL",
                                           help="Seconds an idle session's KV cache is kept."),
-        hop_timeout: float = typer.Option(60.0, "--hop-timeout", min=1.0, envvar="MESHNET_HOP_TIMEOUT",
+        hop_timeout: float = typer.Option(N.hop_timeout_s, "--hop-timeout", min=1.0, envvar="MESHNET_HOP_TIMEOUT",
                                           help="Seconds one hop call may take (entry nodes)."),
-        hop_connect_timeout: float = typer.Option(5.0, "--hop-connect-timeout", min=0.1,
+        hop_connect_timeout: float = typer.Option(N.hop_connect_timeout_s, "--hop-connect-timeout", min=0.1,
                                                   envvar="MESHNET_HOP_CONNECT_TIMEOUT",
                                                   help="Seconds to connect to a hop before failing over."),
         wallet: str = typer.Option("", "--wallet", envvar="MESHNET_WALLET", help="Wallet reported to the tracker."),

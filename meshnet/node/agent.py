@@ -27,12 +27,12 @@ log = logging.getLogger(__name__)
 
 
 class TrackerAgent:
-    """Keeps one node registered with its tracker. ``node`` is the app's NodeState."""
+    """Keeps one node registered with its tracker. ``node`` is the app's NodeContext."""
 
     def __init__(self, node) -> None:
         self.node = node
         self.settings = node.settings
-        self.client = TrackerClient(self.settings.tracker_url, timeout_s=30.0)
+        self.client = TrackerClient(self.settings.tracker_url, timeout_s=30.0, transport=node.transport)
         self.hw = hardware.detect()
         self.updates: list[DirectiveUpdate] = []
         self.wake = asyncio.Event()

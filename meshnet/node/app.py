@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class NodeState:
+class NodeContext:
     """What the node's handlers share (``request.app.state.node``)."""
 
     settings: NodeSettings
@@ -66,9 +66,10 @@ class NodeState:
     reports: dict[str, CapabilityReport] = field(default_factory=dict)  # slot key -> latest report
     drain: Drain = field(default_factory=Drain)
     last_forward_s: float = 0.0  # monotonic time of the latest hop call (drain: are sessions live?)
+    transport: httpx.AsyncBaseTransport | None = None  # the node's outbound calls (None: the network)
 
 
-def _state(request: Request) -> NodeState:
+def _state(request: Request) -> NodeContext:
     return request.app.state.node
 
 
@@ -138,13 +139,13 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
 
-def hop_sessions_idle(node: NodeState) -> bool:
+def hop_sessions_idle(node: NodeContext) -> bool:
     """Drain test: no hop session is held, or none was used within ``drain_hop_idle_s``."""
     return (len(node.runtime.sessions) == 0
             or time.monotonic() - node.last_forward_s > node.settings.drain_hop_idle_s)
 
 
-def orchestrator_for(node: NodeState, model: str | None, pipelined: bool | None = None) -> tuple[str, Orchestrator]:
+def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | None = None) -> tuple[str, Orchestrator]:
     """The entry orchestrator of ``model`` (any of its names; the only entry shard when None).
 
     Raises:
@@ -217,9 +218,13 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
     return openai_api.error_response(MeshnetError(f"internal error on node: {type(exc).__name__}: {exc}"))
 
 
-def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, start_agent: bool = True) -> Starlette:
+def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, start_agent: bool = True,
+              transport: httpx.AsyncBaseTransport | None = None) -> Starlette:
     """Create the node app. The lifespan loads the configured shard (if any) and starts the
     tracker agent (register + heartbeat loop) when ``settings.tracker_url`` is set.
+
+    ``transport`` carries all of the node's own calls (hops, the tracker); tests pass an
+    ``httpx.ASGITransport`` or ``MockTransport`` so no real server is needed (default: the network).
 
     ``app.state.drain`` is the node's :class:`Drain` (grace ``settings.drain_grace_s``): it
     announces to the tracker, waits for chats in flight and live hop sessions, deregisters.
@@ -233,8 +238,8 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
                                     sessions=SessionStore(settings.session_ttl_s, settings.session_cache_bytes))
         async with httpx.AsyncClient(timeout=httpx.Timeout(settings.hop_timeout_s,
                                                            connect=settings.hop_connect_timeout_s),
-                                     limits=httpx.Limits(max_keepalive_connections=32)) as http:
-            node = NodeState(settings=settings, runtime=rt, http=http, drain=drain)
+                                     limits=httpx.Limits(max_keepalive_connections=32), transport=transport) as http:
+            node = NodeContext(settings=settings, runtime=rt, http=http, drain=drain, transport=transport)
             app.state.node = node
             drain.idle = lambda: hop_sessions_idle(node)
             agent_task = None

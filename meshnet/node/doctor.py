@@ -116,7 +116,7 @@ def run_doctor(slot, *, lock=None) -> CapabilityReport:
 
 
 def run_doctor_all(node) -> list[CapabilityReport]:
-    """Run doctor on every slot of ``node`` (a NodeState); stores and returns the reports."""
+    """Run doctor on every slot of ``node`` (a NodeContext); stores and returns the reports."""
     reports = []
     for key, slot in list(node.runtime.slots.items()):
         report = run_doctor(slot, lock=node.runtime.lock)

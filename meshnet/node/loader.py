@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 
 
 async def load_shard(node, model: str, layers: LayerRange, tier: str) -> CapabilityReport:
-    """Resolve ``model``'s weights, load ``layers`` into a free slot of ``node`` (a NodeState),
+    """Resolve ``model``'s weights, load ``layers`` into a free slot of ``node`` (a NodeContext),
     run doctor on it and store the capability report. Returns the report.
 
     Raises:

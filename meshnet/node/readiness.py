@@ -92,7 +92,7 @@ def node_readiness(facts: NodeFacts) -> dict:
 
 
 async def gather_facts(node, route_timeout_s: float = 3.0) -> NodeFacts:
-    """The facts :func:`node_readiness` decides on, from ``node`` (the app's NodeState). An entry
+    """The facts :func:`node_readiness` decides on, from ``node`` (the app's NodeContext). An entry
     shard that needs remote layers asks the tracker for a route, bounded by ``route_timeout_s``
     seconds (a slow tracker is then a reason, not a hung probe)."""
     agent = node.agent

@@ -7,7 +7,7 @@ import httpx
 
 from meshnet.client import TrackerClient
 from meshnet.node.agent import TrackerAgent
-from meshnet.node.app import NodeState
+from meshnet.node.app import NodeContext
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings
 
@@ -24,7 +24,7 @@ async def agent_with(handler) -> tuple[TrackerAgent, list[str]]:
         return handler(request)
 
     async with httpx.AsyncClient() as http:
-        node = NodeState(settings=NodeSettings(node_id="n1", port=8901, tracker_url="http://tracker.test"),
+        node = NodeContext(settings=NodeSettings(node_id="n1", port=8901, tracker_url="http://tracker.test"),
                          runtime=NodeRuntime(), http=http)
     agent = TrackerAgent(node)
     agent.client = tracker(record)
