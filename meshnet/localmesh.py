@@ -90,23 +90,26 @@ class LocalMesh:
         return {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every child (nodes first, the tracker last, so nodes can deregister), wait up
-        to ``grace_s`` in all (each child drains meanwhile, ADR-0032), then SIGKILL what is left.
-        A KeyboardInterrupt while waiting (a second Ctrl-C) SIGKILLs every child left at once."""
-        order = sorted(self.procs.items(), key=lambda item: item[0] == "tracker")
-        for _, proc in order:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+        """Stop every child by its PID: SIGTERM the nodes and wait for them (each drains, tells the
+        tracker and deregisters, ADR-0032), then SIGTERM the tracker and wait for it; each wait is
+        bounded by ``grace_s``, then what is left is SIGKILLed. A KeyboardInterrupt while waiting
+        (a second Ctrl-C) SIGKILLs every child left at once."""
+        nodes = [p for name, p in self.procs.items() if name != "tracker"]
+        tracker = [p for name, p in self.procs.items() if name == "tracker"]
         try:
-            for _, proc in order:
-                try:
-                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            for group in (nodes, tracker):  # the tracker last: draining nodes still reach it
+                for proc in group:
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + grace_s
+                for proc in group:
+                    try:
+                        proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
         except KeyboardInterrupt:
-            for _, proc in order:
+            for proc in nodes + tracker:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()

@@ -31,7 +31,7 @@ def chat(prompt: str = typer.Argument(..., help="The user message."),
                                    help="Model id (default: the default preset, or the tracker's routable model)."),
          stream: bool = typer.Option(True, "--stream/--no-stream", help="Print tokens as they arrive."),
          max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Tokens to generate at most."),
-         temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
+         temperature: float = typer.Option(0.0, "--temperature", min=0.0, max=2.0, help="0 = greedy (OpenAI's range: 0-2)."),
          seed: int = typer.Option(None, "--seed", help="Sampling seed."),
          system: str = typer.Option(None, "--system", help="Optional system message."),
          as_json: bool = JsonOpt) -> None:

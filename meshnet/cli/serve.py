@@ -59,6 +59,15 @@ def threads_per_node(nodes: int, cores: int) -> int:
     return max(1, cores // max(1, nodes))
 
 
+def memory_per_node_mb(nodes: int, total_bytes: int) -> int:
+    """The ``--memory`` (MB) of each of ``nodes`` local nodes sharing ``total_bytes`` of RAM.
+
+    Each node would otherwise report the whole machine's memory, and the tracker would budget
+    ``nodes`` times the RAM there is (ADR-0003 budgets 80 % of what a node reports).
+    """
+    return max(1, total_bytes // max(1, nodes) // (1024 * 1024))
+
+
 def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve (default: the default preset)."),
           nodes: int = typer.Option(3, "--nodes", "-n", min=1, help="Local node processes splitting the layers."),
           port: int = typer.Option(8700, "--port", help="Tracker port (the URL clients use)."),
@@ -89,6 +98,9 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
     signal.signal(signal.SIGTERM, _terminate)
     logs = cache_dir() / "logs"
     threads = threads or threads_per_node(nodes, usable_cores())
+    import psutil
+
+    memory_mb = memory_per_node_mb(nodes, psutil.virtual_memory().total)
     mesh = LocalMesh(logs, port=port, heartbeat_s=heartbeat_interval, detach=True)
     url = mesh.url
     try:
@@ -98,8 +110,9 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
             start, end = layers.to_inclusive()
             mesh.start_node(f"node-{i}", "--model", preset.name, "--shard-start", str(start), "--shard-end", str(end),
                             "--dtype", dtype, "--wire-dtype", wire_dtype, "--drain-grace", str(drain_grace),
-                            threads=threads)
-        console.print(f"started tracker and {nodes} node(s), {threads} torch thread(s) each; logs in {logs}")
+                            "--memory", str(memory_mb), threads=threads)
+        console.print(f"started tracker and {nodes} node(s), {threads} torch thread(s) and {memory_mb} MB each; "
+                      f"logs in {logs}")
         with console.status(f"loading {preset.name} across {nodes} node(s)"):
             cov = mesh.wait_routable(preset.name, timeout)
         console.print(f"[green]meshnet ready[/]: {preset.name} ({cov['num_layers']} layers) routable at {url}")

@@ -41,7 +41,8 @@ class TrackerAgent:
         #: seconds between heartbeats: the node's own setting or the tracker's, whichever is shorter
         #: (the tracker's dropout timeout is sized for the interval it announces)
         self.interval_s = self.settings.heartbeat_interval_s
-        self.reachable = True  # what the tracker said last about reaching this node's endpoint
+        #: what the tracker said last about reaching this node's endpoint (None: nothing yet)
+        self.reachable: bool | None = None
         self.last_ok_s: float | None = None   # monotonic time the tracker last accepted us
         self.last_error: str | None = None    # why the latest register/heartbeat failed, if it did
         self.leaving = False                  # deregistered (drain): no more heartbeats
@@ -149,13 +150,20 @@ class TrackerAgent:
         reachable = resp.reachable
         if reachable == self.reachable:
             return
-        self.reachable = reachable
+        first, self.reachable = self.reachable is None, reachable
         if reachable:
             log.info("the tracker reaches this node at %s; its shards can be admitted", self.settings.endpoint)
+        elif first:  # a node registers before it listens: the tracker probes again within a second
+            log.info("registered before listening; the tracker will probe %s again", self.settings.endpoint)
+            self.wake_soon(1.5)
         else:
             log.warning("the tracker cannot reach this node at %s (%s): its shards are not admitted until it "
                         "can; check --public-url, --host and firewalls", self.settings.endpoint,
                         resp.reach_error)
+
+    def wake_soon(self, delay_s: float) -> None:
+        """Heartbeat early, in ``delay_s`` seconds (to learn the tracker's next verdict sooner)."""
+        asyncio.get_running_loop().call_later(delay_s, self.wake.set)
 
     async def apply_in_order(self, directives: list[Directive]) -> None:
         """Apply directives one at a time, in the tracker's order (a DROP frees the slot a

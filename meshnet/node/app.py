@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import httpx
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -37,7 +38,7 @@ from meshnet import wire
 from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.gateway import openai_api
-from meshnet.protocol.http import BodyLimit
+from meshnet.protocol.http import BodyLimit, http_error
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
@@ -270,6 +271,7 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
                             path_limits={"/v1/forward": wire.DEFAULT_MAX_BYTES + 64})
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[body_limit, Middleware(DrainMiddleware, drain=drain)],
-                    exception_handlers={MeshnetError: _meshnet_error, Exception: _unexpected_error})
+                    exception_handlers={MeshnetError: _meshnet_error, HTTPException: http_error,
+                                        Exception: _unexpected_error})
     app.state.drain = drain
     return app

@@ -27,6 +27,16 @@ def error_response(exc: MeshnetError) -> JSONResponse:
     return JSONResponse(exc.to_envelope(), status_code=exc.status, headers=headers)
 
 
+async def http_error(request, exc) -> JSONResponse:
+    """Starlette's own HTTP errors (unknown path 404, wrong method 405) in the JSON envelope."""
+    status = getattr(exc, "status_code", 500)
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
+    what = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    return error_response(InvalidRequest(what.get(status, str(getattr(exc, "detail", "") or status)), code=kind,
+                                         status=status, hint="see the service's routes in its module docstring"
+                                         if status == 404 else None))
+
+
 def validate_json(model: type[BaseModel], body: bytes, *, status: int = 422, unknown_is_unsupported: bool = False):
     """Parse and validate a JSON body into ``model``.
 

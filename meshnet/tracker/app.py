@@ -21,13 +21,14 @@ import time
 import httpx
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError
-from meshnet.protocol.http import BodyLimit, error_response, validate_json
+from meshnet.protocol.http import BodyLimit, error_response, http_error, validate_json
 from meshnet.protocol.openai import read_chat_request
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name, default_model, model_aliases
@@ -305,6 +306,7 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(BodyLimit, max_bytes=settings.max_body_bytes),
                                 Middleware(DrainMiddleware, drain=drain)],
-                    exception_handlers={MeshnetError: _on_error, Exception: _unexpected_error})
+                    exception_handlers={MeshnetError: _on_error, HTTPException: http_error,
+                                        Exception: _unexpected_error})
     app.state.drain = drain  # SIGTERM: new chats 503, proxied chats get drain_grace_s to finish (ADR-0032)
     return app

@@ -17,7 +17,8 @@ def node_json(service, node, models) -> dict:
     for m in models:
         per_layer = m.bytes_per_layer.get(node.quantization) or m.bytes_per_layer.get("bfloat16")
         if per_layer:
-            max_layers[m.name] = placement.max_assignable_layers(node.vram_bytes, per_layer)
+            # what its memory fits, at most the whole model
+            max_layers[m.name] = min(m.num_layers, placement.max_assignable_layers(node.vram_bytes, per_layer))
     shards = []
     for s in node.shards:
         start, end = s.layers.to_inclusive()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshnet.cli.serve import split_layers, threads_per_node
+from meshnet.cli.serve import memory_per_node_mb, split_layers, threads_per_node
 
 
 @pytest.mark.parametrize("num_layers, parts, expected", [
@@ -42,3 +42,8 @@ def test_threads_per_node_never_oversubscribes(nodes, cores, expected):
     threads = threads_per_node(nodes, cores)
     assert threads == expected
     assert threads * nodes <= max(cores, nodes)
+
+
+@pytest.mark.parametrize("nodes, total_gib, expected_mb", [(3, 24, 8192), (1, 24, 24576), (4, 2, 512)])
+def test_local_nodes_split_the_machines_memory(nodes, total_gib, expected_mb):
+    assert memory_per_node_mb(nodes, total_gib * 1024**3) == expected_mb
