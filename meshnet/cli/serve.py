@@ -121,7 +121,8 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
         console.print(f"[green]meshnet ready[/]: {preset.name} ({cov['num_layers']} layers) routable at {url}")
         console.print(f"  try: meshnet chat \"What is the capital of France?\" --url {url}")
         console.print("  OpenAI API: POST {}/v1/chat/completions · console: meshnet tui --url {}".format(url, url))
-        console.print(f"  operator token in {token_file}: meshnet pin ... --token \"$(cat {token_file})\"")
+        console.print(f"  operator token in {token_file}: meshnet pin ... --token \"$(cat {token_file})\"",
+                      soft_wrap=True, highlight=False)
         print(f"READY {url}", flush=True)
         reported: set[str] = set()
         while not exit_when_ready:
