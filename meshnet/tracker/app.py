@@ -42,6 +42,7 @@ from meshnet.tracker.rebalance import rebalance
 from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
                                       RegisterRequest, RegisterResponse, check_revision)
 from meshnet.protocol.route import RouteResponse
+from meshnet.protocol.signing import HEADER_NODE
 from meshnet.tracker.service import TrackerService, TrackerSettings
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ def _signed_by(request: Request, body: bytes, *, as_node: str | None = None) -> 
         Unauthorized (401), Forbidden (403), NotFound (404): see :meth:`NodeAuth.verify_node_call`.
     """
     auth: NodeAuth = request.app.state.auth
-    claimed = request.headers.get("X-Meshnet-Node", "")
+    claimed = request.headers.get(HEADER_NODE, "")
     return auth.verify_node_call(_svc(request).public_key(claimed) if claimed else None, request.headers,
                                  request.method, _target(request), body, as_node=as_node)
 
