@@ -6,9 +6,11 @@ message says what was asked of whom.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import Any, TypeVar
 
 import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel, ValidationError
 
 from meshnet.endpoints import check_endpoint
@@ -16,6 +18,7 @@ from meshnet.errors import MeshnetError, ModelNotRoutable
 from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
                                       RegisterRequest, RegisterResponse)
 from meshnet.protocol.route import Hop, RouteResponse
+from meshnet.protocol.signing import HEADER_JOIN_TOKEN, sign_request
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -55,15 +58,35 @@ def _parse(model: type[T], body: Any, what: str) -> T:
                            status=502, hint="tracker and node versions may differ") from exc
 
 
+class NodeSigner(httpx.Auth):
+    """httpx auth that signs every request as node ``node_id`` with its key (ADR-0035,
+    :func:`meshnet.protocol.signing.sign_request`)."""
+
+    requires_request_body = True
+
+    def __init__(self, node_id: str, key: Ed25519PrivateKey) -> None:
+        self.node_id, self.key = node_id, key
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        query = request.url.query.decode()
+        target = request.url.path + (f"?{query}" if query else "")
+        request.headers.update(sign_request(self.key, self.node_id, request.method, target, request.content))
+        yield request
+
+
 class _Base:
-    """Raises InvalidRequest (``invalid_endpoint``) when ``url`` is not a usable base URL."""
+    """Raises InvalidRequest (``invalid_endpoint``) when ``url`` is not a usable base URL.
+
+    ``token``: the operator's bearer token; ``auth``: httpx auth applied to every call (a node
+    passes its :class:`NodeSigner`)."""
 
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 10.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, auth: httpx.Auth | None = None) -> None:
         self.url = check_endpoint(url)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
-        self.http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+        self.http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout, transport=transport,
+                                      auth=auth)
 
     async def _call(self, method: str, path: str, what: str, **kw) -> Any:
         try:
@@ -107,10 +130,25 @@ class _Base:
 
 
 class TrackerClient(_Base):
-    """Client of the tracker API (``/v1/...``)."""
+    """Client of the tracker API (``/v1/...``).
+
+    A node's client is built with ``auth=NodeSigner(...)`` (its calls are signed) and the
+    tracker's ``join_token`` (sent with registrations)."""
+
+    def __init__(self, url: str, *, join_token: str | None = None, **kw) -> None:
+        super().__init__(url, **kw)
+        self.join_token = join_token
 
     async def register(self, payload: RegisterRequest) -> RegisterResponse:
-        body = await self._call("POST", "/v1/nodes/register", "register node", json=payload.model_dump(mode="json"))
+        """Register a node (signed by the client's auth; the join token when the client has one).
+
+        Raises:
+            MeshnetError: 401 (join token or signature), 409 (id bound to another key), 426
+                (protocol revision), 422 (a field), or the tracker unreachable.
+        """
+        headers = {HEADER_JOIN_TOKEN: self.join_token} if self.join_token else {}
+        body = await self._call("POST", "/v1/nodes/register", "register node", json=payload.model_dump(mode="json"),
+                                headers=headers)
         return _parse(RegisterResponse, body, "register node")
 
     async def heartbeat(self, node_id: str, payload: HeartbeatRequest) -> HeartbeatResponse:

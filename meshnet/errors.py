@@ -112,9 +112,27 @@ class ModelSourceError(MeshnetError):
 
 
 class Unauthorized(MeshnetError):
+    """The caller did not prove who it is: a token or a signature missing, wrong or stale (HTTP 401)."""
+
     status = 401
     code = "unauthorized"
     type = "authentication_error"
+
+
+class Forbidden(MeshnetError):
+    """The caller is known but may not do this (HTTP 403)."""
+
+    status = 403
+    code = "forbidden"
+    type = "permission_error"
+
+
+class Conflict(MeshnetError):
+    """The request contradicts state the service keeps, e.g. a node id bound to another key (HTTP 409)."""
+
+    status = 409
+    code = "conflict"
+    type = "invalid_request_error"
 
 
 class Draining(MeshnetError):

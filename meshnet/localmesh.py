@@ -34,10 +34,17 @@ class LocalMesh:
         detach: start children in their own session, so a terminal's Ctrl-C reaches only the
             launcher, which then stops them in order (``meshnet serve``).
         env: extra environment for every child.
+        join_token, operator_token: the tracker's tokens (ADR-0035), handed to it and (the join
+            token) to every node through the environment, never on a command line; None: none.
+        state_dir: each node keeps its key in ``state_dir/<name>`` (None: the node's default,
+            ``<cache>/nodes/<name>``).
     """
 
     def __init__(self, log_dir: Path, *, port: int | None = None, heartbeat_s: float = 0.5,
-                 detach: bool = False, env: dict[str, str] | None = None) -> None:
+                 detach: bool = False, env: dict[str, str] | None = None, join_token: str | None = None,
+                 operator_token: str | None = None, state_dir: Path | None = None) -> None:
+        self.join_token, self.operator_token = join_token, operator_token
+        self.state_dir = state_dir
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.heartbeat_s = heartbeat_s
@@ -70,14 +77,18 @@ class LocalMesh:
                 "--rebalance-interval", str(rebalance_s)]
         for m in models:
             args += ["--model", m]
-        self.spawn("tracker", args + (extra or []))
+        tokens = {"MESHNET_JOIN_TOKEN": self.join_token, "MESHNET_OPERATOR_TOKEN": self.operator_token}
+        self.spawn("tracker", args + (extra or []), {k: v for k, v in tokens.items() if v})
         self.wait(lambda: httpx.get(f"{self.url}/v1/health", timeout=1).status_code == 200, wait_s, "tracker up")
 
     def start_node(self, name: str, *args: str, threads: int = 1, env: dict[str, str] | None = None) -> None:
         """Start node ``name`` (its ``--node-id``) joining this mesh's tracker; ``args`` as for
         ``meshnet node start`` (for example ``--model M --shard-start 0 --shard-end 9``)."""
-        self.spawn(name, ["node", "start", "--tracker", self.url, "--node-id", name,
-                          "--heartbeat-interval", str(self.heartbeat_s), "--threads", str(threads), *args], env)
+        state = ["--state-dir", str(self.state_dir / name)] if self.state_dir is not None else []
+        token = {"MESHNET_JOIN_TOKEN": self.join_token} if self.join_token else {}
+        self.spawn(name, ["node", "start", "--tracker", self.url, "--node-id", name, *state,
+                          "--heartbeat-interval", str(self.heartbeat_s), "--threads", str(threads), *args],
+                   {**token, **(env or {})})
 
     def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 10.0) -> int:
         """Send ``sig`` to child ``name``, wait for it to exit and forget it; returns its exit code."""

@@ -93,13 +93,15 @@ async def asgi_client():
 
     Everything opened is closed (lifespan shutdown included) when the test ends. With
     ``raise_app_exceptions=False`` an unhandled app exception comes back as the plain 500
-    a real server would send, instead of being raised into the test.
+    a real server would send, instead of being raised into the test. ``auth``: the client's httpx
+    auth (a tracker's tests pass ``tests.payloads.SignAsNodes()`` so fake nodes sign their calls).
     """
     async with contextlib.AsyncExitStack() as stack:
-        async def make(app, base_url: str = "http://testserver", *,
-                       raise_app_exceptions: bool = True) -> httpx.AsyncClient:
+        async def make(app, base_url: str = "http://testserver", *, raise_app_exceptions: bool = True,
+                       auth: httpx.Auth | None = None) -> httpx.AsyncClient:
             manager = await stack.enter_async_context(LifespanManager(app))
             transport = httpx.ASGITransport(app=manager.app, raise_app_exceptions=raise_app_exceptions)
-            return await stack.enter_async_context(httpx.AsyncClient(transport=transport, base_url=base_url))
+            return await stack.enter_async_context(httpx.AsyncClient(transport=transport, base_url=base_url,
+                                                                       auth=auth))
 
         yield make

@@ -12,8 +12,10 @@ everything. Child logs go to ``<cache>/logs/``.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
+from pathlib import Path
 
 import typer
 
@@ -68,6 +70,16 @@ def memory_per_node_mb(nodes: int, total_bytes: int) -> int:
     return max(1, total_bytes // max(1, nodes) // (1024 * 1024))
 
 
+def write_token(path: Path, token: str) -> Path:
+    """Write ``token`` to ``path`` readable by its owner only (mode 0600); returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
 def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve (default: the default preset)."),
           nodes: int = typer.Option(3, "--nodes", "-n", min=1, help="Local node processes splitting the layers."),
           port: int = typer.Option(8700, "--port", help="Tracker port (the URL clients use)."),
@@ -101,7 +113,11 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
     import psutil
 
     memory_mb = memory_per_node_mb(nodes, psutil.virtual_memory().total)
-    mesh = LocalMesh(logs, port=port, heartbeat_s=heartbeat_interval, detach=True)
+    # fresh tokens each run (ADR-0035): the nodes get the join token; the operator's is in a file
+    operator_token = secrets.token_urlsafe(32)
+    token_file = write_token(cache_dir() / f"serve-{port}.operator-token", operator_token)
+    mesh = LocalMesh(logs, port=port, heartbeat_s=heartbeat_interval, detach=True,
+                     join_token=secrets.token_urlsafe(32), operator_token=operator_token)
     url = mesh.url
     try:
         mesh.start_tracker(preset.name, node_timeout_s=25.0, rebalance_s=30.0,
@@ -118,6 +134,8 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
         console.print(f"[green]meshnet ready[/]: {preset.name} ({cov['num_layers']} layers) routable at {url}")
         console.print(f"  try: meshnet chat \"What is the capital of France?\" --url {url}")
         console.print("  OpenAI API: POST {}/v1/chat/completions · console: meshnet tui --url {}".format(url, url))
+        console.print(f"  operator token in {token_file}: meshnet pin ... --token \"$(cat {token_file})\"",
+                      soft_wrap=True, highlight=False)
         print(f"READY {url}", flush=True)
         reported: set[str] = set()
         while not exit_when_ready:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
-from meshnet.cli.output import fail, setup_logging
+from meshnet.cli.output import err_console, fail, setup_logging
 from meshnet.endpoints import check_endpoint, free_port
 from meshnet.errors import MeshnetError
 from meshnet.node.settings import NodeSettings as N
@@ -44,20 +46,34 @@ def tracker_start(
         join_settle: float = typer.Option(T.join_settle_s, "--join-settle", min=0.0,
                                           help="Seconds to wait for more joins before placing, s."),
         operator_token: str = typer.Option(None, "--operator-token", envvar="MESHNET_OPERATOR_TOKEN",
-                                           help="Bearer token required for operator actions."),
+                                           help="Bearer token required for operator actions (required beyond "
+                                                "loopback)."),
+        join_token: str = typer.Option(None, "--join-token", envvar="MESHNET_JOIN_TOKEN",
+                                       help="Token a node must present to register (required beyond loopback)."),
+        insecure: bool = typer.Option(False, "--insecure",
+                                      help="Listen beyond loopback without join/operator tokens, on purpose."),
         max_body_bytes: int = MaxBodyOpt,
         probe_timeout: float = typer.Option(T.probe_timeout_s, "--probe-timeout", min=0.1, envvar="MESHNET_PROBE_TIMEOUT",
                                             help="Seconds a node's endpoint has to answer the tracker's "
                                                  "reachability probe; unreachable nodes are not admitted."),
         drain_grace: float = DrainOpt,
         log_level: str = LogOpt) -> None:
-    """Start a tracker that keeps the given models covered."""
+    """Start a tracker that keeps the given models covered. Beyond loopback it needs --join-token
+    and --operator-token (or --insecure)."""
     from meshnet.models.sources import cache_dir
     from meshnet.presets import get_preset
     from meshnet.tracker.app import build_app
+    from meshnet.tracker.auth import exposure_problem, is_loopback
     from meshnet.tracker.service import TrackerSettings
 
     setup_logging(log_level)
+    problem = exposure_problem(host, join_token, operator_token, insecure)
+    if problem:
+        fail(MeshnetError(problem, code="insecure_tracker"))
+    if insecure and not is_loopback(host) and not (join_token and operator_token):
+        err_console.print(f"[bold red]INSECURE (--insecure): the tracker listens on {host} without a join token "
+                          "or an operator token: anyone who reaches it can join nodes or run operator actions[/]",
+                          highlight=False)
     try:
         names = tuple(get_preset(m).name for m in model)
     except MeshnetError as exc:
@@ -67,7 +83,8 @@ def tracker_start(
         db = str(cache_dir() / "tracker.db")
     settings = TrackerSettings(host=host, port=port, models=names, heartbeat_interval_s=heartbeat_interval,
                                node_timeout_s=node_timeout, rebalance_interval_s=rebalance_interval, db_path=db,
-                               operator_token=operator_token, join_settle_s=join_settle,
+                               operator_token=operator_token, join_token=join_token, insecure=insecure,
+                               join_settle_s=join_settle,
                                probe_timeout_s=probe_timeout, drain_grace_s=drain_grace,
                                **_body_limit(max_body_bytes))
     _serve(build_app(settings), host, port)
@@ -89,6 +106,10 @@ def node_start(
         port: int = typer.Option(0, "--port", help="Port (default: a free one)."),
         public_url: str = typer.Option(None, "--public-url", help="URL others use to reach this node."),
         node_id: str = typer.Option(None, "--node-id", help="Node id (default: random)."),
+        join_token: str = typer.Option(None, "--join-token", envvar="MESHNET_JOIN_TOKEN",
+                                       help="The tracker's join token (trackers beyond loopback require one)."),
+        state_dir: Path = typer.Option(None, "--state-dir", envvar="MESHNET_STATE_DIR",
+                                       help="Where the node keeps its key (default: <cache>/nodes/<node id>)."),
         heartbeat_interval: float = typer.Option(N.heartbeat_interval_s, "--heartbeat-interval", min=0.1, help="Seconds."),
         no_placement: bool = typer.Option(False, "--no-placement", help="Refuse tracker-assigned shards."),
         threads: int = typer.Option(None, "--threads", min=1, help="torch intra-op threads."),
@@ -135,7 +156,7 @@ def node_start(
     if threads:
         torch.set_num_threads(threads)
     settings = NodeSettings(host=host, port=port, public_url=public_url, node_id=node_id or new_node_id(),
-                            tracker_url=tracker, model=model,
+                            tracker_url=tracker, join_token=join_token, state_dir=state_dir, model=model,
                             shard=None if shard_start is None else LayerRange.from_inclusive(shard_start, shard_end),
                             memory_bytes=None if memory is None else memory * 1024 * 1024,
                             max_loaded_shards=max_shards, compute_dtype=dtype, quantization=quantization,

@@ -12,27 +12,41 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from meshnet.client import TrackerClient
+from meshnet.client import NodeSigner, TrackerClient
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
-from meshnet.node import hardware
+from meshnet.node import hardware, identity
 from meshnet.node.doctor import run_doctor
 from meshnet.node.loader import load_shard
-from meshnet.protocol.control import (CapabilityReport, Directive, DirectiveUpdate, HeartbeatRequest,
-                                      HeartbeatResponse, NodeStats, RegisterResponse,
+from meshnet.protocol.control import (PROTOCOL_REVISION, CapabilityReport, Directive, DirectiveUpdate,
+                                      HeartbeatRequest, HeartbeatResponse, NodeStats, RegisterResponse,
                                       RegisterRequest, ShardInfo)
+from meshnet.protocol.signing import encode_public_key
 from meshnet.protocol.route import Hop
 
 log = logging.getLogger(__name__)
 
+#: registration answers that retrying cannot change: the node stops with the tracker's message
+REFUSALS = (400, 401, 403, 409, 422, 426)
+
 
 class TrackerAgent:
-    """Keeps one node registered with its tracker. ``node`` is the app's NodeContext."""
+    """Keeps one node registered with its tracker. ``node`` is the app's NodeContext.
+
+    Every call to the tracker is signed with the node's key (made on first start in its state
+    dir, :mod:`meshnet.node.identity`); registrations carry the join token when configured.
+
+    Raises:
+        MeshnetError (``node_key``): the key cannot be read or made.
+    """
 
     def __init__(self, node) -> None:
         self.node = node
         self.settings = node.settings
-        self.client = TrackerClient(self.settings.tracker_url, timeout_s=30.0, transport=node.transport)
+        key = identity.load_or_create_key(self.settings.state_dir or identity.default_state_dir(self.settings.node_id))
+        self.public_key = encode_public_key(key.public_key())
+        self.client = TrackerClient(self.settings.tracker_url, timeout_s=30.0, transport=node.transport,
+                                    join_token=self.settings.join_token, auth=NodeSigner(self.settings.node_id, key))
         self.hw = hardware.detect()
         self.updates: list[DirectiveUpdate] = []
         self.wake = asyncio.Event()
@@ -55,7 +69,8 @@ class TrackerAgent:
     def registration(self) -> RegisterRequest:
         s = self.settings
         tokens_per_s = max((r.tokens_per_s for r in self.node.reports.values() if r), default=0.0)
-        return RegisterRequest(node_id=s.node_id, wallet=s.wallet, endpoint=s.endpoint,
+        return RegisterRequest(protocol=PROTOCOL_REVISION, node_id=s.node_id, public_key=self.public_key,
+                               wallet=s.wallet, endpoint=s.endpoint,
                                vram_bytes=hardware.node_memory_bytes(s.memory_bytes, self.hw),
                                ram_bytes=self.hw.ram_bytes, device=self.hw.device, quantizations=[s.quantization],
                                benchmark_tokens_per_sec=tokens_per_s,
@@ -69,7 +84,13 @@ class TrackerAgent:
     # ---- lifecycle --------------------------------------------------------------------
 
     async def start(self, attempts: int = 60) -> None:
-        """Load the configured shard, then register (retrying up to ``attempts`` × 1 s)."""
+        """Load the configured shard, then register (retrying up to ``attempts`` × 1 s while the
+        tracker is unreachable or busy).
+
+        Raises:
+            MeshnetError: a refusal that retrying cannot change (401 join token or signature, 403,
+                409 node id bound to another key, 422, 426 protocol revision), or the last attempt's error.
+        """
         await self.load_initial()
         for attempt in range(attempts):
             try:
@@ -81,6 +102,10 @@ class TrackerAgent:
                 return
             except MeshnetError as exc:
                 self.last_error = exc.message
+                if exc.status in REFUSALS:
+                    log.error("the tracker refused this node: %s%s", exc.message,
+                              f" (hint: {exc.hint})" if exc.hint else "")
+                    raise
                 if attempt == attempts - 1:
                     raise
                 log.info("tracker not ready (%s); retrying", exc.message)

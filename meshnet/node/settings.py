@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from meshnet.endpoints import base_url
 from meshnet.layers import LayerRange
@@ -18,6 +19,9 @@ class NodeSettings:
     Attributes:
         host, port: where the node listens; ``public_url`` what others use to reach it.
         tracker_url: tracker to register with (None: standalone).
+        join_token: the tracker's join token, sent with registrations (None: none required).
+        state_dir: where the node keeps its key (``node.key``); None: ``<cache>/nodes/<node_id>``
+            (:mod:`meshnet.node.identity`).
         model: model preset or path to serve; ``shard`` its layers (None: ask the tracker).
         memory_bytes: memory budget (None: detected RAM); ``max_loaded_shards``: slots.
         compute_dtype: ``float32`` or ``bfloat16``; ``quantization``: recipe name.
@@ -43,6 +47,8 @@ class NodeSettings:
     public_url: str | None = None
     node_id: str = ""
     tracker_url: str | None = None
+    join_token: str | None = None
+    state_dir: Path | None = None
     model: str | None = None
     shard: LayerRange | None = None
     memory_bytes: int | None = None

@@ -40,6 +40,10 @@ DEFAULT_VRAM_BYTES = 8 * 1024**3
 #: most decoder layers a reported model may have: the deepest published decoder stacks have
 #: under 200; the tracker does per-layer work (coverage maps) for a model a node reports
 MAX_LAYERS = 1024
+#: revision of the node ↔ tracker protocol; a registration states it and a tracker refuses another
+#: (426). Revision 1 had no field for it (a registration without ``protocol`` is revision 1);
+#: revision 2 adds node keys and signed node calls (ADR-0035).
+PROTOCOL_REVISION = 2
 
 
 class Payload(BaseModel):
@@ -154,10 +158,14 @@ class RegisterRequest(Payload):
     """Body of ``POST /v1/nodes/register`` (DESIGN.md, Control loop).
 
     ``vram_bytes`` is the node's raw memory (``--memory``, else accelerator memory, else RAM);
-    the tracker's placement budgets 80 % of it (ADR-0003).
+    the tracker's placement budgets 80 % of it (ADR-0003). ``protocol`` is the sender's
+    :data:`PROTOCOL_REVISION`; ``public_key`` the node's Ed25519 key (base64url of 32 raw bytes,
+    :mod:`meshnet.protocol.signing`), bound to ``node_id`` at its first registration (ADR-0035).
     """
 
-    node_id: str | None = Field(default=None, min_length=1, max_length=128)
+    protocol: int = Field(ge=1)
+    node_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    public_key: str = Field(pattern=r"^[A-Za-z0-9_-]{43}$")
     wallet: str = ""
     endpoint: str = Field(min_length=1, pattern=r"^https?://")
     vram_bytes: int = Field(default=DEFAULT_VRAM_BYTES, gt=0)
@@ -177,6 +185,23 @@ class RegisterRequest(Payload):
             return check_endpoint(value)
         except InvalidRequest as exc:
             raise ValueError(exc.message + " (an IPv6 address goes in brackets: http://[::1]:8821)") from None
+
+
+def check_revision(data: object) -> None:
+    """Refuse a registration body of another protocol revision, before validating its fields (a
+    node of another revision may send another shape, and the revision is the error to report).
+
+    Raises:
+        InvalidRequest (426 ``protocol_mismatch``): ``protocol`` absent (revision 1) or not
+            :data:`PROTOCOL_REVISION`; the message names both revisions.
+    """
+    if not isinstance(data, dict):
+        return  # validation reports the shape
+    theirs = data.get("protocol", 1)
+    if theirs != PROTOCOL_REVISION:
+        raise InvalidRequest(f"node speaks protocol revision {theirs}, this tracker speaks revision "
+                           f"{PROTOCOL_REVISION}", code="protocol_mismatch", status=426,
+                           hint="run the same meshnet version on the node and the tracker")
 
 
 class Reachability(Payload):

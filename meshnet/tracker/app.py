@@ -4,6 +4,8 @@ Routes (JSON unless noted; ``shard_start``/``shard_end``/``start_layer``/``end_l
 inclusive on the wire, ADR-0002):
     POST /v1/nodes/register, POST /v1/nodes/{id}/heartbeat, POST /v1/nodes/{id}/failure
     POST /v1/nodes/{id}/drain, DELETE /v1/nodes/{id}  (a node's own drain and leave, ADR-0032)
+        (registration: join token when set, signed by the key it registers; every later node
+        call signed by the node's bound key, ADR-0035)
     GET  /v1/nodes, /v1/coverage, /v1/coverage/{model}, /v1/route, /v1/network/assign,
          /v1/directives, /v1/demand, /v1/models, /metrics
     GET  /v1/health (liveness), /v1/ready[?model=] (readiness: 200, or 503 with reasons)
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 
@@ -33,12 +36,14 @@ from meshnet.protocol.openai import read_chat_request
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name, default_model, model_aliases
 from meshnet.tracker import operator, placement, proxy, views
+from meshnet.tracker.auth import NodeAuth, exposure_problem
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.probe import probe_endpoint
 from meshnet.tracker.rebalance import rebalance
 from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
-                                      RegisterRequest, RegisterResponse)
+                                      RegisterRequest, RegisterResponse, check_revision)
 from meshnet.protocol.route import RouteResponse
+from meshnet.protocol.signing import HEADER_NODE
 from meshnet.tracker.service import TrackerService, TrackerSettings
 
 log = logging.getLogger(__name__)
@@ -85,11 +90,42 @@ def _reachability(node) -> dict:
     return {"reachable": node.reachable, "reach_error": node.reach_error}
 
 
+def _target(request: Request) -> str:
+    """The path and query string a node signed."""
+    query = request.url.query
+    return request.url.path + (f"?{query}" if query else "")
+
+
+def _signed_by(request: Request, body: bytes, *, as_node: str | None = None) -> str:
+    """The id of the registered node whose key signed this call (ADR-0035).
+
+    Raises:
+        Unauthorized (401), Forbidden (403), NotFound (404): see :meth:`NodeAuth.verify_node_call`.
+    """
+    auth: NodeAuth = request.app.state.auth
+    claimed = request.headers.get(HEADER_NODE, "")
+    return auth.verify_node_call(_svc(request).public_key(claimed) if claimed else None, request.headers,
+                                 request.method, _target(request), body, as_node=as_node)
+
+
+def _read_registration(request: Request, body: bytes) -> RegisterRequest:
+    """Join token, protocol revision, fields, then the signature by the key being registered."""
+    auth: NodeAuth = request.app.state.auth
+    auth.check_join_token(request.headers)
+    try:
+        check_revision(json.loads(body or b"{}"))
+    except (ValueError, RecursionError):
+        pass  # not JSON: validate_json says so
+    payload = validate_json(RegisterRequest, body)
+    auth.verify_registration(payload, request.headers, request.method, _target(request), body)
+    return payload
+
+
 async def register(request: Request) -> JSONResponse:
     """Register a node, then probe its endpoint once before answering: its shards are admitted only
     once the tracker has reached it (a node that registers before it listens is probed again)."""
     svc = _svc(request)
-    record = svc.register(validate_json(RegisterRequest, await request.body()))
+    record = svc.register(_read_registration(request, await request.body()))
     await probe(request.app, record.node_id, record.endpoint)
     request.app.state.wake.set()
     return JSONResponse(RegisterResponse(node_id=record.node_id, heartbeat_interval_s=svc.settings.heartbeat_interval_s,
@@ -99,25 +135,31 @@ async def register(request: Request) -> JSONResponse:
 async def heartbeat(request: Request) -> JSONResponse:
     svc = _svc(request)
     node_id = request.path_params["node_id"]
-    directives = svc.heartbeat(node_id, validate_json(HeartbeatRequest, await request.body()))
+    body = await request.body()
+    _signed_by(request, body, as_node=node_id)
+    directives = svc.heartbeat(node_id, validate_json(HeartbeatRequest, body))
     if svc.dirty:
         request.app.state.wake.set()
     return JSONResponse(HeartbeatResponse(directives=directives, **_reachability(svc.get(node_id))).model_dump(mode="json"))
 
 
 async def failure(request: Request) -> JSONResponse:
-    """A hop failure report: recorded (routes avoid the node a while) and the node probed again."""
-    body = validate_json(FailureReport, await request.body())
+    """A hop failure report, signed by the entry node that saw it: recorded (routes avoid the node
+    a while) and the node probed again. Only a node that could have routed through the reported
+    one counts (403 otherwise, nothing recorded)."""
+    raw = await request.body()
+    sender = _signed_by(request, raw)
+    body = validate_json(FailureReport, raw)
     svc = _svc(request)
     node_id = request.path_params["node_id"]
-    svc.report_failure(node_id, body.reason)
-    if node_id in svc.nodes:
-        probe_soon(request.app, node_id, svc.nodes[node_id].endpoint)
+    svc.report_failure_from(sender, node_id, body.reason)
+    probe_soon(request.app, node_id, svc.nodes[node_id].endpoint)
     return JSONResponse({"ok": True})
 
 
 async def drain_node(request: Request) -> JSONResponse:
     """A node's own announcement that it drains: no new routes or entry choices through it."""
+    _signed_by(request, await request.body(), as_node=request.path_params["node_id"])
     node = _svc(request).drain(request.path_params["node_id"])
     request.app.state.wake.set()
     return JSONResponse({"node_id": node.node_id, "draining": True})
@@ -126,6 +168,7 @@ async def drain_node(request: Request) -> JSONResponse:
 async def deregister(request: Request) -> JSONResponse:
     """A node leaving on purpose (end of its drain): forgotten now, not after the heartbeat timeout."""
     node_id = request.path_params["node_id"]
+    _signed_by(request, await request.body(), as_node=node_id)
     _svc(request).deregister(node_id)
     request.app.state.wake.set()
     return JSONResponse({"node_id": node_id, "deregistered": True})
@@ -271,7 +314,11 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
     ``transport`` carries the tracker's own calls to nodes (probes, chat forwarding, doctor);
     tests pass an ``httpx.MockTransport`` or ``ASGITransport`` (default: the network)."""
 
-    drain = Drain((service.settings if service else settings).drain_grace_s)
+    settings = service.settings if service else settings
+    problem = exposure_problem(settings.host, settings.join_token, settings.operator_token, settings.insecure)
+    if problem:
+        raise MeshnetError(problem, code="insecure_tracker")
+    drain = Drain(settings.drain_grace_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -308,5 +355,6 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
                                 Middleware(DrainMiddleware, drain=drain)],
                     exception_handlers={MeshnetError: _on_error, HTTPException: http_error,
                                         Exception: _unexpected_error})
+    app.state.auth = NodeAuth(settings.join_token)
     app.state.drain = drain  # SIGTERM: new chats 503, proxied chats get drain_grace_s to finish (ADR-0032)
     return app

@@ -11,10 +11,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 import time
-import uuid
 from dataclasses import dataclass, field
 
-from meshnet.errors import InvalidRequest, ModelNotRoutable, NotFound
+from meshnet.errors import Conflict, Forbidden, InvalidRequest, ModelNotRoutable, NotFound
 from meshnet.protocol.http import DEFAULT_MAX_BODY_BYTES
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name, find_preset
@@ -38,6 +37,9 @@ class TrackerSettings:
         rebalance_interval_s: periodic rebalance (DESIGN: 30 s; also on every join/leave).
         db_path: sqlite file (``:memory:`` for tests).
         operator_token: bearer token for /v1/operator/* (None: open, for local use).
+        join_token: token a node must present to register (None: anyone may join, for local
+            use); a tracker listening beyond loopback needs both tokens unless ``insecure``.
+        insecure: run beyond loopback without tokens, on purpose (ADR-0035).
         load_failure_cooldown_s: a node whose LOAD_SHARD failed gets no new load for this long.
         join_settle_s: after a join, wait this long for more joins before rebalancing, so nodes
             starting together are planned together (the widest range to the biggest/fastest).
@@ -57,6 +59,8 @@ class TrackerSettings:
     rebalance_interval_s: float = 30.0
     db_path: str = ":memory:"
     operator_token: str | None = None
+    join_token: str | None = None
+    insecure: bool = False
     load_failure_cooldown_s: float = 60.0
     join_settle_s: float = 2.0
     demand_window_s: float = 300.0
@@ -64,6 +68,23 @@ class TrackerSettings:
     probe_timeout_s: float = 3.0
     probe_interval_s: float = 1.0
     drain_grace_s: float = 30.0
+
+
+def may_report_failure(sender: NodeRecord | None, reported: NodeRecord) -> str:
+    """Why ``sender`` may not report a hop failure of ``reported`` ("" when it may).
+
+    Hop failures are reported by entry nodes, which drive routes. So a report counts only from a
+    registered node other than the reported one that holds an entry shard of a model the reported
+    node serves: one that could have had it on a route.
+    """
+    if sender is None:
+        return "the sender is not a registered node"
+    if sender.node_id == reported.node_id:
+        return "a node does not report itself"
+    models = {s.model for s in reported.shards}
+    if not any(s.entry and s.model in models for s in sender.shards):
+        return "the sender holds no entry shard of a model the reported node serves"
+    return ""
 
 
 @dataclass
@@ -122,7 +143,23 @@ class TrackerService:
     # ---- nodes ------------------------------------------------------------------------
 
     def register(self, payload: RegisterRequest) -> NodeRecord:
-        node_id = payload.node_id or f"node-{uuid.uuid4().hex[:8]}"
+        """Record a node's registration (a restart re-registers: its record is replaced).
+
+        The node id is bound to ``payload.public_key`` at its first registration, in the store
+        (ADR-0035); the caller has checked that the sender holds that key.
+
+        Raises:
+            Conflict (409 ``node_id_taken``): the id is bound to another key; the record is unchanged.
+            NotFound: a shard of an unknown model without a layer count.
+        """
+        node_id = payload.node_id
+        bound = self.store.bind_key(node_id, payload.public_key)
+        if bound != payload.public_key:
+            log.warning("refused a registration of %s with another key (endpoint %s)", node_id, payload.endpoint)
+            raise Conflict(f"node id {node_id!r} belongs to another key; this registration is refused",
+                           code="node_id_taken",
+                           hint="a node keeps its key in its --state-dir (node.key): start it with the same "
+                                "state dir, or choose another --node-id")
         for s in payload.shards:
             self.ensure_model(s.model, s.num_layers)
         record = NodeRecord(node_id=node_id, endpoint=payload.endpoint.rstrip("/"), wallet=payload.wallet,
@@ -303,7 +340,27 @@ class TrackerService:
         return [n for n in self.nodes.values() if not n.reachable
                 and (n.probed_s is None or now - n.probed_s >= self.settings.probe_interval_s)]
 
+    def public_key(self, node_id: str) -> str | None:
+        """The public key bound to ``node_id`` (base64url), or None when the id was never registered."""
+        return self.store.node_key(node_id)
+
+    def report_failure_from(self, sender: str, node_id: str, reason: str) -> None:
+        """A hop failure of ``node_id`` reported by node ``sender`` (whose signature the caller checked).
+
+        Raises:
+            NotFound: ``node_id`` is not registered.
+            Forbidden (403 ``not_on_route``): the sender could not have had ``node_id`` on a route
+                (see :func:`may_report_failure`); nothing is recorded.
+        """
+        reported = self.get(node_id)
+        why = may_report_failure(self.nodes.get(sender), reported)
+        if why:
+            log.warning("refused a failure report of %s from %s: %s", node_id, sender, why)
+            raise Forbidden(f"{sender} may not report a failure of {node_id}: {why}", code="not_on_route")
+        self.report_failure(node_id, f"{reason} (reported by {sender})")
+
     def report_failure(self, node_id: str, reason: str) -> None:
+        """Record a failure of ``node_id`` (routes avoid it a while); the tracker's own proxy calls it."""
         if node_id in self.nodes:
             self.nodes[node_id].last_failure_s = time.monotonic()
             log.warning("hop failure reported for %s: %s", node_id, reason)

@@ -1,8 +1,8 @@
 """Embedded tracker state in sqlite: pins, directives and models survive a tracker restart.
 
 Nodes re-register on their own after a restart (their heartbeat gets 404), so live node
-state is not stored; what only the tracker knows is: operator pins, the directive queue
-and the models it keeps covered. ``path=":memory:"`` keeps everything in memory (tests).
+state is not stored; what only the tracker knows is: operator pins, the directive queue,
+the models it keeps covered, and which public key owns each node id (ADR-0035). ``path=":memory:"`` keeps everything in memory (tests).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ CREATE TABLE IF NOT EXISTS pins (
   node_id TEXT NOT NULL, model TEXT NOT NULL, shard_start INTEGER, shard_end INTEGER,
   created_at REAL NOT NULL, PRIMARY KEY (node_id, model));
 CREATE TABLE IF NOT EXISTS models (name TEXT PRIMARY KEY, added_at REAL NOT NULL, source TEXT);
+CREATE TABLE IF NOT EXISTS node_keys (node_id TEXT PRIMARY KEY, public_key TEXT NOT NULL, bound_at REAL NOT NULL);
 """
 
 
@@ -93,6 +94,19 @@ class TrackerStore:
         """Delete the pin of ``model`` on ``node_id``; True when there was one."""
         with self.lock:
             return self.db.execute("DELETE FROM pins WHERE node_id = ? AND model = ?", (node_id, model)).rowcount > 0
+
+    # node keys (ADR-0035)
+    def bind_key(self, node_id: str, public_key: str) -> str:
+        """Bind ``node_id`` to ``public_key`` unless it is bound already; returns the key it is bound
+        to now (the earlier one when there was one: first registration wins)."""
+        with self.lock:
+            self.db.execute("INSERT OR IGNORE INTO node_keys VALUES (?,?,?)", (node_id, public_key, time.time()))
+            return self.db.execute("SELECT public_key FROM node_keys WHERE node_id = ?", (node_id,)).fetchone()[0]
+
+    def node_key(self, node_id: str) -> str | None:
+        """The public key bound to ``node_id`` (base64url), or None."""
+        rows = self._rows("SELECT public_key FROM node_keys WHERE node_id = ?", (node_id,))
+        return rows[0]["public_key"] if rows else None
 
     # models
     def add_model(self, name: str, source: str = "operator") -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from meshnet.models.sources import cache_dir
 from tests.integration.conftest import REAL
 from tests.integration.mesh import Mesh, free_port
 
@@ -140,6 +142,14 @@ def test_meshnet_serve_then_chat_cli(real_model_path, tmp_path):
         nodes = httpx.get(f"{url}/v1/nodes", timeout=10).json()["nodes"]
         child_pids = [n["node_id"] for n in nodes]
         assert sorted(child_pids) == ["node-0", "node-1", "node-2"]
+        # serve made an operator token (ADR-0035): only its owner can read it, and it is required
+        token_file = cache_dir() / f"serve-{port}.operator-token"
+        assert str(token_file) in "".join(lines) and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        drain = {"node_id": "node-x"}
+        assert httpx.post(f"{url}/v1/operator/drain", json=drain, timeout=10).status_code == 401
+        resp = httpx.post(f"{url}/v1/operator/drain", json=drain, timeout=10,
+                          headers={"Authorization": f"Bearer {token_file.read_text().strip()}"})
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "unknown_node"
     finally:
         serve.send_signal(signal.SIGTERM)
         serve.wait(timeout=30)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.fake_nodes import HealthyNodes
-from tests.payloads import capability_report
+from tests.payloads import SignAsNodes, capability_report, registration
 from meshnet.node.entry import LocalEntry
 from meshnet.node.sampling import TokenPicker
 from meshnet.layers import LayerRange
@@ -211,11 +211,11 @@ async def test_an_alias_reaches_the_entry_shard_under_the_canonical_name(entry, 
 async def test_the_tracker_resolves_aliases_like_the_nodes(asgi_client, entry):
     app = build_tracker(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False,
                         transport=HealthyNodes())
-    tracker = await asgi_client(app, "http://tracker")
+    tracker = await asgi_client(app, "http://tracker", auth=SignAsNodes())
     report = capability_report("meshnet/tiny-llama", 0, 3)
     shard = {"model": "meshnet/tiny-llama", "shard_start": 0, "shard_end": 3, "entry": True, "report": report}
-    resp = await tracker.post("/v1/nodes/register", json={"node_id": "node-entry", "endpoint": "http://node-entry",
-                                                          "shards": [shard]})
+    resp = await tracker.post("/v1/nodes/register", json=registration("node-entry", "http://node-entry",
+                                                                       shards=[shard]))
     assert resp.status_code == 200, resp.text
     app.state.http = entry  # the tracker's forwards reach the in-process entry node
     coverage = (await tracker.get("/v1/coverage")).json()["models"]

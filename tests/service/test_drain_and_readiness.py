@@ -23,7 +23,7 @@ from meshnet.node.settings import NodeSettings
 from meshnet.tracker.app import build_app as build_tracker
 from meshnet.tracker.service import TrackerSettings
 from tests.fake_nodes import HealthyNodes
-from tests.payloads import capability_report
+from tests.payloads import SignAsNodes, capability_report, registration
 
 MODEL = "tiny-llama"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
@@ -36,8 +36,7 @@ def shard(start: int, end: int, *, entry: bool | None = None) -> dict:
 
 
 def node(node_id: str, *shards: dict) -> dict:
-    return {"node_id": node_id, "endpoint": f"http://{node_id}.test:8000", "max_loaded_shards": 2,
-            "shards": list(shards)}
+    return registration(node_id, f"http://{node_id}.test:8000", max_loaded_shards=2, shards=list(shards))
 
 
 @pytest.fixture
@@ -48,7 +47,7 @@ def tracker_app():
 
 @pytest.fixture
 async def tracker(asgi_client, tracker_app):
-    return await asgi_client(tracker_app, "http://tracker")
+    return await asgi_client(tracker_app, "http://tracker", auth=SignAsNodes())
 
 
 async def register(client, *nodes: dict) -> None:

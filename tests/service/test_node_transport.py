@@ -13,7 +13,7 @@ from meshnet.node.settings import NodeSettings
 from meshnet.protocol.control import HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse
 
 
-async def test_a_node_registers_and_heartbeats_through_an_injected_transport(asgi_client):
+async def test_a_node_registers_and_heartbeats_through_an_injected_transport(asgi_client, tmp_path):
     seen: list[tuple[str, dict]] = []
 
     def tracker(request: httpx.Request) -> httpx.Response:
@@ -28,7 +28,8 @@ async def test_a_node_registers_and_heartbeats_through_an_injected_transport(asg
             return httpx.Response(200, json=HeartbeatResponse().model_dump())
         return httpx.Response(404, json={"error": {"message": "no", "type": "x", "code": "not_found"}})
 
-    settings = NodeSettings(node_id="n-inj", port=8899, tracker_url="http://tracker.test", heartbeat_interval_s=0.05)
+    settings = NodeSettings(node_id="n-inj", port=8899, tracker_url="http://tracker.test", heartbeat_interval_s=0.05,
+                            state_dir=tmp_path)
     node = await asgi_client(build_app(settings, transport=httpx.MockTransport(tracker)), "http://n-inj")
     for _ in range(100):  # bounded: the heartbeat loop runs every 0.05 s
         if any(path.endswith("/heartbeat") for path, _ in seen):

@@ -10,13 +10,14 @@ from meshnet.tracker.app import build_app
 from meshnet.tracker.rebalance import rebalance
 from meshnet.protocol.control import RegisterRequest
 from meshnet.tracker.service import TrackerService, TrackerSettings
+from tests.payloads import SignAsNodes, registration
 
 MODEL = "tiny-llama"
 
 
 def bare_node(node_id: str = "pn") -> RegisterRequest:
     """A model-less node (no shard flags), as `meshnet node start --tracker URL --node-id pn` registers."""
-    return RegisterRequest(node_id=node_id, endpoint=f"http://{node_id}.test:8000", vram_bytes=2 * 1024**3)
+    return RegisterRequest.model_validate(registration(node_id, f"http://{node_id}.test:8000", vram_bytes=2 * 1024**3))
 
 
 def loads(svc: TrackerService, node_id: str = "pn") -> list[tuple]:
@@ -76,7 +77,7 @@ def test_unpin_stops_the_restore_and_a_new_pin_replaces_the_old(tmp_path):
 @pytest.fixture
 async def tracker(asgi_client):
     app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False)
-    return await asgi_client(app, "http://tracker")
+    return await asgi_client(app, "http://tracker", auth=SignAsNodes())
 
 
 async def test_unpin_endpoint(tracker):

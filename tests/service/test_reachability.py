@@ -19,15 +19,16 @@ import pytest
 from meshnet.tracker.app import build_app
 from meshnet.tracker.service import TrackerSettings
 from tests.fake_nodes import HealthyNodes
-from tests.payloads import capability_report
+from tests.payloads import SignAsNodes, capability_report, registration, signed
 
 MODEL = "tiny-llama"
 
 
-def node(node_id: str, endpoint: str | None = None) -> dict:
-    report = capability_report(MODEL, 0, 3)
-    return {"node_id": node_id, "endpoint": endpoint or f"http://{node_id}.test:8000", "vram_bytes": 2 * 1024**3,
-            "shards": [{"model": MODEL, "shard_start": 0, "shard_end": 3, "entry": True, "report": report}]}
+def node(node_id: str, endpoint: str | None = None, last_layer: int = 3) -> dict:
+    report = capability_report(MODEL, 0, last_layer)
+    return registration(node_id, endpoint or f"http://{node_id}.test:8000", vram_bytes=2 * 1024**3,
+                        shards=[{"model": MODEL, "shard_start": 0, "shard_end": last_layer, "entry": True,
+                                 "report": report}])
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def make_tracker(asgi_client):
     async def make(transport=None, run_loop: bool = False, **settings):
         app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", **settings), run_loop=run_loop,
                         transport=transport)
-        return app, await asgi_client(app, "http://tracker")
+        return app, await asgi_client(app, "http://tracker", auth=SignAsNodes())
     return make
 
 
@@ -113,17 +114,22 @@ async def test_a_failure_report_probes_again_and_an_unreachable_node_leaves_the_
     nodes = HealthyNodes()
     _, tracker = await make_tracker(nodes)
     await tracker.post("/v1/nodes/register", json=node("n1"))
+    await tracker.post("/v1/nodes/register", json=node("n0", last_layer=0))  # an entry that routes through n1
     assert await routable(tracker)
     nodes.down.add("n1.test")
-    assert (await tracker.post("/v1/nodes/n1/failure", json={"reason": "hop timed out"})).status_code == 200
+    body = json.dumps({"reason": "hop timed out"}).encode()
+    resp = await tracker.post("/v1/nodes/n1/failure", content=body,
+                              headers=signed("n0", "POST", "/v1/nodes/n1/failure", body))
+    assert resp.status_code == 200
     await wait_for(lambda: _unreachable(tracker))  # no control loop here: the report itself probed
     assert not await routable(tracker)
     resp = await tracker.post("/v1/nodes/n1/heartbeat", json={"shards": node("n1")["shards"]})
     assert resp.json()["reachable"] is False and "Connection refused" in resp.json()["reach_error"]
 
 
-async def _unreachable(tracker) -> bool:
-    return not (await view(tracker))["reachable"]
+async def _unreachable(tracker, node_id: str = "n1") -> bool:
+    views = {n["node_id"]: n for n in (await tracker.get("/v1/nodes")).json()["nodes"]}
+    return not views[node_id]["reachable"]
 
 
 def streamed(status: int, body: dict) -> httpx.Response:

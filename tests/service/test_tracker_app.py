@@ -13,7 +13,7 @@ import pytest
 from meshnet.tracker.app import build_app
 from meshnet.protocol.control import DEFAULT_VRAM_BYTES
 from meshnet.tracker.service import TrackerSettings
-from tests.payloads import capability_report
+from tests.payloads import SignAsNodes, capability_report, registration, signed
 from tests.fake_nodes import HealthyNodes
 
 MODEL = "tiny-llama"
@@ -35,8 +35,8 @@ def shard(start: int, end: int, *, entry: bool | None = None, report_kind: str |
 
 
 def node(node_id: str, *shards: dict, **extra) -> dict:
-    return {"node_id": node_id, "endpoint": f"http://{node_id}.test:8000", "vram_bytes": 2 * 1024**3,
-            "max_loaded_shards": 2, "shards": list(shards), **extra}
+    return registration(node_id, f"http://{node_id}.test:8000", vram_bytes=2 * 1024**3, max_loaded_shards=2,
+                        shards=list(shards), **extra)
 
 
 @pytest.fixture
@@ -44,7 +44,9 @@ def make_tracker(asgi_client):
     async def make(**settings):
         app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", **settings), run_loop=False,
                         transport=HealthyNodes())
-        return await asgi_client(app, "http://tracker")
+        client = await asgi_client(app, "http://tracker", auth=SignAsNodes())
+        client.service = app.state.service  # for checks of state the HTTP views do not show
+        return client
 
     return make
 
@@ -72,11 +74,16 @@ def assert_envelope(resp, status: int, code: str) -> dict:
 
 
 async def test_register_returns_id_and_heartbeat_interval(tracker):
-    resp = await tracker.post("/v1/nodes/register", json={"endpoint": "http://a.test:8000/"})
+    resp = await tracker.post("/v1/nodes/register", json=registration("node-a", "http://a.test:8000/"))
     assert resp.status_code == 200
     body = resp.json()
-    assert body["node_id"].startswith("node-") and len(body["node_id"]) == len("node-") + 8
-    assert body["heartbeat_interval_s"] == 10.0
+    assert body["node_id"] == "node-a" and body["heartbeat_interval_s"] == 10.0
+
+
+async def test_a_registration_names_its_node_id(tracker):
+    body = registration("node-a", "http://a.test:8000")
+    del body["node_id"]  # the id goes with the node's key: the node chooses it, once
+    assert_envelope(await tracker.post("/v1/nodes/register", json=body), 422, "invalid_field")
 
 
 @pytest.mark.parametrize("override, field", [
@@ -118,7 +125,7 @@ async def test_register_body_that_is_not_json_is_400(tracker):
 
 
 async def test_omitted_memory_defaults_to_8_gib(tracker):
-    await register(tracker, {"node_id": "node-a", "endpoint": "http://a.test:8000/"})
+    await register(tracker, registration("node-a", "http://a.test:8000/"))
     (view,) = (await tracker.get("/v1/nodes")).json()["nodes"]
     assert view["vram_bytes"] == DEFAULT_VRAM_BYTES == 8 * 1024**3
     assert view["memory_budget_bytes"] == int(8 * 1024**3 * 0.8)
@@ -415,18 +422,26 @@ async def test_metrics_have_meshnet_names(tracker):
     assert 'meshnet_covered_layers{model="tiny-llama"} 2.0' in lines
 
 
+def report_failure(tracker, node_id: str, *, sender: str, body: bytes = b'{"reason": "timeout"}'):
+    """``sender`` reports a hop failure of ``node_id``, signed with its key."""
+    path = f"/v1/nodes/{node_id}/failure"
+    return tracker.post(path, content=body, headers=signed(sender, "POST", path, body))
+
+
 async def test_failure_report_is_recorded(tracker):
     await register(tracker, node("node-a", shard(0, 3)))
-    resp = await tracker.post("/v1/nodes/node-a/failure", json={"reason": "timeout"})
-    assert resp.json() == {"ok": True}
-    # an unknown node's failure is accepted and ignored
-    assert (await tracker.post("/v1/nodes/node-x/failure", json={})).json() == {"ok": True}
+    await register(tracker, node("node-b", shard(0, 1)))  # an entry of the same model
+    resp = await report_failure(tracker, "node-a", sender="node-b")
+    assert resp.status_code == 200 and resp.json() == {"ok": True}
+    assert tracker.service.nodes["node-a"].last_failure_s is not None
+    # an unknown node's failure: nothing to record
+    assert_envelope(await report_failure(tracker, "node-x", sender="node-b"), 404, "unknown_node")
 
 
-async def test_failure_report_with_a_bad_body_is_4xx(asgi_client):
-    app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False)
-    client = await asgi_client(app, raise_app_exceptions=False)
-    resp = await client.post("/v1/nodes/node-a/failure", content=b"not json")
+async def test_failure_report_with_a_bad_body_is_4xx(tracker):
+    await register(tracker, node("node-a", shard(0, 3)))
+    await register(tracker, node("node-b", shard(0, 1)))
+    resp = await report_failure(tracker, "node-a", sender="node-b", body=b"not json")
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request"
 
 

@@ -10,7 +10,7 @@ import pytest
 from meshnet.tracker.app import build_app
 from meshnet.tracker.service import TrackerSettings
 from tests.fake_nodes import HealthyNodes
-from tests.payloads import capability_report
+from tests.payloads import SignAsNodes, capability_report, registration
 
 MODEL = "tiny-llama"
 REPORT = capability_report(MODEL, 0, 3, tokens_per_s=10.0)
@@ -23,7 +23,7 @@ def shard(**over) -> dict:
 @pytest.fixture
 async def tracker(asgi_client):
     app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False, transport=HealthyNodes())
-    return await asgi_client(app, "http://tracker", raise_app_exceptions=False)
+    return await asgi_client(app, "http://tracker", raise_app_exceptions=False, auth=SignAsNodes())
 
 
 @pytest.mark.parametrize("over, field", [
@@ -32,7 +32,7 @@ async def tracker(asgi_client):
     ({"shard_end": 10**9}, "shards.0.shard_end"),
 ])
 async def test_layer_numbers_are_bounded(tracker, over, field):
-    resp = await tracker.post("/v1/nodes/register", json={"endpoint": "http://a:1", "shards": [shard(**over)]})
+    resp = await tracker.post("/v1/nodes/register", json=registration("node-a", "http://a:1", shards=[shard(**over)]))
     assert resp.status_code == 422, resp.text
     assert resp.json()["error"]["message"].startswith(f"invalid field '{field}'")
 
@@ -45,7 +45,7 @@ async def test_layer_numbers_are_bounded(tracker, over, field):
     ({"requests_running": 1.5}, "stats.requests_running"),
 ])
 async def test_malformed_heartbeat_stats_are_refused_and_routing_keeps_working(tracker, stats, param):
-    node = {"node_id": "node-a", "endpoint": "http://a:1", "shards": [shard()]}
+    node = registration("node-a", "http://a:1", shards=[shard()])
     assert (await tracker.post("/v1/nodes/register", json=node)).status_code == 200
     body = json.dumps({"shards": [shard()], "stats": stats})  # inf as the non-standard JSON token Infinity
     resp = await tracker.post("/v1/nodes/node-a/heartbeat", content=body)

@@ -31,7 +31,7 @@ from meshnet.client import TrackerClient
 from meshnet.protocol.control import HeartbeatRequest, RegisterRequest
 from meshnet.tracker.app import build_app
 from meshnet.tracker.service import TrackerSettings
-from tests.payloads import capability_report
+from tests.payloads import SignAsNodes, capability_report, registration
 from tests.fake_nodes import HealthyNodes
 from tui.app import MeshnetConsole
 
@@ -52,9 +52,8 @@ def shard(start: int, end: int, *, model: str = MODEL, tier: str = "bootstrap", 
 
 def node_payload(node_id: str, endpoint: str, shards: list[dict], *, vram_bytes: int = 2 * GiB,
                  max_loaded_shards: int = 2) -> RegisterRequest:
-    return RegisterRequest.model_validate({"node_id": node_id, "endpoint": endpoint, "vram_bytes": vram_bytes,
-                                           "device": "cpu", "max_loaded_shards": max_loaded_shards,
-                                           "shards": shards})
+    return RegisterRequest.model_validate(registration(node_id, endpoint, vram_bytes=vram_bytes, device="cpu",
+                                                       max_loaded_shards=max_loaded_shards, shards=shards))
 
 
 def heartbeat_payload(shards: list[dict], stats: dict | None = None) -> HeartbeatRequest:
@@ -129,7 +128,7 @@ class TrackerHarness:
     client: TrackerClient = field(init=False)
 
     def __post_init__(self) -> None:
-        self.client = TrackerClient(TRACKER_URL, transport=self.transport)
+        self.client = TrackerClient(TRACKER_URL, transport=self.transport, auth=SignAsNodes())  # fake nodes sign
 
     @property
     def service(self):

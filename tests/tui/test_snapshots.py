@@ -21,6 +21,7 @@ from conftest import SIZE, TRACKER_URL, FakeClock, LazyTrackerTransport, Switcha
     shard, tracker_app
 
 from meshnet.client import TrackerClient
+from tests.payloads import SignAsNodes
 from tui.app import MeshnetConsole
 
 #: directives are created at real time; the console's clock runs this far ahead of it, so
@@ -55,7 +56,7 @@ def layout(clock: FakeClock) -> dict[str, list[dict]]:
 async def seed(app: MeshnetConsole, transport: httpx.AsyncBaseTransport, clock: FakeClock) -> None:
     """Three nodes (tiny-llama covered, tiny-gpt2 with a gap), a pin, a reload, six polls of stats."""
     await app.wait_polled(1)
-    client = TrackerClient(TRACKER_URL, transport=Borrowed(transport))
+    client = TrackerClient(TRACKER_URL, transport=Borrowed(transport), auth=SignAsNodes())  # fake nodes sign
     shards = layout(clock)
     for i, (node_id, held) in enumerate(shards.items()):
         await client.register(node_payload(node_id, f"http://10.0.0.{i + 1}:8701", held,

@@ -16,7 +16,7 @@ def tracker(handler) -> TrackerClient:
     return TrackerClient("http://tracker.test", transport=httpx.MockTransport(handler))
 
 
-async def agent_with(handler) -> tuple[TrackerAgent, list[str]]:
+async def agent_with(handler, state_dir) -> tuple[TrackerAgent, list[str]]:
     calls: list[str] = []
 
     def record(request: httpx.Request) -> httpx.Response:
@@ -24,7 +24,8 @@ async def agent_with(handler) -> tuple[TrackerAgent, list[str]]:
         return handler(request)
 
     async with httpx.AsyncClient() as http:
-        node = NodeContext(settings=NodeSettings(node_id="n1", port=8901, tracker_url="http://tracker.test"),
+        node = NodeContext(settings=NodeSettings(node_id="n1", port=8901, tracker_url="http://tracker.test",
+                                                   state_dir=state_dir),
                          runtime=NodeRuntime(), http=http)
     agent = TrackerAgent(node)
     agent.client = tracker(record)
@@ -36,17 +37,18 @@ def status(code: int, error: str = "unknown_node"):
     return lambda request: httpx.Response(code, json={"error": {"message": error, "type": "x", "code": error}})
 
 
-async def test_a_failed_reregistration_is_recorded_and_the_loop_survives():
+async def test_a_failed_reregistration_is_recorded_and_the_loop_survives(tmp_path):
     agent, calls = await agent_with(lambda r: status(404)(r) if r.url.path.endswith("heartbeat")
-                                    else status(503, "unreachable")(r))
+                                    else status(503, "unreachable")(r), tmp_path)
     await agent.heartbeat()  # must not raise
     assert calls == ["POST /v1/nodes/n1/heartbeat", "POST /v1/nodes/register"]
     assert agent.last_error and "503" in agent.last_error and agent.heartbeat_age_s() is None
 
 
-async def test_a_draining_node_does_not_register_again_and_stops_heartbeating_once_it_left():
+async def test_a_draining_node_does_not_register_again_and_stops_heartbeating_once_it_left(tmp_path):
     agent, calls = await agent_with(lambda r: status(404)(r) if r.url.path.endswith("heartbeat")
-                                    else httpx.Response(200, json={"node_id": "n1", "deregistered": True}))
+                                    else httpx.Response(200, json={"node_id": "n1", "deregistered": True}),
+                                    tmp_path)
     agent.node.drain.draining = True
     await agent.heartbeat()
     assert calls == ["POST /v1/nodes/n1/heartbeat"]  # forgotten while draining: stays forgotten

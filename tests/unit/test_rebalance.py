@@ -9,17 +9,17 @@ import pytest
 from meshnet.tracker.rebalance import rebalance
 from meshnet.protocol.control import RegisterRequest
 from meshnet.tracker.service import TrackerService, TrackerSettings
-from tests.payloads import capability_report
+from tests.payloads import capability_report, registration
 
 
 def service_with(copies: int, tier: str = "managed") -> TrackerService:
     svc = TrackerService(TrackerSettings(models=("tiny-llama",)))
     for i in range(copies):
         report = capability_report("tiny-llama", 0, 3, tokens_per_s=10.0 + i)
-        svc.register(RegisterRequest.model_validate({
-            "node_id": f"n{i}", "endpoint": f"http://127.0.0.1:{9000 + i}",
-            "shards": [{"model": "tiny-llama", "shard_start": 0, "shard_end": 3, "tier": tier, "entry": True,
-                        "report": report}]}))
+        svc.register(RegisterRequest.model_validate(registration(
+            f"n{i}", f"http://127.0.0.1:{9000 + i}",
+            shards=[{"model": "tiny-llama", "shard_start": 0, "shard_end": 3, "tier": tier, "entry": True,
+                     "report": report}])))
         svc.set_reachability(f"n{i}", f"http://127.0.0.1:{9000 + i}", "")  # as a probe that answered
     return svc
 
