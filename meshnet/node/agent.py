@@ -57,6 +57,7 @@ class TrackerAgent:
         self.interval_s = self.settings.heartbeat_interval_s
         #: what the tracker said last about reaching this node's endpoint (None: nothing yet)
         self.reachable: bool | None = None
+        self._probed_again = False  # the first "unreachable" verdict was taken as provisional
         self.last_ok_s: float | None = None   # monotonic time the tracker last accepted us
         self.last_error: str | None = None    # why the latest register/heartbeat failed, if it did
         self.leaving = False                  # deregistered (drain): no more heartbeats
@@ -175,12 +176,16 @@ class TrackerAgent:
         reachable = resp.reachable
         if reachable == self.reachable:
             return
-        first, self.reachable = self.reachable is None, reachable
-        if reachable:
-            log.info("the tracker reaches this node at %s; its shards can be admitted", self.settings.endpoint)
-        elif first:  # a node registers before it listens: the tracker probes again within a second
+        if not reachable and self.reachable is None and not self._probed_again:
+            # a node registers before it listens: the tracker probes again within a second, so
+            # the first "unreachable" is only provisional; the next verdict decides
+            self._probed_again = True
             log.info("registered before listening; the tracker will probe %s again", self.settings.endpoint)
             self.wake_soon(1.5)
+            return
+        self.reachable = reachable
+        if reachable:
+            log.info("the tracker reaches this node at %s; its shards can be admitted", self.settings.endpoint)
         else:
             log.warning("the tracker cannot reach this node at %s (%s): its shards are not admitted until it "
                         "can; check --public-url, --host and firewalls", self.settings.endpoint,
