@@ -46,6 +46,7 @@ class Session:
     length: int = 0            # tokens cached
     last_used_s: float = 0.0   # monotonic seconds
     nbytes: int = 0            # cache bytes as of the last commit
+    released: bool = False     # dropped from the store (a forward still running on it counts nothing)
 
 
 class SessionStore:
@@ -114,9 +115,13 @@ class SessionStore:
     def commit(self, session: Session, n_tokens: int) -> None:
         """Record ``n_tokens`` more cached tokens and the cache's new size (bytes).
 
-        Never evicts: a live session may grow past ``max_bytes``; new ones are then refused.
+        Never evicts: a live session may grow past ``max_bytes``; new ones are then refused. A
+        session released while its forward ran (a late call from an abandoned hop) counts nothing:
+        its bytes left the total when it was dropped.
         """
         session.length += n_tokens
+        if session.released:
+            return
         size = session.cache.nbytes
         self._nbytes += size - session.nbytes
         session.nbytes = size
@@ -125,6 +130,7 @@ class SessionStore:
         session = self._sessions.pop(key, None)
         if session is not None:
             self._nbytes -= session.nbytes
+            session.released = True
 
     def release(self, session_id: str) -> int:
         """Drop every slot's cache of ``session_id``; returns how many were dropped."""

@@ -142,3 +142,13 @@ def test_release_slot_drops_every_session_of_a_slot():
     store.acquire("s1", "b", 0, now=0.0)
     store.release_slot("a")
     assert len(store) == 1
+
+
+def test_a_session_released_while_its_forward_runs_leaves_no_bytes_behind():
+    """A frozen node resumes: its late forward commits after the entry's release was served."""
+    store = SessionStore()
+    session = store.acquire("s1", "slot", 0, now=0.0)
+    assert store.release("s1") == 1 and store.nbytes == 0
+    fill(session, 4096)  # the forward that was running writes its keys and values
+    store.commit(session, 3)
+    assert store.nbytes == 0 and len(store) == 0 and store.bytes_left == store.max_bytes
