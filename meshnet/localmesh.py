@@ -96,6 +96,11 @@ class LocalMesh:
         proc.send_signal(sig)
         return proc.wait(timeout=timeout_s)
 
+    def signal(self, name: str, sig: int) -> None:
+        """Send ``sig`` to child ``name`` by its PID without waiting (``SIGSTOP`` freezes it,
+        ``SIGCONT`` resumes it); it stays a child, stopped by :meth:`kill` or :meth:`stop`."""
+        self.procs[name].send_signal(sig)
+
     def exited(self) -> dict[str, int]:
         """Children that have exited: name → exit code."""
         return {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
@@ -112,6 +117,7 @@ class LocalMesh:
                 for proc in group:
                     if proc.poll() is None:
                         proc.send_signal(signal.SIGTERM)
+                        proc.send_signal(signal.SIGCONT)  # a stopped child (SIGSTOP) drains too
                 deadline = time.monotonic() + grace_s
                 for proc in group:
                     try:

@@ -50,6 +50,13 @@ class ActivationCodec(Protocol):
     def last(self, hidden: Activation) -> Activation:
         """The last position only: ``[1, 1, hidden]``."""
 
+    def concat(self, parts: list[Activation]) -> Activation:
+        """``parts`` ``[1, seq_i, hidden]`` joined along the sequence: ``[1, sum(seq_i), hidden]``."""
+
+    def split(self, hidden: Activation, tokens: int) -> list[Activation]:
+        """``hidden`` cut along the sequence into pieces of ``tokens`` positions (the last may be
+        shorter), in order."""
+
 
 class EntryLayers(Protocol):
     """The entry node's own layers ``[0, local_end)`` of ``model``, with embeddings, the final

@@ -1,30 +1,40 @@
-"""Remote hops of one session: forward calls, input history, failover by replay.
+"""Remote hops of one session: forward calls under deadlines, input history, failover by replay.
 
 Each hop keeps every input frame it was sent (with its position) for the life of the
-session. When a hop fails or times out, the orchestrator reports it, asks for a new
-route over the same layers without the failed node, replays the history to the
-replacement (in the same chunks, so the replacement's KV cache is identical), and goes on.
+session. When a hop fails, the orchestrator reports it, asks for a new route over the same
+layers without the failed node, replays the history to the replacement as prefill chunks
+(:mod:`meshnet.gateway.replay`: the same KV cache in ``ceil(tokens / chunk)`` calls), and goes on.
 
 Every error on a hop call is that hop's failure (:class:`HopFailed`): a refused or slow
 connection, an unusable URL, a non-200 answer, a reply frame that does not decode or has
-the wrong shape. A hop that answers 503 (session cache full, draining) is *busy*
-(:class:`HopBusy`): it is replaced the same way but not reported to the tracker, since
-it is healthy. A hop that answers 409 ``session_conflict`` lost the session (expired or
-restarted): it is neither reported nor excluded, so the replay may restart the session
-on it. When no replacement exists the error names the hop and its layers.
+the wrong shape. So is a hop that misses its deadline (derived from its own observed call
+times, :mod:`meshnet.gateway.deadlines`) and then does not answer a liveness probe: it is
+frozen (docs/adr/0036-hop-deadlines.md). A hop that answers 503 (session cache full,
+draining) is *busy* (:class:`HopBusy`): it is replaced the same way but not reported to the
+tracker, since it is healthy. A hop that answers 409 ``session_conflict`` lost the session
+(expired or restarted): it is neither reported nor excluded, so the replay may restart the
+session on it. When no replacement exists the error names the hop and its layers.
+
+Every hop that was sent a frame is released (``DELETE /v1/sessions/{id}``) in the
+background: an excluded hop at once, the others when the generation ends. Nothing waits
+for a release, so a frozen node delays no one; its session goes when it resumes (the
+release is patient) or by its TTL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import httpx
 
 from meshnet.errors import HopBusy, HopFailed, MeshnetError
+from meshnet.gateway.deadlines import DeadlinePolicy, StepTimes, deadline_s
 from meshnet.gateway.entry import Activation, ActivationCodec
+from meshnet.gateway.replay import rechunk
 from meshnet.layers import LayerRange
 from meshnet.protocol.route import Hop
 
@@ -39,15 +49,24 @@ FailureReporter = Callable[[str, str], Awaitable[None]]
 
 #: a hop's 409 code: it no longer holds the session (expired, released, restarted) but is healthy
 LOST_SESSION = "session_conflict"
+#: seconds a release of a hop still in the route may take (it answered a moment ago)
+RELEASE_TIMEOUT_S = 5.0
+#: seconds a release of an excluded hop may wait: a frozen node that resumes within it frees the
+#: session at once instead of holding it until its TTL (300 s); nothing waits for it meanwhile
+ABANDONED_RELEASE_TIMEOUT_S = 60.0
+
+_releases: set[asyncio.Task] = set()  # releases in flight (kept referenced until they end)
 
 
 @dataclass
 class HopState:
-    """A hop plus what it has been sent: ``history`` of ``(position, frame, tokens)``, ``length`` tokens."""
+    """A hop plus what it has been sent: ``history`` of ``(position, frame, tokens)``, ``length``
+    tokens, and how long its calls took (``times``, for its deadline)."""
 
     hop: Hop
     history: list[tuple[int, bytes, int]] = field(default_factory=list)
     length: int = 0
+    times: StepTimes = field(default_factory=StepTimes)
 
 
 def _describe(hop: Hop) -> str:
@@ -108,8 +127,44 @@ async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, sessi
     return resp.content, out
 
 
+async def _delete_session(client: httpx.AsyncClient, endpoint: str, session_id: str, timeout_s: float) -> None:
+    try:
+        async with asyncio.timeout(timeout_s):  # in-process transports ignore httpx's own timeout
+            await client.delete(f"{endpoint}/v1/sessions/{session_id}", timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - best effort: an unreachable hop expires the session by its TTL
+        log.debug("could not release session %s at %s", session_id, endpoint, exc_info=True)
+
+
+def release_soon(client: httpx.AsyncClient, endpoints: list[str], session_id: str, timeout_s: float) -> None:
+    """Start ``DELETE {endpoint}/v1/sessions/{session_id}`` on each endpoint in the background and
+    return at once (never raises, never waits: a frozen node must not hold up anyone).
+    ``timeout_s``: how long each release may wait for its answer, seconds."""
+    loop = asyncio.get_running_loop()
+    for endpoint in endpoints:
+        task = loop.create_task(_delete_session(client, endpoint, session_id, timeout_s))
+        _releases.add(task)
+        task.add_done_callback(_releases.discard)
+
+
+async def settle_releases(timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` seconds for the background releases of this event loop to end
+    (tests; a service that wants its releases sent before it closes its client)."""
+    loop = asyncio.get_running_loop()
+    pending = [t for t in _releases if t.get_loop() is loop]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout_s)
+
+
+def _settle(call: asyncio.Future) -> None:
+    """Cancel an abandoned call; mark its outcome as seen when it had already ended."""
+    if not call.done():
+        call.cancel()
+    elif not call.cancelled():
+        call.exception()
+
+
 class RemoteRoute:
-    """The remote part of one session's route, with failover.
+    """The remote part of one session's route, with deadlines and failover.
 
     Args:
         client: shared httpx client.
@@ -118,24 +173,35 @@ class RemoteRoute:
         hops: initial hops, in layer order.
         routes: provider of replacement hops; ``report``: failure reporter.
         codec: activations to and from frames (the entry node's :class:`ActivationCodec`).
-        timeout_s: per hop call, seconds; ``connect_timeout_s``: to connect to a hop, seconds.
+        timeout_s: per hop call, seconds (the ceiling for a slow but live hop);
+            ``connect_timeout_s``: to connect to a hop, seconds.
         max_failovers: replacements per hop call before giving up.
+        deadlines: when to probe a hop that takes longer than usual (:class:`DeadlinePolicy`).
+        replay_chunk_tokens: tokens per replay call to a replacement (the prefill chunk, 128).
     """
 
     def __init__(self, client: httpx.AsyncClient, *, model: str, session_id: str, hops: list[Hop],
                  routes: RouteProvider, report: FailureReporter, codec: ActivationCodec,
-                 timeout_s: float = 60.0, connect_timeout_s: float = 5.0, max_failovers: int = 3) -> None:
+                 timeout_s: float = 60.0, connect_timeout_s: float = 5.0, max_failovers: int = 3,
+                 deadlines: DeadlinePolicy = DeadlinePolicy(), replay_chunk_tokens: int = 128) -> None:
         self.client, self.model, self.session_id = client, model, session_id
-        self.states = [HopState(h) for h in hops]
+        self.deadlines = deadlines
+        self.states = [self._new_state(h) for h in hops]
         self.routes, self.report = routes, report
         self.codec, self.max_failovers = codec, max_failovers
+        self.replay_chunk_tokens = replay_chunk_tokens
         self.timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
         self.failed: set[str] = set()   # nodes excluded from this session's routes (failed or busy)
         self.failovers = 0
+        self.deadline_misses = 0         # calls failed over because the hop froze
         self.start_layer = hops[0].layers.start if hops else 0
         self.end_layer = hops[-1].layers.end if hops else 0
         self.hidden_size: int | None = None
         self._turn = asyncio.Condition()
+        self._touched: dict[str, str] = {}   # node id -> endpoint of every hop sent a frame, not yet released
+
+    def _new_state(self, hop: Hop) -> HopState:
+        return HopState(hop, times=StepTimes(self.deadlines.ema_alpha))
 
     @property
     def hops(self) -> list[Hop]:
@@ -144,22 +210,68 @@ class RemoteRoute:
     def _state_at(self, layer: int) -> HopState:
         return next(s for s in self.states if s.hop.layers.start == layer)
 
+    async def _alive(self, hop: Hop) -> bool:
+        """Whether the hop's node answers ``GET /v1/health`` (any status) within the probe timeout."""
+        limit = self.deadlines.probe_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                await self.client.get(f"{hop.endpoint}/v1/health", timeout=limit)
+            return True
+        except Exception:  # noqa: BLE001 - no answer in time, refused, reset: not alive
+            return False
+
     async def _send(self, state: HopState, frame: bytes, position: int, seq_len: int,
                     last_only: bool) -> tuple[bytes, Activation]:
+        """One forward call under the hop's deadline (see :meth:`_await_in_time`); records its time.
+
+        Raises:
+            HopBusy, HopFailed: as :func:`post_forward`, or the hop froze (missed its deadline and
+                did not answer the liveness probe).
+        """
         shape = None if self.hidden_size is None else (1, 1 if last_only else seq_len, self.hidden_size)
-        out = await post_forward(self.client, state.hop, model=self.model, session_id=self.session_id,
-                                 position=position, frame=frame, last_only=last_only, timeout=self.timeout,
-                                 codec=self.codec, expect_shape=shape)
+        self._touched[state.hop.node_id] = state.hop.endpoint
+        t0 = time.perf_counter()
+        call = asyncio.ensure_future(post_forward(
+            self.client, state.hop, model=self.model, session_id=self.session_id, position=position,
+            frame=frame, last_only=last_only, timeout=self.timeout, codec=self.codec, expect_shape=shape))
+        try:
+            out = await self._await_in_time(state, call, seq_len, t0)
+        finally:
+            _settle(call)
+        state.times.observe(seq_len, time.perf_counter() - t0)
         state.history.append((position, frame, seq_len))
         state.length = position + seq_len
         return out
+
+    async def _await_in_time(self, state: HopState, call: asyncio.Future, seq_len: int, t0: float):
+        """The call's result. Each time it runs past the hop's deadline the hop is probed: a live
+        hop gets another deadline (up to the call timeout), a silent one is frozen.
+
+        Raises:
+            HopFailed: the call failed, or the hop froze.
+        """
+        deadline = deadline_s(self.deadlines, state.times, seq_len)
+        while True:
+            done, _ = await asyncio.wait({call}, timeout=deadline)
+            if done:
+                return call.result()
+            alive = await self._alive(state.hop)
+            if call.done():  # it answered while we probed
+                return call.result()
+            if not alive:
+                self.deadline_misses += 1
+                raise HopFailed(f"{_describe(state.hop)} missed its {deadline:.2f} s deadline on {seq_len} "
+                                f"token(s) and did not answer a liveness probe within "
+                                f"{self.deadlines.probe_timeout_s:.2f} s (frozen)", node_id=state.hop.node_id)
+            log.info("hop %s is slow but alive (%.2f s on %d token(s), deadline %.2f s)",
+                     state.hop.node_id, time.perf_counter() - t0, seq_len, deadline)
 
     async def run_stage(self, layer: int, frame: bytes, position: int, seq_len: int,
                         last_only: bool) -> tuple[bytes, Activation, int]:
         """Send ``frame`` (``seq_len`` tokens at ``position``) through the hop starting at ``layer``.
 
         Waits until that hop has received every earlier position (chunks stay in order even
-        when prefill is pipelined); on failure replaces the hop and retries.
+        when prefill is pipelined); on failure (a frozen hop included) replaces the hop and retries.
 
         Returns:
             ``(output frame, output tensor, next layer)``.
@@ -187,11 +299,15 @@ class RemoteRoute:
                         node_id=last.node_id)
 
     async def _exclude(self, exc: HopFailed) -> None:
-        """Keep the hop's node out of this session's routes; report it unless it was only busy.
+        """Keep the hop's node out of this session's routes, release its session in the background
+        (never waiting on it), and report it unless it was only busy.
         A hop that lost the session stays eligible: the replay restarts the session on it."""
         if exc.node_id is None or exc.code == LOST_SESSION:
             return
         self.failed.add(exc.node_id)
+        endpoint = self._touched.pop(exc.node_id, None)
+        if endpoint is not None:
+            release_soon(self.client, [endpoint], self.session_id, ABANDONED_RELEASE_TIMEOUT_S)
         if isinstance(exc, HopBusy):
             return
         try:
@@ -208,8 +324,14 @@ class RemoteRoute:
             raise cls(f"{exc.message}; no other node serves layers {layers}: {why}", node_id=exc.node_id,
                       code=exc.code) from route_exc
 
+    async def _replay(self, old: HopState, new_states: list[HopState]) -> None:
+        """Send ``old``'s history through ``new_states`` as prefill chunks (:func:`rechunk`)."""
+        async for position, frame, seq_len in rechunk(old.history, self.codec, self.replay_chunk_tokens):
+            for state in new_states:
+                frame, _ = await self._send(state, frame, position, seq_len, False)
+
     async def _replace(self, old: HopState, exc: HopFailed) -> None:
-        """Swap ``old`` for a new sub-route over its layers, replaying its history chunk by chunk
+        """Swap ``old`` for a new sub-route over its layers, replaying its history as prefill chunks
         (a replacement that fails during the replay is itself excluded and replaced).
 
         Raises:
@@ -217,15 +339,12 @@ class RemoteRoute:
         """
         await self._exclude(exc)
         for _ in range(self.max_failovers):
-            new_states = [HopState(h) for h in await self._new_hops(old.hop.layers, exc)]
+            new_states = [self._new_state(h) for h in await self._new_hops(old.hop.layers, exc)]
             try:
-                for position, frame, seq_len in old.history:  # same chunks: the same KV cache
-                    for state in new_states:
-                        frame, _ = await self._send(state, frame, position, seq_len, False)
+                await self._replay(old, new_states)
             except HopFailed as replay_exc:
                 log.warning("%s during replay; failing over", replay_exc.message)
-                await self._exclude(replay_exc)
-                await self._release(new_states)
+                await self._exclude(replay_exc)  # the others stay touched: released at the end
                 continue
             self.failovers += 1
             index = self.states.index(old)
@@ -252,13 +371,9 @@ class RemoteRoute:
             frame, out, layer = await self.run_stage(layer, frame, position, shape[1], last_only)
         return out
 
-    async def _release(self, states: list[HopState]) -> None:
-        for state in states:
-            try:
-                await self.client.delete(f"{state.hop.endpoint}/v1/sessions/{self.session_id}", timeout=5.0)
-            except Exception:  # noqa: BLE001 - best effort: an unreachable hop expires the session by TTL
-                pass
-
-    async def close(self) -> None:
-        """Release the session on every hop (best effort; never raises)."""
-        await self._release(self.states)
+    def close(self) -> None:
+        """Release the session on every hop it reached, in the background (returns at once,
+        never raises; safe to call while the generation is being cancelled)."""
+        endpoints, self._touched = list(self._touched.values()), {}
+        if endpoints:
+            release_soon(self.client, endpoints, self.session_id, RELEASE_TIMEOUT_S)

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from meshnet.gateway.deadlines import DeadlinePolicy
 from meshnet.gateway.entry import Activation, EntryLayers, GenerationObserver, TokenChooser, TokenLogprob
 from meshnet.gateway.hops import FailureReporter, Hop, RemoteRoute, RouteProvider
 from meshnet.layers import LayerRange
@@ -41,6 +42,8 @@ class GenerationStats:
     decode_s: float = 0.0
     route: list[Hop] = field(default_factory=list)
     failovers: int = 0
+    #: hop calls failed over because the hop froze (missed its deadline, no liveness answer)
+    deadline_misses: int = 0
     finish_reason: str = "length"
     token_ids: list[int] = field(default_factory=list)
     #: one entry per generated token when the request asked for logprobs (else empty)
@@ -55,12 +58,15 @@ class GenerationStats:
 
 @dataclass(frozen=True)
 class OrchestratorSettings:
-    """Chunk length of prefill (tokens), hop timeouts (seconds), pipelined prefill on or off."""
+    """Chunk length of prefill and of a failover's replay (tokens), hop timeouts (seconds; the
+    ceiling for a slow but live hop), hop deadlines (when a hop is probed and, if silent, failed
+    over: ADR-0036), pipelined prefill on or off."""
 
     chunk_tokens: int = CHUNK_TOKENS
     hop_timeout_s: float = 60.0
     hop_connect_timeout_s: float = 5.0
     pipelined: bool = True
+    deadlines: DeadlinePolicy = DeadlinePolicy()
 
 
 class Orchestrator:
@@ -140,7 +146,9 @@ class Orchestrator:
             remote = RemoteRoute(self.client, model=self.model, session_id=session_id, hops=hops,
                                  routes=self.routes, report=self.report, codec=self.entry.codec,
                                  timeout_s=self.settings.hop_timeout_s,
-                                 connect_timeout_s=self.settings.hop_connect_timeout_s)
+                                 connect_timeout_s=self.settings.hop_connect_timeout_s,
+                                 deadlines=self.settings.deadlines,
+                                 replay_chunk_tokens=self.settings.chunk_tokens)
         chooser: TokenChooser = self.entry.new_chooser(params)
         local_turn, local_len = asyncio.Condition(), [0]
         if self.observer is not None:
@@ -168,11 +176,12 @@ class Orchestrator:
                 hidden = await self._step(session_id, remote, [token], position, local_turn, local_len)
                 position += 1
             stats.decode_s = time.perf_counter() - t1
-        finally:
+        finally:  # every ending (finish, disconnect, error, failover gave up): free every hop's session
+            if remote is not None:
+                remote.close()  # in the background, without awaiting: a frozen hop holds up no one
+            self.entry.release(session_id)
             stats.route = [entry_hop] + (remote.hops if remote else [])
             stats.failovers = remote.failovers if remote else 0
-            self.entry.release(session_id)
+            stats.deadline_misses = remote.deadline_misses if remote else 0
             if self.observer is not None:
                 self.observer.generation_finished(stats)
-            if remote is not None:
-                await remote.close()

@@ -117,7 +117,8 @@ async def forward(request: Request) -> Response:
 
 
 async def release_session(request: Request) -> JSONResponse:
-    dropped = _state(request).runtime.sessions.release(request.path_params["session_id"])
+    """The entry ends a session here: its caches go, and a late restart of it is refused (ADR-0036)."""
+    dropped = await asyncio.to_thread(_state(request).runtime.end_session, request.path_params["session_id"])
     return JSONResponse({"released": dropped})
 
 

@@ -39,6 +39,12 @@ class WireCodec:
     def last(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden[:, -1:]
 
+    def concat(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def split(self, hidden: torch.Tensor, tokens: int) -> list[torch.Tensor]:
+        return list(torch.split(hidden, tokens, dim=1))
+
 
 class LocalEntry:
     """The entry shard in ``slot`` of ``runtime``, as the orchestrator drives it.

@@ -161,6 +161,12 @@ class NodeRuntime:
             self.tokens_processed += input_ids.shape[1]
         return out
 
+    def end_session(self, session_id: str) -> int:
+        """End ``session_id`` on this node (:meth:`SessionStore.end`) once no forward runs
+        (blocking: waits for the compute lock); returns how many caches were dropped."""
+        with self.lock:
+            return self.sessions.end(session_id)
+
     def check_room(self) -> None:
         """Whether a new session may start here now (blocking: waits for a running forward).
 

@@ -46,6 +46,7 @@ class Session:
     length: int = 0            # tokens cached
     last_used_s: float = 0.0   # monotonic seconds
     nbytes: int = 0            # cache bytes as of the last commit
+    released: bool = False     # dropped from the store (a forward still running on it counts nothing)
 
 
 class SessionStore:
@@ -70,6 +71,7 @@ class SessionStore:
         self.max_bytes = max_bytes
         self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self._nbytes = 0
+        self._ended: OrderedDict[str, float] = OrderedDict()  # session id -> when its entry ended it
 
     def acquire(self, session_id: str, slot_key: str, position: int, now: float | None = None) -> Session:
         """Session to run ``position..``; position 0 starts it afresh.
@@ -77,11 +79,15 @@ class SessionStore:
         Raises:
             SessionCacheFull: position 0 while the cached bytes are at or over ``max_bytes``
                 (an existing session restarted at 0 first gives back its own bytes).
-            SessionConflict: ``position`` differs from the cached length.
+            SessionConflict: ``position`` differs from the cached length, or position 0 of a
+                session its entry ended (:meth:`end`) less than ``ttl_s`` ago.
         """
         now = time.monotonic() if now is None else now
         self.expire(now)
         key = (session_id, slot_key)
+        if position == 0 and session_id in self._ended:
+            raise SessionConflict(f"session {session_id!r} was ended by its entry node",
+                                  hint="a late call of a generation that is over (or failed over); nothing to do")
         if position == 0:
             self._drop(key)
             self.check_room(session_id, now)
@@ -114,9 +120,13 @@ class SessionStore:
     def commit(self, session: Session, n_tokens: int) -> None:
         """Record ``n_tokens`` more cached tokens and the cache's new size (bytes).
 
-        Never evicts: a live session may grow past ``max_bytes``; new ones are then refused.
+        Never evicts: a live session may grow past ``max_bytes``; new ones are then refused. A
+        session released while its forward ran (a late call from an abandoned hop) counts nothing:
+        its bytes left the total when it was dropped.
         """
         session.length += n_tokens
+        if session.released:
+            return
         size = session.cache.nbytes
         self._nbytes += size - session.nbytes
         session.nbytes = size
@@ -125,6 +135,7 @@ class SessionStore:
         session = self._sessions.pop(key, None)
         if session is not None:
             self._nbytes -= session.nbytes
+            session.released = True
 
     def release(self, session_id: str) -> int:
         """Drop every slot's cache of ``session_id``; returns how many were dropped."""
@@ -133,6 +144,19 @@ class SessionStore:
             self._drop(key)
         return len(keys)
 
+    def end(self, session_id: str, now: float | None = None) -> int:
+        """Release ``session_id`` for good (its entry says the generation is over here); returns
+        how many caches were dropped.
+
+        For ``ttl_s`` afterwards a call that would start it again (position 0) is refused: a node
+        that was frozen and resumes may still run the calls it had queued, and a late first chunk
+        must not rebuild a cache that nobody will use or release (docs/adr/0036-hop-deadlines.md).
+        """
+        now = time.monotonic() if now is None else now
+        self._ended[session_id] = now
+        self._ended.move_to_end(session_id)
+        return self.release(session_id)
+
     def release_slot(self, slot_key: str) -> None:
         for key in [k for k in self._sessions if k[1] == slot_key]:
             self._drop(key)
@@ -140,6 +164,8 @@ class SessionStore:
     def expire(self, now: float | None = None) -> int:
         """Drop sessions idle for more than ``ttl_s``; returns how many."""
         now = time.monotonic() if now is None else now
+        while self._ended and now - next(iter(self._ended.values())) > self.ttl_s:
+            self._ended.popitem(last=False)
         expired = 0
         while self._sessions:
             key, oldest = next(iter(self._sessions.items()))

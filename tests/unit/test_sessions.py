@@ -142,3 +142,24 @@ def test_release_slot_drops_every_session_of_a_slot():
     store.acquire("s1", "b", 0, now=0.0)
     store.release_slot("a")
     assert len(store) == 1
+
+
+def test_a_session_released_while_its_forward_runs_leaves_no_bytes_behind():
+    """A frozen node resumes: its late forward commits after the entry's release was served."""
+    store = SessionStore()
+    session = store.acquire("s1", "slot", 0, now=0.0)
+    assert store.release("s1") == 1 and store.nbytes == 0
+    fill(session, 4096)  # the forward that was running writes its keys and values
+    store.commit(session, 3)
+    assert store.nbytes == 0 and len(store) == 0 and store.bytes_left == store.max_bytes
+
+
+def test_an_ended_session_is_not_started_again_by_a_late_first_chunk_until_the_ttl():
+    store = SessionStore(ttl_s=10.0)
+    store.commit(store.acquire("s1", "slot", 0, now=0.0), 5)
+    assert store.end("s1", now=1.0) == 1 and len(store) == 0
+    with pytest.raises(SessionConflict, match="was ended by its entry node"):
+        store.acquire("s1", "slot", 0, now=2.0)  # a frozen node resumes and runs its queued chunk 0
+    assert len(store) == 0 and store.nbytes == 0
+    store.acquire("s2", "slot", 0, now=2.0)     # other sessions are not affected
+    assert store.acquire("s1", "slot", 0, now=11.5).length == 0  # the tombstone expired with the TTL
