@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Callable
+
 import httpx
 
 from meshnet.endpoints import free_port  # noqa: F401 - re-exported for the tests
@@ -18,3 +21,32 @@ class Mesh(LocalMesh):
         """A greedy chat completion through the tracker (default question: FRANCE)."""
         return httpx.post(f"{self.url}/v1/chat/completions", timeout=300, json={
             "model": model, "messages": messages or FRANCE, "max_tokens": max_tokens, "temperature": 0})
+
+    def stream_chat(self, model: str, messages: list[dict], max_tokens: int,
+                    on_token: Callable[[int], None] | None = None) -> tuple[list[int], dict, list[str]]:
+        """A greedy streamed chat through the tracker; ``on_token(n)`` is called at the n-th content
+        chunk. Returns (completion token ids, the ``meshnet`` block, the raw ``data:`` payloads).
+
+        Raises:
+            AssertionError: a non-200 answer, an error event, or no closing ``meshnet`` block.
+        """
+        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        final, count, lines = None, 0, []
+        with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=600) as resp:
+            assert resp.status_code == 200, resp.read()
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                lines.append(line[6:])
+                if line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                if chunk["choices"][0]["delta"].get("content"):
+                    count += 1
+                    if on_token:
+                        on_token(count)
+                if chunk.get("meshnet"):
+                    final = chunk["meshnet"]
+        assert final is not None, lines[-3:]
+        return final["completion_token_ids"], final, lines

@@ -9,7 +9,6 @@ every chat started meanwhile or right after is served by the remaining nodes.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import threading
@@ -46,26 +45,7 @@ def mesh(real_model_path, tmp_path_factory):
 
 def stream(mesh, max_tokens: int, on_token=None) -> tuple[list[int], dict, list[str]]:
     """A greedy streamed chat through the tracker: (token ids, meshnet block, raw data lines)."""
-    body = {"model": REAL, "messages": STORY, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    final, count, lines = None, 0, []
-    with httpx.stream("POST", f"{mesh.url}/v1/chat/completions", json=body, timeout=600) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            lines.append(line[6:])
-            if line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            if chunk["choices"][0]["delta"].get("content"):
-                count += 1
-                if on_token:
-                    on_token(count)
-            if chunk.get("meshnet"):
-                final = chunk["meshnet"]
-    assert final is not None, lines[-3:]
-    return final["completion_token_ids"], final, lines
+    return mesh.stream_chat(REAL, STORY, max_tokens, on_token)
 
 
 def node_endpoint(mesh, name: str) -> str:

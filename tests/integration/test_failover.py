@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import signal
 import time
 
@@ -36,22 +35,8 @@ def mesh(real_model_path, tmp_path_factory):
 
 
 def generate(mesh, messages, max_tokens, on_token=None) -> tuple[list[int], dict]:
-    body = {"model": REAL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    final, count = None, 0
-    with httpx.stream("POST", f"{mesh.url}/v1/chat/completions", json=body, timeout=600) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            if chunk["choices"][0]["delta"].get("content"):
-                count += 1
-                if on_token:
-                    on_token(count)
-            if chunk.get("meshnet"):
-                final = chunk["meshnet"]
-    return final["completion_token_ids"], final
+    ids, final, _ = mesh.stream_chat(REAL, messages, max_tokens, on_token)
+    return ids, final
 
 
 def active_middle(mesh) -> str:
