@@ -18,6 +18,7 @@ from meshnet.errors import MeshnetError, ModelNotRoutable
 from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
                                       RegisterRequest, RegisterResponse)
 from meshnet.protocol.route import Hop, RouteResponse
+from meshnet.protocol.views import Coverage, CoverageList
 from meshnet.protocol.signing import HEADER_JOIN_TOKEN, sign_request
 
 T = TypeVar("T", bound=BaseModel)
@@ -181,8 +182,11 @@ class TrackerClient(_Base):
         return (await self._call("GET", "/v1/nodes", "list nodes"))["nodes"]
 
     async def coverage(self, model: str | None = None) -> dict:
+        """One model's coverage map, or ``{"models": [...]}`` for all, validated against
+        :mod:`meshnet.protocol.views` (the CLI and console read the validated dict)."""
         path = f"/v1/coverage/{model}" if model else "/v1/coverage"
-        return await self._call("GET", path, "coverage")
+        body = await self._call("GET", path, "coverage")
+        return _parse(Coverage if model else CoverageList, body, "coverage").model_dump()
 
     async def models(self) -> dict:
         return await self._call("GET", "/v1/models", "list models")

@@ -42,6 +42,7 @@ from meshnet.tracker.probe import probe_endpoint
 from meshnet.tracker.rebalance import rebalance
 from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
                                       RegisterRequest, RegisterResponse, check_revision)
+from meshnet.protocol.views import CoverageList
 from meshnet.protocol.route import RouteResponse
 from meshnet.protocol.signing import HEADER_NODE
 from meshnet.tracker.service import TrackerService, TrackerSettings
@@ -179,12 +180,12 @@ async def nodes(request: Request) -> JSONResponse:
 
 
 async def coverage_one(request: Request) -> JSONResponse:
-    return JSONResponse(_svc(request).coverage(request.path_params["model"]))
+    return JSONResponse(_svc(request).coverage(request.path_params["model"]).model_dump())
 
 
 async def coverage_all(request: Request) -> JSONResponse:
     svc = _svc(request)
-    return JSONResponse({"models": [svc.coverage(m.name) for m in svc.tracked_models()]})
+    return JSONResponse(CoverageList(models=[svc.coverage(m.name) for m in svc.tracked_models()]).model_dump())
 
 
 async def route(request: Request) -> JSONResponse:
@@ -230,14 +231,14 @@ async def directives(request: Request) -> JSONResponse:
 async def demand(request: Request) -> JSONResponse:
     svc = _svc(request)
     return JSONResponse({"demand": [{"model": m.name, "requests_per_min": round(svc.demand_rate(m.name), 3),
-                                     "routable": svc.coverage(m.name)["routable"]}
+                                     "routable": svc.coverage(m.name).routable}
                                     for m in svc.tracked_models()]})
 
 
 async def models(request: Request) -> JSONResponse:
     svc = _svc(request)
     data = [{"id": m.name, "object": "model", "owned_by": "meshnet", "num_layers": m.num_layers,
-             "routable": svc.coverage(m.name)["routable"],
+             "routable": svc.coverage(m.name).routable,
              "aliases": model_aliases(m.name)} for m in svc.tracked_models()]
     return JSONResponse({"object": "list", "data": data})
 

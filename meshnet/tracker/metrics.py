@@ -22,7 +22,7 @@ class TrackerMetrics:
         self.nodes.set(len(service.nodes))
         self.running.set(sum(n.stats.requests_running for n in service.nodes.values()))
         for m in service.tracked_models():
-            self.covered.labels(model=m.name).set(service.coverage(m.name)["covered_layers"])
+            self.covered.labels(model=m.name).set(service.coverage(m.name).covered_layers)
         for n in service.nodes.values():
             self.node_tokens_per_s.labels(node=n.node_id).set(n.stats.tokens_per_s)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -18,6 +18,7 @@ from meshnet.protocol.http import DEFAULT_MAX_BODY_BYTES
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name, find_preset
 from meshnet.tracker import placement, readiness, routing
+from meshnet.protocol.views import Coverage, CoverageSegment
 from meshnet.protocol.control import (OPEN_STATUSES, CapabilityReport, Directive, HeartbeatRequest,
                                       RegisterRequest)
 from meshnet.tracker.registry import NodeRecord, ShardRecord
@@ -397,22 +398,24 @@ class TrackerService:
         model = canonical_model_name(model)
         return [(n, s) for n in self.nodes.values() for s in n.shards if s.model == model and n.admitted(s)]
 
-    def coverage(self, model: str) -> dict:
-        """``{model, num_layers, segments: [{start_layer, end_layer, node_count}], routable, covered_layers}``
-        (``end_layer`` inclusive)."""
+    def coverage(self, model: str) -> Coverage:
+        """``model``'s coverage map over its admitted shards (segments inclusive, ADR-0002).
+
+        Raises:
+            NotFound: unknown model.
+        """
         info = self.ensure_model(model)
         admitted = [s for _, s in self.admitted_shards(model)]
         counts = placement.coverage_counts(info.num_layers, [s.layers for s in admitted])
         segments, start = [], 0
         for layer in range(1, info.num_layers + 1):
             if layer == info.num_layers or counts[layer] != counts[start]:
-                segments.append({"start_layer": start, "end_layer": layer - 1, "node_count": counts[start]})
+                segments.append(CoverageSegment(start_layer=start, end_layer=layer - 1, node_count=counts[start]))
                 start = layer
         covered = sum(1 for c in counts if c > 0)
         has_entry = any(s.entry for s in admitted)
-        return {"model": info.name, "num_layers": info.num_layers, "segments": segments,
-                "covered_layers": covered, "routable": covered == info.num_layers and has_entry,
-                "demand": self.demand_rate(info.name)}
+        return Coverage(model=info.name, num_layers=info.num_layers, segments=segments, covered_layers=covered,
+                        routable=covered == info.num_layers and has_entry, demand=self.demand_rate(info.name))
 
     def candidates(self, model: str, end_layer: int) -> list[routing.ShardCandidate]:
         """Admitted shards of ``model`` starting before ``end_layer`` (full shard ranges: the
@@ -446,7 +449,7 @@ class TrackerService:
                                         exclude=exclude)
         except routing.NoRoute as exc:
             full = routing.NoRoute(exc.gap_start, info.num_layers)
-            full.coverage = self.coverage(model)
+            full.coverage = self.coverage(model).model_dump()
             raise full from None
 
     def entry_nodes(self, model: str) -> list[NodeRecord]:
@@ -460,10 +463,10 @@ class TrackerService:
         info = self.ensure_model(model)
         cov = self.coverage(info.name)
         entries = [(n, s) for n, s in self.admitted_shards(info.name) if s.entry]
-        if not cov["routable"] or not entries:
+        if not cov.routable or not entries:
             self.add_demand(info.name)
-            raise ModelNotRoutable(f"model {info.name} is not routable yet: {cov['covered_layers']}/{info.num_layers} "
-                                   "layers covered by admitted nodes", coverage=cov, retry_after_s=5,
+            raise ModelNotRoutable(f"model {info.name} is not routable yet: {cov.covered_layers}/{info.num_layers} "
+                                   "layers covered by admitted nodes", coverage=cov.model_dump(), retry_after_s=5,
                                    hint="retry after Retry-After seconds; the tracker places shards where demand appears")
         now = time.monotonic()
 
@@ -481,7 +484,7 @@ class TrackerService:
             NotFound: ``model`` is not known.
         """
         names = [self.ensure_model(model).name] if model else [m.name for m in self.tracked_models()]
-        return readiness.tracker_readiness([self.coverage(n) for n in names], draining=draining)
+        return readiness.tracker_readiness([self.coverage(n).model_dump() for n in names], draining=draining)
 
     # ---- demand -----------------------------------------------------------------------
 
