@@ -15,10 +15,10 @@ from pydantic import BaseModel, ValidationError
 
 from meshnet.endpoints import check_endpoint
 from meshnet.errors import MeshnetError, ModelNotRoutable
-from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
-                                      RegisterRequest, RegisterResponse)
+from meshnet.protocol.control import (AssignResponse, DirectiveList, FailureReport, HeartbeatRequest,
+                                      HeartbeatResponse, RegisterRequest, RegisterResponse)
 from meshnet.protocol.route import Hop, RouteResponse
-from meshnet.protocol.views import Coverage, CoverageList
+from meshnet.protocol.views import Coverage, CoverageList, DemandList, NodeList
 from meshnet.protocol.signing import HEADER_JOIN_TOKEN, sign_request
 
 T = TypeVar("T", bound=BaseModel)
@@ -179,7 +179,9 @@ class TrackerClient(_Base):
         return _parse(RouteResponse, body, "route lookup").to_hops()
 
     async def nodes(self) -> list[dict]:
-        return (await self._call("GET", "/v1/nodes", "list nodes"))["nodes"]
+        """Every node's view (validated against :class:`meshnet.protocol.views.NodeView`)."""
+        body = await self._call("GET", "/v1/nodes", "list nodes")
+        return _parse(NodeList, body, "list nodes").model_dump()["nodes"]
 
     async def coverage(self, model: str | None = None) -> dict:
         """One model's coverage map, or ``{"models": [...]}`` for all, validated against
@@ -192,10 +194,13 @@ class TrackerClient(_Base):
         return await self._call("GET", "/v1/models", "list models")
 
     async def directives(self) -> list[dict]:
-        return (await self._call("GET", "/v1/directives", "list directives"))["directives"]
+        """Directives, newest first (validated against :class:`meshnet.protocol.control.Directive`)."""
+        body = await self._call("GET", "/v1/directives", "list directives")
+        return _parse(DirectiveList, body, "list directives").model_dump()["directives"]
 
     async def demand(self) -> dict:
-        return await self._call("GET", "/v1/demand", "demand")
+        """Queued demand per tracked model (validated against :class:`meshnet.protocol.views.DemandList`)."""
+        return _parse(DemandList, await self._call("GET", "/v1/demand", "demand"), "demand").model_dump()
 
     async def assign(self, **params) -> AssignResponse:
         return _parse(AssignResponse, await self._call("GET", "/v1/network/assign", "network assignment",

@@ -242,6 +242,12 @@ class Directive(Payload):
         return LayerRange.from_inclusive(self.shard_start, self.shard_end)
 
 
+class DirectiveList(Payload):
+    """Body of ``GET /v1/directives``: newest first."""
+
+    directives: list[Directive]
+
+
 class DirectiveUpdate(Payload):
     """A node's progress on one directive, carried by its next heartbeat."""
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from meshnet.protocol.control import NodeStats
+
 
 class CoverageSegment(BaseModel):
     """Consecutive layers ``start_layer..end_layer`` served by ``node_count`` admitted shards."""
@@ -33,3 +35,80 @@ class CoverageList(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     models: list[Coverage]
+
+
+class CapabilityView(BaseModel):
+    """The part of a shard's capability report operators read (None: no report yet)."""
+
+    model_config = ConfigDict(extra="forbid")
+    passed: bool | None = None
+    reason: str | None = None
+    tokens_per_s: float | None = None
+    timestamp: float | None = None
+    stale: bool = False
+
+
+class ShardView(BaseModel):
+    """A shard a node holds, with its tier and whether it counts (admitted)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    shard_start: int = Field(ge=0)
+    shard_end: int = Field(ge=0)
+    tier: str
+    quantization: str
+    entry: bool
+    weight_bytes: int = Field(ge=0)
+    admitted: bool
+    capability: CapabilityView
+
+
+class NodeView(BaseModel):
+    """One node as ``GET /v1/nodes`` shows it. Memory in bytes: ``vram_bytes`` as reported,
+    ``memory_budget_bytes`` the 80 % placement budgets (ADR-0003); ``max_assignable_layers`` per
+    tracked model, at most the model's layers; ``last_heartbeat_age_s`` seconds."""
+
+    model_config = ConfigDict(extra="allow")  # newer trackers may add fields an older client shows as-is
+    node_id: str
+    endpoint: str
+    device: str
+    wallet: str
+    vram_bytes: int
+    memory_budget_bytes: int
+    ram_bytes: int
+    quantization: str
+    max_assignable_layers: dict[str, int]
+    slots_used: int
+    slots_total: int
+    shards: list[ShardView]
+    accepts_placement: bool
+    draining: bool
+    reachable: bool
+    reach_error: str
+    reason: str
+    stats: NodeStats
+    last_heartbeat_age_s: float
+    benchmark_tokens_per_sec: float
+
+
+class NodeList(BaseModel):
+    """Body of ``GET /v1/nodes``."""
+
+    model_config = ConfigDict(extra="forbid")
+    nodes: list[NodeView]
+
+
+class DemandRow(BaseModel):
+    """A tracked model's queued demand (refused requests per minute) and whether it is routable."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    requests_per_min: float = Field(ge=0)
+    routable: bool
+
+
+class DemandList(BaseModel):
+    """Body of ``GET /v1/demand``."""
+
+    model_config = ConfigDict(extra="forbid")
+    demand: list[DemandRow]

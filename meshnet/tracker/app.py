@@ -42,7 +42,7 @@ from meshnet.tracker.probe import probe_endpoint
 from meshnet.tracker.rebalance import rebalance
 from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
                                       RegisterRequest, RegisterResponse, check_revision)
-from meshnet.protocol.views import CoverageList
+from meshnet.protocol.views import CoverageList, DemandList, DemandRow
 from meshnet.protocol.route import RouteResponse
 from meshnet.protocol.signing import HEADER_NODE
 from meshnet.tracker.service import TrackerService, TrackerSettings
@@ -176,7 +176,7 @@ async def deregister(request: Request) -> JSONResponse:
 
 
 async def nodes(request: Request) -> JSONResponse:
-    return JSONResponse({"nodes": views.nodes_view(_svc(request))})
+    return JSONResponse(views.nodes_view(_svc(request)).model_dump())
 
 
 async def coverage_one(request: Request) -> JSONResponse:
@@ -230,9 +230,9 @@ async def directives(request: Request) -> JSONResponse:
 
 async def demand(request: Request) -> JSONResponse:
     svc = _svc(request)
-    return JSONResponse({"demand": [{"model": m.name, "requests_per_min": round(svc.demand_rate(m.name), 3),
-                                     "routable": svc.coverage(m.name).routable}
-                                    for m in svc.tracked_models()]})
+    return JSONResponse(DemandList(demand=[DemandRow(model=m.name, requests_per_min=round(svc.demand_rate(m.name), 3),
+                                                     routable=svc.coverage(m.name).routable)
+                                           for m in svc.tracked_models()]).model_dump())
 
 
 async def models(request: Request) -> JSONResponse:

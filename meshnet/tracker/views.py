@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 
+from meshnet.protocol.views import CapabilityView, NodeList, NodeView, ShardView
 from meshnet.tracker import placement
 
 
-def node_json(service, node, models) -> dict:
+def node_json(service, node, models) -> NodeView:
     """One node: memory budget, ``max_assignable_layers`` per model of ``models`` (the tracked
     ModelInfos), slots, ranges with tier and admission, whether the tracker reached its endpoint
     (``reachable``, ``reach_error``), the placement reason, stats and heartbeat age."""
@@ -23,25 +24,25 @@ def node_json(service, node, models) -> dict:
     for s in node.shards:
         start, end = s.layers.to_inclusive()
         report = s.report
-        shards.append({"model": s.model, "shard_start": start, "shard_end": end, "tier": s.tier,
-                       "quantization": s.quantization, "entry": s.entry, "weight_bytes": s.weight_bytes,
-                       "admitted": node.admitted(s),
-                       "capability": {"passed": report.passed if report else None,
-                                      "reason": report.reason if report else None,
-                                      "tokens_per_s": report.tokens_per_s if report else None,
-                                      "timestamp": report.timestamp if report else None,
-                                      "stale": node.is_stale(report)}})
-    return {"node_id": node.node_id, "endpoint": node.endpoint, "device": node.device, "wallet": node.wallet,
-            "vram_bytes": node.vram_bytes, "memory_budget_bytes": budget, "ram_bytes": node.ram_bytes,
-            "quantization": node.quantization, "max_assignable_layers": max_layers,
-            "slots_used": len(node.shards), "slots_total": node.max_loaded_shards, "shards": shards,
-            "accepts_placement": node.accepts_placement, "draining": node.draining,
-            "reachable": node.reachable, "reach_error": node.reach_error,
-            "reason": node.reason or service.plan_reasons.get(node.node_id, ""),
-            "stats": node.stats.model_dump(), "last_heartbeat_age_s": round(now - node.last_heartbeat_s, 1),
-            "benchmark_tokens_per_sec": node.benchmark_tokens_per_sec}
+        capability = CapabilityView(stale=node.is_stale(report)) if report is None else CapabilityView(
+            passed=report.passed, reason=report.reason, tokens_per_s=report.tokens_per_s,
+            timestamp=report.timestamp, stale=node.is_stale(report))
+        shards.append(ShardView(model=s.model, shard_start=start, shard_end=end, tier=s.tier,
+                                quantization=s.quantization, entry=s.entry, weight_bytes=s.weight_bytes,
+                                admitted=node.admitted(s), capability=capability))
+    return NodeView(node_id=node.node_id, endpoint=node.endpoint, device=node.device, wallet=node.wallet,
+                    vram_bytes=node.vram_bytes, memory_budget_bytes=budget, ram_bytes=node.ram_bytes,
+                    quantization=node.quantization, max_assignable_layers=max_layers,
+                    slots_used=len(node.shards), slots_total=node.max_loaded_shards, shards=shards,
+                    accepts_placement=node.accepts_placement, draining=node.draining,
+                    reachable=node.reachable, reach_error=node.reach_error,
+                    reason=node.reason or service.plan_reasons.get(node.node_id, ""),
+                    stats=node.stats, last_heartbeat_age_s=round(now - node.last_heartbeat_s, 1),
+                    benchmark_tokens_per_sec=node.benchmark_tokens_per_sec)
 
 
-def nodes_view(service) -> list[dict]:
+def nodes_view(service) -> NodeList:
+    """Every node, by id (``GET /v1/nodes``)."""
     models = service.tracked_models()  # one store read for the whole listing
-    return [node_json(service, n, models) for n in sorted(service.nodes.values(), key=lambda n: n.node_id)]
+    return NodeList(nodes=[node_json(service, n, models)
+                           for n in sorted(service.nodes.values(), key=lambda n: n.node_id)])
