@@ -6,8 +6,8 @@ them) and prints one JSON line:
 * ``bare``: imports torch, transformers, :mod:`meshnet.models.shard` and
   :mod:`meshnet.node.runtime`, runs a tiny
   matmul so torch's thread pool exists;
-* ``runtime``: the same plus transformers' modeling code (:func:`import_runtime`), which
-  any shard needs: the runtime every node pays before any weights;
+* ``runtime``: the same plus what any shard needs before its weights, in the given compute
+  dtype (:func:`warm_runtime`: transformers' modeling code imported, a tiny model run once);
 * ``shard``: ``bare``, then loads a :class:`ShardModel` of SmolLM2 layers 10-19 in the
   given compute dtype as a node does (:func:`meshnet.node.runtime.measure_load`: modeling
   code imported first, a warm-up forward, the shard's own measured ``resident_bytes``, the
@@ -56,11 +56,11 @@ torch.ones(64, 64) @ torch.ones(64, 64)
 mode, dtype, start, end = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 weights = resident = 0
 if mode == "runtime":
-    shard_mod.import_runtime()
+    shard_mod.warm_runtime(dtype)
 if mode == "shard":
     from meshnet.models.sources import model_dir
     model, resident = measure_load(lambda: shard_mod.ShardModel(
-        model_dir("smollm2-135m-instruct"), LayerRange(start, end), dtype=dtype))
+        model_dir("smollm2-135m-instruct"), LayerRange(start, end), dtype=dtype), dtype)
     weights = model.weight_bytes()
     hidden = torch.randn(1, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     model.forward(hidden, shard_mod.KVCache(), 0)
@@ -97,13 +97,14 @@ def main() -> None:
     first, last = (int(x) for x in args.layers.split("-"))
     layers = (first, last + 1)
     bare = [measure("bare", "float32", layers) for _ in range(args.runs)]
-    runtime = [measure("runtime", "float32", layers) for _ in range(args.runs)]
     base = {k: median_of(bare, k) for k in ("rss", "anon", "file")}
-    modeling = {k: median_of(runtime, k) for k in ("rss", "anon", "file")}
     print(f"bare: rss {base['rss'] / MIB:.0f} MiB (anon {base['anon'] / MIB:.0f}, "
-          f"file {base['file'] / MIB:.0f}); runtime (+ modeling code): rss {modeling['rss'] / MIB:.0f} MiB "
-          f"(+{(modeling['rss'] - base['rss']) / MIB:.0f}); medians of {args.runs} processes")
+          f"file {base['file'] / MIB:.0f}); medians of {args.runs} processes")
     for dtype in ("bfloat16", "float32"):
+        runtime = [measure("runtime", dtype, layers) for _ in range(args.runs)]
+        modeling = {k: median_of(runtime, k) for k in ("rss", "anon", "file")}
+        print(f"{dtype:>8} runtime (modeling code, kernels run once): rss {modeling['rss'] / MIB:.0f} MiB "
+              f"(+{(modeling['rss'] - base['rss']) / MIB:.0f} above bare)")
         runs = [measure("shard", dtype, layers) for _ in range(args.runs)]
         above = {k: median_of(runs, k) - base[k] for k in ("rss", "anon", "file")}
         own = median_of(runs, "rss") - modeling["rss"]

@@ -8,7 +8,7 @@ for one forward, and the pipeline overlaps work across nodes, not within one.
 
 Each load measures the shard's resident memory (ADR-0039): the process RSS after the shard is
 built and has run one warm-up forward, minus the RSS just before, with transformers' modeling
-code imported beforehand so its fixed cost is not charged to the first shard. doctor reports
+code imported and run once beforehand so its fixed cost is not charged to the first shard. doctor reports
 the figure and the tracker budgets with it where it exceeds the preset.
 """
 
@@ -24,7 +24,7 @@ import torch
 
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.layers import LayerRange
-from meshnet.models.shard import KVCache, ShardModel, import_runtime, trim_heap
+from meshnet.models.shard import KVCache, ShardModel, trim_heap, warm_runtime
 from meshnet.node.hardware import rss_bytes
 from meshnet.presets import canonical_model_name
 from meshnet.node.sessions import SessionStore
@@ -60,17 +60,18 @@ class ShardSlot:
 WARM_UP_TOKENS = 16
 
 
-def measure_load(build) -> tuple[ShardModel, int]:
+def measure_load(build, dtype: str) -> tuple[ShardModel, int]:
     """Build a shard with ``build()`` and measure its resident memory, bytes.
 
     The figure is the process RSS after the build, one ``WARM_UP_TOKENS``-token forward on a
     throwaway cache (the compute's lasting buffers) and :func:`trim_heap`, minus the RSS just
-    before the build (transformers' modeling code imported first, :func:`import_runtime`). It is
+    before the build. The process's fixed costs are paid first (:func:`warm_runtime` in compute
+    dtype ``dtype``: transformers' modeling code, the kernels' first run). It is
     never below the shard's :meth:`ShardModel.weight_bytes` (page reuse can hide a small shard).
     Concurrent work in the process (another slot's sessions growing) adds to it: the figure errs
     high, the safe side for placement. Errors of ``build`` propagate.
     """
-    import_runtime()
+    warm_runtime(dtype)
     trim_heap()
     before = rss_bytes()
     shard = build()
@@ -118,7 +119,7 @@ class NodeRuntime:
             raise MeshnetError(f"no free shard slot ({len(self.slots)}/{self.max_loaded_shards} used)",
                                code="no_free_slot", status=409)
         shard, resident = measure_load(lambda: ShardModel(model_path, layers, dtype=self.compute_dtype,
-                                                          quantization=quantization))
+                                                          quantization=quantization), self.compute_dtype)
         slot = ShardSlot(model=model, layers=layers, quantization=quantization, shard=shard, tier=tier,
                          resident_bytes=resident)
         with self.lock:
