@@ -213,7 +213,9 @@ def doctor(node: str = typer.Option(None, "--node", help="Run remotely on this n
             console.print(f"{mark} {r['model']} layers {r['shard_start']}-{r['shard_end']} "
                           f"{r['recipe']['quantization']}/{r['recipe']['compute_dtype']} "
                           f"{r['tokens_per_s']} tokens/s on {r['hardware']['device']} — {r['reason']}")
-            console.print(f"  weights digest {r['weights_digest']}", style="dim")
+            resident = r.get("resident_bytes")
+            console.print(f"  weights digest {r['weights_digest']}"
+                          + (f" · {human_bytes(resident)} resident" if resident else ""), style="dim")
 
     emit(reports, as_json, human)
     if not all(r["passed"] for r in reports):

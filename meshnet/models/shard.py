@@ -7,10 +7,20 @@ layer 0) also holds the embeddings, final norm, LM head and tokenizer.
 
 Two families are supported: Llama-style decoders (``model.layers``, rotary positions;
 SmolLM2, Llama, Mistral, Qwen2) and GPT-2 (``transformer.h``, learned positions).
+
+Memory (ADR-0039): a shard holds its own parameters and nothing else. Tensors are read one
+at a time from the safetensors file (the mapping is closed after the shard is read) and cast
+straight into the shard's parameters, and freed heap pages are handed back to the OS after
+loading. transformers' modeling code costs a fixed ~100 MiB per process whatever the shard
+(:func:`import_runtime`); a node pays it once, before any shard, so a shard's measured
+memory is its own.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import importlib
 import json
 import logging
 from dataclasses import dataclass
@@ -83,6 +93,67 @@ FAMILIES = {
     "gpt2": _Family("transformer.h", "transformer.wte", "transformer.ln_f", "transformer.wpe", None),
     "llama": _Family("model.layers", "model.embed_tokens", "model.norm", None, "model.rotary_emb"),
 }
+
+
+#: transformers modules every node needs whatever its shard: the modeling base (it imports
+#: torch.distributed, torch._dynamo, sympy and accelerate: ~86 MiB resident) and the families' layers
+RUNTIME_MODULES = ("transformers.modeling_utils", "transformers.models.llama.modeling_llama",
+                   "transformers.models.gpt2.modeling_gpt2")
+
+
+def import_runtime() -> None:
+    """Import transformers' modeling code (:data:`RUNTIME_MODULES`) now.
+
+    It is a fixed cost of the process (about 100 MiB resident on CPU, measured by
+    ``bench/memory.py``), paid by the first shard otherwise; a node calls this before it
+    measures a shard's own memory. Idempotent.
+    """
+    for name in RUNTIME_MODULES:
+        importlib.import_module(name)
+
+
+@functools.cache
+def warm_runtime(dtype: str) -> None:
+    """Import the modeling code (:func:`import_runtime`) and run a tiny seeded one-layer model of
+    each family once in compute dtype ``dtype`` (``float32``, ``bfloat16``, ``float16``).
+
+    The first forward of a process pages in the kernels' code and sets up torch's compute
+    state: about 10-15 MiB on CPU whatever the shard. A node calls this before it measures a
+    shard, so that fixed cost is not charged to the first shard. Once per dtype per process.
+
+    Raises:
+        KeyError: unknown ``dtype``.
+    """
+    import_runtime()
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    configs = (LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=64, max_position_embeddings=64),
+               GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=64, n_positions=64, bos_token_id=0,
+                          eos_token_id=0))
+    for config in configs:
+        config._attn_implementation = "sdpa"
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+        with torch.inference_mode():
+            model(torch.arange(16)[None], use_cache=True)
+            model(torch.arange(1)[None] + 16)
+
+
+def trim_heap() -> bool:
+    """Return freed heap pages to the OS (glibc ``malloc_trim(0)``).
+
+    Loading casts and copies tensors; glibc keeps the freed pages in its arenas unless asked.
+    Returns False where the C library has no ``malloc_trim`` (musl, macOS, Windows).
+    """
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own symbols: libc's on Linux
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True
 
 
 def family_of(config) -> str:
@@ -168,6 +239,7 @@ class ShardModel:
         if self.is_entry:
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        trim_heap()  # the load's casts and copies (and quantization's) are freed; give the pages back
 
     def _modules(self) -> dict[str, nn.Module | None]:
         return {"blocks": self.blocks, "embed": self.embed, "norm": self.norm,
@@ -199,7 +271,7 @@ class ShardModel:
                     target = params.get(wanted[key])
                     if target is not None:
                         with torch.no_grad():
-                            target.copy_(fh.get_tensor(key).to(target.dtype))
+                            target.copy_(fh.get_tensor(key))  # casts in place: no second temporary
                         loaded.add(wanted[key])
         if self.lm_head is not None and "lm_head.weight" not in loaded:
             self.lm_head.weight = self.embed.weight  # tied embeddings

@@ -5,7 +5,8 @@ shard gets seeded standard-normal hidden states ``[1, 16, hidden]`` (seed 0). Th
 the output has the input's shape and is finite, and for the ``int8``/``nf4`` recipes its
 relative L2 error against the same shard loaded unquantized in float32 is within
 ``TOLERANCE``. Then 8 single-token decode steps on a
-fresh KV cache measure tokens/s for the shard. The result is a **capability report**;
+fresh KV cache measure tokens/s for the shard. The report also carries the shard's resident
+memory measured when it was loaded (ADR-0039). The result is a **capability report**;
 the tracker routes a shard only while its report is present, passed and fresh.
 """
 
@@ -88,7 +89,8 @@ def run_doctor(slot, *, lock=None) -> CapabilityReport:
     report = {"model": slot.model, "shard_start": start, "shard_end": end,
               "recipe": {"quantization": slot.quantization, "compute_dtype": str(shard.dtype).split(".")[-1]},
               "hardware": hardware.detect().model_dump(), "weights_digest": "", "tokens_per_s": 0.0,
-              "passed": False, "reason": "", "timestamp": time.time()}
+              "passed": False, "reason": "", "timestamp": time.time(),
+              "resident_bytes": slot.resident_bytes or None}
     try:
         if lock is not None:
             lock.acquire()

@@ -5,6 +5,11 @@ A node holds up to ``max_loaded_shards`` slots; each slot is one :class:`ShardMo
 runtime picks the slot whose range contains them (a hop may start inside a shard,
 ADR-0012). Compute is serialised per node with one lock: torch already uses every core
 for one forward, and the pipeline overlaps work across nodes, not within one.
+
+Each load measures the shard's resident memory (ADR-0039): the process RSS after the shard is
+built and has run one warm-up forward, minus the RSS just before, with transformers' modeling
+code imported and run once beforehand so its fixed cost is not charged to the first shard. doctor reports
+the figure and the tracker budgets with it where it exceeds the preset.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import torch
 
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.layers import LayerRange
-from meshnet.models.shard import ShardModel
+from meshnet.models.shard import KVCache, ShardModel, trim_heap, warm_runtime
+from meshnet.node.hardware import rss_bytes
 from meshnet.presets import canonical_model_name
 from meshnet.node.sessions import SessionStore
 from meshnet.protocol.control import CapabilityReport, ShardInfo
@@ -29,13 +35,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ShardSlot:
-    """One loaded shard backend."""
+    """One loaded shard backend; ``resident_bytes`` is its measured memory (see :func:`measure_load`)."""
 
     model: str
     layers: LayerRange
     quantization: str
     shard: ShardModel
     tier: str = "pinned"
+    resident_bytes: int = 0
     loaded_at: float = field(default_factory=time.time)
 
     @property
@@ -48,6 +55,31 @@ class ShardSlot:
         return ShardInfo(model=self.model, shard_start=start, shard_end=end, tier=self.tier,
                          quantization=self.quantization, weight_bytes=self.shard.weight_bytes(),
                          entry=self.shard.is_entry, num_layers=self.shard.num_layers, report=report)
+
+
+WARM_UP_TOKENS = 16
+
+
+def measure_load(build, dtype: str) -> tuple[ShardModel, int]:
+    """Build a shard with ``build()`` and measure its resident memory, bytes.
+
+    The figure is the process RSS after the build, one ``WARM_UP_TOKENS``-token forward on a
+    throwaway cache (the compute's lasting buffers) and :func:`trim_heap`, minus the RSS just
+    before the build. The process's fixed costs are paid first (:func:`warm_runtime` in compute
+    dtype ``dtype``: transformers' modeling code, the kernels' first run). It is
+    never below the shard's :meth:`ShardModel.weight_bytes` (page reuse can hide a small shard).
+    Concurrent work in the process (another slot's sessions growing) adds to it: the figure errs
+    high, the safe side for placement. Errors of ``build`` propagate.
+    """
+    warm_runtime(dtype)
+    trim_heap()
+    before = rss_bytes()
+    shard = build()
+    with torch.inference_mode():
+        hidden = torch.zeros(1, WARM_UP_TOKENS, shard.config.hidden_size)
+        shard.forward(hidden, KVCache(), 0)
+    trim_heap()
+    return shard, max(rss_bytes() - before, shard.weight_bytes())
 
 
 class NodeRuntime:
@@ -86,11 +118,14 @@ class NodeRuntime:
         if len(self.slots) >= self.max_loaded_shards:
             raise MeshnetError(f"no free shard slot ({len(self.slots)}/{self.max_loaded_shards} used)",
                                code="no_free_slot", status=409)
-        shard = ShardModel(model_path, layers, dtype=self.compute_dtype, quantization=quantization)
-        slot = ShardSlot(model=model, layers=layers, quantization=quantization, shard=shard, tier=tier)
+        shard, resident = measure_load(lambda: ShardModel(model_path, layers, dtype=self.compute_dtype,
+                                                          quantization=quantization), self.compute_dtype)
+        slot = ShardSlot(model=model, layers=layers, quantization=quantization, shard=shard, tier=tier,
+                         resident_bytes=resident)
         with self.lock:
             self.slots[slot.key] = slot
-        log.info("loaded %s layers %s (%d bytes)", model, layers, shard.weight_bytes())
+        log.info("loaded %s layers %s (%d bytes of weights, %d resident)", model, layers,
+                 shard.weight_bytes(), resident)
         return slot
 
     def drop(self, model: str, layers: LayerRange) -> bool:

@@ -95,7 +95,10 @@ class CapabilityReport(ShardRange):
 
     ``tokens_per_s`` is decode throughput through the whole shard; ``timestamp`` unix seconds
     on the node's clock (compared only with itself). Quantized recipes also carry the relative
-    error against float32 and the tolerance it was held to.
+    error against float32 and the tolerance it was held to. ``resident_bytes`` is the shard's
+    measured memory on the node (RSS across its load and a warm-up forward, ADR-0039); absent
+    from nodes that do not measure it. The tracker budgets a node's layers of this model with it
+    where it exceeds the preset's ``bytes_per_layer``.
     """
 
     recipe: RecipeInfo
@@ -107,6 +110,7 @@ class CapabilityReport(ShardRange):
     timestamp: float
     reference_rel_error: float | None = None
     tolerance: float | None = None
+    resident_bytes: int | None = Field(default=None, ge=0)
 
 
 class ShardInfo(ShardRange):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from itertools import accumulate, groupby
 from operator import not_
@@ -65,7 +65,9 @@ class Assignment:
 class NodeState:
     """A node as placement sees it: ``vram_bytes`` of memory, its recipe (``quantization``),
     measured throughput in tokens/s, ``max_loaded_shards`` shard slots (>= 1), the shards it
-    holds now, and whether the tracker may add shards to it (ADR-0003)."""
+    holds now, whether the tracker may add shards to it (ADR-0003), and model -> bytes per
+    layer it measured holding that model in its recipe (doctor's ``resident_bytes`` over the
+    shard's layers, ADR-0039); see :func:`layer_bytes`."""
 
     node_id: str
     vram_bytes: int
@@ -74,6 +76,7 @@ class NodeState:
     max_loaded_shards: int
     assignments: tuple[Assignment, ...] = ()
     accepts_placement: bool = True
+    measured_bytes_per_layer: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,18 @@ class PlacementPlan:
 def memory_budget_bytes(vram_bytes: int) -> int:
     """Bytes of shard weights a node may hold: ``floor(vram_bytes * MEMORY_FRACTION)`` (ADR-0003)."""
     return max(0, vram_bytes) * _NUM // _DEN
+
+
+def layer_bytes(node: NodeState, spec: ModelSpec) -> int:
+    """Bytes one layer of ``spec`` costs on ``node``: the preset's ``bytes_per_layer`` for the
+    node's recipe, or the node's measured figure for this model when that is larger (ADR-0039).
+
+    0 when the preset has no size for the recipe (the model is then never placed there).
+    """
+    preset = spec.bytes_per_layer.get(node.quantization, 0)
+    if preset <= 0:
+        return 0
+    return max(preset, node.measured_bytes_per_layer.get(spec.name, 0))
 
 
 def max_assignable_layers(vram_bytes: int, bytes_per_layer: int) -> int:
@@ -186,13 +201,13 @@ class _Work:
         for i, node in enumerate(self.nodes):
             if not node.assignments:
                 continue
-            speed, free, quant = _milli(node.tokens_per_s), memory_budget_bytes(node.vram_bytes), node.quantization
+            speed, free = _milli(node.tokens_per_s), memory_budget_bytes(node.vram_bytes)
             for a in node.assignments:
                 spec = specs.get(a.model)   # a shard of an unknown model keeps its slot only
                 if spec is None:
                     continue
                 start, end, top = a.layers.start, a.layers.end, spec.num_layers
-                free -= (end - start) * spec.bytes_per_layer.get(quant, 0)
+                free -= (end - start) * layer_bytes(node, spec)
                 if end > top:   # a stale range past the model's end counts up to it
                     start, end = min(start, top), top
                 counts, profile = diffs[a.model]
@@ -213,7 +228,7 @@ class _Work:
         if free is None:   # not yet counted: an idle node, maybe given shards by this plan
             node = self.nodes[i]
             free = self._free[i] = memory_budget_bytes(node.vram_bytes) - sum(
-                len(a.layers) * self.specs[a.model].bytes_per_layer[node.quantization]
+                len(a.layers) * layer_bytes(node, self.specs[a.model])
                 for _, a in self.added.get(i, ()))
         return free
 
@@ -223,7 +238,7 @@ class _Work:
         used = len(node.assignments) + len(self.added.get(i, ()))
         if not node.accepts_placement or used >= node.max_loaded_shards:
             return 0
-        per_layer = spec.bytes_per_layer.get(node.quantization, 0)
+        per_layer = layer_bytes(node, spec)
         return self.free_bytes(i) // per_layer if per_layer > 0 else 0
 
     def _entry(self, spec: ModelSpec, start: int, end: int, redundant: bool) -> tuple[str, Assignment]:
@@ -238,7 +253,7 @@ class _Work:
     def add(self, i: int, spec: ModelSpec, start: int, end: int, *, redundant: bool) -> None:
         """Give node ``i`` a new bootstrap shard ``[start, end)`` and count it."""
         if i in self._free:
-            self._free[i] -= (end - start) * spec.bytes_per_layer[self.nodes[i].quantization]
+            self._free[i] -= (end - start) * layer_bytes(self.nodes[i], spec)
         self.added.setdefault(i, []).append(self._entry(spec, start, end, redundant))
         self.cover(spec.name, start, end, _milli(self.nodes[i].tokens_per_s))
 
@@ -285,15 +300,15 @@ def _fill_gaps(work: _Work, spec: ModelSpec) -> None:
             start += width
 
 
-def _pick_model(heap: list, specs: Mapping[str, ModelSpec], quant: str,
+def _pick_model(heap: list, specs: Mapping[str, ModelSpec], node: NodeState,
                 free_bytes: int) -> tuple[tuple, ModelSpec, int] | None:
-    """Pop the first heap key of a model of which one layer fits ``free_bytes``; return it
-    with the model and the layers that fit (at most the whole model). The others go back."""
+    """Pop the first heap key of a model of which one layer fits ``free_bytes`` on ``node``;
+    return it with the model and the layers that fit (at most the whole model). The others go back."""
     skipped, found = [], None
     while heap and found is None:
         key = heapq.heappop(heap)
         spec = specs[key[2]]
-        per_layer = spec.bytes_per_layer.get(quant, 0)
+        per_layer = layer_bytes(node, spec)
         if 0 < per_layer <= free_bytes:
             found = key, spec, min(free_bytes // per_layer, spec.num_layers)
         else:
@@ -324,7 +339,7 @@ def _add_redundancy(work: _Work) -> None:
             continue
         free = max(0, node.vram_bytes) * _NUM // _DEN   # an idle node's whole budget
         picked = free >= smallest.get(node.quantization, _NEVER) and _pick_model(
-            heap, work.specs, node.quantization, free)
+            heap, work.specs, node, free)
         if not picked:
             continue
         (_, fewest, name), spec, width = picked

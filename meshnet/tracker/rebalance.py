@@ -33,6 +33,20 @@ def _assignments(node, open_directives: list[Directive]) -> tuple[placement.Assi
     return tuple(placement.Assignment(m, r, t if t in TIERS else "pinned") for (m, r), t in sorted(held.items()))
 
 
+def measured_bytes_per_layer(node) -> dict[str, int]:
+    """Model -> bytes per layer ``node`` (a NodeRecord) measured holding it in its recipe: the
+    largest ``ceil(resident_bytes / layers)`` over its shards' capability reports (ADR-0039).
+    Shards without a measured figure, or run in another recipe, add nothing."""
+    measured: dict[str, int] = {}
+    for s in node.shards:
+        report = s.report
+        if report is None or not report.resident_bytes or s.quantization != node.quantization:
+            continue
+        per_layer = -(-report.resident_bytes // len(s.layers))
+        measured[s.model] = max(measured.get(s.model, 0), per_layer)
+    return measured
+
+
 def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState], list[placement.ModelSpec]]:
     """Placement's view of the registry. Directives are read from the store once per call,
     not once per node."""
@@ -54,7 +68,8 @@ def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState]
         accepts = (node.accepts_placement and not node.draining and node.reachable
                    and node.node_id not in failed_recently)
         nodes.append(placement.NodeState(node.node_id, node.vram_bytes, node.quantization, speed,
-                                         node.max_loaded_shards, assignments, accepts))
+                                         node.max_loaded_shards, assignments, accepts,
+                                         measured_bytes_per_layer(node)))
     return nodes, models
 
 

@@ -50,6 +50,7 @@ def test_local_doctor_reports_json_for_a_recipe(tmp_path):
     assert (report["model"], report["shard_start"], report["shard_end"]) == ("tiny-llama", 1, 2)
     assert report["passed"] and report["recipe"] == {"quantization": "int8", "compute_dtype": "bfloat16"}
     assert report["tokens_per_s"] > 0 and len(report["weights_digest"]) == 32
+    assert report["resident_bytes"] > 0   # the shard's measured memory (ADR-0039)
 
 
 def test_ready_exits_1_with_the_reasons_and_json(monkeypatch):

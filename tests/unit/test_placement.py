@@ -10,7 +10,7 @@ from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
 from meshnet.tracker.placement import (
     MEMORY_FRACTION, Assignment, ModelSpec, NodeState, PlacementPlan, apply_plan, coverage_counts,
-    find_assignment, find_gaps, max_assignable_layers, memory_budget_bytes, plan_placement)
+    find_assignment, find_gaps, layer_bytes, max_assignable_layers, memory_budget_bytes, plan_placement)
 
 GIB = 1024**3
 LAYER = 100   # bytes per layer of the toy models below: node capacity = vram * 0.8 / 100
@@ -201,6 +201,49 @@ def test_recipe_decides_bytes_per_layer():
     # int8 layers are half the size: a 15-layer bfloat16 budget holds all 30
     plan = plan_placement([node("q", layers=15, quant="int8")], [model()])
     assert loads(plan) == [("q", "m", 0, 30)]
+
+
+# --- measured memory (ADR-0039) ---------------------------------------------------------
+
+@pytest.mark.parametrize(("measured", "expected"), [
+    ({}, 30),                       # no measurement: the preset's 100 bytes per layer
+    ({"m": 100}, 30),               # equal to the preset
+    ({"m": 50}, 30),                # smaller than the preset: the preset stays
+    ({"other": 400}, 30),           # another model's figure does not apply
+    ({"m": 125}, 24),               # 1.25x the preset: 3000 / 125
+    ({"m": 200}, 15),
+    ({"m": 3001}, 0),               # not even one layer fits
+])
+def test_a_larger_measured_figure_reduces_the_layers_assigned(measured, expected):
+    n = NodeState("a", vram_bytes=30 * LAYER * 5 // 4, quantization="bfloat16", tokens_per_s=10.0,
+                  max_loaded_shards=1, measured_bytes_per_layer=measured)
+    plan = plan_placement([n], [model()])
+    assert loads(plan) == ([("a", "m", 0, expected)] if expected else [])
+    assert layer_bytes(n, model()) == max(LAYER, measured.get("m", 0))
+
+
+@pytest.mark.parametrize(("measured", "expected"), [({}, 20), ({"m": 200}, 10)])
+def test_held_shards_count_with_the_measured_figure(measured, expected):
+    # 10 layers of m held: 1000 bytes at the preset, 2000 measured; the rest goes to m2's gap
+    n = NodeState("a", vram_bytes=30 * LAYER * 5 // 4, quantization="bfloat16", tokens_per_s=10.0,
+                  max_loaded_shards=2, assignments=(shard("m", 0, 10),), measured_bytes_per_layer=measured)
+    plan = plan_placement([n, node("b", layers=20, shards=[shard("m", 10, 30)])], [model(), model("m2")])
+    assert ("a", "m2", 0, expected) in loads(plan)
+
+
+@pytest.mark.parametrize(("measured", "expected"), [({}, ("idle", "m", 0, 30)), ({"m": 200}, ("idle", "m", 0, 15))])
+def test_redundancy_sizes_a_copy_with_the_measured_figure(measured, expected):
+    idle = NodeState("idle", vram_bytes=30 * LAYER * 5 // 4, quantization="bfloat16", tokens_per_s=10.0,
+                     max_loaded_shards=1, measured_bytes_per_layer=measured)
+    plan = plan_placement([node("a", shards=[shard("m", 0, 30)]), idle], [model()])
+    assert loads(plan) == [expected]
+
+
+def test_a_recipe_without_a_preset_size_is_never_placed_even_when_measured():
+    n = NodeState("a", vram_bytes=GIB, quantization="nf4", tokens_per_s=1.0, max_loaded_shards=1,
+                  measured_bytes_per_layer={"m": 10})
+    assert layer_bytes(n, model()) == 0
+    assert loads(plan_placement([n], [model()])) == []
 
 
 # --- redundancy --------------------------------------------------------------------------

@@ -33,3 +33,15 @@ def test_unquantized_recipes_change_nothing_and_unknown_is_an_error():
     assert isinstance(module[0], torch.nn.Linear)
     with pytest.raises(ModelSourceError, match="unknown recipe 'fp8'"):
         quantize_linears(module, "fp8", torch.float32)
+
+
+@pytest.mark.parametrize("recipe", ["bfloat16", "int8"])
+def test_doctor_reports_the_resident_bytes_measured_at_load(recipe, tiny_model_path):
+    runtime = NodeRuntime()
+    slot = runtime.load("tiny-llama", tiny_model_path("tiny-llama"), LayerRange(1, 3), quantization=recipe)
+    assert slot.resident_bytes >= slot.shard.weight_bytes() > 0
+    report = run_doctor(slot)
+    assert report.passed, report.reason
+    assert report.resident_bytes == slot.resident_bytes > 0
+    if recipe == "bfloat16":   # the process's fixed costs (modeling code, first kernels) are not the shard's
+        assert slot.resident_bytes < 8 * 1024**2

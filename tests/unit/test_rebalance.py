@@ -68,3 +68,20 @@ def test_demand_must_be_one_and_a_half_times_the_old_models():
         svc.add_demand("tiny-gpt2", now)
     rebalance(svc)
     assert [d[1] for d in directives(svc)] == ["DROP_SHARD", "LOAD_SHARD"]  # 4 requests vs 2: 2x
+
+
+@pytest.mark.parametrize(("resident_bytes", "quantization", "expected"), [
+    (None, "bfloat16", {}),                    # an older node: no measured figure
+    (4_000_001, "bfloat16", {"tiny-llama": 1_000_001}),   # ceil over the shard's 4 layers
+    (4_000_000, "int8", {}),                   # measured in another recipe than the node's
+])
+def test_placement_inputs_carry_the_measured_bytes_per_layer(resident_bytes, quantization, expected):
+    from meshnet.tracker.rebalance import placement_inputs
+
+    svc = TrackerService(TrackerSettings(models=("tiny-llama",)))
+    report = {**capability_report("tiny-llama", 0, 3), "resident_bytes": resident_bytes}
+    svc.register(RegisterRequest.model_validate(registration(
+        "n0", "http://127.0.0.1:9000", shards=[{"model": "tiny-llama", "shard_start": 0, "shard_end": 3,
+                                                "entry": True, "quantization": quantization, "report": report}])))
+    nodes, _ = placement_inputs(svc)
+    assert nodes[0].measured_bytes_per_layer == expected

@@ -158,3 +158,23 @@ def test_kv_cache_appends_along_sequence():
     assert keys.shape == values.shape == (1, 2, 6, 4)
     assert cache.get_seq_length(5) == 6 and cache.get_seq_length(0) == 0
     assert cache.nbytes == 2 * 1 * 2 * 6 * 4 * 4
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_middle_shard_holds_only_its_layers_tensors(name, tiny_shard):
+    # ADR-0039: nothing of the skeleton (embeddings, LM head, other layers) stays materialised
+    middle = tiny_shard(name, 1, 3)
+    modules = [v for v in vars(middle).values() if isinstance(v, torch.nn.Module)]
+    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    assert all(t.device.type == "cpu" for t in tensors)
+    assert not any(512 in t.shape for t in tensors)   # no [vocab, hidden] tensor anywhere
+    params = {id(p): p for m in modules for p in m.parameters()}
+    assert sum(p.numel() * p.element_size() for p in params.values()) == middle.weight_bytes()
+
+
+def test_trim_heap_runs_on_glibc_and_is_a_no_op_elsewhere():
+    import platform
+
+    from meshnet.models.shard import trim_heap
+
+    assert trim_heap() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
