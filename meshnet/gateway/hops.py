@@ -17,8 +17,10 @@ session on it. When no replacement exists the error names the hop and its layers
 
 Every hop call carries the session's ticket from the tracker (``X-Meshnet-Ticket``, ADR-0038):
 each hop keeps the ticket of the route that named it, so a replacement uses the fresh ticket
-its new route came with. A hop's 401/403 (a ticket it does not accept) is its failure like any
-other answer.
+its new route came with. A hop's 403 or 401 (a ticket it does not accept) is its failure like
+any other answer, except ``ticket_expired``: a session that outlives its ticket asks the
+tracker for the hop's layers again and replays to the hop the new route names, like a
+hop that lost the session (that is how a ticket is renewed).
 
 Every hop that was sent a frame is released (``DELETE /v1/sessions/{id}``, with its ticket and
 signed by the entry node's key when it has one) in the
@@ -56,6 +58,11 @@ FailureReporter = Callable[[str, str], Awaitable[None]]
 
 #: a hop's 409 code: it no longer holds the session (expired, released, restarted) but is healthy
 LOST_SESSION = "session_conflict"
+#: a hop's 401 code when the session's ticket ran out (ADR-0038): the entry asks the tracker again
+#: and replays; the hop is healthy, so neither reported nor excluded
+TICKET_EXPIRED = "ticket_expired"
+#: answers after which the hop stays eligible: the replay (with a fresh route and ticket) restarts it there
+_HEALTHY_CODES = (LOST_SESSION, TICKET_EXPIRED)
 #: seconds a release of a hop still in the route may take (it answered a moment ago)
 RELEASE_TIMEOUT_S = 5.0
 #: seconds a release of an excluded hop may wait: a frozen node that resumes within it frees the
@@ -128,7 +135,7 @@ async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, sessi
     if resp.status_code != 200:
         code, message = _error_of(resp)
         raise HopFailed(f"{_describe(hop)} answered {resp.status_code} ({code}): {message}", node_id=hop.node_id,
-                        code=code if code == LOST_SESSION else None)
+                        code=code if code in _HEALTHY_CODES else None)
     try:
         out = await codec.decode(resp.content)
     except MeshnetError as exc:
@@ -327,8 +334,9 @@ class RemoteRoute:
     async def _exclude(self, exc: HopFailed) -> None:
         """Keep the hop's node out of this session's routes, release its session in the background
         (never waiting on it), and report it unless it was only busy.
-        A hop that lost the session stays eligible: the replay restarts the session on it."""
-        if exc.node_id is None or exc.code == LOST_SESSION:
+        A hop that lost the session, or refused an expired ticket, stays eligible: the replay
+        (after a new route and ticket) restarts the session on it."""
+        if exc.node_id is None or exc.code in _HEALTHY_CODES:
             return
         self.failed.add(exc.node_id)
         touched = self._touched.pop(exc.node_id, None)

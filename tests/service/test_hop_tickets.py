@@ -9,6 +9,7 @@ issuer); the tracker's ``GET /v1/route?session=`` is tested at the end.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import httpx
 import pytest
@@ -172,6 +173,27 @@ async def test_failover_gets_a_fresh_ticket_that_the_replacement_accepts(mesh):
     assert len(calls) == 2 and calls[0] == calls[1]  # the same session asked twice: a ticket per route
     await settle_releases(5.0)
     assert len(runtimes["c"].sessions) == 0
+
+
+async def test_an_expired_ticket_is_renewed_by_asking_again_without_a_failure_report(mesh):
+    runtimes, client = mesh
+    expected, _ = await generate(orchestrator(runtimes, client, ticketed(None, "open")))
+    fresh, calls = ticketed(TicketIssuer(TRACKER), "c"), []
+
+    async def routes(model, layers, exclude, session_id):
+        calls.append(set(exclude))
+        route = await fresh(model, layers, exclude, session_id)
+        if len(calls) == 1:  # the first ticket ran out ten minutes ago
+            expired = TicketIssuer(TRACKER).issue(session=session_id, model=model, entry="entry",
+                                                  entry_key=public_key("entry"), hops=route.hops, now=time.time() - 700)
+            return Route(route.hops, expired)
+        return route
+
+    reported = []
+    got, stats = await generate(orchestrator(runtimes, client, routes, reported))
+    assert got == expected
+    assert reported == [] and calls == [set(), set()]  # c stays eligible and is not reported
+    assert stats.failovers == 1 and [h.node_id for h in stats.route] == ["entry", "c"]
 
 
 # ---- the tracker issues them ------------------------------------------------------------------
