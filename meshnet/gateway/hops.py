@@ -230,7 +230,8 @@ class RemoteRoute:
         self.end_layer = hops[-1].layers.end if hops else 0
         self.hidden_size: int | None = None
         self._turn = asyncio.Condition()
-        self._touched: dict[str, Touched] = {}   # node id -> (endpoint, ticket) of every hop sent a frame, not yet released
+        #: node id -> (endpoint, ticket) of every hop sent a frame, not yet released
+        self._touched: dict[str, Touched] = {}
 
     def _new_state(self, hop: Hop, ticket: str | None) -> HopState:
         return HopState(hop, ticket=ticket, times=StepTimes(self.deadlines.ema_alpha))
