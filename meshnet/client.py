@@ -17,7 +17,7 @@ from meshnet.endpoints import check_endpoint
 from meshnet.errors import MeshnetError, ModelNotRoutable
 from meshnet.protocol.control import (AssignResponse, DirectiveList, FailureReport, HeartbeatRequest,
                                       HeartbeatResponse, RegisterRequest, RegisterResponse)
-from meshnet.protocol.route import Hop, RouteResponse
+from meshnet.protocol.route import Hop, Route, RouteResponse
 from meshnet.protocol.views import Coverage, CoverageList, DemandList, NodeList
 from meshnet.protocol.signing import HEADER_JOIN_TOKEN, sign_request
 
@@ -177,6 +177,27 @@ class TrackerClient(_Base):
             params["exclude"] = ",".join(sorted(exclude))
         body = await self._call("GET", "/v1/route", "route lookup", params=params)
         return _parse(RouteResponse, body, "route lookup").to_hops()
+
+    async def session_route(self, model: str, start_layer: int, end_layer: int, session: str,
+                            exclude: frozenset[str] = frozenset()) -> Route:
+        """Hops serving layers ``start_layer..end_layer`` (inclusive) of ``model`` for ``session``,
+        with the session's ticket (ADR-0038). The call is signed by the client's auth (an entry
+        node's :class:`NodeSigner`).
+
+        Raises:
+            MeshnetError: 401 (unsigned or unknown signer), 403 (not an entry node of the model, or
+                the session belongs to another entry), 503 ``model_loading`` (no route), or the
+                tracker unreachable; 502 ``bad_response`` when the answer carries no ticket.
+        """
+        params = {"model": model, "start_layer": start_layer, "end_layer": end_layer, "session": session}
+        if exclude:
+            params["exclude"] = ",".join(sorted(exclude))
+        body = await self._call("GET", "/v1/route", "route lookup", params=params)
+        route = _parse(RouteResponse, body, "route lookup").to_route()
+        if not route.ticket:
+            raise MeshnetError("route lookup: the tracker sent no session ticket", code="bad_response", status=502,
+                               hint="tracker and node versions may differ")
+        return route
 
     async def nodes(self) -> list[dict]:
         """Every node's view (validated against :class:`meshnet.protocol.views.NodeView`)."""

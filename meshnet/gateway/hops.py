@@ -15,7 +15,15 @@ tracker, since it is healthy. A hop that answers 409 ``session_conflict`` lost t
 (expired or restarted): it is neither reported nor excluded, so the replay may restart the
 session on it. When no replacement exists the error names the hop and its layers.
 
-Every hop that was sent a frame is released (``DELETE /v1/sessions/{id}``) in the
+Every hop call carries the session's ticket from the tracker (``X-Meshnet-Ticket``, ADR-0038):
+each hop keeps the ticket of the route that named it, so a replacement uses the fresh ticket
+its new route came with. A hop's 403 or 401 (a ticket it does not accept) is its failure like
+any other answer, except ``ticket_expired``: a session that outlives its ticket asks the
+tracker for the hop's layers again and replays to the hop the new route names, like a
+hop that lost the session (that is how a ticket is renewed).
+
+Every hop that was sent a frame is released (``DELETE /v1/sessions/{id}``, with its ticket and
+signed by the entry node's key when it has one) in the
 background: an excluded hop at once, the others when the generation ends. Nothing waits
 for a release, so a frozen node delays no one; its session goes when it resumes (the
 release is patient) or by its TTL.
@@ -36,19 +44,25 @@ from meshnet.gateway.deadlines import DeadlinePolicy, StepTimes, deadline_s
 from meshnet.gateway.entry import Activation, ActivationCodec
 from meshnet.gateway.replay import rechunk
 from meshnet.layers import LayerRange
-from meshnet.protocol.route import Hop
+from meshnet.protocol.route import Hop, Route
+from meshnet.protocol.tickets import HEADER_TICKET
 
 log = logging.getLogger(__name__)
 
 
-#: async (model, layers, exclude node ids) -> hops covering exactly ``layers``
-RouteProvider = Callable[[str, LayerRange, frozenset[str]], Awaitable[list[Hop]]]
+#: async (model, layers, exclude node ids, session id) -> hops covering exactly ``layers`` and their ticket
+RouteProvider = Callable[[str, LayerRange, frozenset[str], str], Awaitable[Route]]
 #: async (node id, reason) -> None; tells the tracker a hop failed
 FailureReporter = Callable[[str, str], Awaitable[None]]
 
 
 #: a hop's 409 code: it no longer holds the session (expired, released, restarted) but is healthy
 LOST_SESSION = "session_conflict"
+#: a hop's 401 code when the session's ticket ran out (ADR-0038): the entry asks the tracker again
+#: and replays; the hop is healthy, so neither reported nor excluded
+TICKET_EXPIRED = "ticket_expired"
+#: answers after which the hop stays eligible: the replay (with a fresh route and ticket) restarts it there
+_HEALTHY_CODES = (LOST_SESSION, TICKET_EXPIRED)
 #: seconds a release of a hop still in the route may take (it answered a moment ago)
 RELEASE_TIMEOUT_S = 5.0
 #: seconds a release of an excluded hop may wait: a frozen node that resumes within it frees the
@@ -61,9 +75,11 @@ _releases: set[asyncio.Task] = set()  # releases in flight (kept referenced unti
 @dataclass
 class HopState:
     """A hop plus what it has been sent: ``history`` of ``(position, frame, tokens)``, ``length``
-    tokens, and how long its calls took (``times``, for its deadline)."""
+    tokens, how long its calls took (``times``, for its deadline), and the ticket of the route
+    that named it (None: a mesh without tickets)."""
 
     hop: Hop
+    ticket: str | None = None
     history: list[tuple[int, bytes, int]] = field(default_factory=list)
     length: int = 0
     times: StepTimes = field(default_factory=StepTimes)
@@ -85,10 +101,11 @@ def _error_of(resp: httpx.Response) -> tuple[str, str]:
 async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, session_id: str, position: int,
                        frame: bytes, last_only: bool, timeout: httpx.Timeout | float,
                        codec: ActivationCodec, expect_shape: tuple[int, ...] | None = None,
-                       ) -> tuple[bytes, Activation]:
+                       ticket: str | None = None) -> tuple[bytes, Activation]:
     """``POST {endpoint}/v1/forward`` with one activation frame.
 
     Args:
+        ticket: the session's ticket naming this hop (sent as ``X-Meshnet-Ticket``; None: none).
         timeout: the whole call (seconds) or an ``httpx.Timeout`` with its own connect limit.
         expect_shape: the output shape the reply must have (None: any).
 
@@ -106,6 +123,8 @@ async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, sessi
                "Content-Type": "application/octet-stream"}
     if last_only:
         headers["X-Meshnet-Last-Only"] = "1"
+    if ticket:
+        headers[HEADER_TICKET] = ticket
     try:
         resp = await client.post(f"{hop.endpoint}/v1/forward", content=frame, headers=headers, timeout=timeout)
     except Exception as exc:  # noqa: BLE001 - InvalidURL, StreamError, OSError...: all this hop's failure
@@ -116,7 +135,7 @@ async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, sessi
     if resp.status_code != 200:
         code, message = _error_of(resp)
         raise HopFailed(f"{_describe(hop)} answered {resp.status_code} ({code}): {message}", node_id=hop.node_id,
-                        code=code if code == LOST_SESSION else None)
+                        code=code if code in _HEALTHY_CODES else None)
     try:
         out = await codec.decode(resp.content)
     except MeshnetError as exc:
@@ -127,21 +146,30 @@ async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, sessi
     return resp.content, out
 
 
-async def _delete_session(client: httpx.AsyncClient, endpoint: str, session_id: str, timeout_s: float) -> None:
+#: where a session was opened: ``(endpoint, ticket naming that node or None)``
+Touched = tuple[str, "str | None"]
+
+
+async def _delete_session(client: httpx.AsyncClient, endpoint: str, ticket: str | None, session_id: str,
+                          timeout_s: float, auth: httpx.Auth | None) -> None:
+    headers = {HEADER_TICKET: ticket} if ticket else {}
     try:
         async with asyncio.timeout(timeout_s):  # in-process transports ignore httpx's own timeout
-            await client.delete(f"{endpoint}/v1/sessions/{session_id}", timeout=timeout_s)
+            await client.delete(f"{endpoint}/v1/sessions/{session_id}", timeout=timeout_s, headers=headers,
+                                **({"auth": auth} if auth is not None else {}))
     except Exception:  # noqa: BLE001 - best effort: an unreachable hop expires the session by its TTL
         log.debug("could not release session %s at %s", session_id, endpoint, exc_info=True)
 
 
-def release_soon(client: httpx.AsyncClient, endpoints: list[str], session_id: str, timeout_s: float) -> None:
-    """Start ``DELETE {endpoint}/v1/sessions/{session_id}`` on each endpoint in the background and
-    return at once (never raises, never waits: a frozen node must not hold up anyone).
-    ``timeout_s``: how long each release may wait for its answer, seconds."""
+def release_soon(client: httpx.AsyncClient, touched: list[Touched], session_id: str, timeout_s: float,
+                 auth: httpx.Auth | None = None) -> None:
+    """Start ``DELETE {endpoint}/v1/sessions/{session_id}`` on each ``(endpoint, ticket)`` in the
+    background and return at once (never raises, never waits: a frozen node must not hold up
+    anyone). ``timeout_s``: how long each release may wait for its answer, seconds; ``auth``
+    signs the release as the entry node (ADR-0038; None: unsigned)."""
     loop = asyncio.get_running_loop()
-    for endpoint in endpoints:
-        task = loop.create_task(_delete_session(client, endpoint, session_id, timeout_s))
+    for endpoint, ticket in touched:
+        task = loop.create_task(_delete_session(client, endpoint, ticket, session_id, timeout_s, auth))
         _releases.add(task)
         task.add_done_callback(_releases.discard)
 
@@ -178,15 +206,19 @@ class RemoteRoute:
         max_failovers: replacements per hop call before giving up.
         deadlines: when to probe a hop that takes longer than usual (:class:`DeadlinePolicy`).
         replay_chunk_tokens: tokens per replay call to a replacement (the prefill chunk, 128).
+        release_auth: signs session releases as the entry node (its key; None: unsigned).
     """
 
-    def __init__(self, client: httpx.AsyncClient, *, model: str, session_id: str, hops: list[Hop],
+    def __init__(self, client: httpx.AsyncClient, *, model: str, session_id: str, route: Route,
                  routes: RouteProvider, report: FailureReporter, codec: ActivationCodec,
                  timeout_s: float = 60.0, connect_timeout_s: float = 5.0, max_failovers: int = 3,
-                 deadlines: DeadlinePolicy = DeadlinePolicy(), replay_chunk_tokens: int = 128) -> None:
+                 deadlines: DeadlinePolicy = DeadlinePolicy(), replay_chunk_tokens: int = 128,
+                 release_auth: httpx.Auth | None = None) -> None:
         self.client, self.model, self.session_id = client, model, session_id
         self.deadlines = deadlines
-        self.states = [self._new_state(h) for h in hops]
+        self.release_auth = release_auth
+        hops = route.hops
+        self.states = [self._new_state(h, route.ticket) for h in hops]
         self.routes, self.report = routes, report
         self.codec, self.max_failovers = codec, max_failovers
         self.replay_chunk_tokens = replay_chunk_tokens
@@ -198,10 +230,11 @@ class RemoteRoute:
         self.end_layer = hops[-1].layers.end if hops else 0
         self.hidden_size: int | None = None
         self._turn = asyncio.Condition()
-        self._touched: dict[str, str] = {}   # node id -> endpoint of every hop sent a frame, not yet released
+        #: node id -> (endpoint, ticket) of every hop sent a frame, not yet released
+        self._touched: dict[str, Touched] = {}
 
-    def _new_state(self, hop: Hop) -> HopState:
-        return HopState(hop, times=StepTimes(self.deadlines.ema_alpha))
+    def _new_state(self, hop: Hop, ticket: str | None) -> HopState:
+        return HopState(hop, ticket=ticket, times=StepTimes(self.deadlines.ema_alpha))
 
     @property
     def hops(self) -> list[Hop]:
@@ -229,11 +262,12 @@ class RemoteRoute:
                 did not answer the liveness probe).
         """
         shape = None if self.hidden_size is None else (1, 1 if last_only else seq_len, self.hidden_size)
-        self._touched[state.hop.node_id] = state.hop.endpoint
+        self._touched[state.hop.node_id] = (state.hop.endpoint, state.ticket)
         t0 = time.perf_counter()
         call = asyncio.ensure_future(post_forward(
             self.client, state.hop, model=self.model, session_id=self.session_id, position=position,
-            frame=frame, last_only=last_only, timeout=self.timeout, codec=self.codec, expect_shape=shape))
+            frame=frame, last_only=last_only, timeout=self.timeout, codec=self.codec, expect_shape=shape,
+            ticket=state.ticket))
         try:
             out = await self._await_in_time(state, call, seq_len, t0)
         finally:
@@ -301,13 +335,14 @@ class RemoteRoute:
     async def _exclude(self, exc: HopFailed) -> None:
         """Keep the hop's node out of this session's routes, release its session in the background
         (never waiting on it), and report it unless it was only busy.
-        A hop that lost the session stays eligible: the replay restarts the session on it."""
-        if exc.node_id is None or exc.code == LOST_SESSION:
+        A hop that lost the session, or refused an expired ticket, stays eligible: the replay
+        (after a new route and ticket) restarts the session on it."""
+        if exc.node_id is None or exc.code in _HEALTHY_CODES:
             return
         self.failed.add(exc.node_id)
-        endpoint = self._touched.pop(exc.node_id, None)
-        if endpoint is not None:
-            release_soon(self.client, [endpoint], self.session_id, ABANDONED_RELEASE_TIMEOUT_S)
+        touched = self._touched.pop(exc.node_id, None)
+        if touched is not None:
+            release_soon(self.client, [touched], self.session_id, ABANDONED_RELEASE_TIMEOUT_S, self.release_auth)
         if isinstance(exc, HopBusy):
             return
         try:
@@ -315,9 +350,14 @@ class RemoteRoute:
         except Exception:  # noqa: BLE001 - a lost report must not fail the generation
             log.warning("could not report the failure of %s", exc.node_id, exc_info=True)
 
-    async def _new_hops(self, layers: LayerRange, exc: HopFailed) -> list[Hop]:
+    async def _new_route(self, layers: LayerRange, exc: HopFailed) -> Route:
+        """A replacement route over ``layers`` without the excluded nodes, with a fresh ticket.
+
+        Raises:
+            HopBusy, HopFailed: ``exc`` extended with why there is no replacement.
+        """
         try:
-            return await self.routes(self.model, layers, frozenset(self.failed))
+            return await self.routes(self.model, layers, frozenset(self.failed), self.session_id)
         except Exception as route_exc:  # noqa: BLE001 - no route, tracker down, bad answer
             why = getattr(route_exc, "message", None) or f"{type(route_exc).__name__}: {route_exc}"
             cls = HopBusy if isinstance(exc, HopBusy) else HopFailed
@@ -339,7 +379,8 @@ class RemoteRoute:
         """
         await self._exclude(exc)
         for _ in range(self.max_failovers):
-            new_states = [self._new_state(h) for h in await self._new_hops(old.hop.layers, exc)]
+            route = await self._new_route(old.hop.layers, exc)
+            new_states = [self._new_state(h, route.ticket) for h in route.hops]
             try:
                 await self._replay(old, new_states)
             except HopFailed as replay_exc:
@@ -374,6 +415,6 @@ class RemoteRoute:
     def close(self) -> None:
         """Release the session on every hop it reached, in the background (returns at once,
         never raises; safe to call while the generation is being cancelled)."""
-        endpoints, self._touched = list(self._touched.values()), {}
-        if endpoints:
-            release_soon(self.client, endpoints, self.session_id, RELEASE_TIMEOUT_S)
+        touched, self._touched = list(self._touched.values()), {}
+        if touched:
+            release_soon(self.client, touched, self.session_id, RELEASE_TIMEOUT_S, self.release_auth)

@@ -77,17 +77,19 @@ class Orchestrator:
         node_id, endpoint: this node, shown as the first hop of every route.
         client: httpx client for hops; ``routes``/``report``: tracker callbacks.
         observer: counts generations started and finished (the node's metrics), or None.
+        release_auth: httpx auth that signs session releases as this node (ADR-0038), or None.
     """
 
     def __init__(self, entry: EntryLayers, *, node_id: str, endpoint: str, client,
                  routes: RouteProvider, report: FailureReporter,
                  settings: OrchestratorSettings = OrchestratorSettings(),
-                 observer: GenerationObserver | None = None) -> None:
+                 observer: GenerationObserver | None = None, release_auth=None) -> None:
         self.entry = entry
         self.node_id, self.endpoint = node_id, endpoint
         self.client, self.routes, self.report = client, routes, report
         self.settings = settings
         self.observer = observer
+        self.release_auth = release_auth
         self.model = entry.model
         self.num_layers = entry.num_layers
         self.tokenizer = entry.tokenizer
@@ -142,13 +144,14 @@ class Orchestrator:
         entry_hop = Hop(self.node_id, self.endpoint, LayerRange(0, local_end))
         remote = None
         if local_end < self.num_layers:
-            hops = await self.routes(self.model, LayerRange(local_end, self.num_layers), frozenset())
-            remote = RemoteRoute(self.client, model=self.model, session_id=session_id, hops=hops,
+            route = await self.routes(self.model, LayerRange(local_end, self.num_layers), frozenset(), session_id)
+            remote = RemoteRoute(self.client, model=self.model, session_id=session_id, route=route,
                                  routes=self.routes, report=self.report, codec=self.entry.codec,
                                  timeout_s=self.settings.hop_timeout_s,
                                  connect_timeout_s=self.settings.hop_connect_timeout_s,
                                  deadlines=self.settings.deadlines,
-                                 replay_chunk_tokens=self.settings.chunk_tokens)
+                                 replay_chunk_tokens=self.settings.chunk_tokens,
+                                 release_auth=self.release_auth)
         chooser: TokenChooser = self.entry.new_chooser(params)
         local_turn, local_len = asyncio.Condition(), [0]
         if self.observer is not None:

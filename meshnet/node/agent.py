@@ -21,8 +21,8 @@ from meshnet.node.loader import load_shard
 from meshnet.protocol.control import (PROTOCOL_REVISION, CapabilityReport, Directive, DirectiveUpdate,
                                       HeartbeatRequest, HeartbeatResponse, NodeStats, RegisterResponse,
                                       RegisterRequest, ShardInfo)
-from meshnet.protocol.signing import encode_public_key
-from meshnet.protocol.route import Hop
+from meshnet.protocol.signing import decode_public_key, encode_public_key
+from meshnet.protocol.route import Hop, Route
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,10 @@ class TrackerAgent:
         self.settings = node.settings
         key = identity.load_or_create_key(self.settings.state_dir or identity.default_state_dir(self.settings.node_id))
         self.public_key = encode_public_key(key.public_key())
+        #: signs this node's calls: to the tracker, and its session releases on hops (ADR-0038)
+        self.signer = NodeSigner(self.settings.node_id, key)
         self.client = TrackerClient(self.settings.tracker_url, timeout_s=30.0, transport=node.transport,
-                                    join_token=self.settings.join_token, auth=NodeSigner(self.settings.node_id, key))
+                                    join_token=self.settings.join_token, auth=self.signer)
         self.hw = hardware.detect()
         self.updates: list[DirectiveUpdate] = []
         self.wake = asyncio.Event()
@@ -97,7 +99,7 @@ class TrackerAgent:
             try:
                 resp = await self.client.register(self.registration())
                 self.interval_s = min(self.settings.heartbeat_interval_s, resp.heartbeat_interval_s)
-                self.note_reachability(resp)
+                self.note_registered(resp)
                 self._ok()
                 log.info("registered %s with %s", self.settings.node_id, self.settings.tracker_url)
                 return
@@ -152,7 +154,7 @@ class TrackerAgent:
             if exc.status == 404 and not (self.leaving or self.node.drain.draining):
                 # the tracker forgot us (restart): register again; a draining node stays forgotten
                 try:
-                    self.note_reachability(await self.client.register(self.registration()))
+                    self.note_registered(await self.client.register(self.registration()))
                 except MeshnetError as again:  # keep the loop alive: the next heartbeat tries again
                     self.last_error = again.message
                     log.warning("re-registration failed: %s", again.message)
@@ -169,6 +171,12 @@ class TrackerAgent:
         if directives:
             self.tasks.add(task := asyncio.create_task(self.apply_in_order(directives)))
             task.add_done_callback(self.tasks.discard)
+
+    def note_registered(self, resp: RegisterResponse) -> None:
+        """Take the tracker's key (from now on hop calls need its session tickets, ADR-0038) and
+        its verdict on reaching this node."""
+        self.node.tracker_key = decode_public_key(resp.tracker_key)
+        self.note_reachability(resp)
 
     def note_reachability(self, resp: RegisterResponse | HeartbeatResponse) -> None:
         """Log when the tracker's verdict on reaching this node's endpoint changes: an unreachable
@@ -261,7 +269,16 @@ class TrackerAgent:
     # ---- used by the orchestrator -----------------------------------------------------
 
     async def route(self, model: str, layers: LayerRange, exclude: frozenset[str]) -> list[Hop]:
+        """Hops over ``layers`` of ``model`` without ``exclude`` (no ticket: readiness checks)."""
         return await self.client.route(model, layers.start, layers.end - 1, exclude)
+
+    async def session_route(self, model: str, layers: LayerRange, exclude: frozenset[str], session_id: str) -> Route:
+        """Hops over ``layers`` of ``model`` for ``session_id``, with its ticket (ADR-0038).
+
+        Raises:
+            MeshnetError: see :meth:`TrackerClient.session_route`.
+        """
+        return await self.client.session_route(model, layers.start, layers.end - 1, session_id, exclude)
 
     async def report_failure(self, node_id: str, reason: str) -> None:
         try:

@@ -13,6 +13,13 @@ Forward headers: ``X-Meshnet-Session``, ``X-Meshnet-Start-Layer`` and
 ``X-Meshnet-End-Layer`` (inclusive, ADR-0002), ``X-Meshnet-Position``, optional
 ``X-Meshnet-Model`` and ``X-Meshnet-Last-Only: 1`` (return only the last position).
 
+Session tickets (ADR-0038): once the node has registered with a tracker it knows the tracker's
+key, and from then on a forward call runs only with a ticket (``X-Meshnet-Ticket``) that names
+this node for exactly the asked layers of that session (401 missing/invalid/expired, 403 another
+session, model, node or layers), checked before any KV cache is touched; a release needs the
+session's ticket and a call signed by the entry node it names. A node without a tracker (tests,
+a standalone node) has no key and takes hop calls as before.
+
 SIGTERM drains (ADR-0032, :mod:`meshnet.drain`): the node tells the tracker, refuses new
 chats and new hop sessions (position 0) with 503 ``draining``, keeps serving the sessions it
 holds until they end or ``drain_grace_s`` runs out, deregisters, then exits.
@@ -27,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.exceptions import HTTPException
@@ -36,7 +44,7 @@ from starlette.routing import Route
 
 from meshnet import wire
 from meshnet.drain import Drain, DrainMiddleware
-from meshnet.errors import InvalidRequest, MeshnetError, NotFound
+from meshnet.errors import Forbidden, InvalidRequest, MeshnetError, NotFound
 from meshnet.gateway import openai_api
 from meshnet.protocol.http import BodyLimit, http_error
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
@@ -49,6 +57,9 @@ from meshnet.node.runtime import NodeRuntime
 from meshnet.node.sessions import SessionStore
 from meshnet.node.settings import NodeSettings
 from meshnet.protocol.control import CapabilityReport, DoctorResponse
+from meshnet.protocol.route import Route as MeshRoute
+from meshnet.protocol.signing import decode_public_key, signer_of, verify_request
+from meshnet.protocol.tickets import HEADER_TICKET, check_hop, read_ticket
 from meshnet.presets import canonical_model_name, model_aliases
 
 log = logging.getLogger(__name__)
@@ -68,6 +79,8 @@ class NodeContext:
     drain: Drain = field(default_factory=Drain)
     last_forward_s: float = 0.0  # monotonic time of the latest hop call (drain: are sessions live?)
     transport: httpx.AsyncBaseTransport | None = None  # the node's outbound calls (None: the network)
+    #: the tracker's key (learned at registration): hop calls need its session tickets (None: not required)
+    tracker_key: Ed25519PublicKey | None = None
 
 
 def _state(request: Request) -> NodeContext:
@@ -101,13 +114,15 @@ async def forward(request: Request) -> Response:
         raise InvalidRequest("X-Meshnet-End-Layer must be >= X-Meshnet-Start-Layer", code="invalid_field",
                              status=422)
     position = _int_header(request, "X-Meshnet-Position", 0)
+    model = request.headers.get("X-Meshnet-Model")
+    check_ticket(node, request, session, LayerRange.from_inclusive(start, end), model)
     if position == 0:  # a new session (or a replay): a draining node takes none, the entry fails over
         node.drain.refuse_new("new hop sessions")
     node.last_forward_s = time.monotonic()
     body = await request.body()
     hidden = await wire.decode_async(body)
     t0 = time.perf_counter()
-    out = await asyncio.to_thread(node.runtime.forward, model=request.headers.get("X-Meshnet-Model"),
+    out = await asyncio.to_thread(node.runtime.forward, model=model,
                                   session_id=session, layers=LayerRange.from_inclusive(start, end),
                                   position=position, hidden=hidden)
     node.metrics.observe_forward(hidden.shape[1], time.perf_counter() - t0, position)
@@ -116,9 +131,52 @@ async def forward(request: Request) -> Response:
     return Response(await wire.encode_async(out, dtype=hidden.dtype), media_type="application/octet-stream")
 
 
+def check_ticket(node: NodeContext, request: Request, session: str, layers: LayerRange, model: str | None) -> None:
+    """A hop call's ticket, when the node has a tracker key: signed by the tracker, not expired, and
+    naming this node for exactly ``layers`` of ``session`` (and ``model`` when the call names one).
+
+    Raises:
+        Unauthorized (401): the ticket is missing, invalid or expired.
+        Forbidden (403 ``ticket_scope``): it does not cover this call.
+    """
+    if node.tracker_key is None:
+        return
+    claims = read_ticket(request.headers.get(HEADER_TICKET), node.tracker_key)
+    check_hop(claims, node_id=node.settings.node_id, session=session, layers=layers,
+              model=None if model is None else canonical_model_name(model))
+
+
+def check_release(node: NodeContext, request: Request, session: str) -> None:
+    """A release, when the node has a tracker key: the session's valid ticket, naming this node, and
+    the call signed by the entry node that ticket names (ADR-0038).
+
+    Raises:
+        Unauthorized (401): the ticket is missing, invalid or expired, or the call is unsigned, stale
+            or not signed by the ticket's entry key.
+        Forbidden (403): the ticket is for another session or does not name this node, or the call
+            is signed by another node than the ticket's entry.
+    """
+    if node.tracker_key is None:
+        return
+    claims = read_ticket(request.headers.get(HEADER_TICKET), node.tracker_key)
+    if claims.session != session:
+        raise Forbidden(f"the ticket is for session {claims.session}, not {session}", code="ticket_scope")
+    if not any(h.node_id == node.settings.node_id for h in claims.hops):
+        raise Forbidden(f"the ticket of session {session} does not name {node.settings.node_id}", code="ticket_scope")
+    signer = signer_of(request.headers)
+    if signer != claims.entry:
+        raise Forbidden(f"only the session's entry node {claims.entry} may release it, not {signer}",
+                        code="not_your_session")
+    verify_request(decode_public_key(claims.entry_key), request.headers, request.method, request.url.path, b"")
+
+
 async def release_session(request: Request) -> JSONResponse:
-    """The entry ends a session here: its caches go, and a late restart of it is refused (ADR-0036)."""
-    dropped = await asyncio.to_thread(_state(request).runtime.end_session, request.path_params["session_id"])
+    """The entry ends a session here: its caches go, and a late restart of it is refused (ADR-0036).
+    With a tracker key, only the session's own entry may do it (:func:`check_release`)."""
+    node = _state(request)
+    session = request.path_params["session_id"]
+    check_release(node, request, session)
+    dropped = await asyncio.to_thread(node.runtime.end_session, session)
     return JSONResponse({"released": dropped})
 
 
@@ -160,10 +218,10 @@ def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | Non
         raise NotFound(f"this node serves no entry shard of {model or 'any model'}", code="model_not_found")
     agent = node.agent
 
-    async def routes(name, layers, exclude):
+    async def routes(name, layers, exclude, session_id) -> MeshRoute:
         if agent is None:
             raise NotFound("standalone node without a tracker cannot route remote layers")
-        return await agent.route(name, layers, exclude)
+        return await agent.session_route(name, layers, exclude, session_id)
 
     async def report(node_id, reason):
         if agent is not None:
@@ -175,7 +233,7 @@ def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | Non
     entry = LocalEntry(node.runtime, slot, wire_dtype=node.settings.wire_dtype, metrics=node.metrics)
     return slot.model, Orchestrator(entry, node_id=node.settings.node_id, endpoint=node.settings.endpoint,
                                     client=node.http, routes=routes, report=report, settings=settings,
-                                    observer=node.metrics)
+                                    observer=node.metrics, release_auth=getattr(agent, "signer", None))
 
 
 async def chat_completions(request: Request) -> Response:

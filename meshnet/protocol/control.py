@@ -42,8 +42,9 @@ DEFAULT_VRAM_BYTES = 8 * 1024**3
 MAX_LAYERS = 1024
 #: revision of the node ↔ tracker protocol; a registration states it and a tracker refuses another
 #: (426). Revision 1 had no field for it (a registration without ``protocol`` is revision 1);
-#: revision 2 adds node keys and signed node calls (ADR-0035).
-PROTOCOL_REVISION = 2
+#: revision 2 adds node keys and signed node calls (ADR-0035); revision 3 session tickets on hop
+#: calls (ADR-0038): a revision-2 entry sends none, so its hops would refuse it.
+PROTOCOL_REVISION = 3
 
 
 class Payload(BaseModel):
@@ -216,10 +217,13 @@ class Reachability(Payload):
 
 
 class RegisterResponse(Reachability):
-    """Answer to a registration: the node's id and the heartbeat period to use, seconds."""
+    """Answer to a registration: the node's id, the heartbeat period to use (seconds), and the
+    tracker's public key (base64url of 32 raw bytes), which signs the session tickets the node
+    must see on hop calls (ADR-0038)."""
 
     node_id: str
     heartbeat_interval_s: float
+    tracker_key: str = Field(pattern=r"^[A-Za-z0-9_-]{43}$")
 
 
 class Directive(Payload):

@@ -3,7 +3,8 @@
 A route is an ordered list of hops covering a model's layers; each hop names the node and the
 layers it runs (a sub-range of its shard, ADR-0012). Inside meshnet a hop holds a half-open
 :class:`meshnet.layers.LayerRange`; its JSON form (``GET /v1/route``, the ``meshnet`` block of
-a chat response) has inclusive ``start_layer``/``end_layer`` (ADR-0002).
+a chat response) has inclusive ``start_layer``/``end_layer`` (ADR-0002). A route asked for a
+session carries the tracker's session ticket for it (ADR-0038, :mod:`meshnet.protocol.tickets`).
 """
 
 from __future__ import annotations
@@ -56,12 +57,28 @@ class HopJSON(BaseModel):
         return value
 
 
+@dataclass(frozen=True)
+class Route:
+    """The hops of one session's remote layers, in order, and the ticket that lets the entry use
+    them (None: a mesh without tickets, e.g. nodes that have no tracker)."""
+
+    hops: list[Hop]
+    ticket: str | None = None
+
+
 class RouteResponse(BaseModel):
-    """Body of ``GET /v1/route``: the hops serving the asked layers of ``model``, in order."""
+    """Body of ``GET /v1/route``: the hops serving the asked layers of ``model``, in order, and
+    (when the route was asked for a ``session``) the session's ticket."""
 
     model_config = ConfigDict(extra="forbid")
     model: str
     hops: list[HopJSON]
+    ticket: str | None = None
 
     def to_hops(self) -> list[Hop]:
+        """The hops as :class:`Hop` (half-open layers)."""
         return [Hop.from_json(h) for h in self.hops]
+
+    def to_route(self) -> Route:
+        """The hops and the ticket."""
+        return Route(self.to_hops(), self.ticket)

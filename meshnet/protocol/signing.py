@@ -27,8 +27,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from meshnet.errors import InvalidRequest, Unauthorized
 
-__all__ = ["HEADER_JOIN_TOKEN", "HEADER_NODE", "HEADER_NONCE", "HEADER_SIGNATURE", "HEADER_TIMESTAMP", "MAX_SKEW_S", "SignedCall",
-           "decode_public_key", "encode_public_key", "sign_request", "signed_message", "signer_of", "verify_request"]
+__all__ = ["HEADER_JOIN_TOKEN", "HEADER_NODE", "HEADER_NONCE", "HEADER_SIGNATURE", "HEADER_TIMESTAMP", "MAX_SKEW_S", "SignedCall", "b64url",
+           "decode_public_key", "encode_public_key", "sign_request", "signed_message", "signer_of", "unb64url", "verify_request"]
 
 #: a registration's proof that the node may join (the tracker's join token)
 HEADER_JOIN_TOKEN = "X-Meshnet-Join-Token"
@@ -42,11 +42,17 @@ MAX_SKEW_S = 60.0
 _CONTEXT = "meshnet-request/1"
 
 
-def _b64(data: bytes) -> str:
+def b64url(data: bytes) -> str:
+    """base64url of ``data``, without padding (how keys, signatures and tickets travel)."""
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
-def _unb64(text: str) -> bytes:
+def unb64url(text: str) -> bytes:
+    """Bytes of :func:`b64url` text (padding optional).
+
+    Raises:
+        binascii.Error, ValueError: not base64url.
+    """
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
@@ -54,7 +60,7 @@ def encode_public_key(key: Ed25519PublicKey) -> str:
     """The public key as it travels in a registration: base64url of its 32 raw bytes (43 chars)."""
     from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-    return _b64(key.public_bytes(Encoding.Raw, PublicFormat.Raw))
+    return b64url(key.public_bytes(Encoding.Raw, PublicFormat.Raw))
 
 
 def decode_public_key(text: str) -> Ed25519PublicKey:
@@ -64,7 +70,7 @@ def decode_public_key(text: str) -> Ed25519PublicKey:
         InvalidRequest (422 ``invalid_field``): not base64url of 32 bytes.
     """
     try:
-        raw = _unb64(text)
+        raw = unb64url(text)
         if len(raw) != 32:
             raise ValueError(f"{len(raw)} bytes, not 32")
         return Ed25519PublicKey.from_public_bytes(raw)
@@ -87,7 +93,7 @@ def sign_request(key: Ed25519PrivateKey, node_id: str, method: str, target: str,
     timestamp = f"{time.time() if now is None else now:.3f}"
     nonce = nonce or secrets.token_hex(16)
     signature = key.sign(signed_message(method, target, node_id, timestamp, nonce, body))
-    return {HEADER_NODE: node_id, HEADER_TIMESTAMP: timestamp, HEADER_NONCE: nonce, HEADER_SIGNATURE: _b64(signature)}
+    return {HEADER_NODE: node_id, HEADER_TIMESTAMP: timestamp, HEADER_NONCE: nonce, HEADER_SIGNATURE: b64url(signature)}
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,7 @@ def verify_request(public_key: Ed25519PublicKey, headers: Mapping[str, str], met
     timestamp, nonce = headers.get(HEADER_TIMESTAMP, ""), headers.get(HEADER_NONCE, "")
     try:
         sent_at = float(timestamp)
-        signature = _unb64(headers[HEADER_SIGNATURE])
+        signature = unb64url(headers[HEADER_SIGNATURE])
     except (ValueError, binascii.Error):
         raise Unauthorized("malformed signature headers", code="bad_signature") from None
     if not nonce or len(nonce) > 64 or not math.isfinite(sent_at):

@@ -6,6 +6,7 @@ inclusive on the wire, ADR-0002):
     POST /v1/nodes/{id}/drain, DELETE /v1/nodes/{id}  (a node's own drain and leave, ADR-0032)
         (registration: join token when set, signed by the key it registers; every later node
         call signed by the node's bound key, ADR-0035)
+    GET  /v1/route[?session=] (with a session: signed by its entry node, answered with a ticket, ADR-0038)
     GET  /v1/nodes, /v1/coverage, /v1/coverage/{model}, /v1/route, /v1/network/assign,
          /v1/directives, /v1/demand, /v1/models, /metrics
     GET  /v1/health (liveness), /v1/ready[?model=] (readiness: 200, or 503 with reasons)
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 
 import httpx
@@ -48,6 +50,9 @@ from meshnet.protocol.signing import HEADER_NODE
 from meshnet.tracker.service import TrackerService, TrackerSettings
 
 log = logging.getLogger(__name__)
+
+#: what a session id may look like (an entry node uses 32 hex digits)
+_SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 def _svc(request: Request) -> TrackerService:
@@ -130,7 +135,7 @@ async def register(request: Request) -> JSONResponse:
     await probe(request.app, record.node_id, record.endpoint)
     request.app.state.wake.set()
     return JSONResponse(RegisterResponse(node_id=record.node_id, heartbeat_interval_s=svc.settings.heartbeat_interval_s,
-                                         **_reachability(record)).model_dump())
+                                         tracker_key=svc.tickets.public_key, **_reachability(record)).model_dump())
 
 
 async def heartbeat(request: Request) -> JSONResponse:
@@ -189,10 +194,17 @@ async def coverage_all(request: Request) -> JSONResponse:
 
 
 async def route(request: Request) -> JSONResponse:
+    """Hops over the asked layers. With ``session=<id>`` the call must be signed by an entry node of
+    the model and the answer carries the session's ticket naming the hops (ADR-0038)."""
     svc = _svc(request)
     model = request.query_params.get("model")
     if not model:
         raise InvalidRequest("missing query parameter 'model'", code="invalid_field", status=422)
+    session = request.query_params.get("session")
+    if session is not None and not _SESSION_ID.fullmatch(session):
+        raise InvalidRequest("query parameter 'session' must be 1-128 characters of A-Z a-z 0-9 . _ -",
+                             code="invalid_field", status=422)
+    entry = _signed_by(request, await request.body()) if session is not None else None
     info = svc.ensure_model(model)
     start = _int_param(request, "start_layer", 0)
     end = _int_param(request, "end_layer", info.num_layers - 1)
@@ -200,7 +212,9 @@ async def route(request: Request) -> JSONResponse:
         raise InvalidRequest("end_layer must be >= start_layer", code="invalid_field", status=422)
     exclude = frozenset(x for x in request.query_params.get("exclude", "").split(",") if x)
     hops = svc.route(info.name, LayerRange.from_inclusive(start, end), exclude)
-    return JSONResponse(RouteResponse(model=info.name, hops=[h.to_json() for h in hops]).model_dump())
+    ticket = svc.session_ticket(entry, session, info.name, hops) if entry is not None else None
+    body = RouteResponse(model=info.name, hops=[h.to_json() for h in hops], ticket=ticket)
+    return JSONResponse(body.model_dump(exclude_none=True))
 
 
 async def network_assign(request: Request) -> JSONResponse:

@@ -23,6 +23,7 @@ from meshnet.protocol.control import (OPEN_STATUSES, CapabilityReport, Directive
                                       RegisterRequest)
 from meshnet.tracker.registry import NodeRecord, ShardRecord
 from meshnet.tracker.store import TrackerStore
+from meshnet.tracker.tickets import TicketIssuer, load_tracker_key
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class TrackerSettings:
         probe_timeout_s: a reachability probe of a node's endpoint must answer within this, seconds.
         probe_interval_s: an unreachable node is probed again after this many seconds.
         drain_grace_s: on SIGTERM, seconds proxied chats may take to finish (ADR-0032).
+        ticket_ttl_s: how long a session ticket is valid, seconds (ADR-0038); the tracker's key
+            that signs them lives next to ``db_path``.
     """
 
     host: str = "127.0.0.1"
@@ -69,6 +72,7 @@ class TrackerSettings:
     probe_timeout_s: float = 3.0
     probe_interval_s: float = 1.0
     drain_grace_s: float = 30.0
+    ticket_ttl_s: float = 600.0
 
 
 def may_report_failure(sender: NodeRecord | None, reported: NodeRecord) -> str:
@@ -85,6 +89,16 @@ def may_report_failure(sender: NodeRecord | None, reported: NodeRecord) -> str:
     models = {s.model for s in reported.shards}
     if not any(s.entry and s.model in models for s in sender.shards):
         return "the sender holds no entry shard of a model the reported node serves"
+    return ""
+
+
+def may_enter(sender: NodeRecord | None, model: str) -> str:
+    """Why ``sender`` may not get a session ticket for ``model`` ("" when it may): only a
+    registered node holding an entry shard of the model drives its sessions."""
+    if sender is None:
+        return "the sender is not a registered node"
+    if not any(s.entry and s.model == model for s in sender.shards):
+        return f"the sender holds no entry shard of {model}"
     return ""
 
 
@@ -109,6 +123,7 @@ class TrackerService:
         self.dirty = True  # a join/leave happened: rebalance soon
         self.last_join_s = 0.0
         self.plan_reasons: Mapping[str, str] = {}  # node id -> why it did or did not get a range
+        self.tickets = TicketIssuer(load_tracker_key(settings.db_path), settings.ticket_ttl_s)
         for name in settings.models:
             self.store.add_model(canonical_model_name(name))
         for name in self.store.models():
@@ -451,6 +466,21 @@ class TrackerService:
             full = routing.NoRoute(exc.gap_start, info.num_layers)
             full.coverage = self.coverage(model).model_dump()
             raise full from None
+
+    def session_ticket(self, entry: str, session: str, model: str, hops: list[routing.Hop]) -> str:
+        """A ticket for ``hops`` of ``model`` in ``session``, driven by node ``entry`` (whose signature
+        the caller checked).
+
+        Raises:
+            Forbidden (403 ``not_an_entry``): ``entry`` holds no entry shard of ``model``;
+                (403 ``session_taken``): another entry owns ``session``.
+        """
+        info = self.ensure_model(model)
+        why = may_enter(self.nodes.get(entry), info.name)
+        if why:
+            raise Forbidden(f"{entry} may not drive sessions of {info.name}: {why}", code="not_an_entry")
+        return self.tickets.issue(session=session, model=info.name, entry=entry, entry_key=self.public_key(entry) or "",
+                                  hops=hops)
 
     def entry_nodes(self, model: str) -> list[NodeRecord]:
         """Admitted entry nodes of a routable model (so never a draining one), in the order a chat

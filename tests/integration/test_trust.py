@@ -1,5 +1,6 @@
 """Who may join, with real processes (ADR-0035): a tracker beyond loopback refuses to start
-without tokens; an impostor that takes a running node's id is refused and the mesh keeps serving.
+without tokens; an impostor that takes a running node's id is refused and the mesh keeps serving;
+a stranger's hop calls carry no ticket and are refused (ADR-0038).
 Every process is stopped by its PID."""
 
 from __future__ import annotations
@@ -97,6 +98,13 @@ def test_an_impostor_with_a_running_nodes_id_is_refused_and_the_mesh_keeps_servi
         resp = httpx.post(f"{mesh.url}/v1/chat/completions", timeout=120,
                           json={"model": "tiny-llama", "messages": ASK, "max_tokens": 4, "temperature": 0})
         assert resp.status_code == 200, resp.text
+
+        # hop traffic needs a session ticket from the tracker (ADR-0038): a stranger's is refused first
+        hop = {"X-Meshnet-Session": "s1", "X-Meshnet-Start-Layer": "2", "X-Meshnet-End-Layer": "3"}
+        resp = httpx.post(f"{endpoint}/v1/forward", content=b"any bytes", headers=hop, timeout=10)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "ticket_missing"
+        resp = httpx.delete(f"{endpoint}/v1/sessions/s1", timeout=10)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "ticket_missing"
 
         # operator actions need the operator token the mesh was started with
         unpin = {"model": "tiny-llama", "node_id": "node-1"}

@@ -28,7 +28,7 @@ from meshnet.node.entry import LocalEntry
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings
 from meshnet.protocol.openai import SamplingParams
-from meshnet.tracker.routing import Hop
+from meshnet.protocol.route import Hop, Route
 
 MODEL = "tiny-llama"
 PROMPT = list(range(3, 40))  # 37 tokens: prefill in chunks of 8 is 5 calls
@@ -98,10 +98,10 @@ async def mesh(tiny_model_path):
 
 
 def routes_via(*names: str):
-    async def routes(model, layers, exclude):
+    async def routes(model, layers, exclude, session_id):
         for name in names:
             if name not in exclude:
-                return [Hop(name, f"http://{name}", layers)]
+                return Route([Hop(name, f"http://{name}", layers)])
         raise NotFound(f"no node serves layers {layers}", code="model_loading")
     return routes
 

@@ -29,7 +29,7 @@ from meshnet.node.app import build_app
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.sessions import SessionStore
 from meshnet.node.settings import NodeSettings
-from meshnet.tracker.routing import Hop
+from meshnet.protocol.route import Hop, Route as MeshRoute
 
 MODEL = "tiny-llama"
 HIDDEN = 64
@@ -71,12 +71,12 @@ async def mesh(tiny_model_path):
 
 def routes_via(*names: str, calls: list | None = None):
     """Route provider: the first of ``names`` not excluded; none left is a NotFound (no route)."""
-    async def routes(model, layers, exclude):
+    async def routes(model, layers, exclude, session_id):
         if calls is not None:
             calls.append(set(exclude))
         for name in names:
             if name not in exclude:
-                return [Hop(name, BAD_URL if name == "bad" else f"http://{name}", layers)]
+                return MeshRoute([Hop(name, BAD_URL if name == "bad" else f"http://{name}", layers)])
         raise NotFound(f"no node serves layers {layers}", code="model_loading")
     return routes
 
@@ -169,7 +169,7 @@ class FakeAgent:
     """Stands in for the tracker agent: routes from a provider, failure reports recorded."""
 
     def __init__(self, routes) -> None:
-        self.route, self.reported = routes, []
+        self.session_route, self.reported = routes, []
 
     async def report_failure(self, node_id, reason):
         self.reported.append(node_id)

@@ -11,6 +11,7 @@ import httpx
 from meshnet.node.app import build_app
 from meshnet.node.settings import NodeSettings
 from meshnet.protocol.control import HeartbeatRequest, HeartbeatResponse, RegisterRequest, RegisterResponse
+from tests.payloads import public_key
 
 
 async def test_a_node_registers_and_heartbeats_through_an_injected_transport(asgi_client, tmp_path):
@@ -22,7 +23,8 @@ async def test_a_node_registers_and_heartbeats_through_an_injected_transport(asg
         if request.url.path == "/v1/nodes/register":
             RegisterRequest.model_validate(body)
             return httpx.Response(200, json=RegisterResponse(node_id=body["node_id"],
-                                                             heartbeat_interval_s=0.05).model_dump())
+                                                             heartbeat_interval_s=0.05,
+                                                             tracker_key=public_key("tracker")).model_dump())
         if request.url.path.endswith("/heartbeat"):
             HeartbeatRequest.model_validate(body)
             return httpx.Response(200, json=HeartbeatResponse().model_dump())

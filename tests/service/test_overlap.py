@@ -18,7 +18,7 @@ from meshnet.layers import LayerRange
 from meshnet.node.app import build_app
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings
-from meshnet.tracker.routing import Hop
+from meshnet.protocol.route import Hop, Route
 
 MODEL = "tiny-llama"
 PROMPT = list(range(3, 40))
@@ -59,8 +59,8 @@ async def generate(orch) -> tuple[list[int], GenerationStats]:
 
 
 def via(name: str):
-    async def routes(model, layers, exclude):
-        return [Hop(name, f"http://{name}", layers)]
+    async def routes(model, layers, exclude, session_id):
+        return Route([Hop(name, f"http://{name}", layers)])
     return routes
 
 
@@ -81,11 +81,11 @@ async def test_a_failed_hop_is_replaced_and_replayed_with_the_same_tokens(mesh):
     expected, _ = await generate(orchestrator(runtimes, client, via("c")))
     calls, reported = [], []
 
-    async def routes(model, layers, exclude):
+    async def routes(model, layers, exclude, session_id):
         calls.append(frozenset(exclude))
         if "dead" not in exclude:
-            return [Hop("dead", "http://127.0.0.1:9", layers)]  # nothing listens on port 9
-        return [Hop("c", "http://c", layers)]
+            return Route([Hop("dead", "http://127.0.0.1:9", layers)])  # nothing listens on port 9
+        return Route([Hop("c", "http://c", layers)])
 
     got, stats = await generate(orchestrator(runtimes, client, routes, reported))
     assert got == expected
