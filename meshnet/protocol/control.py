@@ -42,8 +42,9 @@ DEFAULT_VRAM_BYTES = 8 * 1024**3
 MAX_LAYERS = 1024
 #: revision of the node ↔ tracker protocol; a registration states it and a tracker refuses another
 #: (426). Revision 1 had no field for it (a registration without ``protocol`` is revision 1);
-#: revision 2 adds node keys and signed node calls (ADR-0035).
-PROTOCOL_REVISION = 2
+#: revision 2 adds node keys and signed node calls (ADR-0035); revision 3 the heartbeat interval
+#: in heartbeat responses (ADR-0037: a revision-2 node would refuse the unknown field).
+PROTOCOL_REVISION = 3
 
 
 class Payload(BaseModel):
@@ -259,9 +260,12 @@ class HeartbeatRequest(Payload):
 
 
 class HeartbeatResponse(Reachability):
-    """The directives delivered by this heartbeat, in the order to apply them."""
+    """The directives delivered by this heartbeat, in the order to apply them, and the heartbeat
+    interval the node is to use from now on, seconds (None: unchanged). The tracker lengthens it
+    as the network grows so its total heartbeat rate stays within a budget (ADR-0037)."""
 
     directives: list[Directive] = Field(default_factory=list)
+    heartbeat_interval_s: float | None = Field(default=None, gt=0)
 
 
 class FailureReport(Payload):

@@ -1,5 +1,9 @@
 """Rebalance: turn the registry into placement inputs, plan, and queue directives.
 
+Three steps: :func:`plan_rebalance` (on the event loop, changes nothing), one batched store
+write of every directive (:meth:`TrackerStore.add_directives`, on a worker thread in the
+tracker's loop), :func:`apply_rebalance` (on the event loop: reasons, move cooldowns).
+
 Placement itself is the pure :func:`meshnet.tracker.placement.plan_placement`; this module
 only translates. A node's shards count as its assignments together with the LOAD_SHARD
 directives still open for it (so a pending load is never issued twice), minus open
@@ -8,13 +12,16 @@ DROP_SHARDs. A node whose load failed recently gets no new placement for a coold
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
 from meshnet.layers import LayerRange
 from meshnet.protocol.control import OPEN_STATUSES, TIERS, Directive
 from meshnet.tracker import placement, policy
 from meshnet.tracker.service import TrackerService
+from meshnet.tracker.store import NewDirective
 
 log = logging.getLogger(__name__)
 
@@ -58,34 +65,84 @@ def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState]
     return nodes, models
 
 
-def rebalance(service: TrackerService) -> placement.PlacementPlan:
-    """Plan placement over the live registry and queue the resulting directives."""
+@dataclass
+class RebalanceResult:
+    """One rebalance: the plan, the directives it queues (in order), and the demand moves."""
+
+    plan: placement.PlacementPlan
+    directives: list[NewDirective] = field(default_factory=list)
+    moves: list[tuple[str, tuple, placement.Assignment]] = field(default_factory=list)
+
+
+def _new(node_id: str, type_: str, a: placement.Assignment, tier: str | None, reason: str) -> NewDirective:
+    start, end = a.layers.to_inclusive()
+    return NewDirective(node_id, type_, a.model, start, end, tier, reason)
+
+
+def plan_rebalance(service: TrackerService) -> RebalanceResult:
+    """Plan placement and demand moves over the live registry; changes nothing (call it on the
+    event loop: it reads the service's state)."""
     nodes, models = placement_inputs(service)
     plan = placement.plan_placement(nodes, models)
     sources = service.store.model_sources()
+    result = RebalanceResult(plan)
     for node_id, a in plan.loads:
         # a model tracked only because chat demand asked for it is placed as `managed` (ADR-0026)
         tier = "managed" if sources.get(a.model) == "demand" and a.tier == "bootstrap" else a.tier
-        service.queue_directive(node_id, "LOAD_SHARD", model=a.model, layers=a.layers, tier=tier,
-                                reason=plan.reasons.get(node_id, ""))
-        log.info("LOAD_SHARD %s %s → %s (%s)", a.model, a.layers, node_id, a.tier)
+        result.directives.append(_new(node_id, "LOAD_SHARD", a, tier, plan.reasons.get(node_id, "")))
     for node_id, a in plan.drops:
-        service.queue_directive(node_id, "DROP_SHARD", model=a.model, layers=a.layers, tier=a.tier,
-                                reason=plan.reasons.get(node_id, ""))
+        result.directives.append(_new(node_id, "DROP_SHARD", a, a.tier, plan.reasons.get(node_id, "")))
+    result.moves = demand_moves(service, nodes, models, plan)
+    for node_id, old, new in result.moves:
+        for a in old:
+            result.directives.append(_new(node_id, "DROP_SHARD", a, a.tier, f"moved to {new.model} by demand"))
+        result.directives.append(_new(node_id, "LOAD_SHARD", new, "managed", f"demand for {new.model}"))
+    return result
+
+
+def apply_rebalance(service: TrackerService, result: RebalanceResult) -> None:
+    """Record a persisted rebalance in the service's memory (on the event loop). A node that left
+    while the directives were written gets its new ones failed at once, as a dropout would."""
+    plan = result.plan
+    for node_id, a in plan.loads:
+        log.info("LOAD_SHARD %s %s → %s (%s)", a.model, a.layers, node_id, a.tier)
     service.plan_reasons = plan.reasons  # read per node by GET /v1/nodes (computed lazily)
     for node in service.nodes.values():
         node.reason = ""
-    for node_id, old, new in demand_moves(service, nodes, models, plan):
-        for a in old:
-            service.queue_directive(node_id, "DROP_SHARD", model=a.model, layers=a.layers, tier=a.tier,
-                                    reason=f"moved to {new.model} by demand")
-        service.queue_directive(node_id, "LOAD_SHARD", model=new.model, layers=new.layers, tier="managed",
-                                reason=f"demand for {new.model}")
-        service.nodes[node_id].last_move_s = time.monotonic()
-        service.nodes[node_id].reason = f"moved to {new.model} {new.layers} by demand (ADR-0005)"
+    now = time.monotonic()
+    for node_id, old, new in result.moves:
+        if node_id in service.nodes:
+            service.nodes[node_id].last_move_s = now
+            service.nodes[node_id].reason = f"moved to {new.model} {new.layers} by demand (ADR-0005)"
         log.info("demand move: %s from %s to %s %s", node_id, [a.model for a in old], new.model, new.layers)
+    for node_id in {d.node_id for d in result.directives} - service.nodes.keys():
+        service.store.fail_open(node_id, "node left during the rebalance")
+
+
+def rebalance(service: TrackerService) -> placement.PlacementPlan:
+    """Plan placement over the live registry and queue the resulting directives, all at once on
+    the calling thread (tests, tools; the tracker's loop uses :func:`rebalance_off_loop`)."""
     service.dirty = False
-    return plan
+    result = plan_rebalance(service)
+    service.store.add_directives(result.directives)
+    apply_rebalance(service, result)
+    return result.plan
+
+
+async def rebalance_off_loop(service: TrackerService) -> placement.PlacementPlan:
+    """:func:`rebalance` with its store write on a worker thread (ADR-0037).
+
+    Planning and every change to the service's state stay on the event loop (the service is not
+    thread-safe); the worker thread only runs :meth:`TrackerStore.add_directives`, one transaction
+    under the store's lock. Heartbeats keep being served meanwhile; one that reads the store while
+    the batch is written waits for its commit, and then sees all of it or none. A join or leave
+    while the batch is written marks the service dirty again, for the next round.
+    """
+    service.dirty = False
+    result = plan_rebalance(service)
+    await asyncio.to_thread(service.store.add_directives, result.directives)
+    apply_rebalance(service, result)
+    return result.plan
 
 
 def demand_moves(service: TrackerService, nodes: list[placement.NodeState], models: list[placement.ModelSpec],

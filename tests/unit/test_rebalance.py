@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import pytest
 
-from meshnet.tracker.rebalance import rebalance
+from meshnet.tracker.rebalance import rebalance, rebalance_off_loop
 from meshnet.protocol.control import RegisterRequest
 from meshnet.tracker.service import TrackerService, TrackerSettings
 from tests.payloads import capability_report, registration
@@ -68,3 +70,40 @@ def test_demand_must_be_one_and_a_half_times_the_old_models():
         svc.add_demand("tiny-gpt2", now)
     rebalance(svc)
     assert [d[1] for d in directives(svc)] == ["DROP_SHARD", "LOAD_SHARD"]  # 4 requests vs 2: 2x
+
+
+async def test_off_loop_rebalance_writes_the_same_directives_in_one_batch():
+    svc = service_with(4)
+    svc.add_demand("tiny-gpt2")
+    batches = []
+    write = svc.store.add_directives
+    svc.store.add_directives = lambda new: batches.append(len(new)) or write(new)
+    await rebalance_off_loop(svc)
+    assert batches == [2]
+    assert directives(svc) == [("n3", "DROP_SHARD", "tiny-llama", 0, 3, "managed"),
+                               ("n3", "LOAD_SHARD", "tiny-gpt2", 0, 3, "managed")]
+    assert svc.nodes["n3"].last_move_s is not None and not svc.dirty
+
+
+async def test_the_loop_serves_while_the_batch_is_written_and_a_node_that_left_meanwhile_gets_none():
+    svc = service_with(4)
+    svc.add_demand("tiny-gpt2")
+    started, release = threading.Event(), threading.Event()
+    write = svc.store.add_directives
+
+    def slow_write(new):
+        started.set()
+        assert release.wait(5)
+        return write(new)
+
+    svc.store.add_directives = slow_write
+    task = asyncio.create_task(rebalance_off_loop(svc))
+    while not started.is_set():
+        await asyncio.sleep(0.001)
+    svc.deregister("n3")  # on the loop, while the worker thread waits to write n3's move
+    assert svc.dirty  # the leave asks for another round
+    release.set()
+    await task
+    assert {(d.node_id, d.status, d.error) for d in svc.store.directives()} == {
+        ("n3", "failed", "node left during the rebalance")}
+    assert svc.dirty
