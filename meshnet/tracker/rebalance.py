@@ -1,8 +1,9 @@
 """Rebalance: turn the registry into placement inputs, plan, and queue directives.
 
-Three steps: :func:`plan_rebalance` (on the event loop, changes nothing), one batched store
-write of every directive (:meth:`TrackerStore.add_directives`, on a worker thread in the
-tracker's loop), :func:`apply_rebalance` (on the event loop: reasons, move cooldowns).
+Steps: placement inputs (a snapshot of the registry), the pure plan, the directives that carry
+it out (with demand moves), one batched store write (:meth:`TrackerStore.add_directives`), and
+:func:`apply_rebalance` (reasons, move cooldowns). The tracker's loop runs the plan and the write
+on worker threads (:func:`rebalance_off_loop`); :func:`rebalance` runs all on the caller's thread.
 
 Placement itself is the pure :func:`meshnet.tracker.placement.plan_placement`; this module
 only translates. A node's shards count as its assignments together with the LOAD_SHARD
@@ -83,7 +84,13 @@ def plan_rebalance(service: TrackerService) -> RebalanceResult:
     """Plan placement and demand moves over the live registry; changes nothing (call it on the
     event loop: it reads the service's state)."""
     nodes, models = placement_inputs(service)
-    plan = placement.plan_placement(nodes, models)
+    return directives_for(service, nodes, models, placement.plan_placement(nodes, models))
+
+
+def directives_for(service: TrackerService, nodes: list[placement.NodeState], models: list[placement.ModelSpec],
+                   plan: placement.PlacementPlan) -> RebalanceResult:
+    """The directives that carry out ``plan`` (planned over ``nodes`` and ``models``), and the
+    demand moves after it; changes nothing (on the event loop: it reads the service's state)."""
     sources = service.store.model_sources()
     result = RebalanceResult(plan)
     for node_id, a in plan.loads:
@@ -130,16 +137,26 @@ def rebalance(service: TrackerService) -> placement.PlacementPlan:
 
 
 async def rebalance_off_loop(service: TrackerService) -> placement.PlacementPlan:
-    """:func:`rebalance` with its store write on a worker thread (ADR-0037).
+    """:func:`rebalance` with its two heavy steps on worker threads (ADR-0037).
 
-    Planning and every change to the service's state stay on the event loop (the service is not
-    thread-safe); the worker thread only runs :meth:`TrackerStore.add_directives`, one transaction
-    under the store's lock. Heartbeats keep being served meanwhile; one that reads the store while
-    the batch is written waits for its commit, and then sees all of it or none. A join or leave
-    while the batch is written marks the service dirty again, for the next round.
+    Only pure work and the store leave the event loop; the service is not thread-safe, so every
+    read and change of its state stays on the loop:
+
+    1. loop: :func:`placement_inputs`, a snapshot of frozen :class:`placement.NodeState`;
+    2. thread: :func:`placement.plan_placement` over that snapshot (pure);
+    3. loop: :func:`directives_for` (demand moves read the service);
+    4. thread: :meth:`TrackerStore.add_directives`, one transaction under the store's lock;
+    5. loop: :func:`apply_rebalance`.
+
+    Heartbeats keep being served meanwhile. One that reads the store while the batch is written
+    waits for its commit, then sees all of it or none. The plan is as old as the snapshot: a node
+    that left meanwhile has its new directives failed at once (step 5); any join or leave marks
+    the service dirty again, for the next round.
     """
     service.dirty = False
-    result = plan_rebalance(service)
+    nodes, models = placement_inputs(service)
+    plan = await asyncio.to_thread(placement.plan_placement, nodes, models)
+    result = directives_for(service, nodes, models, plan)
     await asyncio.to_thread(service.store.add_directives, result.directives)
     apply_rebalance(service, result)
     return result.plan
@@ -153,9 +170,12 @@ def demand_moves(service: TrackerService, nodes: list[placement.NodeState], mode
     policy (:func:`policy.pick_managed_nodes`: the old model keeps >= 3 copies, the new model's
     demand is >= 1.5x, cooldown elapsed) decides (ADR-0005). Returns ``(node, old shards, new shard)``.
     """
-    counts = {m.name: placement.coverage_counts(m.num_layers, [a.layers for shards in plan.assignments.values()
-                                                                for a in shards if a.model == m.name])
-              for m in models}
+    ranges: dict[str, list[LayerRange]] = {m.name: [] for m in models}
+    for shards in plan.assignments.values():
+        for a in shards:
+            if a.model in ranges:
+                ranges[a.model].append(a.layers)
+    counts = {m.name: placement.coverage_counts(m.num_layers, ranges[m.name]) for m in models}
     copies = {name: min(c) if c else 0 for name, c in counts.items()}
     demand = {m.name: m.demand for m in models}
     now, moves, moved = time.monotonic(), [], set()
@@ -166,10 +186,11 @@ def demand_moves(service: TrackerService, nodes: list[placement.NodeState], mode
         candidates = []
         for n in nodes:
             shards = plan.assignments.get(n.node_id, ())
-            if (n.node_id in moved or not n.accepts_placement or not shards
+            record = service.nodes.get(n.node_id)  # None: it left since the snapshot was taken
+            if (record is None or n.node_id in moved or not n.accepts_placement or not shards
                     or any(a.tier != "managed" for a in shards) or len({a.model for a in shards}) != 1):
                 continue
-            last = service.nodes[n.node_id].last_move_s
+            last = record.last_move_s
             candidates.append(policy.MoveCandidate(n.node_id, "managed", shards[0].model,
                                                    None if last is None else now - last, n.tokens_per_s))
         by_id = {n.node_id: n for n in nodes}
