@@ -52,8 +52,9 @@ def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState]
     for d in service.store.directives(statuses=OPEN_STATUSES, limit=1_000_000):
         open_by_node.setdefault(d.node_id, []).append(d)
     cooldown = service.settings.load_failure_cooldown_s
-    failed_recently = {d.node_id for d in service.store.directives(statuses=("failed",), limit=1_000_000)
-                       if d.type == "LOAD_SHARD" and now - d.updated_at < cooldown}
+    failed_recently = {d.node_id for d in service.store.directives(statuses=("failed",), updated_after=now - cooldown,
+                                                                   limit=1_000_000)
+                       if d.type == "LOAD_SHARD"}
     nodes = []
     for node in service.nodes.values():
         assignments = tuple(a for a in _assignments(node, open_by_node.get(node.node_id, []))

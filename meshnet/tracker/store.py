@@ -128,8 +128,9 @@ class TrackerStore:
         return Directive.model_validate(rows[0]) if rows else None
 
     def directives(self, *, node_id: str | None = None, statuses: tuple[str, ...] | None = None,
-                   limit: int = 500) -> list[Directive]:
-        """Directives, newest first (rows were validated when queued, so they are not re-validated)."""
+                   updated_after: float | None = None, limit: int = 500) -> list[Directive]:
+        """Directives, newest first (rows were validated when queued, so they are not re-validated);
+        ``updated_after``: only those last updated after this unix time."""
         sql, args = "SELECT * FROM directives WHERE 1=1", []
         if node_id:
             sql += " AND node_id = ?"
@@ -137,6 +138,9 @@ class TrackerStore:
         if statuses:
             sql += f" AND status IN ({','.join('?' * len(statuses))})"
             args.extend(statuses)
+        if updated_after is not None:
+            sql += " AND updated_at > ?"
+            args.append(updated_after)
         sql += " ORDER BY id DESC LIMIT ?"
         args.append(limit)
         return [Directive.model_construct(**row) for row in self._rows(sql, tuple(args))]

@@ -107,3 +107,17 @@ async def test_the_loop_serves_while_the_batch_is_written_and_a_node_that_left_m
     assert {(d.node_id, d.status, d.error) for d in svc.store.directives()} == {
         ("n3", "failed", "node left during the rebalance")}
     assert svc.dirty
+
+
+@pytest.mark.parametrize(("failed_ago_s", "placed"), [(None, True), (10.0, False), (120.0, True)])
+def test_a_node_whose_load_failed_within_the_cooldown_gets_no_placement(failed_ago_s, placed):
+    svc = TrackerService(TrackerSettings(models=("tiny-llama",), load_failure_cooldown_s=60.0))
+    svc.register(RegisterRequest.model_validate(registration("idle", "http://127.0.0.1:9100")))
+    svc.set_reachability("idle", "http://127.0.0.1:9100", "")
+    if failed_ago_s is not None:
+        d = svc.queue_directive("idle", "LOAD_SHARD", model="tiny-llama", reason="earlier")
+        svc.store.set_status(d.id, "failed", "out of memory")
+        svc.store.db.execute("UPDATE directives SET updated_at = ? WHERE id = ?", (time.time() - failed_ago_s, d.id))
+    rebalance(svc)
+    loads = [d for d in svc.store.directives(statuses=("queued",)) if d.type == "LOAD_SHARD"]
+    assert bool(loads) == placed

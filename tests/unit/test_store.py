@@ -103,3 +103,12 @@ def test_fail_open_fails_only_that_nodes_open_directives():
     assert store.fail_open("a", "node dropped out") == 1
     assert {d.id: (d.status, d.error) for d in store.directives()} == {
         a1: ("failed", "node dropped out"), a2: ("done", None), b1: ("queued", None)}
+
+
+def test_directives_updated_after_a_time():
+    store = TrackerStore()
+    old, new_ = store.add_directives([new("a"), new("b")])
+    store.db.execute("UPDATE directives SET updated_at = 100 WHERE id = ?", (old,))
+    store.db.execute("UPDATE directives SET updated_at = 200 WHERE id = ?", (new_,))
+    assert [d.id for d in store.directives(updated_after=150)] == [new_]
+    assert [d.id for d in store.directives(updated_after=50)] == [new_, old]
