@@ -317,7 +317,9 @@ class TrackerService:
         return max(self.cadence().timeout_s, node.interval_s * TIMEOUT_FACTOR)
 
     def heartbeat(self, node_id: str, payload: HeartbeatRequest) -> list[Directive]:
-        """Record a heartbeat; returns the directives to deliver (queued → delivered)."""
+        """Record a heartbeat; returns the directives to deliver (queued → delivered). The node's
+        directive updates (only of its own directives) are written in one transaction, the
+        deliveries in another."""
         node = self.get(node_id)
         node.last_heartbeat_s = time.monotonic()
         node.stats = payload.stats
@@ -327,14 +329,12 @@ class TrackerService:
             self.ensure_model(s.model, s.num_layers)
         if before != {(s.model, s.layers) for s in node.shards if node.admitted(s)}:
             self.dirty = True
-        for update in payload.directive_updates:
-            self.store.set_status(update.id, update.status, update.error)
-            if update.status in ("done", "failed"):
-                self.dirty = True
-        out = []
-        for d in reversed(self.store.directives(node_id=node_id, statuses=("queued",))):
-            self.store.set_status(d.id, "delivered")
-            out.append(d.model_copy(update={"status": "delivered"}))
+        if any(u.status in ("done", "failed") for u in payload.directive_updates):
+            self.dirty = True
+        self.store.set_statuses([(u.id, u.status, u.error) for u in payload.directive_updates], node_id=node_id)
+        out = [d.model_copy(update={"status": "delivered"})
+               for d in reversed(self.store.directives(node_id=node_id, statuses=("queued",)))]
+        self.store.set_statuses([(d.id, "delivered", None) for d in out], node_id=node_id)
         return out
 
     def set_reachability(self, node_id: str, endpoint: str, error: str, now: float | None = None) -> None:

@@ -149,6 +149,24 @@ class TrackerStore:
         self._exec("UPDATE directives SET status = ?, error = ?, updated_at = ? WHERE id = ?",
                    (status, error, time.time(), directive_id))
 
+    def set_statuses(self, updates: list[tuple[int, str, str | None]], *, node_id: str) -> None:
+        """Apply ``(directive id, status, error)`` updates to directives of ``node_id`` in one
+        transaction (one commit): what a heartbeat reports and delivers (ADR-0037). An id of
+        another node's directive, or an unknown one, changes nothing."""
+        if not updates:
+            return
+        now = time.time()
+        with self.lock:
+            self.db.execute("BEGIN")
+            try:
+                self.db.executemany("UPDATE directives SET status = ?, error = ?, updated_at = ? "
+                                    "WHERE id = ? AND node_id = ?",
+                                    [(status, error, now, i, node_id) for i, status, error in updates])
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+
     # pins
     def add_pin(self, node_id: str, model: str, shard_start: int | None, shard_end: int | None) -> None:
         self._exec("INSERT OR REPLACE INTO pins VALUES (?,?,?,?,?)",

@@ -112,3 +112,16 @@ def test_directives_updated_after_a_time():
     store.db.execute("UPDATE directives SET updated_at = 200 WHERE id = ?", (new_,))
     assert [d.id for d in store.directives(updated_after=150)] == [new_]
     assert [d.id for d in store.directives(updated_after=50)] == [new_, old]
+
+
+def test_status_updates_are_one_transaction():
+    store = TrackerStore()
+    a, b, c, other = store.add_directives([new("a"), new("a"), new("a"), new("b")])
+    ends = commits_during(store, lambda: store.set_statuses([(a, "done", None), (b, "failed", "no memory"),
+                                                             (c, "delivered", None), (other, "done", None)],
+                                                            node_id="a"))
+    assert ends == ["COMMIT"]
+    assert {d.id: (d.status, d.error) for d in store.directives()} == {
+        a: ("done", None), b: ("failed", "no memory"), c: ("delivered", None),
+        other: ("queued", None)}  # node a cannot finish node b's directive
+    assert commits_during(store, lambda: store.set_statuses([], node_id="a")) == []
