@@ -102,7 +102,10 @@ class ModelInfo:
 
 
 class TrackerService:
-    """All tracker state. Not thread-safe: call it from the event loop only."""
+    """All tracker state. Not thread-safe: call it from the event loop only. The rebalance runs its
+    plan and its store write on worker threads, but those touch only a frozen snapshot and the
+    store (whose lock serialises it); every read and change of this object stays on the loop
+    (:func:`meshnet.tracker.rebalance.rebalance_off_loop`, ADR-0037)."""
 
     def __init__(self, settings: TrackerSettings = TrackerSettings(), store: TrackerStore | None = None) -> None:
         self.settings = settings
