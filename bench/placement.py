@@ -9,15 +9,24 @@ one full ``plan_placement`` (median of 5 runs, ``time.perf_counter``) in three s
   what the 30 s rebalance loop sees in a busy network;
 * ``steady``: re-planning the settled network, which must yield no loads and no drops.
 
+Then, at 10,000 nodes over 20 models (the ``cold`` network), one full tracker rebalance as the
+tracker's control loop runs it (:func:`meshnet.tracker.rebalance.rebalance_off_loop`): placement
+inputs and the plan on the event loop, every directive written in one transaction to a sqlite
+file in a temporary directory on a worker thread. It prints the wall time, the write's share, and
+the longest event-loop block meanwhile, seen by a probe task that sleeps 1 ms in a loop and records
+how late it wakes (ADR-0037).
+
 Run: ``.venv/bin/python bench/placement.py``. Target: under 100 ms at 10,000 nodes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from meshnet.layers import LayerRange  # noqa: E402
 from meshnet.tracker.placement import (  # noqa: E402
     Assignment, ModelSpec, NodeState, apply_plan, max_assignable_layers, plan_placement)
+from meshnet.tracker.rebalance import rebalance_off_loop  # noqa: E402
+from meshnet.tracker.registry import NodeRecord, ShardRecord  # noqa: E402
+from meshnet.tracker.service import ModelInfo, TrackerService, TrackerSettings  # noqa: E402
 
 GIB = 1024**3
 SIZES = (100, 1_000, 10_000)
@@ -106,5 +118,69 @@ def main() -> None:
         print(f"  {name:<7} {ms:7.1f} ms = {ms / TARGET_MS:.2f}x  {'OK' if ms < TARGET_MS else 'OVER'}")
 
 
+def tracker_with(nodes: list[NodeState], models: list[ModelSpec], db_path: str) -> TrackerService:
+    """A tracker service whose registry holds ``nodes`` (reachable, their shards as reported) and
+    tracks ``models``, with chat load matching each model's demand; its store is ``db_path``."""
+    svc = TrackerService(TrackerSettings(db_path=db_path))
+    now = time.monotonic()
+    for m in models:
+        svc.models[m.name] = ModelInfo(m.name, m.num_layers, dict(m.bytes_per_layer))
+        svc.store.add_model(m.name)
+        svc.served[m.name] = [now] * round(m.demand * svc.settings.demand_window_s / 60)
+    for n in nodes:
+        shards = [ShardRecord(a.model, a.layers, a.tier, n.quantization, a.layers.start == 0, 0, None)
+                  for a in n.assignments]
+        svc.nodes[n.node_id] = NodeRecord(n.node_id, f"http://{n.node_id}.test:8000", "", n.vram_bytes, 0, "cpu",
+                                          [n.quantization], n.tokens_per_s, None, n.max_loaded_shards, True,
+                                          shards=shards, reachable=True)
+    return svc
+
+
+async def timed_rebalance(svc: TrackerService) -> dict[str, float]:
+    """One :func:`rebalance_off_loop` with a loop-lag probe beside it: wall, write and longest block, ms."""
+    worst_s, written = 0.0, {"ms": 0.0, "rows": 0}
+    write = svc.store.add_directives
+
+    def timed_write(new):
+        t0 = time.perf_counter()
+        ids = write(new)
+        written["ms"], written["rows"] = (time.perf_counter() - t0) * 1000, len(ids)
+        return ids
+
+    svc.store.add_directives = timed_write
+    stop = asyncio.Event()
+
+    async def probe() -> None:
+        nonlocal worst_s
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.001)
+            worst_s = max(worst_s, time.perf_counter() - t0 - 0.001)
+
+    task = asyncio.create_task(probe())
+    await asyncio.sleep(0.01)
+    t0 = time.perf_counter()
+    await rebalance_off_loop(svc)
+    wall_ms = (time.perf_counter() - t0) * 1000
+    stop.set()
+    await task
+    return {"wall_ms": wall_ms, "write_ms": written["ms"], "rows": written["rows"], "block_ms": worst_s * 1000}
+
+
+def rebalance_figures(size: int = SIZES[-1]) -> None:
+    """Print the full rebalance at ``size`` nodes (the ``cold`` network of :func:`main`'s seed)."""
+    rng = random.Random(size)
+    models = make_models(rng)
+    cold = [make_node(rng, f"node-{k:05d}", models, held=0.3) for k in range(size)]
+    with tempfile.TemporaryDirectory() as tmp:
+        svc = tracker_with(cold, models, f"{tmp}/tracker.db")
+        r = asyncio.run(timed_rebalance(svc))
+    print(f"\nfull rebalance at {size:,} nodes x {len(models)} models, sqlite on disk (rebalance_off_loop):")
+    print(f"  wall {r['wall_ms']:.0f} ms: write of {r['rows']:,} directives in one transaction "
+          f"{r['write_ms']:.0f} ms, the rest {r['wall_ms'] - r['write_ms']:.0f} ms (inputs, plan, apply)")
+    print(f"  longest event-loop block meanwhile: {r['block_ms']:.0f} ms")
+
+
 if __name__ == "__main__":
     main()
+    rebalance_figures()

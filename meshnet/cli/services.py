@@ -57,6 +57,9 @@ def tracker_start(
                                             help="Seconds a node's endpoint has to answer the tracker's "
                                                  "reachability probe; unreachable nodes are not admitted."),
         drain_grace: float = DrainOpt,
+        directive_retention: float = typer.Option(T.directive_retention_s, "--directive-retention", min=0.0,
+                                                  envvar="MESHNET_DIRECTIVE_RETENTION",
+                                                  help="Seconds finished (done/failed) directives are kept."),
         log_level: str = LogOpt) -> None:
     """Start a tracker that keeps the given models covered. Beyond loopback it needs --join-token
     and --operator-token (or --insecure)."""
@@ -86,6 +89,7 @@ def tracker_start(
                                operator_token=operator_token, join_token=join_token, insecure=insecure,
                                join_settle_s=join_settle,
                                probe_timeout_s=probe_timeout, drain_grace_s=drain_grace,
+                               directive_retention_s=directive_retention,
                                **_body_limit(max_body_bytes))
     _serve(build_app(settings), host, port)
 

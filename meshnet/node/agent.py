@@ -54,8 +54,9 @@ class TrackerAgent:
         self.wake = asyncio.Event()
         self.applying = asyncio.Lock()
         self.tasks: set[asyncio.Task] = set()
-        #: seconds between heartbeats: the node's own setting or the tracker's, whichever is shorter
-        #: (the tracker's dropout timeout is sized for the interval it announces)
+        #: seconds between heartbeats: the node's own setting until the tracker announces one, then
+        #: the tracker's, shorter or longer: its dropout timeout is sized for the interval it
+        #: announces, and it lengthens the interval as the network grows (ADR-0037)
         self.interval_s = self.settings.heartbeat_interval_s
         #: what the tracker said last about reaching this node's endpoint (None: nothing yet)
         self.reachable: bool | None = None
@@ -98,7 +99,7 @@ class TrackerAgent:
         for attempt in range(attempts):
             try:
                 resp = await self.client.register(self.registration())
-                self.interval_s = min(self.settings.heartbeat_interval_s, resp.heartbeat_interval_s)
+                self.follow_interval(resp.heartbeat_interval_s)
                 self.note_registered(resp)
                 self._ok()
                 log.info("registered %s with %s", self.settings.node_id, self.settings.tracker_url)
@@ -154,17 +155,20 @@ class TrackerAgent:
             if exc.status == 404 and not (self.leaving or self.node.drain.draining):
                 # the tracker forgot us (restart): register again; a draining node stays forgotten
                 try:
-                    self.note_registered(await self.client.register(self.registration()))
+                    again_resp = await self.client.register(self.registration())
                 except MeshnetError as again:  # keep the loop alive: the next heartbeat tries again
                     self.last_error = again.message
                     log.warning("re-registration failed: %s", again.message)
                     return
+                self.note_registered(again_resp)
+                self.follow_interval(again_resp.heartbeat_interval_s)
                 self._ok()
                 return
             log.warning("heartbeat failed: %s", exc.message)
             return
         self._ok()
         self.note_reachability(resp)
+        self.follow_interval(resp.heartbeat_interval_s)
         directives = resp.directives
         for directive in directives:
             self.updates.append(DirectiveUpdate(id=directive.id, status="acked"))
@@ -177,6 +181,14 @@ class TrackerAgent:
         its verdict on reaching this node."""
         self.node.tracker_key = decode_public_key(resp.tracker_key)
         self.note_reachability(resp)
+
+    def follow_interval(self, announced_s: float | None) -> None:
+        """Heartbeat every ``announced_s`` seconds from now on, as the tracker asked (None: keep the
+        current interval). Longer than the node's own setting too: the tracker's budget wins."""
+        if announced_s is None or announced_s == self.interval_s:
+            return
+        log.info("heartbeat interval %.1f s (announced by the tracker, was %.1f s)", announced_s, self.interval_s)
+        self.interval_s = announced_s
 
     def note_reachability(self, resp: RegisterResponse | HeartbeatResponse) -> None:
         """Log when the tracker's verdict on reaching this node's endpoint changes: an unreachable

@@ -43,7 +43,8 @@ MAX_LAYERS = 1024
 #: revision of the node ↔ tracker protocol; a registration states it and a tracker refuses another
 #: (426). Revision 1 had no field for it (a registration without ``protocol`` is revision 1);
 #: revision 2 adds node keys and signed node calls (ADR-0035); revision 3 session tickets on hop
-#: calls (ADR-0038): a revision-2 entry sends none, so its hops would refuse it.
+#: calls (ADR-0038: a revision-2 entry sends none, so its hops would refuse it) and the heartbeat
+#: interval in heartbeat responses (ADR-0037: a revision-2 node would refuse the unknown field).
 PROTOCOL_REVISION = 3
 
 
@@ -273,9 +274,12 @@ class HeartbeatRequest(Payload):
 
 
 class HeartbeatResponse(Reachability):
-    """The directives delivered by this heartbeat, in the order to apply them."""
+    """The directives delivered by this heartbeat, in the order to apply them, and the heartbeat
+    interval the node is to use from now on, seconds (None: unchanged). The tracker lengthens it
+    as the network grows so its total heartbeat rate stays within a budget (ADR-0037)."""
 
     directives: list[Directive] = Field(default_factory=list)
+    heartbeat_interval_s: float | None = Field(default=None, gt=0)
 
 
 class FailureReport(Payload):

@@ -41,7 +41,7 @@ from meshnet.tracker import operator, placement, proxy, views
 from meshnet.tracker.auth import NodeAuth, exposure_problem
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.probe import probe_endpoint
-from meshnet.tracker.rebalance import rebalance
+from meshnet.tracker.rebalance import rebalance_off_loop
 from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
                                       RegisterRequest, RegisterResponse, check_revision)
 from meshnet.protocol.views import CoverageList, DemandList, DemandRow
@@ -134,7 +134,7 @@ async def register(request: Request) -> JSONResponse:
     record = svc.register(_read_registration(request, await request.body()))
     await probe(request.app, record.node_id, record.endpoint)
     request.app.state.wake.set()
-    return JSONResponse(RegisterResponse(node_id=record.node_id, heartbeat_interval_s=svc.settings.heartbeat_interval_s,
+    return JSONResponse(RegisterResponse(node_id=record.node_id, heartbeat_interval_s=svc.announce_interval(record),
                                          tracker_key=svc.tickets.public_key, **_reachability(record)).model_dump())
 
 
@@ -146,7 +146,9 @@ async def heartbeat(request: Request) -> JSONResponse:
     directives = svc.heartbeat(node_id, validate_json(HeartbeatRequest, body))
     if svc.dirty:
         request.app.state.wake.set()
-    return JSONResponse(HeartbeatResponse(directives=directives, **_reachability(svc.get(node_id))).model_dump(mode="json"))
+    node = svc.get(node_id)
+    return JSONResponse(HeartbeatResponse(directives=directives, heartbeat_interval_s=svc.announce_interval(node),
+                                          **_reachability(node)).model_dump(mode="json"))
 
 
 async def failure(request: Request) -> JSONResponse:
@@ -289,11 +291,25 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=ctype)
 
 
+#: finished directives are pruned at most this often, seconds (ADR-0037)
+PRUNE_INTERVAL_S = 60.0
+
+
+async def prune_directives(svc: TrackerService) -> int:
+    """Delete finished directives older than ``directive_retention_s``, on a worker thread; returns how many."""
+    pruned = await asyncio.to_thread(svc.store.prune_finished, svc.settings.directive_retention_s)
+    if pruned:
+        log.info("pruned %d finished directive(s) older than %.0f s", pruned, svc.settings.directive_retention_s)
+    return pruned
+
+
 async def control_loop(app: Starlette) -> None:
     """Every second: probe unreachable nodes again and check dropouts; rebalance on every
-    join/leave/reachability change and every rebalance interval."""
+    join/leave/reachability change and every rebalance interval (the store write off the loop);
+    prune finished directives every :data:`PRUNE_INTERVAL_S`."""
     svc: TrackerService = app.state.service
     last = 0.0
+    pruned_s = 0.0
     while True:
         try:
             await asyncio.wait_for(app.state.wake.wait(), timeout=1.0)
@@ -306,8 +322,11 @@ async def control_loop(app: Starlette) -> None:
             svc.check_dropouts()
             settled = time.monotonic() - svc.last_join_s >= svc.settings.join_settle_s
             if (svc.dirty and settled) or time.monotonic() - last >= svc.settings.rebalance_interval_s:
-                rebalance(svc)
+                await rebalance_off_loop(svc)
                 last = time.monotonic()
+            if time.monotonic() - pruned_s >= PRUNE_INTERVAL_S:
+                pruned_s = time.monotonic()
+                await prune_directives(svc)
         except Exception:  # noqa: BLE001 - the loop must survive any single bad round
             log.exception("control loop round failed")
 

@@ -1,5 +1,10 @@
 """Rebalance: turn the registry into placement inputs, plan, and queue directives.
 
+Steps: placement inputs (a snapshot of the registry), the pure plan, the directives that carry
+it out (with demand moves), one batched store write (:meth:`TrackerStore.add_directives`), and
+:func:`apply_rebalance` (reasons, move cooldowns). The tracker's loop runs the plan and the write
+on worker threads (:func:`rebalance_off_loop`); :func:`rebalance` runs all on the caller's thread.
+
 Placement itself is the pure :func:`meshnet.tracker.placement.plan_placement`; this module
 only translates. A node's shards count as its assignments together with the LOAD_SHARD
 directives still open for it (so a pending load is never issued twice), minus open
@@ -8,13 +13,16 @@ DROP_SHARDs. A node whose load failed recently gets no new placement for a coold
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
 from meshnet.layers import LayerRange
 from meshnet.protocol.control import OPEN_STATUSES, TIERS, Directive
 from meshnet.tracker import placement, policy
 from meshnet.tracker.service import TrackerService
+from meshnet.tracker.store import NewDirective
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +66,9 @@ def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState]
     for d in service.store.directives(statuses=OPEN_STATUSES, limit=1_000_000):
         open_by_node.setdefault(d.node_id, []).append(d)
     cooldown = service.settings.load_failure_cooldown_s
-    failed_recently = {d.node_id for d in service.store.directives(statuses=("failed",), limit=1_000_000)
-                       if d.type == "LOAD_SHARD" and now - d.updated_at < cooldown}
+    failed_recently = {d.node_id for d in service.store.directives(statuses=("failed",), updated_after=now - cooldown,
+                                                                   limit=1_000_000)
+                       if d.type == "LOAD_SHARD"}
     nodes = []
     for node in service.nodes.values():
         assignments = tuple(a for a in _assignments(node, open_by_node.get(node.node_id, []))
@@ -73,34 +82,100 @@ def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState]
     return nodes, models
 
 
-def rebalance(service: TrackerService) -> placement.PlacementPlan:
-    """Plan placement over the live registry and queue the resulting directives."""
+@dataclass
+class RebalanceResult:
+    """One rebalance: the plan, the directives it queues (in order), and the demand moves."""
+
+    plan: placement.PlacementPlan
+    directives: list[NewDirective] = field(default_factory=list)
+    moves: list[tuple[str, tuple, placement.Assignment]] = field(default_factory=list)
+
+
+def _new(node_id: str, type_: str, a: placement.Assignment, tier: str | None, reason: str) -> NewDirective:
+    start, end = a.layers.to_inclusive()
+    return NewDirective(node_id, type_, a.model, start, end, tier, reason)
+
+
+def plan_rebalance(service: TrackerService) -> RebalanceResult:
+    """Plan placement and demand moves over the live registry; changes nothing (call it on the
+    event loop: it reads the service's state)."""
     nodes, models = placement_inputs(service)
-    plan = placement.plan_placement(nodes, models)
+    return directives_for(service, nodes, models, placement.plan_placement(nodes, models))
+
+
+def directives_for(service: TrackerService, nodes: list[placement.NodeState], models: list[placement.ModelSpec],
+                   plan: placement.PlacementPlan) -> RebalanceResult:
+    """The directives that carry out ``plan`` (planned over ``nodes`` and ``models``), and the
+    demand moves after it; changes nothing (on the event loop: it reads the service's state)."""
     sources = service.store.model_sources()
+    result = RebalanceResult(plan)
     for node_id, a in plan.loads:
         # a model tracked only because chat demand asked for it is placed as `managed` (ADR-0026)
         tier = "managed" if sources.get(a.model) == "demand" and a.tier == "bootstrap" else a.tier
-        service.queue_directive(node_id, "LOAD_SHARD", model=a.model, layers=a.layers, tier=tier,
-                                reason=plan.reasons.get(node_id, ""))
-        log.info("LOAD_SHARD %s %s → %s (%s)", a.model, a.layers, node_id, a.tier)
+        result.directives.append(_new(node_id, "LOAD_SHARD", a, tier, plan.reasons.get(node_id, "")))
     for node_id, a in plan.drops:
-        service.queue_directive(node_id, "DROP_SHARD", model=a.model, layers=a.layers, tier=a.tier,
-                                reason=plan.reasons.get(node_id, ""))
+        result.directives.append(_new(node_id, "DROP_SHARD", a, a.tier, plan.reasons.get(node_id, "")))
+    result.moves = demand_moves(service, nodes, models, plan)
+    for node_id, old, new in result.moves:
+        for a in old:
+            result.directives.append(_new(node_id, "DROP_SHARD", a, a.tier, f"moved to {new.model} by demand"))
+        result.directives.append(_new(node_id, "LOAD_SHARD", new, "managed", f"demand for {new.model}"))
+    return result
+
+
+def apply_rebalance(service: TrackerService, result: RebalanceResult) -> None:
+    """Record a persisted rebalance in the service's memory (on the event loop). A node that left
+    while the directives were written gets its new ones failed at once, as a dropout would."""
+    plan = result.plan
+    for node_id, a in plan.loads:
+        log.info("LOAD_SHARD %s %s → %s (%s)", a.model, a.layers, node_id, a.tier)
     service.plan_reasons = plan.reasons  # read per node by GET /v1/nodes (computed lazily)
     for node in service.nodes.values():
         node.reason = ""
-    for node_id, old, new in demand_moves(service, nodes, models, plan):
-        for a in old:
-            service.queue_directive(node_id, "DROP_SHARD", model=a.model, layers=a.layers, tier=a.tier,
-                                    reason=f"moved to {new.model} by demand")
-        service.queue_directive(node_id, "LOAD_SHARD", model=new.model, layers=new.layers, tier="managed",
-                                reason=f"demand for {new.model}")
-        service.nodes[node_id].last_move_s = time.monotonic()
-        service.nodes[node_id].reason = f"moved to {new.model} {new.layers} by demand (ADR-0005)"
+    now = time.monotonic()
+    for node_id, old, new in result.moves:
+        if node_id in service.nodes:
+            service.nodes[node_id].last_move_s = now
+            service.nodes[node_id].reason = f"moved to {new.model} {new.layers} by demand (ADR-0005)"
         log.info("demand move: %s from %s to %s %s", node_id, [a.model for a in old], new.model, new.layers)
+    for node_id in {d.node_id for d in result.directives} - service.nodes.keys():
+        service.store.fail_open(node_id, "node left during the rebalance")
+
+
+def rebalance(service: TrackerService) -> placement.PlacementPlan:
+    """Plan placement over the live registry and queue the resulting directives, all at once on
+    the calling thread (tests, tools; the tracker's loop uses :func:`rebalance_off_loop`)."""
     service.dirty = False
-    return plan
+    result = plan_rebalance(service)
+    service.store.add_directives(result.directives)
+    apply_rebalance(service, result)
+    return result.plan
+
+
+async def rebalance_off_loop(service: TrackerService) -> placement.PlacementPlan:
+    """:func:`rebalance` with its two heavy steps on worker threads (ADR-0037).
+
+    Only pure work and the store leave the event loop; the service is not thread-safe, so every
+    read and change of its state stays on the loop:
+
+    1. loop: :func:`placement_inputs`, a snapshot of frozen :class:`placement.NodeState`;
+    2. thread: :func:`placement.plan_placement` over that snapshot (pure);
+    3. loop: :func:`directives_for` (demand moves read the service);
+    4. thread: :meth:`TrackerStore.add_directives`, one transaction under the store's lock;
+    5. loop: :func:`apply_rebalance`.
+
+    Heartbeats keep being served meanwhile. One that reads the store while the batch is written
+    waits for its commit, then sees all of it or none. The plan is as old as the snapshot: a node
+    that left meanwhile has its new directives failed at once (step 5); any join or leave marks
+    the service dirty again, for the next round.
+    """
+    service.dirty = False
+    nodes, models = placement_inputs(service)
+    plan = await asyncio.to_thread(placement.plan_placement, nodes, models)
+    result = directives_for(service, nodes, models, plan)
+    await asyncio.to_thread(service.store.add_directives, result.directives)
+    apply_rebalance(service, result)
+    return result.plan
 
 
 def demand_moves(service: TrackerService, nodes: list[placement.NodeState], models: list[placement.ModelSpec],
@@ -111,9 +186,12 @@ def demand_moves(service: TrackerService, nodes: list[placement.NodeState], mode
     policy (:func:`policy.pick_managed_nodes`: the old model keeps >= 3 copies, the new model's
     demand is >= 1.5x, cooldown elapsed) decides (ADR-0005). Returns ``(node, old shards, new shard)``.
     """
-    counts = {m.name: placement.coverage_counts(m.num_layers, [a.layers for shards in plan.assignments.values()
-                                                                for a in shards if a.model == m.name])
-              for m in models}
+    ranges: dict[str, list[LayerRange]] = {m.name: [] for m in models}
+    for shards in plan.assignments.values():
+        for a in shards:
+            if a.model in ranges:
+                ranges[a.model].append(a.layers)
+    counts = {m.name: placement.coverage_counts(m.num_layers, ranges[m.name]) for m in models}
     copies = {name: min(c) if c else 0 for name, c in counts.items()}
     demand = {m.name: m.demand for m in models}
     now, moves, moved = time.monotonic(), [], set()
@@ -124,10 +202,11 @@ def demand_moves(service: TrackerService, nodes: list[placement.NodeState], mode
         candidates = []
         for n in nodes:
             shards = plan.assignments.get(n.node_id, ())
-            if (n.node_id in moved or not n.accepts_placement or not shards
+            record = service.nodes.get(n.node_id)  # None: it left since the snapshot was taken
+            if (record is None or n.node_id in moved or not n.accepts_placement or not shards
                     or any(a.tier != "managed" for a in shards) or len({a.model for a in shards}) != 1):
                 continue
-            last = service.nodes[n.node_id].last_move_s
+            last = record.last_move_s
             candidates.append(policy.MoveCandidate(n.node_id, "managed", shards[0].model,
                                                    None if last is None else now - last, n.tokens_per_s))
         by_id = {n.node_id: n for n in nodes}

@@ -63,6 +63,8 @@ class NodeRecord:
     reachable: bool = False
     reach_error: str = "not probed yet"
     probed_s: float | None = None  # monotonic time of the last probe's answer
+    #: the heartbeat interval last announced to this node, seconds (its dropout timeout follows it, ADR-0037)
+    interval_s: float = 0.0
 
     @property
     def quantization(self) -> str:

@@ -19,6 +19,7 @@ from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name, find_preset
 from meshnet.tracker import placement, readiness, routing
 from meshnet.protocol.views import Coverage, CoverageSegment
+from meshnet.tracker.cadence import TIMEOUT_FACTOR, Cadence, heartbeat_cadence
 from meshnet.protocol.control import (OPEN_STATUSES, CapabilityReport, Directive, HeartbeatRequest,
                                       RegisterRequest)
 from meshnet.tracker.registry import NodeRecord, ShardRecord
@@ -34,8 +35,10 @@ class TrackerSettings:
 
     Attributes:
         models: presets the tracker keeps covered.
-        heartbeat_interval_s: what nodes are told to use (DESIGN: 10 s).
-        node_timeout_s: missing heartbeats for this long ⇒ dropout.
+        heartbeat_interval_s: the shortest interval nodes are told to use (DESIGN: 10 s); it grows
+            with the network (:func:`meshnet.tracker.cadence.heartbeat_cadence`, ADR-0037).
+        node_timeout_s: missing heartbeats for this long ⇒ dropout (the shortest; it grows with
+            the interval announced to the node).
         rebalance_interval_s: periodic rebalance (DESIGN: 30 s; also on every join/leave).
         db_path: sqlite file (``:memory:`` for tests).
         operator_token: bearer token for /v1/operator/* (None: open, for local use).
@@ -53,6 +56,8 @@ class TrackerSettings:
         drain_grace_s: on SIGTERM, seconds proxied chats may take to finish (ADR-0032).
         ticket_ttl_s: how long a session ticket is valid, seconds (ADR-0038); the tracker's key
             that signs them lives next to ``db_path``.
+        directive_retention_s: finished (done/failed) directives are deleted this long after
+            their last update, seconds (ADR-0037; default one day).
     """
 
     host: str = "127.0.0.1"
@@ -73,6 +78,7 @@ class TrackerSettings:
     probe_interval_s: float = 1.0
     drain_grace_s: float = 30.0
     ticket_ttl_s: float = 600.0
+    directive_retention_s: float = 86_400.0
 
 
 def may_report_failure(sender: NodeRecord | None, reported: NodeRecord) -> str:
@@ -111,7 +117,10 @@ class ModelInfo:
 
 
 class TrackerService:
-    """All tracker state. Not thread-safe: call it from the event loop only."""
+    """All tracker state. Not thread-safe: call it from the event loop only. The rebalance runs its
+    plan and its store write on worker threads, but those touch only a frozen snapshot and the
+    store (whose lock serialises it); every read and change of this object stays on the loop
+    (:func:`meshnet.tracker.rebalance.rebalance_off_loop`, ADR-0037)."""
 
     def __init__(self, settings: TrackerSettings = TrackerSettings(), store: TrackerStore | None = None) -> None:
         self.settings = settings
@@ -310,8 +319,26 @@ class TrackerService:
             raise NotFound(f"unknown node {node_id!r}", code="unknown_node",
                            hint="see `meshnet nodes` for node ids (a node itself re-registers on this error)") from None
 
+    def cadence(self) -> Cadence:
+        """The heartbeat interval to announce now and the matching dropout timeout (ADR-0037)."""
+        return heartbeat_cadence(len(self.nodes), self.settings.heartbeat_interval_s, self.settings.node_timeout_s)
+
+    def announce_interval(self, node: NodeRecord) -> float:
+        """The heartbeat interval to tell ``node`` now, seconds; remembered so that its dropout
+        timeout follows what it was told (a shrinking network never drops a node that still
+        heartbeats at the longer interval it was given)."""
+        node.interval_s = self.cadence().interval_s
+        return node.interval_s
+
+    def node_timeout_s(self, node: NodeRecord) -> float:
+        """Seconds without a heartbeat after which ``node`` is gone: the current cadence's timeout,
+        or longer when the node was told a longer interval."""
+        return max(self.cadence().timeout_s, node.interval_s * TIMEOUT_FACTOR)
+
     def heartbeat(self, node_id: str, payload: HeartbeatRequest) -> list[Directive]:
-        """Record a heartbeat; returns the directives to deliver (queued → delivered)."""
+        """Record a heartbeat; returns the directives to deliver (queued → delivered). The node's
+        directive updates (only of its own directives) are written in one transaction, the
+        deliveries in another."""
         node = self.get(node_id)
         node.last_heartbeat_s = time.monotonic()
         node.stats = payload.stats
@@ -321,14 +348,12 @@ class TrackerService:
             self.ensure_model(s.model, s.num_layers)
         if before != {(s.model, s.layers) for s in node.shards if node.admitted(s)}:
             self.dirty = True
-        for update in payload.directive_updates:
-            self.store.set_status(update.id, update.status, update.error)
-            if update.status in ("done", "failed"):
-                self.dirty = True
-        out = []
-        for d in reversed(self.store.directives(node_id=node_id, statuses=("queued",))):
-            self.store.set_status(d.id, "delivered")
-            out.append(d.model_copy(update={"status": "delivered"}))
+        if any(u.status in ("done", "failed") for u in payload.directive_updates):
+            self.dirty = True
+        self.store.set_statuses([(u.id, u.status, u.error) for u in payload.directive_updates], node_id=node_id)
+        out = [d.model_copy(update={"status": "delivered"})
+               for d in reversed(self.store.directives(node_id=node_id, statuses=("queued",)))]
+        self.store.set_statuses([(d.id, "delivered", None) for d in out], node_id=node_id)
         return out
 
     def set_reachability(self, node_id: str, endpoint: str, error: str, now: float | None = None) -> None:
@@ -382,13 +407,19 @@ class TrackerService:
             log.warning("hop failure reported for %s: %s", node_id, reason)
 
     def check_dropouts(self, now: float | None = None) -> list[str]:
-        """Drop nodes whose last heartbeat is older than ``node_timeout_s``; returns their ids."""
+        """Drop nodes whose last heartbeat is older than their timeout (:meth:`node_timeout_s`);
+        returns their ids."""
         now = time.monotonic() if now is None else now
-        gone = [nid for nid, n in self.nodes.items() if now - n.last_heartbeat_s > self.settings.node_timeout_s]
-        for nid in gone:
+        floor_s = self.cadence().timeout_s
+        gone = []
+        for nid, n in self.nodes.items():
+            silent_s = now - n.last_heartbeat_s
+            if silent_s > floor_s and silent_s > n.interval_s * TIMEOUT_FACTOR:
+                gone.append((nid, silent_s))
+        for nid, silent_s in gone:
             self._forget(nid, "node dropped out")
-            log.warning("node %s dropped out (no heartbeat for %.0f s)", nid, self.settings.node_timeout_s)
-        return gone
+            log.warning("node %s dropped out (no heartbeat for %.0f s)", nid, silent_s)
+        return [nid for nid, _ in gone]
 
     def deregister(self, node_id: str) -> None:
         """Forget a node that leaves on purpose (end of its drain); its open directives fail.
@@ -402,8 +433,7 @@ class TrackerService:
 
     def _forget(self, node_id: str, why: str) -> None:
         del self.nodes[node_id]
-        for d in self.store.directives(node_id=node_id, statuses=OPEN_STATUSES):
-            self.store.set_status(d.id, "failed", why)
+        self.store.fail_open(node_id, why)
         self.dirty = True
 
     # ---- coverage and routes ----------------------------------------------------------

@@ -10,11 +10,12 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from meshnet.protocol.control import OPEN_STATUSES, Directive
 
-__all__ = ["OPEN_STATUSES", "TrackerStore"]
+__all__ = ["FINISHED_STATUSES", "OPEN_STATUSES", "NewDirective", "TrackerStore"]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS directives (
@@ -26,12 +27,39 @@ CREATE TABLE IF NOT EXISTS pins (
   created_at REAL NOT NULL, PRIMARY KEY (node_id, model));
 CREATE TABLE IF NOT EXISTS models (name TEXT PRIMARY KEY, added_at REAL NOT NULL, source TEXT);
 CREATE TABLE IF NOT EXISTS node_keys (node_id TEXT PRIMARY KEY, public_key TEXT NOT NULL, bound_at REAL NOT NULL);
+-- what every heartbeat reads (a node's queued directives) and what rebalance and pruning read
+-- (directives by status, finished ones by age); IF NOT EXISTS adds them to older databases (ADR-0037)
+CREATE INDEX IF NOT EXISTS directives_by_node_status ON directives (node_id, status);
+CREATE INDEX IF NOT EXISTS directives_by_status ON directives (status, updated_at);
 """
+
+#: statuses of a finished directive, pruned after the retention period (ADR-0037)
+FINISHED_STATUSES = ("done", "failed")
+
+_INSERT_DIRECTIVE = ("INSERT INTO directives (node_id, type, model, shard_start, shard_end, tier, status, reason, "
+                     "created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)")
+
+
+@dataclass(frozen=True)
+class NewDirective:
+    """A directive to queue (inclusive ``shard_start``/``shard_end`` as stored; None for RUN_DOCTOR / RELOAD)."""
+
+    node_id: str
+    type: str
+    model: str | None = None
+    shard_start: int | None = None
+    shard_end: int | None = None
+    tier: str | None = None
+    reason: str = ""
 
 
 
 class TrackerStore:
-    """Thread-safe sqlite wrapper. Directives come back as :class:`Directive`, other rows as dicts."""
+    """Thread-safe sqlite wrapper. Directives come back as :class:`Directive`, other rows as dicts.
+
+    Every method takes :attr:`lock` for its whole statement or transaction, so a thread (the
+    rebalance's batched write, the pruning) and the event loop never interleave inside one.
+    """
 
     def __init__(self, path: str | Path = ":memory:") -> None:
         self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
@@ -52,18 +80,57 @@ class TrackerStore:
     def add_directive(self, node_id: str, type_: str, *, model: str | None = None, shard_start: int | None = None,
                       shard_end: int | None = None, tier: str | None = None, reason: str = "") -> Directive:
         now = time.time()
-        rid = self._exec("INSERT INTO directives (node_id, type, model, shard_start, shard_end, tier, status, "
-                         "reason, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                         (node_id, type_, model, shard_start, shard_end, tier, "queued", reason, now, now))
+        rid = self._exec(_INSERT_DIRECTIVE, (node_id, type_, model, shard_start, shard_end, tier, "queued", reason,
+                                             now, now))
         return self.directive(rid)
+
+    def add_directives(self, new: list[NewDirective]) -> list[int]:
+        """Queue many directives in one transaction (one commit, whatever their number); returns
+        their ids in the order given. A failure rolls the whole batch back and re-raises
+        (``sqlite3.Error``). Safe to call from a worker thread (rebalance does, ADR-0037)."""
+        if not new:
+            return []
+        now = time.time()
+        ids = []
+        with self.lock:
+            self.db.execute("BEGIN")
+            try:
+                for d in new:
+                    ids.append(self.db.execute(_INSERT_DIRECTIVE, (d.node_id, d.type, d.model, d.shard_start,
+                                                                   d.shard_end, d.tier, "queued", d.reason, now,
+                                                                   now)).lastrowid)
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+        return ids
+
+    def prune_finished(self, older_than_s: float, now: float | None = None) -> int:
+        """Delete finished directives (:data:`FINISHED_STATUSES`) last updated more than
+        ``older_than_s`` seconds ago (unix time ``now``, default the clock); open ones always stay.
+        Returns how many rows were deleted."""
+        cutoff = (time.time() if now is None else now) - older_than_s
+        marks = ",".join("?" * len(FINISHED_STATUSES))
+        with self.lock:
+            return self.db.execute(f"DELETE FROM directives WHERE status IN ({marks}) AND updated_at < ?",
+                                   (*FINISHED_STATUSES, cutoff)).rowcount
+
+    def fail_open(self, node_id: str, error: str) -> int:
+        """Mark every open directive of ``node_id`` failed with ``error`` in one statement; returns how many."""
+        marks = ",".join("?" * len(OPEN_STATUSES))
+        with self.lock:
+            return self.db.execute(f"UPDATE directives SET status = 'failed', error = ?, updated_at = ? "
+                                   f"WHERE node_id = ? AND status IN ({marks})",
+                                   (error, time.time(), node_id, *OPEN_STATUSES)).rowcount
 
     def directive(self, directive_id: int) -> Directive | None:
         rows = self._rows("SELECT * FROM directives WHERE id = ?", (directive_id,))
         return Directive.model_validate(rows[0]) if rows else None
 
     def directives(self, *, node_id: str | None = None, statuses: tuple[str, ...] | None = None,
-                   limit: int = 500) -> list[Directive]:
-        """Directives, newest first (rows were validated when queued, so they are not re-validated)."""
+                   updated_after: float | None = None, limit: int = 500) -> list[Directive]:
+        """Directives, newest first (rows were validated when queued, so they are not re-validated);
+        ``updated_after``: only those last updated after this unix time."""
         sql, args = "SELECT * FROM directives WHERE 1=1", []
         if node_id:
             sql += " AND node_id = ?"
@@ -71,6 +138,9 @@ class TrackerStore:
         if statuses:
             sql += f" AND status IN ({','.join('?' * len(statuses))})"
             args.extend(statuses)
+        if updated_after is not None:
+            sql += " AND updated_at > ?"
+            args.append(updated_after)
         sql += " ORDER BY id DESC LIMIT ?"
         args.append(limit)
         return [Directive.model_construct(**row) for row in self._rows(sql, tuple(args))]
@@ -78,6 +148,24 @@ class TrackerStore:
     def set_status(self, directive_id: int, status: str, error: str | None = None) -> None:
         self._exec("UPDATE directives SET status = ?, error = ?, updated_at = ? WHERE id = ?",
                    (status, error, time.time(), directive_id))
+
+    def set_statuses(self, updates: list[tuple[int, str, str | None]], *, node_id: str) -> None:
+        """Apply ``(directive id, status, error)`` updates to directives of ``node_id`` in one
+        transaction (one commit): what a heartbeat reports and delivers (ADR-0037). An id of
+        another node's directive, or an unknown one, changes nothing."""
+        if not updates:
+            return
+        now = time.time()
+        with self.lock:
+            self.db.execute("BEGIN")
+            try:
+                self.db.executemany("UPDATE directives SET status = ?, error = ?, updated_at = ? "
+                                    "WHERE id = ? AND node_id = ?",
+                                    [(status, error, now, i, node_id) for i, status, error in updates])
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
 
     # pins
     def add_pin(self, node_id: str, model: str, shard_start: int | None, shard_end: int | None) -> None:

@@ -271,7 +271,8 @@ async def test_heartbeat_updates_shards_and_stats(tracker):
     await register(tracker, node("node-a"))
     resp = await tracker.post("/v1/nodes/node-a/heartbeat",
                               json={"shards": [shard(0, 3)], "stats": {"tokens_per_s": 42.0, "sessions": 1}})
-    assert resp.status_code == 200 and resp.json() == {"directives": [], "reachable": True, "reach_error": ""}
+    assert resp.status_code == 200 and resp.json() == {"directives": [], "reachable": True, "reach_error": "",
+                                                       "heartbeat_interval_s": 10.0}
     (view,) = (await tracker.get("/v1/nodes")).json()["nodes"]
     assert view["stats"] == {"tokens_per_s": 42.0, "decode_latency_s": 0.0, "requests_per_min": 0.0,
                              "sessions": 1, "requests_running": 0, "requests_total": 0, "cache_bytes_left": 0,
@@ -460,3 +461,58 @@ async def test_unknown_paths_and_methods_get_the_json_envelope(tracker):
     assert resp.status_code == 405
     assert resp.json()["error"] == {"message": "GET is not allowed on /v1/chat/completions", "type": "invalid_request_error",
                                     "code": "method_not_allowed"}
+
+
+# ---- heartbeat cadence (ADR-0037) -------------------------------------------------------------
+
+
+def simulate_network(service, size: int) -> None:
+    """Add ``size - len(nodes)`` copies of a registered node's record: a large network in memory."""
+    from dataclasses import replace
+
+    template = next(iter(service.nodes.values()))
+    for k in range(size - len(service.nodes)):
+        service.nodes[f"sim-{k:05d}"] = replace(template, node_id=f"sim-{k:05d}", shards=[])
+
+
+async def test_heartbeats_announce_a_longer_interval_as_the_network_grows(tracker):
+    await register(tracker, node("node-a"))
+    small = await tracker.post("/v1/nodes/node-a/heartbeat", json={})
+    assert small.json()["heartbeat_interval_s"] == 10.0
+    simulate_network(tracker.service, 10_000)  # 10,000 nodes: 500 heartbeats/s at 20 s
+    big = await tracker.post("/v1/nodes/node-a/heartbeat", json={})
+    assert big.status_code == 200 and big.json()["heartbeat_interval_s"] == 20.0
+    again = await tracker.post("/v1/nodes/register", json=node("node-b"))
+    assert again.json()["heartbeat_interval_s"] == 10_001 / 500  # node-b is the 10,001st
+    assert tracker.service.cadence().timeout_s == pytest.approx(2.5 * 10_001 / 500)
+
+
+async def test_a_node_told_a_long_interval_is_not_dropped_when_the_network_shrinks(tracker):
+    svc = tracker.service
+    await register(tracker, node("node-a"))
+    await register(tracker, node("node-b"))
+    simulate_network(svc, 10_000)
+    await tracker.post("/v1/nodes/node-a/heartbeat", json={})  # told 20 s: its timeout is 50 s
+    for nid in [n for n in svc.nodes if n.startswith("sim-")]:
+        del svc.nodes[nid]
+    assert svc.cadence().timeout_s == 25.0  # a small network again
+    beat = svc.nodes["node-a"].last_heartbeat_s
+    svc.nodes["node-b"].last_heartbeat_s = beat
+    assert svc.check_dropouts(now=beat + 40.0) == ["node-b"]  # told 10 s at registration: 25 s
+    assert svc.check_dropouts(now=beat + 49.0) == []
+    assert svc.check_dropouts(now=beat + 51.0) == ["node-a"]
+
+
+async def test_finished_directives_are_pruned_after_retention_and_recent_ones_stay_listed(make_tracker):
+    from meshnet.tracker.app import prune_directives
+    from meshnet.tracker.store import NewDirective
+
+    tracker = await make_tracker(directive_retention_s=3600.0)
+    store = tracker.service.store
+    old_done, old_open, new_done = store.add_directives([NewDirective("n1", "RELOAD")] * 3)
+    store.set_status(old_done, "done")
+    store.set_status(new_done, "failed", "load failed")
+    store.db.execute("UPDATE directives SET updated_at = updated_at - 7200 WHERE id IN (?, ?)", (old_done, old_open))
+    assert await prune_directives(tracker.service) == 1
+    listed = (await tracker.get("/v1/directives")).json()["directives"]
+    assert [(d["id"], d["status"]) for d in listed] == [(new_done, "failed"), (old_open, "queued")]

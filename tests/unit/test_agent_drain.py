@@ -10,6 +10,7 @@ from meshnet.node.agent import TrackerAgent
 from meshnet.node.app import NodeContext
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings
+from tests.payloads import public_key
 
 
 def tracker(handler) -> TrackerClient:
@@ -56,3 +57,32 @@ async def test_a_draining_node_does_not_register_again_and_stops_heartbeating_on
     await agent.leave()
     await agent.heartbeat()
     assert calls[1:] == ["POST /v1/nodes/n1/drain", "DELETE /v1/nodes/n1"]
+
+
+def beat(interval_s: float | None):
+    body = {"directives": [], "reachable": True, "reach_error": ""}
+    if interval_s is not None:
+        body["heartbeat_interval_s"] = interval_s
+    return lambda request: httpx.Response(200, json=body)
+
+
+async def test_a_node_follows_the_announced_interval_longer_or_shorter_than_its_own(tmp_path):
+    announced = {"interval_s": 25.0}
+    agent, _ = await agent_with(lambda r: beat(announced["interval_s"])(r), tmp_path)
+    assert agent.interval_s == 10.0  # its own setting until the tracker says otherwise
+    await agent.heartbeat()
+    assert agent.interval_s == 25.0  # longer than its own: the tracker's budget wins (ADR-0037)
+    announced["interval_s"] = 4.0
+    await agent.heartbeat()
+    assert agent.interval_s == 4.0
+    announced["interval_s"] = None  # an answer without the field leaves the interval unchanged
+    await agent.heartbeat()
+    assert agent.interval_s == 4.0
+
+
+async def test_a_registration_sets_the_announced_interval(tmp_path):
+    agent, _ = await agent_with(lambda r: httpx.Response(200, json={"node_id": "n1", "heartbeat_interval_s": 30.0,
+                                                                   "reachable": True, "reach_error": "",
+                                                                   "tracker_key": public_key("tracker")}), tmp_path)
+    await agent.start(attempts=1)
+    assert agent.interval_s == 30.0

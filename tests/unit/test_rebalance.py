@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import pytest
 
-from meshnet.tracker.rebalance import rebalance
+from meshnet.tracker.rebalance import rebalance, rebalance_off_loop
 from meshnet.protocol.control import RegisterRequest
 from meshnet.tracker.service import TrackerService, TrackerSettings
 from tests.payloads import capability_report, registration
@@ -85,3 +87,54 @@ def test_placement_inputs_carry_the_measured_bytes_per_layer(resident_bytes, qua
                                                 "entry": True, "quantization": quantization, "report": report}])))
     nodes, _ = placement_inputs(svc)
     assert nodes[0].measured_bytes_per_layer == expected
+
+
+async def test_off_loop_rebalance_writes_the_same_directives_in_one_batch():
+    svc = service_with(4)
+    svc.add_demand("tiny-gpt2")
+    batches = []
+    write = svc.store.add_directives
+    svc.store.add_directives = lambda new: batches.append(len(new)) or write(new)
+    await rebalance_off_loop(svc)
+    assert batches == [2]
+    assert directives(svc) == [("n3", "DROP_SHARD", "tiny-llama", 0, 3, "managed"),
+                               ("n3", "LOAD_SHARD", "tiny-gpt2", 0, 3, "managed")]
+    assert svc.nodes["n3"].last_move_s is not None and not svc.dirty
+
+
+async def test_the_loop_serves_while_the_batch_is_written_and_a_node_that_left_meanwhile_gets_none():
+    svc = service_with(4)
+    svc.add_demand("tiny-gpt2")
+    started, release = threading.Event(), threading.Event()
+    write = svc.store.add_directives
+
+    def slow_write(new):
+        started.set()
+        assert release.wait(5)
+        return write(new)
+
+    svc.store.add_directives = slow_write
+    task = asyncio.create_task(rebalance_off_loop(svc))
+    while not started.is_set():
+        await asyncio.sleep(0.001)
+    svc.deregister("n3")  # on the loop, while the worker thread waits to write n3's move
+    assert svc.dirty  # the leave asks for another round
+    release.set()
+    await task
+    assert {(d.node_id, d.status, d.error) for d in svc.store.directives()} == {
+        ("n3", "failed", "node left during the rebalance")}
+    assert svc.dirty
+
+
+@pytest.mark.parametrize(("failed_ago_s", "placed"), [(None, True), (10.0, False), (120.0, True)])
+def test_a_node_whose_load_failed_within_the_cooldown_gets_no_placement(failed_ago_s, placed):
+    svc = TrackerService(TrackerSettings(models=("tiny-llama",), load_failure_cooldown_s=60.0))
+    svc.register(RegisterRequest.model_validate(registration("idle", "http://127.0.0.1:9100")))
+    svc.set_reachability("idle", "http://127.0.0.1:9100", "")
+    if failed_ago_s is not None:
+        d = svc.queue_directive("idle", "LOAD_SHARD", model="tiny-llama", reason="earlier")
+        svc.store.set_status(d.id, "failed", "out of memory")
+        svc.store.db.execute("UPDATE directives SET updated_at = ? WHERE id = ?", (time.time() - failed_ago_s, d.id))
+    rebalance(svc)
+    loads = [d for d in svc.store.directives(statuses=("queued",)) if d.type == "LOAD_SHARD"]
+    assert bool(loads) == placed

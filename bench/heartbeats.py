@@ -1,0 +1,137 @@
+"""Benchmark of the tracker's heartbeat path at network scale (ADR-0037).
+
+An in-process tracker app (:func:`meshnet.tracker.app.build_app`, sqlite on disk in a temporary
+directory, no control loop) served through ``httpx.ASGITransport``: no sockets. ``N`` simulated
+nodes, each with its own Ed25519 key, register (signed, with the protocol revision, probed through
+a fake transport) and then heartbeat, signed, at the interval the tracker announced to them.
+
+Each node heartbeats at a random phase within its interval, so the offered rate is
+``N / interval``, as in a real network. Time is not scaled: the run lasts ``WINDOW_S`` seconds of
+real time (or one interval when that is shorter), so only the nodes whose phase falls within the
+window send (at 10,000 nodes and a 20 s interval, three quarters of them: 7,500 heartbeats).
+A heartbeat's latency runs from its scheduled time to its answer, so time spent waiting for a busy
+event loop (the client and the tracker share it, as a saturated tracker's queue would) counts.
+
+Printed per size: the announced interval and timeout, the offered and served rates, and p50 / p99 /
+max heartbeat latency. Run: ``.venv/bin/python bench/heartbeats.py [N ...]`` (default 1,000 and
+10,000; about two minutes on two CPU cores, most of it registering the nodes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+from asgi_lifespan import LifespanManager  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
+
+from meshnet.client import NodeSigner  # noqa: E402
+from meshnet.protocol.control import (PROTOCOL_REVISION, HeartbeatRequest, NodeStats,  # noqa: E402
+                                      RegisterRequest)
+from meshnet.protocol.signing import encode_public_key  # noqa: E402
+from meshnet.tracker.app import build_app  # noqa: E402
+from meshnet.tracker.service import TrackerSettings  # noqa: E402
+
+SIZES = (1_000, 10_000)
+#: longest real time heartbeats are sent for, per size, seconds
+WINDOW_S = 15.0
+#: registrations in flight at once while the network is built
+REGISTER_CONCURRENCY = 64
+
+
+def healthy_nodes(request: httpx.Request) -> httpx.Response:
+    """The tracker's outbound transport: every simulated node answers its reachability probe."""
+    return httpx.Response(200, json={"status": "ok"})
+
+
+def percentile(sorted_values: list[float], share: float) -> float:
+    """The value below which ``share`` of ``sorted_values`` lie (nearest rank)."""
+    return sorted_values[min(len(sorted_values) - 1, int(share * len(sorted_values)))]
+
+
+async def register_all(client: httpx.AsyncClient, count: int) -> tuple[list[NodeSigner], float]:
+    """Register ``count`` nodes, each with a fresh key; returns their signers and the last
+    announced interval, seconds."""
+    signers = [NodeSigner(f"sim-{k:05d}", Ed25519PrivateKey.generate()) for k in range(count)]
+    gate = asyncio.Semaphore(REGISTER_CONCURRENCY)
+    intervals: list[float] = []
+
+    async def register(signer: NodeSigner) -> None:
+        body = RegisterRequest(protocol=PROTOCOL_REVISION, node_id=signer.node_id,
+                               public_key=encode_public_key(signer.key.public_key()),
+                               endpoint=f"http://{signer.node_id}.test:8000", benchmark_tokens_per_sec=20.0)
+        async with gate:
+            resp = await client.post("/v1/nodes/register", json=body.model_dump(mode="json"), auth=signer)
+        resp.raise_for_status()
+        intervals.append(resp.json()["heartbeat_interval_s"])
+
+    await asyncio.gather(*(register(s) for s in signers))
+    return signers, max(intervals)
+
+
+async def heartbeat_window(client: httpx.AsyncClient, signers: list[NodeSigner], interval_s: float,
+                           rng: random.Random) -> tuple[list[float], float, set[float]]:
+    """Each node heartbeats once at a random phase within ``interval_s``; those within the window
+    send. Returns latencies (s), the window's length (s) and the intervals the answers announced."""
+    window_s = min(WINDOW_S, interval_s)
+    body = HeartbeatRequest(stats=NodeStats(tokens_per_s=20.0)).model_dump_json().encode()
+    headers = {"content-type": "application/json"}
+    latencies: list[float] = []
+    announced: set[float] = set()
+    start = time.perf_counter() + 0.5
+
+    async def beat(signer: NodeSigner, at: float) -> None:
+        await asyncio.sleep(max(0.0, at - time.perf_counter()))
+        resp = await client.post(f"/v1/nodes/{signer.node_id}/heartbeat", content=body, headers=headers,
+                                 auth=signer)
+        latencies.append(time.perf_counter() - at)
+        resp.raise_for_status()
+        announced.add(resp.json()["heartbeat_interval_s"])
+
+    phases = [(s, rng.uniform(0.0, interval_s)) for s in signers]
+    await asyncio.gather(*(beat(s, start + phase) for s, phase in phases if phase < window_s))
+    return latencies, window_s, announced
+
+
+async def run(size: int) -> None:
+    rng = random.Random(size)
+    with tempfile.TemporaryDirectory() as tmp:
+        app = build_app(TrackerSettings(db_path=f"{tmp}/tracker.db"), run_loop=False,
+                        transport=httpx.MockTransport(healthy_nodes))
+        async with LifespanManager(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tracker",
+                                         timeout=120.0) as client:
+                t0 = time.perf_counter()
+                signers, interval_s = await register_all(client, size)
+                register_s = time.perf_counter() - t0
+                latencies, window_s, announced = await heartbeat_window(client, signers, interval_s, rng)
+                timeout_s = app.state.service.cadence().timeout_s
+    latencies.sort()
+    sent = len(latencies)
+    served_s = max(window_s, latencies[-1] if latencies else 0.0)
+    print(f"{size:>7,} {register_s:>8.1f} {interval_s:>9.1f} {timeout_s:>9.1f} {size / interval_s:>8.0f} "
+          f"{sent:>6,} {sent / served_s:>8.0f} {percentile(latencies, 0.5) * 1000:>8.1f} "
+          f"{percentile(latencies, 0.99) * 1000:>8.1f} {latencies[-1] * 1000:>8.1f}"
+          f"{'' if announced == {interval_s} else f'  (announced {sorted(announced)})'}")
+
+
+def main() -> None:
+    sizes = tuple(int(a) for a in sys.argv[1:]) or SIZES
+    print(f"python {platform.python_version()} on {platform.machine()}; window {WINDOW_S:.0f} s real time; "
+          "client and tracker share one event loop")
+    print(f"{'nodes':>7} {'reg s':>8} {'interval':>9} {'timeout':>9} {'offer/s':>8} {'sent':>6} {'served/s':>8} "
+          f"{'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    for size in sizes:
+        asyncio.run(run(size))
+
+
+if __name__ == "__main__":
+    main()
