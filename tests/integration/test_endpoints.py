@@ -52,7 +52,10 @@ def test_a_node_nobody_can_reach_is_never_routed_and_a_chat_does_not_hang(tmp_pa
     try:
         mesh.start_tracker(MODEL)
         mesh.start_node("hidden", "--model", MODEL, "--shard-start", "0", "--shard-end", "3", "--public-url", dead)
-        hidden = mesh.wait(lambda: (n := nodes(mesh).get("hidden")) and n["shards"] and n, 60, "hidden registered")
+        # registered with its shard, and the tracker's probe of its endpoint answered (it runs right
+        # after the registration is recorded, so a poll in between sees "not probed yet")
+        hidden = mesh.wait(lambda: (n := nodes(mesh).get("hidden")) and n["shards"]
+                           and n["reach_error"] != "not probed yet" and n, 60, "hidden registered and probed")
         assert hidden["reachable"] is False and "ConnectError" in hidden["reach_error"]
         assert hidden["shards"][0]["capability"]["passed"] is True and hidden["shards"][0]["admitted"] is False
         t0 = time.monotonic()
