@@ -22,6 +22,7 @@ import time
 from typing import Awaitable, Callable
 
 from meshnet.errors import Draining, MeshnetError
+from meshnet.protocol.http import sse_error
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +117,6 @@ class Drain:
             log.exception("drain %s hook failed; going on", name)
 
 
-def sse_error(exc: Exception) -> bytes:
-    """One server-sent event carrying the OpenAI error envelope of ``exc`` (a MeshnetError)."""
-    return f"data: {json.dumps(exc.to_envelope())}\n\n".encode()
-
-
 class DrainMiddleware:
     """ASGI middleware: requests to ``paths`` are work that a drain waits for.
 
@@ -143,9 +139,10 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
             return
         drain = self.drain
-        if drain.draining:
-            await _send_error(send, Draining("this service is draining before it exits and takes no new chats",
-                                             hint="retry: the tracker routes around a draining node"))
+        try:
+            drain.refuse_new("new chats")
+        except Draining as exc:
+            await _send_error(send, exc)
             return
         sent = {"started": False, "event_stream": False, "finished": False}
 

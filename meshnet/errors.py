@@ -65,12 +65,18 @@ class NotFound(MeshnetError):
     type = "invalid_request_error"
 
 
-class ModelNotRoutable(MeshnetError):
-    """The model has a coverage gap; callers get 503 ``model_loading`` and should retry."""
+class Unavailable(MeshnetError):
+    """The service is healthy but takes no such work now (HTTP 503); the caller goes elsewhere or retries."""
 
     status = 503
-    code = "model_loading"
+    code = "unavailable"
     type = "service_unavailable"
+
+
+class ModelNotRoutable(Unavailable):
+    """The model has a coverage gap; callers get 503 ``model_loading`` and should retry."""
+
+    code = "model_loading"
 
     def __init__(self, message: str, *, coverage: dict | None = None, retry_after_s: int = 5,
                  **kw) -> None:
@@ -135,13 +141,11 @@ class Conflict(MeshnetError):
     type = "invalid_request_error"
 
 
-class Draining(MeshnetError):
+class Draining(Unavailable):
     """The service is draining before it exits: it takes no new work (HTTP 503 ``draining``).
 
     A caller should go elsewhere at once (the tracker's proxy tries another entry node; an
     entry node fails the hop over to another holder of the layers)."""
 
-    status = 503
     code = "draining"
-    type = "service_unavailable"
     retry_after_s = 1

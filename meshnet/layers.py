@@ -65,3 +65,14 @@ class LayerRange:
         if b < a:
             raise ValueError(f"layer range {text!r}: END must be >= START")
         return cls.from_inclusive(a, b)
+
+
+def check_inclusive_end(start: int, end: int, start_name: str, end_name: str) -> int:
+    """``end`` of an inclusive range that starts at ``start`` (the public protocol's form, ADR-0002).
+
+    Raises:
+        ValueError: ``end < start``, naming both fields.
+    """
+    if end < start:
+        raise ValueError(f"{end_name} must be >= {start_name} (inclusive range)")
+    return end

@@ -33,7 +33,7 @@ from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.gateway.detokenize import TextDecoder, max_token_chars, token_bytes, token_text
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator
 from meshnet.gateway.entry import TokenLogprob
-from meshnet.protocol.http import error_response
+from meshnet.protocol.http import error_response, sse_error
 from meshnet.protocol.openai import ChatRequest, SamplingParams, for_choice, parse_chat_request, read_chat_request
 
 __all__ = ["complete", "stream", "text_deltas", "read_chat", "error_response", "parse_chat_request"]
@@ -261,7 +261,7 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
                 "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[str | bytes]:
         for i in range(req.n):
             yield chunk(i, {"role": "assistant", "content": ""})
         sent, finished = [0] * req.n, 0
@@ -278,12 +278,12 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
                 extra = {"usage": usage(stats), "meshnet": meshnet_block(stats)} if finished == req.n else {}
                 yield chunk(i, {}, stats[i].finish_reason, logprobs=entries or None, **extra)
         except MeshnetError as exc:
-            yield f"data: {json.dumps(exc.to_envelope())}\n\n"
+            yield sse_error(exc)
             return
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, never drop it
             log.exception("generation failed mid-stream")
             err = MeshnetError(f"generation failed: {type(exc).__name__}: {exc}")
-            yield f"data: {json.dumps(err.to_envelope())}\n\n"
+            yield sse_error(err)
             return
         if include_usage:
             yield chunk(None, usage=usage(stats))

@@ -231,9 +231,9 @@ class TrackerAgent:
                 report = await self.load(directive.model, directive.layers, directive.tier or "bootstrap")
                 status, error = ("done", None) if report.passed else ("failed", report.reason)
             elif kind == "DROP_SHARD":
-                layers = directive.layers
-                self.node.runtime.drop(directive.model, layers)
-                self.node.reports.pop(f"{directive.model}:{layers.start}-{layers.end}", None)
+                dropped = self.node.runtime.drop(directive.model, directive.layers)
+                if dropped is not None:  # its report goes with it (the slot key holds the canonical name)
+                    self.node.reports.pop(dropped.key, None)
                 status, error = "done", None
             elif kind in ("RUN_DOCTOR", "RELOAD"):
                 status, error = await self.redo(kind)

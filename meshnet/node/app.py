@@ -59,7 +59,7 @@ from meshnet.node.settings import NodeSettings
 from meshnet.protocol.control import CapabilityReport, DoctorResponse
 from meshnet.protocol.route import Route as MeshRoute
 from meshnet.protocol.signing import decode_public_key, signer_of, verify_request
-from meshnet.protocol.tickets import HEADER_TICKET, check_hop, read_ticket
+from meshnet.protocol.tickets import HEADER_TICKET, VerifiedTickets, check_hop, read_ticket
 from meshnet.presets import canonical_model_name, model_aliases
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class NodeContext:
     transport: httpx.AsyncBaseTransport | None = None  # the node's outbound calls (None: the network)
     #: the tracker's key (learned at registration): hop calls need its session tickets (None: not required)
     tracker_key: Ed25519PublicKey | None = None
+    tickets: VerifiedTickets = field(default_factory=VerifiedTickets)  # hop tickets already verified
 
 
 def _state(request: Request) -> NodeContext:
@@ -141,7 +142,7 @@ def check_ticket(node: NodeContext, request: Request, session: str, layers: Laye
     """
     if node.tracker_key is None:
         return
-    claims = read_ticket(request.headers.get(HEADER_TICKET), node.tracker_key)
+    claims = node.tickets.read(request.headers.get(HEADER_TICKET), node.tracker_key)
     check_hop(claims, node_id=node.settings.node_id, session=session, layers=layers,
               model=None if model is None else canonical_model_name(model))
 

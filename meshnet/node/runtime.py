@@ -128,14 +128,15 @@ class NodeRuntime:
                  shard.weight_bytes(), resident)
         return slot
 
-    def drop(self, model: str, layers: LayerRange) -> bool:
-        """Free a slot's weights and its sessions; False when it was not loaded."""
+    def drop(self, model: str, layers: LayerRange) -> ShardSlot | None:
+        """Free a slot's weights and its sessions; the slot dropped (its ``key`` names its reports),
+        None when it was not loaded."""
         key = f"{canonical_model_name(model)}:{layers.start}-{layers.end}"
         with self.lock:
             slot = self.slots.pop(key, None)
             if slot is not None:
                 self.sessions.release_slot(key)
-        return slot is not None
+        return slot
 
     def find_slot(self, model: str | None, layers: LayerRange) -> ShardSlot:
         """The slot of ``model`` whose range contains ``layers``.

@@ -32,14 +32,14 @@ def sample_token(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def adjust_logits(logits: torch.Tensor, counts: torch.Tensor, *, frequency_penalty: float = 0.0,
+def adjust_logits(logits: torch.Tensor, counts: torch.Tensor | None, *, frequency_penalty: float = 0.0,
                   presence_penalty: float = 0.0, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Logits after OpenAI's penalties and logit bias (a new float32 tensor ``[vocab]``).
 
     As the OpenAI API reference documents them ("frequency and presence penalties"):
     ``logit[j] - counts[j] * frequency_penalty - (counts[j] > 0) * presence_penalty``, where
     ``counts[j]`` (float32 ``[vocab]``) is how often token ``j`` was generated so far in this
-    choice (prompt tokens do not count); then ``bias`` (float32 ``[vocab]``, the request's
+    choice (prompt tokens do not count; None when neither penalty is set); then ``bias`` (float32 ``[vocab]``, the request's
     ``logit_bias`` scattered over the vocabulary, zeros elsewhere) is added.
     """
     out = logits.float().clone()
@@ -83,7 +83,9 @@ class TokenPicker:
 
     def __init__(self, vocab_size: int, params: SamplingParams, generator: torch.Generator | None = None) -> None:
         self.params, self.generator = params, generator
-        self.counts = torch.zeros(vocab_size, dtype=torch.float32)
+        # generated-token counts: read only by the penalties, so kept only when one is asked for
+        self.counts = (torch.zeros(vocab_size, dtype=torch.float32)
+                       if params.frequency_penalty or params.presence_penalty else None)
         self.bias = None
         if params.logit_bias:
             ids = [i for i, _ in params.logit_bias]
@@ -100,6 +102,7 @@ class TokenPicker:
             logits = adjust_logits(logits, self.counts, frequency_penalty=p.frequency_penalty,
                                    presence_penalty=p.presence_penalty, bias=self.bias)
         token = sample_token(logits, temperature=p.temperature, top_p=p.top_p, generator=self.generator)
-        self.counts[token] += 1
+        if self.counts is not None:
+            self.counts[token] += 1
         logprob = None if p.top_logprobs is None else token_logprob(logits, token, p.top_logprobs)
         return token, logprob

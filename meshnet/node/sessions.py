@@ -20,24 +20,20 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from meshnet.errors import MeshnetError
+from meshnet.errors import Conflict, Unavailable
 from meshnet.models.shard import KVCache
 
 
-class SessionConflict(MeshnetError):
-    """Position does not continue the cached session (expired, released or out of order)."""
+class SessionConflict(Conflict):
+    """Position does not continue the cached session (expired, released or out of order; HTTP 409)."""
 
-    status = 409
     code = "session_conflict"
-    type = "invalid_request_error"
 
 
-class SessionCacheFull(MeshnetError):
+class SessionCacheFull(Unavailable):
     """No room under the node's session memory cap for a new session (HTTP 503, try another node)."""
 
-    status = 503
     code = "session_cache_full"
-    type = "service_unavailable"
 
 
 @dataclass

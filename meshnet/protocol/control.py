@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from meshnet.endpoints import check_endpoint
 from meshnet.errors import InvalidRequest
-from meshnet.layers import LayerRange
+from meshnet.layers import LayerRange, check_inclusive_end
 
 #: assignment tiers (ADR-0026): ``pinned`` (operator), ``bootstrap`` (first join), ``managed`` (demand)
 TIERS = ("pinned", "bootstrap", "managed")
@@ -65,9 +65,7 @@ class ShardRange(Payload):
     @field_validator("shard_end")
     @classmethod
     def _order(cls, value: int, info: ValidationInfo) -> int:
-        if value < info.data.get("shard_start", 0):
-            raise ValueError("shard_end must be >= shard_start (inclusive range)")
-        return value
+        return check_inclusive_end(info.data.get("shard_start", 0), value, "shard_start", "shard_end")
 
     @property
     def layers(self) -> LayerRange:

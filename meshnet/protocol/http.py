@@ -27,6 +27,11 @@ def error_response(exc: MeshnetError) -> JSONResponse:
     return JSONResponse(exc.to_envelope(), status_code=exc.status, headers=headers)
 
 
+def sse_error(exc: MeshnetError) -> bytes:
+    """One server-sent event carrying the OpenAI error envelope of ``exc`` (an error after a stream started)."""
+    return f"data: {json.dumps(exc.to_envelope())}\n\n".encode()
+
+
 async def http_error(request, exc) -> JSONResponse:
     """Starlette's own HTTP errors (unknown path 404, wrong method 405) in the JSON envelope."""
     status = getattr(exc, "status_code", 500)

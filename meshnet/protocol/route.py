@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from meshnet.layers import LayerRange
+from meshnet.layers import LayerRange, check_inclusive_end
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,7 @@ class HopJSON(BaseModel):
     @field_validator("end_layer")
     @classmethod
     def _order(cls, value: int, info: ValidationInfo) -> int:
-        if value < info.data.get("start_layer", 0):
-            raise ValueError("end_layer must be >= start_layer (inclusive range)")
-        return value
+        return check_inclusive_end(info.data.get("start_layer", 0), value, "start_layer", "end_layer")
 
 
 @dataclass(frozen=True)

@@ -101,11 +101,52 @@ def read_ticket(token: str | None, tracker_key: Ed25519PublicKey, *, now: float 
         why = "signature does not verify" if isinstance(exc, InvalidSignature) else type(exc).__name__
         raise Unauthorized(f"session ticket is not valid ({why})", code="ticket_invalid",
                            hint="a ticket must come from this node's tracker, unchanged") from None
+    return check_unexpired(claims, now)
+
+
+def check_unexpired(claims: "TicketClaims", now: float | None = None) -> "TicketClaims":
+    """``claims`` when their ticket has not expired at ``now`` (unix seconds, default the clock).
+
+    Raises:
+        Unauthorized (401 ``ticket_expired``).
+    """
     now = time.time() if now is None else now
     if now >= claims.expires_at:
         raise Unauthorized(f"session ticket of {claims.session} expired {now - claims.expires_at:.0f} s ago",
                            code="ticket_expired", hint="the entry asks the tracker for a new route and ticket")
     return claims
+
+
+class VerifiedTickets:
+    """Tickets whose signature a node has already checked, so a session's every hop call costs a
+    dict lookup and an expiry comparison, not an Ed25519 verification and a JSON parse.
+
+    Keyed by the ticket string (a changed byte is another key, verified afresh); at most
+    ``max_entries`` kept, oldest dropped first. Expiry is still checked on every call.
+    """
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._claims: dict[str, TicketClaims] = {}
+        self._key = None
+
+    def read(self, token: str | None, tracker_key) -> "TicketClaims":
+        """Like :func:`read_ticket` (a new tracker key forgets every ticket verified with the old one).
+
+        Raises:
+            Unauthorized (401): as :func:`read_ticket`.
+        """
+        if tracker_key is not self._key:
+            self._claims.clear()
+            self._key = tracker_key
+        claims = self._claims.get(token) if token else None
+        if claims is not None:
+            return check_unexpired(claims)
+        claims = read_ticket(token, tracker_key)
+        if len(self._claims) >= self.max_entries:
+            self._claims.pop(next(iter(self._claims)))
+        self._claims[token] = claims
+        return claims
 
 
 def check_hop(claims: TicketClaims, *, node_id: str, session: str, layers: LayerRange,

@@ -18,7 +18,7 @@ import httpx
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
-from meshnet.drain import sse_error
+from meshnet.protocol.http import sse_error
 from meshnet.errors import Draining, MeshnetError
 from meshnet.tracker.registry import NodeRecord
 from meshnet.tracker.service import TrackerService

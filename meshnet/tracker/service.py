@@ -330,10 +330,12 @@ class TrackerService:
         node.interval_s = self.cadence().interval_s
         return node.interval_s
 
-    def node_timeout_s(self, node: NodeRecord) -> float:
-        """Seconds without a heartbeat after which ``node`` is gone: the current cadence's timeout,
-        or longer when the node was told a longer interval."""
-        return max(self.cadence().timeout_s, node.interval_s * TIMEOUT_FACTOR)
+    def node_timeout_s(self, node: NodeRecord, cadence_timeout_s: float | None = None) -> float:
+        """Seconds without a heartbeat after which ``node`` is gone: the current cadence's timeout
+        (``cadence_timeout_s`` when the caller has it), or longer when the node was told a longer
+        interval."""
+        floor_s = self.cadence().timeout_s if cadence_timeout_s is None else cadence_timeout_s
+        return max(floor_s, node.interval_s * TIMEOUT_FACTOR)
 
     def heartbeat(self, node_id: str, payload: HeartbeatRequest) -> list[Directive]:
         """Record a heartbeat; returns the directives to deliver (queued → delivered). The node's
@@ -410,12 +412,9 @@ class TrackerService:
         """Drop nodes whose last heartbeat is older than their timeout (:meth:`node_timeout_s`);
         returns their ids."""
         now = time.monotonic() if now is None else now
-        floor_s = self.cadence().timeout_s
-        gone = []
-        for nid, n in self.nodes.items():
-            silent_s = now - n.last_heartbeat_s
-            if silent_s > floor_s and silent_s > n.interval_s * TIMEOUT_FACTOR:
-                gone.append((nid, silent_s))
+        floor_s = self.cadence().timeout_s  # once per check, not once per node
+        gone = [(nid, now - n.last_heartbeat_s) for nid, n in self.nodes.items()
+                if now - n.last_heartbeat_s > self.node_timeout_s(n, floor_s)]
         for nid, silent_s in gone:
             self._forget(nid, "node dropped out")
             log.warning("node %s dropped out (no heartbeat for %.0f s)", nid, silent_s)
