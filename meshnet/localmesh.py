@@ -51,6 +51,7 @@ class LocalMesh:
         self.detach = detach
         self.env = dict(env or {})
         self.procs: dict[str, subprocess.Popen] = {}
+        self.taken: list[subprocess.Popen] = []  # children out of watch (see :meth:`take`), still stopped
         self.port = port or free_port()
         self.url = base_url("127.0.0.1", self.port)
 
@@ -101,6 +102,13 @@ class LocalMesh:
         ``SIGCONT`` resumes it); it stays a child, stopped by :meth:`kill` or :meth:`stop`."""
         self.procs[name].send_signal(sig)
 
+    def take(self, name: str) -> subprocess.Popen:
+        """Take child ``name`` out of the watched set (its exit is expected, e.g. after a SIGTERM the
+        caller sends): :meth:`wait` no longer fails on it, and :meth:`stop` still stops it by PID."""
+        proc = self.procs.pop(name)
+        self.taken.append(proc)
+        return proc
+
     def exited(self) -> dict[str, int]:
         """Children that have exited: name → exit code."""
         return {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
@@ -110,7 +118,7 @@ class LocalMesh:
         tracker and deregisters, ADR-0032), then SIGTERM the tracker and wait for it; each wait is
         bounded by ``grace_s``, then what is left is SIGKILLed. A KeyboardInterrupt while waiting
         (a second Ctrl-C) SIGKILLs every child left at once."""
-        nodes = [p for name, p in self.procs.items() if name != "tracker"]
+        nodes = [p for name, p in self.procs.items() if name != "tracker"] + self.taken
         tracker = [p for name, p in self.procs.items() if name == "tracker"]
         try:
             for group in (nodes, tracker):  # the tracker last: draining nodes still reach it
@@ -133,6 +141,7 @@ class LocalMesh:
             raise
         finally:
             self.procs.clear()
+            self.taken.clear()
 
     def __enter__(self) -> "LocalMesh":
         return self

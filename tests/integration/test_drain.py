@@ -82,7 +82,7 @@ def sigterm_mid_stream(mesh, names: tuple[str, ...]) -> dict:
     def on_token(count: int) -> None:
         if count == SIGTERM_AT_TOKEN and not signalled:
             name = holder_of_the_session(mesh, names)
-            proc = mesh.procs.pop(name)  # stopped here, by its PID
+            proc = mesh.take(name)  # waited for here; mesh.stop() still stops it by PID
             signalled.update(name=name, proc=proc, t=time.monotonic())
             proc.send_signal(signal.SIGTERM)
             meanwhile.start()
@@ -145,7 +145,7 @@ def test_sigterm_to_the_tracker_mid_stream_finishes_the_stream_and_nodes_then_sa
 
     def on_token(count: int) -> None:
         if count == SIGTERM_AT_TOKEN and not signalled:
-            proc = mesh.procs.pop("tracker")  # stopped here, by its PID
+            proc = mesh.take("tracker")  # waited for here; mesh.stop() still stops it by PID
             signalled.update(proc=proc, t=time.monotonic())
             proc.send_signal(signal.SIGTERM)
             time.sleep(0.3)

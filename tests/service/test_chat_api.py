@@ -246,8 +246,11 @@ async def test_health_answers_while_a_prompt_is_being_tokenized(entry, monkeypat
 
     monkeypatch.setattr(LocalEntry, "encode_chat", slow)
     chat = asyncio.create_task(entry.post(URL, json={**CHAT, "max_tokens": 2}))
-    while not started.is_set():
+    for _ in range(2000):  # bounded: 10 s
+        if started.is_set() or chat.done():
+            break
         await asyncio.sleep(0.005)
+    assert started.is_set(), "tokenization never started"
     health = await entry.get("/v1/health")
     assert health.status_code == 200
     assert not finished.is_set()  # health answered while the prompt was still being tokenized

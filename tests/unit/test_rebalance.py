@@ -115,8 +115,11 @@ async def test_the_loop_serves_while_the_batch_is_written_and_a_node_that_left_m
 
     svc.store.add_directives = slow_write
     task = asyncio.create_task(rebalance_off_loop(svc))
-    while not started.is_set():
+    for _ in range(5000):  # bounded: 5 s
+        if started.is_set() or task.done():
+            break
         await asyncio.sleep(0.001)
+    assert started.is_set(), "the batch write never started"
     svc.deregister("n3")  # on the loop, while the worker thread waits to write n3's move
     assert svc.dirty  # the leave asks for another round
     release.set()
