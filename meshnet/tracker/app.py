@@ -37,7 +37,7 @@ from meshnet.protocol.http import BodyLimit, error_response, http_error, validat
 from meshnet.protocol.openai import read_chat_request
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name, default_model, model_aliases
-from meshnet.tracker import operator, placement, proxy, views
+from meshnet.tracker import operator, proxy, views
 from meshnet.tracker.auth import NodeAuth, exposure_problem
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.probe import probe_endpoint
@@ -230,9 +230,7 @@ async def network_assign(request: Request) -> JSONResponse:
         raise InvalidRequest("vram_mb must be > 0", code="invalid_field", status=422)
     info = svc.ensure_model(repo)
     quant = request.query_params.get("quantization", "bfloat16")
-    spec = placement.ModelSpec(info.name, info.num_layers, info.bytes_per_layer)
-    counts = placement.coverage_counts(info.num_layers, [s.layers for _, s in svc.admitted_shards(info.name)])
-    layers, gap = placement.find_assignment(spec, counts, vram_mb * 1024 * 1024, quant)
+    layers, gap = svc.suggest_range(info, vram_mb * 1024 * 1024, quant)
     start, end = layers.to_inclusive()
     return JSONResponse(AssignResponse(hf_repo=info.hf_repo or info.name, model=info.name, shard_start=start,
                                        shard_end=end, num_layers=info.num_layers, gap_found=gap).model_dump())

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import hmac
 import ipaddress
 import time
@@ -48,6 +50,12 @@ def exposure_problem(host: str, join_token: str | None, operator_token: str | No
     return (f"the tracker would listen on {host} (beyond loopback) without {' and '.join(missing)}: anyone who "
             "reaches it could join nodes or steer the mesh. Pass --join-token and --operator-token (or "
             "MESHNET_JOIN_TOKEN / MESHNET_OPERATOR_TOKEN), or --insecure to run it open on purpose")
+
+
+@functools.lru_cache(maxsize=65536)
+def _decoded_key(public_key: str):
+    """:func:`decode_public_key`, once per key (a heartbeat's signature check needs it every time)."""
+    return decode_public_key(public_key)
 
 
 class NodeAuth:
@@ -109,7 +117,7 @@ class NodeAuth:
                                hint="see `meshnet nodes` for node ids (a node itself re-registers on this error)")
             raise Unauthorized(f"unknown signer {signer!r}: not a registered node", code="unknown_signer")
         try:
-            key = decode_public_key(public_key)
+            key = _decoded_key(public_key)
         except InvalidRequest:  # a stored key is always valid; never let a bad row open the door
             raise Unauthorized(f"no usable key bound to {signer!r}", code="unknown_signer") from None
         self._verify(key, headers, method, target, body, now)

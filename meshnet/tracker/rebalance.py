@@ -213,7 +213,8 @@ def demand_moves(service: TrackerService, nodes: list[placement.NodeState], mode
         for pick in policy.pick_managed_nodes(spec.name, candidates, needed=len(gaps), model_copies=copies,
                                               model_demand=demand):
             node, gap = by_id[pick.node_id], gaps.pop(0)
-            fit = placement.max_assignable_layers(node.vram_bytes, spec.bytes_per_layer.get(node.quantization, 0) or 1)
+            per_layer = placement.layer_bytes(node, spec)  # measured when larger; 0: no size for the recipe
+            fit = placement.max_assignable_layers(node.vram_bytes, per_layer) if per_layer > 0 else 0
             if fit < 1:
                 continue
             new = placement.Assignment(spec.name, LayerRange(gap.start, min(gap.end, gap.start + fit)), "managed")

@@ -126,6 +126,7 @@ class TrackerService:
         self.settings = settings
         self.store = store or TrackerStore(settings.db_path)
         self.nodes: dict[str, NodeRecord] = {}
+        self._bound_keys: dict[str, str] = {}  # node id -> public key, as read from the store
         self.models: dict[str, ModelInfo] = {}
         self.demand: dict[str, list[float]] = {}   # requests refused while not routable
         self.served: dict[str, list[float]] = {}   # requests forwarded to an entry node
@@ -255,9 +256,7 @@ class TrackerService:
         node = self.get(node_id)
         info = self.ensure_model(model)
         if layers is None:
-            spec = placement.ModelSpec(info.name, info.num_layers, info.bytes_per_layer)
-            counts = placement.coverage_counts(info.num_layers, [s.layers for _, s in self.admitted_shards(info.name)])
-            layers, _ = placement.find_assignment(spec, counts, node.vram_bytes, node.quantization)
+            layers, _ = self.suggest_range(info, node.vram_bytes, node.quantization)
         elif layers.end > info.num_layers:
             start, end = layers.to_inclusive()
             raise InvalidRequest(f"shard {start}-{end} beyond {info.name}'s {info.num_layers} layers",
@@ -277,6 +276,13 @@ class TrackerService:
         queued.append(self.queue_directive(node.node_id, "LOAD_SHARD", model=info.name, layers=layers, tier="pinned",
                                            reason="operator pin"))
         return {"node_id": node.node_id, "model": info.name, "shard_start": start, "shard_end": end}, queued
+
+    def suggest_range(self, info: ModelInfo, vram_bytes: int, quantization: str) -> tuple[LayerRange, bool]:
+        """The range a node of ``vram_bytes`` (recipe ``quantization``) should take of ``info``'s model
+        now: the first coverage gap it fits, else redundancy (ADR-0011). Returns ``(layers, gap_found)``."""
+        spec = placement.ModelSpec(info.name, info.num_layers, info.bytes_per_layer)
+        counts = placement.coverage_counts(info.num_layers, [s.layers for _, s in self.admitted_shards(info.name)])
+        return placement.find_assignment(spec, counts, vram_bytes, quantization)
 
     def unpin(self, node_id: str, model: str) -> bool:
         """Forget the operator's pin of ``model`` on ``node_id``: it is no longer restored when the
@@ -384,8 +390,17 @@ class TrackerService:
                 and (n.probed_s is None or now - n.probed_s >= self.settings.probe_interval_s)]
 
     def public_key(self, node_id: str) -> str | None:
-        """The public key bound to ``node_id`` (base64url), or None when the id was never registered."""
-        return self.store.node_key(node_id)
+        """The public key bound to ``node_id`` (base64url), or None when the id was never registered.
+
+        A binding never changes once made (another key is refused 409), so each is read from the
+        store once and then served from memory: every heartbeat asks for it.
+        """
+        key = self._bound_keys.get(node_id)
+        if key is None:
+            key = self.store.node_key(node_id)
+            if key is not None:
+                self._bound_keys[node_id] = key
+        return key
 
     def report_failure_from(self, sender: str, node_id: str, reason: str) -> None:
         """A hop failure of ``node_id`` reported by node ``sender`` (whose signature the caller checked).
@@ -522,7 +537,7 @@ class TrackerService:
         info = self.ensure_model(model)
         cov = self.coverage(info.name)
         entries = [(n, s) for n, s in self.admitted_shards(info.name) if s.entry]
-        if not cov.routable or not entries:
+        if not cov.routable:  # routable implies an admitted entry node
             self.add_demand(info.name)
             raise ModelNotRoutable(f"model {info.name} is not routable yet: {cov.covered_layers}/{info.num_layers} "
                                    "layers covered by admitted nodes", coverage=cov.model_dump(), retry_after_s=5,
