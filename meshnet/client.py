@@ -24,20 +24,33 @@ from meshnet.protocol.signing import HEADER_JOIN_TOKEN, sign_request
 T = TypeVar("T", bound=BaseModel)
 
 
-def _raise_for(resp: httpx.Response, what: str) -> None:
-    if resp.status_code < 400:
-        return
+def error_from_response(resp: httpx.Response, what: str | None = None) -> MeshnetError:
+    """The error an HTTP error answer carries, never raising itself: the envelope's message, code and
+    hint (``ModelNotRoutable`` with the coverage for ``model_loading``), else the first line of
+    whatever text came back. ``what`` (the call, e.g. "register node") prefixes the message."""
     try:
         body = resp.json()
-        err = body.get("error", {}) if isinstance(body, dict) else {}
     except ValueError:
-        body, err = {}, {}
-    message = err.get("message") or resp.text[:300] or resp.reason_phrase
+        body = None
+    err = body.get("error") if isinstance(body, dict) else None
+    err = err if isinstance(err, dict) else {}
+    message = err.get("message")
+    if message is None:
+        text = (resp.text.strip().splitlines() or [""])[0][:300]
+        message = f"HTTP {resp.status_code}: {text or resp.reason_phrase}"
+    elif what:
+        message = f"HTTP {resp.status_code}: {message}"
+    message = f"{what}: {message}" if what else str(message)
     if err.get("code") == "model_loading":
-        raise ModelNotRoutable(message, coverage=body.get("coverage"),
-                               retry_after_s=int(resp.headers.get("Retry-After", "5")))
-    raise MeshnetError(f"{what}: HTTP {resp.status_code}: {message}", code=err.get("code", "http_error"),
-                       status=resp.status_code, hint=err.get("hint"))
+        return ModelNotRoutable(message, coverage=body.get("coverage"),
+                                retry_after_s=int(resp.headers.get("Retry-After", "5")))
+    return MeshnetError(message, code=str(err.get("code") or "http_error"), status=resp.status_code,
+                        hint=err.get("hint"))
+
+
+def _raise_for(resp: httpx.Response, what: str) -> None:
+    if resp.status_code >= 400:
+        raise error_from_response(resp, what)
 
 
 #: seconds to connect before a call fails as unreachable (the whole call may take ``timeout_s``)
@@ -169,14 +182,20 @@ class TrackerClient(_Base):
         await self._call("POST", f"/v1/nodes/{node_id}/failure", "report hop failure",
                          json=FailureReport(reason=reason[:2000]).model_dump())
 
+    async def _route(self, model: str, start_layer: int, end_layer: int, exclude: frozenset[str],
+                     session: str | None = None) -> RouteResponse:
+        params = {"model": model, "start_layer": start_layer, "end_layer": end_layer}
+        if session is not None:
+            params["session"] = session
+        if exclude:
+            params["exclude"] = ",".join(sorted(exclude))
+        return _parse(RouteResponse, await self._call("GET", "/v1/route", "route lookup", params=params),
+                      "route lookup")
+
     async def route(self, model: str, start_layer: int, end_layer: int,
                     exclude: frozenset[str] = frozenset()) -> list[Hop]:
         """Hops serving layers ``start_layer..end_layer`` (inclusive) of ``model``, in order."""
-        params = {"model": model, "start_layer": start_layer, "end_layer": end_layer}
-        if exclude:
-            params["exclude"] = ",".join(sorted(exclude))
-        body = await self._call("GET", "/v1/route", "route lookup", params=params)
-        return _parse(RouteResponse, body, "route lookup").to_hops()
+        return (await self._route(model, start_layer, end_layer, exclude)).to_hops()
 
     async def session_route(self, model: str, start_layer: int, end_layer: int, session: str,
                             exclude: frozenset[str] = frozenset()) -> Route:
@@ -189,11 +208,7 @@ class TrackerClient(_Base):
                 the session belongs to another entry), 503 ``model_loading`` (no route), or the
                 tracker unreachable; 502 ``bad_response`` when the answer carries no ticket.
         """
-        params = {"model": model, "start_layer": start_layer, "end_layer": end_layer, "session": session}
-        if exclude:
-            params["exclude"] = ",".join(sorted(exclude))
-        body = await self._call("GET", "/v1/route", "route lookup", params=params)
-        route = _parse(RouteResponse, body, "route lookup").to_route()
+        route = (await self._route(model, start_layer, end_layer, exclude, session)).to_route()
         if not route.ticket:
             raise MeshnetError("route lookup: the tracker sent no session ticket", code="bad_response", status=502,
                                hint="tracker and node versions may differ")

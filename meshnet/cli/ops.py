@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from meshnet.cli.output import JsonOpt, TokenOpt, UrlOpt, console, emit, fail, human_bytes, run, tracker_url
-from meshnet.client import NodeClient, TrackerClient
+from meshnet.client import NodeClient, TrackerClient, error_from_response
 from meshnet.errors import MeshnetError
 
 
@@ -46,7 +46,7 @@ def chat(prompt: str = typer.Argument(..., help="The user message."),
         if not body["stream"]:
             resp = httpx.post(endpoint, json=body, timeout=600.0)
             if resp.status_code != 200:
-                raise _response_error(resp)
+                raise error_from_response(resp)
             data = resp.json()
             emit(data, as_json, lambda d: console.print(d["choices"][0]["message"]["content"]))
             return
@@ -54,7 +54,7 @@ def chat(prompt: str = typer.Argument(..., help="The user message."),
         with httpx.stream("POST", endpoint, json=body, timeout=600.0) as resp:
             if resp.status_code != 200:
                 resp.read()
-                raise _response_error(resp)
+                raise error_from_response(resp)
             for line in resp.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -75,18 +75,6 @@ def chat(prompt: str = typer.Argument(..., help="The user message."),
         fail(MeshnetError(f"cannot reach {endpoint}: {exc}", hint="is `meshnet serve` running? see --url"))
     except MeshnetError as exc:
         fail(exc)
-
-
-def _response_error(resp: httpx.Response) -> MeshnetError:
-    """The error an HTTP answer carries: the envelope's message (and hint), else the first line
-    of whatever text came back, so a failing server never becomes a traceback here."""
-    try:
-        error = resp.json()["error"]
-        return MeshnetError(str(error["message"]), hint=error.get("hint"), code=str(error.get("code")),
-                            status=resp.status_code)
-    except (ValueError, KeyError, TypeError):
-        text = (resp.text.strip().splitlines() or [""])[0][:200]
-        return MeshnetError(f"HTTP {resp.status_code}: {text or resp.reason_phrase}", status=resp.status_code)
 
 
 def _served_model(url: str, fallback: str) -> str:

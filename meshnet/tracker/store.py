@@ -7,6 +7,7 @@ the models it keeps covered, and which public key owns each node id (ADR-0035). 
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 import time
@@ -68,6 +69,19 @@ class TrackerStore:
         with self.lock:
             self.db.executescript(SCHEMA)
 
+    @contextlib.contextmanager
+    def _transaction(self):
+        """One transaction under the store's lock: committed when the block ends, rolled back whole
+        when it raises."""
+        with self.lock:
+            self.db.execute("BEGIN")
+            try:
+                yield
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+
     def _rows(self, sql: str, args: tuple = ()) -> list[dict]:
         with self.lock:
             return [dict(r) for r in self.db.execute(sql, args).fetchall()]
@@ -92,17 +106,10 @@ class TrackerStore:
             return []
         now = time.time()
         ids = []
-        with self.lock:
-            self.db.execute("BEGIN")
-            try:
-                for d in new:
-                    ids.append(self.db.execute(_INSERT_DIRECTIVE, (d.node_id, d.type, d.model, d.shard_start,
-                                                                   d.shard_end, d.tier, "queued", d.reason, now,
-                                                                   now)).lastrowid)
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
+        with self._transaction():
+            for d in new:
+                ids.append(self.db.execute(_INSERT_DIRECTIVE, (d.node_id, d.type, d.model, d.shard_start, d.shard_end,
+                                                               d.tier, "queued", d.reason, now, now)).lastrowid)
         return ids
 
     def prune_finished(self, older_than_s: float, now: float | None = None) -> int:
@@ -156,16 +163,9 @@ class TrackerStore:
         if not updates:
             return
         now = time.time()
-        with self.lock:
-            self.db.execute("BEGIN")
-            try:
-                self.db.executemany("UPDATE directives SET status = ?, error = ?, updated_at = ? "
-                                    "WHERE id = ? AND node_id = ?",
-                                    [(status, error, now, i, node_id) for i, status, error in updates])
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
+        with self._transaction():
+            self.db.executemany("UPDATE directives SET status = ?, error = ?, updated_at = ? WHERE id = ? AND node_id = ?",
+                                [(status, error, now, i, node_id) for i, status, error in updates])
 
     # pins
     def add_pin(self, node_id: str, model: str, shard_start: int | None, shard_end: int | None) -> None:
