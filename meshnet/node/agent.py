@@ -99,9 +99,7 @@ class TrackerAgent:
         for attempt in range(attempts):
             try:
                 resp = await self.client.register(self.registration())
-                self.follow_interval(resp.heartbeat_interval_s)
                 self.note_registered(resp)
-                self._ok()
                 log.info("registered %s with %s", self.settings.node_id, self.settings.tracker_url)
                 return
             except MeshnetError as exc:
@@ -161,8 +159,6 @@ class TrackerAgent:
                     log.warning("re-registration failed: %s", again.message)
                     return
                 self.note_registered(again_resp)
-                self.follow_interval(again_resp.heartbeat_interval_s)
-                self._ok()
                 return
             log.warning("heartbeat failed: %s", exc.message)
             return
@@ -177,10 +173,13 @@ class TrackerAgent:
             task.add_done_callback(self.tasks.discard)
 
     def note_registered(self, resp: RegisterResponse) -> None:
-        """Take the tracker's key (from now on hop calls need its session tickets, ADR-0038) and
-        its verdict on reaching this node."""
+        """A registration (first or again) succeeded: take the tracker's key (from now on hop calls
+        need its session tickets, ADR-0038), its heartbeat interval and its verdict on reaching
+        this node."""
         self.node.tracker_key = decode_public_key(resp.tracker_key)
+        self.follow_interval(resp.heartbeat_interval_s)
         self.note_reachability(resp)
+        self._ok()
 
     def follow_interval(self, announced_s: float | None) -> None:
         """Heartbeat every ``announced_s`` seconds from now on, as the tracker asked (None: keep the
