@@ -18,6 +18,7 @@ from meshnet.errors import MeshnetError, ModelNotRoutable
 from meshnet.protocol.control import (AssignResponse, DirectiveList, FailureReport, HeartbeatRequest,
                                       HeartbeatResponse, RegisterRequest, RegisterResponse)
 from meshnet.protocol.route import Hop, Route, RouteResponse
+from meshnet.protocol.traffic import MeshTraffic
 from meshnet.protocol.views import Coverage, CoverageList, DemandList, NodeList
 from meshnet.protocol.signing import HEADER_JOIN_TOKEN, sign_request
 
@@ -237,6 +238,11 @@ class TrackerClient(_Base):
     async def demand(self) -> dict:
         """Queued demand per tracked model (validated against :class:`meshnet.protocol.views.DemandList`)."""
         return _parse(DemandList, await self._call("GET", "/v1/demand", "demand"), "demand").model_dump()
+
+    async def traffic(self) -> dict:
+        """The mesh's traffic: sessions in flight, failovers, each node's recent buckets
+        (validated against :class:`meshnet.protocol.traffic.MeshTraffic`)."""
+        return _parse(MeshTraffic, await self._call("GET", "/v1/traffic", "traffic"), "traffic").model_dump()
 
     async def assign(self, **params) -> AssignResponse:
         return _parse(AssignResponse, await self._call("GET", "/v1/network/assign", "network assignment",

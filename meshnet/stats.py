@@ -3,6 +3,8 @@
 - :class:`PerformanceEMA`: throughput of a node, tokens/s, as a bias-corrected EMA.
 - :class:`EMA`: a plain value such as hop latency in seconds, bias-corrected.
 - :class:`RollingCounter`: events per minute over a sliding window (requests per minute).
+- :class:`TimeBuckets`: count, sum and max of named series in fixed time buckets over the last
+  minutes (the traffic history the console draws as sparklines, ADR-0046).
 
 Every method that depends on time takes an optional ``now`` (seconds, from
 ``time.monotonic`` when omitted) so tests are deterministic. No I/O.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-__all__ = ["EMA", "PerformanceEMA", "RollingCounter"]
+__all__ = ["EMA", "PerformanceEMA", "RollingCounter", "TimeBuckets", "BucketStat"]
 
 #: Default EMA smoothing factor: weight of the newest sample (ADR-0013).
 DEFAULT_ALPHA = 0.1
@@ -135,3 +137,82 @@ class RollingCounter:
         horizon = now - self.window_s
         while self._events and self._events[0] <= horizon:
             self._events.popleft()
+
+
+class BucketStat:
+    """Count, sum and max of the samples of one series in one bucket (max is 0.0 while empty)."""
+
+    __slots__ = ("count", "total", "max")
+
+    def __init__(self, count: int = 0, total: float = 0.0, largest: float = 0.0) -> None:
+        self.count, self.total, self.max = count, total, largest
+
+    @property
+    def mean(self) -> float | None:
+        """Mean of the samples, None when there are none."""
+        return self.total / self.count if self.count else None
+
+    def add(self, value: float) -> None:
+        self.max = value if self.count == 0 else max(self.max, value)
+        self.count += 1
+        self.total += value
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, BucketStat)
+                and (self.count, self.total, self.max) == (other.count, other.total, other.max))
+
+    def __repr__(self) -> str:
+        return f"BucketStat(count={self.count}, total={self.total}, max={self.max})"
+
+
+class TimeBuckets:
+    """Samples of named series folded into buckets of ``bucket_s`` seconds, the last ``count`` kept.
+
+    Bucket ``i`` holds the samples with ``i * bucket_s <= t < (i + 1) * bucket_s``: buckets are
+    aligned to multiples of ``bucket_s`` on the clock the times come from (wall-clock seconds for
+    the traffic history, so two nodes' buckets line up). Memory is bounded by ``count`` buckets
+    times the series used; older buckets are dropped on every :meth:`add`. A sample more than
+    ``count`` buckets older than the newest one is ignored.
+
+    Raises:
+        ValueError: ``bucket_s <= 0`` or ``count < 1``.
+    """
+
+    def __init__(self, bucket_s: float = 10.0, count: int = 60) -> None:
+        if bucket_s <= 0 or count < 1:
+            raise ValueError(f"bucket_s must be > 0 and count >= 1, got {bucket_s} and {count}")
+        self.bucket_s, self.count = bucket_s, count
+        self._buckets: dict[int, dict[str, BucketStat]] = {}
+        self._newest = None
+
+    def index(self, t: float) -> int:
+        """The bucket of time ``t`` (seconds)."""
+        return int(t // self.bucket_s)
+
+    def add(self, series: str, value: float, t: float | None = None) -> None:
+        """Record ``value`` of ``series`` at time ``t`` (seconds; ``time.time()`` when omitted)."""
+        i = self.index(time.time() if t is None else t)
+        if self._newest is not None and i <= self._newest - self.count:
+            return
+        self._buckets.setdefault(i, {}).setdefault(series, BucketStat()).add(value)
+        if self._newest is None or i > self._newest:
+            self._newest = i
+            for old in [k for k in self._buckets if k <= i - self.count]:
+                del self._buckets[old]
+
+    def window(self, now: float) -> list[int]:
+        """The ``count`` bucket indexes ending with the one holding ``now``, oldest first."""
+        last = self.index(now)
+        return list(range(last - self.count + 1, last + 1))
+
+    def stat(self, series: str, index: int) -> BucketStat:
+        """The samples of ``series`` in bucket ``index`` (an empty stat when there are none)."""
+        return self._buckets.get(index, {}).get(series) or BucketStat()
+
+    def copy(self) -> "TimeBuckets":
+        """An independent copy (to fold more samples into without touching this one)."""
+        out = TimeBuckets(self.bucket_s, self.count)
+        out._newest = self._newest
+        out._buckets = {i: {k: BucketStat(s.count, s.total, s.max) for k, s in series.items()}
+                        for i, series in self._buckets.items()}
+        return out

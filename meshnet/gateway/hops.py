@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 RouteProvider = Callable[[str, LayerRange, frozenset[str], str], Awaitable[Route]]
 #: async (node id, reason) -> None; tells the tracker a hop failed
 FailureReporter = Callable[[str, str], Awaitable[None]]
+#: (failed hop, its replacement hops, why it failed) -> None; told after each failover (the traffic log)
+FailoverListener = Callable[[Hop, list[Hop], str], None]
 
 
 #: a hop's 409 code: it no longer holds the session (expired, released, restarted) but is healthy
@@ -207,14 +209,16 @@ class RemoteRoute:
         deadlines: when to probe a hop that takes longer than usual (:class:`DeadlinePolicy`).
         replay_chunk_tokens: tokens per replay call to a replacement (the prefill chunk, 128).
         release_auth: signs session releases as the entry node (its key; None: unsigned).
+        on_failover: told of each hop replaced, once its replacement has taken the replay (or None).
     """
 
     def __init__(self, client: httpx.AsyncClient, *, model: str, session_id: str, route: Route,
                  routes: RouteProvider, report: FailureReporter, codec: ActivationCodec,
                  timeout_s: float = 60.0, connect_timeout_s: float = 5.0, max_failovers: int = 3,
                  deadlines: DeadlinePolicy = DeadlinePolicy(), replay_chunk_tokens: int = 128,
-                 release_auth: httpx.Auth | None = None) -> None:
+                 release_auth: httpx.Auth | None = None, on_failover: FailoverListener | None = None) -> None:
         self.client, self.model, self.session_id = client, model, session_id
+        self.on_failover = on_failover
         self.deadlines = deadlines
         self.release_auth = release_auth
         hops = route.hops
@@ -390,6 +394,8 @@ class RemoteRoute:
             self.failovers += 1
             index = self.states.index(old)
             self.states[index:index + 1] = new_states
+            if self.on_failover is not None:
+                self.on_failover(old.hop, [s.hop for s in new_states], exc.message)
             async with self._turn:
                 self._turn.notify_all()
             return

@@ -19,6 +19,7 @@ from typing import AsyncIterator
 from meshnet.gateway.deadlines import DeadlinePolicy
 from meshnet.gateway.entry import Activation, EntryLayers, GenerationObserver, TokenChooser, TokenLogprob
 from meshnet.gateway.hops import FailureReporter, Hop, RemoteRoute, RouteProvider
+from meshnet.gateway.traffic import TrafficLog
 from meshnet.layers import LayerRange
 from meshnet.protocol.openai import SamplingParams
 
@@ -78,18 +79,21 @@ class Orchestrator:
         client: httpx client for hops; ``routes``/``report``: tracker callbacks.
         observer: counts generations started and finished (the node's metrics), or None.
         release_auth: httpx auth that signs session releases as this node (ADR-0038), or None.
+        traffic: the node's log of sessions in flight and failovers (ADR-0046), or None.
     """
 
     def __init__(self, entry: EntryLayers, *, node_id: str, endpoint: str, client,
                  routes: RouteProvider, report: FailureReporter,
                  settings: OrchestratorSettings = OrchestratorSettings(),
-                 observer: GenerationObserver | None = None, release_auth=None) -> None:
+                 observer: GenerationObserver | None = None, release_auth=None,
+                 traffic: TrafficLog | None = None) -> None:
         self.entry = entry
         self.node_id, self.endpoint = node_id, endpoint
         self.client, self.routes, self.report = client, routes, report
         self.settings = settings
         self.observer = observer
         self.release_auth = release_auth
+        self.traffic = traffic
         self.model = entry.model
         self.num_layers = entry.num_layers
         self.tokenizer = entry.tokenizer
@@ -151,11 +155,16 @@ class Orchestrator:
                                  connect_timeout_s=self.settings.hop_connect_timeout_s,
                                  deadlines=self.settings.deadlines,
                                  replay_chunk_tokens=self.settings.chunk_tokens,
-                                 release_auth=self.release_auth)
+                                 release_auth=self.release_auth,
+                                 on_failover=None if self.traffic is None else
+                                 lambda old, new, why: self.traffic.failover(session_id, old, new, why))
         chooser: TokenChooser = self.entry.new_chooser(params)
         local_turn, local_len = asyncio.Condition(), [0]
         if self.observer is not None:
             self.observer.generation_started()
+        if self.traffic is not None:
+            self.traffic.session_started(session_id, self.model, stats,
+                                         lambda: [entry_hop] + (remote.hops if remote else []))
         try:
             t0 = time.perf_counter()
             hidden = await self._prefill(session_id, remote, prompt, local_turn, local_len)
@@ -183,6 +192,8 @@ class Orchestrator:
             if remote is not None:
                 remote.close()  # in the background, without awaiting: a frozen hop holds up no one
             self.entry.release(session_id)
+            if self.traffic is not None:
+                self.traffic.session_ended(session_id)
             stats.route = [entry_hop] + (remote.hops if remote else [])
             stats.failovers = remote.failovers if remote else 0
             stats.deadline_misses = remote.deadline_misses if remote else 0

@@ -5,6 +5,8 @@ Routes:
     DELETE /v1/sessions/{id}        release a session's KV caches
     GET    /v1/health               liveness: node id, shard slots, sessions, cache bytes left, draining
     GET    /v1/ready                readiness: 200 {"ready": true} or 503 {"ready": false, "reasons"} (ADR-0032)
+    GET    /v1/traffic              sessions in flight as entry, recent failovers, the last minutes'
+                                    TTFT/TPOT/tokens/batch sizes (ADR-0046, ``NodeTraffic``)
     POST   /v1/doctor               run doctor on the loaded shards, return capability reports
     GET    /v1/models, POST /v1/chat/completions   OpenAI surface (entry nodes)
     GET    /metrics                 Prometheus text
@@ -48,6 +50,7 @@ from meshnet.errors import Forbidden, InvalidRequest, MeshnetError, NotFound
 from meshnet.gateway import openai_api
 from meshnet.protocol.http import BodyLimit, http_error
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
+from meshnet.gateway.traffic import TrafficLog
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
 from meshnet.node.entry import LocalEntry
@@ -60,6 +63,7 @@ from meshnet.protocol.control import CapabilityReport, DoctorResponse
 from meshnet.protocol.route import Route as MeshRoute
 from meshnet.protocol.signing import decode_public_key, signer_of, verify_request
 from meshnet.protocol.tickets import HEADER_TICKET, VerifiedTickets, check_hop, read_ticket
+from meshnet.protocol.traffic import NodeTraffic
 from meshnet.presets import canonical_model_name, model_aliases
 
 log = logging.getLogger(__name__)
@@ -82,6 +86,10 @@ class NodeContext:
     #: the tracker's key (learned at registration): hop calls need its session tickets (None: not required)
     tracker_key: Ed25519PublicKey | None = None
     tickets: VerifiedTickets = field(default_factory=VerifiedTickets)  # hop tickets already verified
+    traffic: TrafficLog = field(init=False)  # sessions in flight as entry, failovers (ADR-0046)
+
+    def __post_init__(self) -> None:
+        self.traffic = TrafficLog(self.settings.node_id)
 
 
 def _state(request: Request) -> NodeContext:
@@ -234,7 +242,8 @@ def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | Non
     entry = LocalEntry(node.runtime, slot, wire_dtype=node.settings.wire_dtype, metrics=node.metrics)
     return slot.model, Orchestrator(entry, node_id=node.settings.node_id, endpoint=node.settings.endpoint,
                                     client=node.http, routes=routes, report=report, settings=settings,
-                                    observer=node.metrics, release_auth=getattr(agent, "signer", None))
+                                    observer=node.metrics, release_auth=getattr(agent, "signer", None),
+                                    traffic=node.traffic)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -260,6 +269,17 @@ async def doctor(request: Request) -> JSONResponse:
     node = _state(request)
     reports = await asyncio.to_thread(run_doctor_all, node)
     return JSONResponse(DoctorResponse(reports=reports).model_dump())
+
+
+async def traffic(request: Request) -> JSONResponse:
+    """This node's traffic (:class:`NodeTraffic`): sessions it drives as entry, its latest failovers,
+    and the last minutes of TTFT, TPOT, forward tokens and batch sizes in buckets."""
+    node = _state(request)
+    now = node.metrics.clock()
+    body = NodeTraffic(node_id=node.settings.node_id, at_s=now,
+                       buckets=node.metrics.traffic_buckets(node.runtime.batch_sizes, now_s=now),
+                       sessions=node.traffic.sessions(), failovers=node.traffic.failovers())
+    return JSONResponse(body.model_dump())
 
 
 async def metrics(request: Request) -> Response:
@@ -323,7 +343,7 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
 
     routes = [Route("/v1/forward", forward, methods=["POST"]),
               Route("/v1/sessions/{session_id}", release_session, methods=["DELETE"]),
-              Route("/v1/health", health), Route("/v1/ready", ready), Route("/v1/doctor", doctor, methods=["POST"]),
+              Route("/v1/health", health), Route("/v1/ready", ready), Route("/v1/traffic", traffic), Route("/v1/doctor", doctor, methods=["POST"]),
               Route("/v1/models", list_models), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/metrics", metrics)]
     # forward frames may be up to the wire format's limit (plus a header of at most 24 bytes)

@@ -2,17 +2,27 @@
 the stats a node reports in heartbeats (ADR-0013).
 
 Metric names follow the serving convention of time to first token, time per output
-token, token totals and requests running.
+token, token totals and requests running. The same observations also go into a short
+wall-clock history (:class:`meshnet.stats.TimeBuckets`) that ``GET /v1/traffic`` serves
+as :class:`meshnet.protocol.traffic.TrafficBucket` rows (ADR-0046).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from meshnet.protocol.control import NodeStats
-from meshnet.stats import EMA, PerformanceEMA, RollingCounter
+from meshnet.protocol.traffic import BUCKET_COUNT, BUCKET_S, TrafficBucket
+from meshnet.stats import EMA, PerformanceEMA, RollingCounter, TimeBuckets
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 5)
 
 
 class NodeMetrics:
@@ -43,9 +53,13 @@ class NodeMetrics:
         #: generations driven as entry node: running now, and since start (what the gauges show)
         self.requests_running = 0
         self.requests_total = 0
+        #: wall-clock history of ttft_s, tpot_s and forward_tokens for the traffic view
+        self.recent = TimeBuckets(BUCKET_S, BUCKET_COUNT)
+        self.clock = time.time
 
     def observe_forward(self, n_tokens: int, seconds: float, position: int) -> None:
         self.tokens.inc(n_tokens)
+        self.recent.add("forward_tokens", n_tokens, self.clock())
         self.forward_seconds.observe(seconds)
         if position == 0:
             self.session_rate.add()
@@ -62,6 +76,7 @@ class NodeMetrics:
     def first_token(self, seconds: float) -> None:
         """Time from a request's arrival to its first token handed to the client (streamed or not)."""
         self.ttft.observe(seconds)
+        self.recent.add("ttft_s", seconds, self.clock())
 
     def generation_finished(self, stats) -> None:
         """Record one finished generation's GenerationStats."""
@@ -70,7 +85,31 @@ class NodeMetrics:
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.completion_tokens.inc(stats.completion_tokens)
         if stats.completion_tokens > 1 and stats.decode_s > 0:
-            self.tpot.observe(stats.decode_s / (stats.completion_tokens - 1))
+            tpot_s = stats.decode_s / (stats.completion_tokens - 1)
+            self.tpot.observe(tpot_s)
+            self.recent.add("tpot_s", tpot_s, self.clock())
+
+    def traffic_buckets(self, batch_sizes: Iterable[tuple[float, int]], *, now_s: float | None = None,
+                        monotonic_s: float | None = None) -> list[TrafficBucket]:
+        """The last :data:`BUCKET_COUNT` buckets of this node's traffic, oldest first, ending with the
+        one holding ``now_s`` (wall-clock seconds; now when omitted).
+
+        ``batch_sizes``: ``(monotonic seconds, sessions in one forward)`` samples (the runtime's
+        ``batch_sizes``), placed on the wall clock by their age at ``monotonic_s`` (now when omitted).
+        """
+        now_s = self.clock() if now_s is None else now_s
+        monotonic_s = time.monotonic() if monotonic_s is None else monotonic_s
+        history = self.recent.copy()
+        for t, size in list(batch_sizes):
+            history.add("batch_size", size, now_s - (monotonic_s - t))
+        rows = []
+        for i in history.window(now_s):
+            ttft, tpot, batch = history.stat("ttft_s", i), history.stat("tpot_s", i), history.stat("batch_size", i)
+            rows.append(TrafficBucket(
+                start_s=i * history.bucket_s, ttft_s=_rounded(ttft.mean), first_tokens=ttft.count,
+                tpot_s=_rounded(tpot.mean), forward_tokens=int(history.stat("forward_tokens", i).total),
+                batch_size=None if batch.mean is None else round(batch.mean, 3), batch_size_max=int(batch.max)))
+        return rows
 
     def update_gauges(self, runtime) -> None:
         self.sessions.set(len(runtime.sessions))

@@ -14,6 +14,7 @@ the figure and the tracker budgets with it where it exceeds the preset.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -101,6 +102,7 @@ class NodeRuntime:
         self.slots: dict[str, ShardSlot] = {}
         self.lock = threading.Lock()
         self.tokens_processed = 0
+        self.batch_sizes: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
 
     # ---- slot lifecycle ---------------------------------------------------------------
 
@@ -170,6 +172,7 @@ class NodeRuntime:
         with self.lock:
             session = self.sessions.acquire(session_id, slot.key, position)
             out = self._run(session_id, slot, lambda: slot.shard.forward(hidden, session.cache, position, layers))
+            self.batch_sizes.append((time.monotonic(), hidden.shape[0]))
             self.sessions.commit(session, hidden.shape[1])
             self.tokens_processed += hidden.shape[1]
         return out
@@ -193,6 +196,7 @@ class NodeRuntime:
             session = self.sessions.acquire(session_id, slot.key, position)
             out = self._run(session_id, slot, lambda: slot.shard.forward(
                 slot.shard.embed_tokens(input_ids, position), session.cache, position, layers))
+            self.batch_sizes.append((time.monotonic(), input_ids.shape[0]))
             self.sessions.commit(session, input_ids.shape[1])
             self.tokens_processed += input_ids.shape[1]
         return out

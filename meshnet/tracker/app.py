@@ -9,6 +9,7 @@ inclusive on the wire, ADR-0002):
     GET  /v1/route[?session=] (with a session: signed by its entry node, answered with a ticket, ADR-0038)
     GET  /v1/nodes, /v1/coverage, /v1/coverage/{model}, /v1/route, /v1/network/assign,
          /v1/directives, /v1/demand, /v1/models, /metrics
+    GET  /v1/traffic  (every node's sessions in flight, failovers and recent TTFT/TPOT/batch sizes, ADR-0046)
     GET  /v1/health (liveness), /v1/ready[?model=] (readiness: 200, or 503 with reasons)
     POST /v1/chat/completions  (forwarded to an entry node; 503 model_loading when not routable)
     POST /v1/operator/{pin,reload,doctor,drain}  (bearer operator token when configured)
@@ -48,6 +49,7 @@ from meshnet.protocol.views import CoverageList, DemandList, DemandRow
 from meshnet.protocol.route import RouteResponse
 from meshnet.protocol.signing import HEADER_NODE
 from meshnet.tracker.service import TrackerService, TrackerSettings
+from meshnet.tracker.traffic import TrafficGatherer
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +186,11 @@ async def deregister(request: Request) -> JSONResponse:
 
 async def nodes(request: Request) -> JSONResponse:
     return JSONResponse(views.nodes_view(_svc(request)).model_dump())
+
+
+async def traffic(request: Request) -> JSONResponse:
+    """The mesh's traffic, gathered from the nodes on demand (cached briefly, ADR-0046)."""
+    return JSONResponse((await request.app.state.traffic.traffic()).model_dump())
 
 
 async def coverage_one(request: Request) -> JSONResponse:
@@ -360,6 +367,8 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
         app.state.probing = {}
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), transport=transport) as http:
             app.state.http = http
+            svc = app.state.service
+            app.state.traffic = TrafficGatherer(http, lambda: [(n.node_id, n.endpoint) for n in svc.nodes.values()])
             task = asyncio.create_task(control_loop(app)) if run_loop else None
             try:
                 yield
@@ -375,7 +384,7 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
               Route("/v1/nodes/{node_id}/failure", failure, methods=["POST"]),
               Route("/v1/nodes/{node_id}/drain", drain_node, methods=["POST"]),
               Route("/v1/nodes/{node_id}", deregister, methods=["DELETE"]),
-              Route("/v1/nodes", nodes), Route("/v1/coverage", coverage_all),
+              Route("/v1/nodes", nodes), Route("/v1/traffic", traffic), Route("/v1/coverage", coverage_all),
               Route("/v1/coverage/{model:path}", coverage_one), Route("/v1/route", route),
               Route("/v1/network/assign", network_assign), Route("/v1/directives", directives),
               Route("/v1/demand", demand), Route("/v1/models", models), Route("/v1/health", health),

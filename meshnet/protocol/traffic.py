@@ -1,0 +1,111 @@
+"""What the data plane looks like right now: sessions in flight, recent failovers, and a short
+history of time to first token, time per output token, tokens and batch sizes (ADR-0046).
+
+A node answers ``GET /v1/traffic`` with a :class:`NodeTraffic`; the tracker answers its own
+``GET /v1/traffic`` with a :class:`MeshTraffic` gathering every registered node's. Times are
+wall-clock seconds since the epoch (``at_s``, ``start_s``), ages and latencies are seconds,
+layer numbers are inclusive (ADR-0002).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: seconds covered by one history bucket
+BUCKET_S = 10.0
+#: buckets in a history (10 minutes)
+BUCKET_COUNT = 60
+
+
+class HopView(BaseModel):
+    """One hop of a session's route: a node and the layers it runs for the session (inclusive)."""
+
+    model_config = ConfigDict(extra="forbid")
+    node_id: str
+    start_layer: int = Field(ge=0)
+    end_layer: int = Field(ge=0)
+
+
+class SessionInFlight(BaseModel):
+    """A generation its entry node is driving now.
+
+    ``age_s``: seconds since it started; ``ttft_s``: seconds from the request's arrival to its
+    first token (None: none yet); ``failovers``: hops replaced so far.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    session_id: str
+    model: str
+    entry_node: str
+    route: list[HopView]
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    age_s: float = Field(ge=0)
+    ttft_s: float | None = None
+    failovers: int = Field(default=0, ge=0)
+
+
+class FailoverEvent(BaseModel):
+    """A hop replaced mid-session: at ``at_s`` (epoch seconds) the entry node ``entry_node``
+    replaced ``failed_node`` on layers ``start_layer..end_layer`` by ``replacement`` (node ids,
+    in layer order); ``reason`` is the hop's error, one line."""
+
+    model_config = ConfigDict(extra="forbid")
+    at_s: float
+    session_id: str
+    entry_node: str
+    failed_node: str
+    start_layer: int = Field(ge=0)
+    end_layer: int = Field(ge=0)
+    replacement: list[str]
+    reason: str = ""
+
+
+class TrafficBucket(BaseModel):
+    """``bucket_s`` seconds of one node's traffic starting at ``start_s`` (epoch seconds, a
+    multiple of ``bucket_s``). A mean is None when nothing was observed in the bucket.
+
+    - ``ttft_s``: mean time to first token of the generations whose first token fell here;
+      ``first_tokens``: how many.
+    - ``tpot_s``: mean time per output token of the generations that finished here.
+    - ``forward_tokens``: tokens run through this node's layers (prefill and decode, all sessions).
+    - ``batch_size``: mean sessions per forward; ``batch_size_max``: the largest (0: no forward).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    start_s: float
+    ttft_s: float | None = None
+    first_tokens: int = Field(default=0, ge=0)
+    tpot_s: float | None = None
+    forward_tokens: int = Field(default=0, ge=0)
+    batch_size: float | None = None
+    batch_size_max: int = Field(default=0, ge=0)
+
+
+class NodeTraffic(BaseModel):
+    """Body of a node's ``GET /v1/traffic``; in the tracker's answer also whether it answered.
+
+    ``buckets`` run oldest first and end with the bucket holding ``at_s``; ``sessions`` are the
+    generations this node drives as entry; ``failovers`` the latest it saw, newest first.
+    ``error``: set by the tracker when it could not read this node (then the lists are empty).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    node_id: str
+    at_s: float
+    bucket_s: float = BUCKET_S
+    buckets: list[TrafficBucket] = Field(default_factory=list)
+    sessions: list[SessionInFlight] = Field(default_factory=list)
+    failovers: list[FailoverEvent] = Field(default_factory=list)
+    error: str | None = None
+
+
+class MeshTraffic(BaseModel):
+    """Body of the tracker's ``GET /v1/traffic``: every registered node's traffic (sorted by node
+    id), the sessions in flight across the mesh (oldest first) and the failovers (newest first)."""
+
+    model_config = ConfigDict(extra="forbid")
+    at_s: float
+    nodes: list[NodeTraffic]
+    sessions: list[SessionInFlight]
+    failovers: list[FailoverEvent]
