@@ -368,7 +368,8 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), transport=transport) as http:
             app.state.http = http
             svc = app.state.service
-            app.state.traffic = TrafficGatherer(http, lambda: [(n.node_id, n.endpoint) for n in svc.nodes.values()])
+            app.state.traffic = TrafficGatherer(lambda: app.state.http,
+                                                lambda: [(n.node_id, n.endpoint) for n in svc.nodes.values()])
             task = asyncio.create_task(control_loop(app)) if run_loop else None
             try:
                 yield

@@ -67,13 +67,13 @@ class TrafficGatherer:
     """Gathers and caches the mesh's traffic.
 
     Args:
-        http: the tracker's outbound client.
+        http: ``() ->`` the tracker's outbound client (read at each gathering).
         endpoints: ``() -> [(node_id, endpoint)]`` of the registered nodes now.
         cache_s: seconds an answer is served again; ``node_timeout_s``: per node.
         clock: wall-clock seconds (for ``at_s``); the cache runs on ``time.monotonic``.
     """
 
-    def __init__(self, http: httpx.AsyncClient, endpoints: Callable[[], list[tuple[str, str]]], *,
+    def __init__(self, http: Callable[[], httpx.AsyncClient], endpoints: Callable[[], list[tuple[str, str]]], *,
                  cache_s: float = CACHE_S, node_timeout_s: float = NODE_TIMEOUT_S,
                  clock: Callable[[], float] = time.time) -> None:
         self.http, self.endpoints = http, endpoints
@@ -92,7 +92,8 @@ class TrafficGatherer:
 
     async def _gather(self) -> MeshTraffic:
         now = self.clock()
-        answers = await asyncio.gather(*(fetch_node_traffic(self.http, node_id, endpoint, self.node_timeout_s, now)
+        http = self.http()
+        answers = await asyncio.gather(*(fetch_node_traffic(http, node_id, endpoint, self.node_timeout_s, now)
                                          for node_id, endpoint in self.endpoints()))
         merged = merge_traffic(list(answers), now)
         self._cached = (time.monotonic(), merged)
