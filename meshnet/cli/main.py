@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from meshnet.cli import models, ops, serve, services
+from meshnet.cli import models, ops, serve, services, traffic
 
 app = typer.Typer(name="meshnet", no_args_is_help=True, add_completion=False,
                   help="meshnet: a distributed LLM inference network. Nodes serve layer shards of a "
@@ -15,6 +15,7 @@ app.add_typer(services.tracker_app, name="tracker")
 app.command("serve")(serve.serve)
 for name, fn in ops.COMMANDS.items():
     app.command(name)(fn)
+app.command("traffic")(traffic.traffic)
 
 
 @app.command("tui")

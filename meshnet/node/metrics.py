@@ -107,8 +107,10 @@ class NodeMetrics:
             ttft, tpot, batch = history.stat("ttft_s", i), history.stat("tpot_s", i), history.stat("batch_size", i)
             rows.append(TrafficBucket(
                 start_s=i * history.bucket_s, ttft_s=_rounded(ttft.mean), first_tokens=ttft.count,
-                tpot_s=_rounded(tpot.mean), forward_tokens=int(history.stat("forward_tokens", i).total),
-                batch_size=None if batch.mean is None else round(batch.mean, 3), batch_size_max=int(batch.max)))
+                tpot_s=_rounded(tpot.mean), finished=tpot.count,
+                forward_tokens=int(history.stat("forward_tokens", i).total),
+                batch_size=None if batch.mean is None else round(batch.mean, 3), batch_size_max=int(batch.max),
+                forwards=batch.count))
         return rows
 
     def update_gauges(self, runtime) -> None:

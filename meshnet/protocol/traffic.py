@@ -67,9 +67,11 @@ class TrafficBucket(BaseModel):
 
     - ``ttft_s``: mean time to first token of the generations whose first token fell here;
       ``first_tokens``: how many.
-    - ``tpot_s``: mean time per output token of the generations that finished here.
+    - ``tpot_s``: mean time per output token of the generations that finished here; ``finished``:
+      how many (those with at least two tokens).
     - ``forward_tokens``: tokens run through this node's layers (prefill and decode, all sessions).
-    - ``batch_size``: mean sessions per forward; ``batch_size_max``: the largest (0: no forward).
+    - ``batch_size``: mean sessions per forward; ``batch_size_max``: the largest (0: no forward);
+      ``forwards``: how many forwards.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -77,9 +79,11 @@ class TrafficBucket(BaseModel):
     ttft_s: float | None = None
     first_tokens: int = Field(default=0, ge=0)
     tpot_s: float | None = None
+    finished: int = Field(default=0, ge=0)
     forward_tokens: int = Field(default=0, ge=0)
     batch_size: float | None = None
     batch_size_max: int = Field(default=0, ge=0)
+    forwards: int = Field(default=0, ge=0)
 
 
 class NodeTraffic(BaseModel):
@@ -109,3 +113,22 @@ class MeshTraffic(BaseModel):
     nodes: list[NodeTraffic]
     sessions: list[SessionInFlight]
     failovers: list[FailoverEvent]
+
+
+def recent_summary(buckets: list[dict], last: int = 6) -> dict:
+    """The last ``last`` buckets of a node (the JSON form of :class:`TrafficBucket`, oldest first)
+    summed up: ``ttft_s`` and ``tpot_s`` (means weighted by their counts, None when nothing was
+    observed), ``tokens_per_s`` (forward tokens over the span), ``batch_size`` (mean per forward,
+    None without forwards) and ``batch_size_max``. ``bucket_s`` is taken as the spacing of
+    ``start_s`` (10 s when there is one bucket)."""
+    tail = buckets[-last:] if last > 0 else []
+    span_s = len(tail) * (tail[1]["start_s"] - tail[0]["start_s"] if len(tail) > 1 else BUCKET_S)
+
+    def weighted(value: str, count: str) -> float | None:
+        n = sum(b.get(count) or 0 for b in tail if b.get(value) is not None)
+        return sum(b[value] * (b.get(count) or 0) for b in tail if b.get(value) is not None) / n if n else None
+
+    return {"ttft_s": weighted("ttft_s", "first_tokens"), "tpot_s": weighted("tpot_s", "finished"),
+            "tokens_per_s": sum(b.get("forward_tokens") or 0 for b in tail) / span_s if span_s else 0.0,
+            "batch_size": weighted("batch_size", "forwards"),
+            "batch_size_max": max((b.get("batch_size_max") or 0 for b in tail), default=0)}

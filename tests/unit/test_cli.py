@@ -130,3 +130,47 @@ def test_chat_against_a_server_error_in_plain_text_is_no_traceback(monkeypatch):
         assert result.exit_code == 1
         assert result.output.strip().splitlines() == ["error: HTTP 500: Internal Server Error"]
         assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+TRAFFIC = {
+    "at_s": 1000.0,
+    "nodes": [{"node_id": "n1", "at_s": 1000.0, "bucket_s": 10.0, "error": None, "sessions": [], "failovers": [],
+               "buckets": [{"start_s": 990.0, "ttft_s": 0.25, "first_tokens": 2, "tpot_s": 0.04, "finished": 1,
+                            "forward_tokens": 120, "batch_size": 1.5, "batch_size_max": 2, "forwards": 4}]},
+              {"node_id": "n2", "at_s": 1000.0, "bucket_s": 10.0, "error": "GET http://n2/v1/traffic timed out",
+               "buckets": [], "sessions": [], "failovers": []}],
+    "sessions": [{"session_id": "abcdef0123456789", "model": "smollm2-135m", "entry_node": "n1",
+                  "route": [{"node_id": "n1", "start_layer": 0, "end_layer": 14},
+                            {"node_id": "n3", "start_layer": 15, "end_layer": 29}],
+                  "prompt_tokens": 40, "completion_tokens": 7, "age_s": 2.5, "ttft_s": 0.31, "failovers": 1}],
+    "failovers": [{"at_s": 988.0, "session_id": "abcdef0123456789", "entry_node": "n1", "failed_node": "n2",
+                   "start_layer": 15, "end_layer": 29, "replacement": ["n3"], "reason": "n2 froze"}],
+}
+
+
+def test_traffic_prints_nodes_sessions_and_failovers_or_json(monkeypatch):
+    from meshnet.client import TrackerClient
+
+    async def fake_traffic(self):
+        return TRAFFIC
+
+    monkeypatch.setattr(TrackerClient, "traffic", fake_traffic)
+    monkeypatch.setattr("meshnet.cli.traffic.time.time", lambda: 1000.0)
+    result = runner.invoke(app, ["traffic", "--url", "http://tracker.test"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    n1 = next(line for line in lines if line.startswith("│ n1 "))
+    assert [c.strip() for c in n1.split("│")[1:-1]] == ["n1", "1", "250 ms", "40 ms", "12.0", "1.50/2", "ok"]
+    assert any("timed out" in line for line in lines if line.startswith("│ n2 "))
+    session = next(line for line in lines if line.startswith("│ abcdef01 "))
+    assert "n1[0-14] → n3[15-29]" in session and "40+7" in session and "310 ms" in session
+    failover = next(line for line in lines if line.startswith("│ 12 s ago "))
+    assert [c.strip() for c in failover.split("│")[1:-1]] == ["12 s ago", "abcdef01", "n1", "n2", "15-29", "n3",
+                                                             "n2 froze"]
+    as_json = runner.invoke(app, ["traffic", "--json", "--url", "http://tracker.test"])
+    assert as_json.exit_code == 0 and json.loads(as_json.stdout) == TRAFFIC
+
+
+def test_traffic_of_an_unreachable_tracker_is_a_clean_error():
+    result = runner.invoke(app, ["traffic", "--url", "http://127.0.0.1:1"])
+    assert result.exit_code == 1 and "Traceback" not in result.output

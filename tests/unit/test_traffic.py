@@ -9,7 +9,7 @@ from meshnet.gateway.traffic import TrafficLog
 from meshnet.layers import LayerRange
 from meshnet.node.metrics import NodeMetrics
 from meshnet.protocol.route import Hop
-from meshnet.protocol.traffic import BUCKET_COUNT, FailoverEvent, NodeTraffic, SessionInFlight
+from meshnet.protocol.traffic import BUCKET_COUNT, FailoverEvent, NodeTraffic, SessionInFlight, recent_summary
 from meshnet.stats import BucketStat, TimeBuckets
 from meshnet.tracker.traffic import merge_traffic
 
@@ -78,7 +78,7 @@ def test_node_traffic_buckets_summarise_ttft_tpot_tokens_and_batch_sizes():
     assert [r.start_s for r in rows[-2:]] == [1000.0, 1010.0]
     older, newest = rows[-2], rows[-1]
     assert (older.ttft_s, older.first_tokens, older.tpot_s, older.forward_tokens) == (0.3, 2, 0.05, 12)
-    assert (older.batch_size, older.batch_size_max) == (2.0, 3)
+    assert (older.batch_size, older.batch_size_max, older.forwards, older.finished) == (2.0, 3, 2, 1)
     assert (newest.ttft_s, newest.first_tokens, newest.tpot_s, newest.forward_tokens) == (None, 0, None, 1)
     assert (newest.batch_size, newest.batch_size_max) == (2.0, 2)
     assert rows[0].start_s == 1010.0 - 10.0 * (BUCKET_COUNT - 1)
@@ -138,3 +138,23 @@ def test_merge_traffic_orders_nodes_sessions_and_failovers():
     assert [n.node_id for n in merged.nodes] == ["a-node", "b-node"]
     assert [s.session_id for s in merged.sessions] == ["s1", "s2"]
     assert [(e.session_id, e.at_s) for e in merged.failovers] == [("s2", 5.0), ("s1", 4.0), ("s9", 3.0)]
+
+
+def _bucket(start: float, **fields) -> dict:
+    return {"start_s": start, "ttft_s": None, "first_tokens": 0, "tpot_s": None, "finished": 0, "forward_tokens": 0,
+            "batch_size": None, "batch_size_max": 0, "forwards": 0, **fields}
+
+
+@pytest.mark.parametrize("last, expected", [
+    (2, {"ttft_s": 0.4, "tpot_s": 0.05, "tokens_per_s": 3.0, "batch_size": 3.0, "batch_size_max": 4}),
+    (3, {"ttft_s": 0.325, "tpot_s": 0.05, "tokens_per_s": 4.0, "batch_size": 2.0, "batch_size_max": 4}),
+    (0, {"ttft_s": None, "tpot_s": None, "tokens_per_s": 0.0, "batch_size": None, "batch_size_max": 0}),
+])
+def test_recent_summary_weights_means_by_their_counts(last, expected):
+    buckets = [_bucket(0.0, ttft_s=0.1, first_tokens=1, forward_tokens=60, batch_size=1.0, batch_size_max=1,
+                       forwards=2),
+               _bucket(10.0),
+               _bucket(20.0, ttft_s=0.4, first_tokens=3, tpot_s=0.05, finished=2, forward_tokens=60,
+                       batch_size=3.0, batch_size_max=4, forwards=2)]
+    got = recent_summary(buckets, last)
+    assert got == {k: pytest.approx(v) if isinstance(v, float) else v for k, v in expected.items()}
