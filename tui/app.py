@@ -1,9 +1,10 @@
 """The operator console: ``meshnet tui``.
 
 :class:`MeshnetConsole` connects to a tracker as a client (``meshnet.client.TrackerClient``)
-and shows four views, one Textual *mode* each, switched with the number keys:
-coverage (1), nodes (2), directives (3), demand (4). One polling worker fetches the
-tracker's JSON views; polls never overlap (a single exclusive worker loops), the period
+and shows five views, one Textual *mode* each, switched with the number keys:
+coverage (1), nodes (2), directives (3), demand (4), traffic (5). One polling worker fetches the
+tracker's JSON views (the traffic view's ``/v1/traffic`` only while that view is shown: the
+tracker asks every node for it, ADR-0046); polls never overlap (a single exclusive worker loops), the period
 is ``interval_s`` and backs off exponentially (cap 30 s) while the tracker is unreachable.
 Data from a failed poll is kept but dimmed; a toast appears only when the connection
 state changes. Operator actions live in :mod:`tui.actions`.
@@ -30,6 +31,7 @@ from tui.screens.demand import DemandScreen
 from tui.screens.directives import DirectivesScreen
 from tui.screens.help import HelpScreen
 from tui.screens.nodes import NodesScreen
+from tui.screens.traffic import TrafficScreen
 from tui.state import ConsoleState, Snapshot
 from tui.widgets.topbar import VIEWS
 
@@ -64,7 +66,7 @@ class MeshnetConsole(OperatorActions, App[None]):
 
     TITLE = "meshnet console"
     MODES = {"coverage": CoverageScreen, "nodes": NodesScreen, "directives": DirectivesScreen,
-             "demand": DemandScreen}
+             "demand": DemandScreen, "traffic": TrafficScreen}
     DEFAULT_MODE = "coverage"
     BINDINGS = [
         Binding("q", "quit", "Quit", id="quit"),
@@ -129,7 +131,12 @@ class MeshnetConsole(OperatorActions, App[None]):
 
     async def _poll_once(self) -> None:
         c = self.client
-        results = await asyncio.gather(c.nodes(), c.coverage(), c.directives(), c.demand(), return_exceptions=True)
+        calls = [c.nodes(), c.coverage(), c.directives(), c.demand()]
+        if self.current_mode == "traffic":
+            calls.append(c.traffic())
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        if len(results) > 4:
+            self._fold_traffic(results.pop())
         error = next((r for r in results if isinstance(r, BaseException)), None)
         now = self.now()
         if error is not None:
@@ -147,6 +154,18 @@ class MeshnetConsole(OperatorActions, App[None]):
             if self.state.apply(snapshot, now):
                 self.notify(f"connected to {self.url} again", title="Tracker reachable")
         self.state_signal.publish(self.state)
+
+    def _fold_traffic(self, result: dict | BaseException) -> None:
+        """A traffic answer into the state (a failure is the view's note, not the connection's);
+        a toast for each failover that is new since the last answer."""
+        if isinstance(result, BaseException):
+            message = result.message if isinstance(result, MeshnetError) else f"{type(result).__name__}: {result}"
+            self.state.record_traffic_failure(message)
+            return
+        for event in self.state.apply_traffic(result)[:3]:
+            self.notify(f"session {event['session_id'][:8]}: {event['failed_node']} (layers "
+                        f"{event['start_layer']}-{event['end_layer']}) → {', '.join(event['replacement'])}",
+                        title="Failover", severity="warning")
 
     async def wait_polled(self, count: int = 1) -> None:
         """Wait until at least ``count`` polls have finished (tests, and after actions).
@@ -182,6 +201,8 @@ class MeshnetConsole(OperatorActions, App[None]):
 
     def action_view(self, mode: str) -> None:
         self.switch_mode(mode)
+        if mode == "traffic":
+            self.wake()  # its data is fetched only while it is shown
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(readonly=self.readonly))

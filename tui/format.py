@@ -112,3 +112,21 @@ def bar_cells(counts: Sequence[int], width: int) -> list[tuple[int, int, int]]:
         first, last = i * n // cells, (i + 1) * n // cells - 1
         out.append((first, last, min(counts[first:last + 1])))
     return out
+
+
+def format_ms(seconds: float | None) -> str:
+    """``250 ms`` (``1.2 s`` from 10 s); ``—`` for unknown."""
+    if seconds is None:
+        return NO_VALUE
+    return f"{seconds:.1f} s" if seconds >= 10 else f"{seconds * 1000:.0f} ms"
+
+
+def bucket_series(buckets: Sequence[dict], key: str, width: int) -> list[float]:
+    """The last ``width`` values of ``key`` across traffic buckets (oldest first), an empty
+    bucket (None) as 0.0, for :func:`spark`."""
+    return [float(b.get(key) or 0.0) for b in list(buckets)[-width:]]
+
+
+def route_text(route: Sequence[dict]) -> str:
+    """``n1 0-9 → n2 10-19`` (layers inclusive, like the API)."""
+    return " → ".join(f"{h['node_id']} {h['start_layer']}-{h['end_layer']}" for h in route)

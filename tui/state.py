@@ -8,7 +8,9 @@ state, given the console clock's ``now``. The views only read from here.
 - requests per minute per node: the node's own ``requests_per_min`` when its heartbeat
   carries one, else derived from its ``requests_total`` counter over a sliding window;
 - directive status trails: each status the console has *seen* a directive in, so the
-  log shows ``queued → delivered → done`` transitions.
+  log shows ``queued → delivered → done`` transitions;
+- traffic (the tracker's ``GET /v1/traffic``, fetched only while the traffic view is shown):
+  the last answer, or why it could not be read, and which failovers are new since the last one.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ HISTORY_LEN = 60
 RPM_WINDOW_S = 60.0
 #: shortest span of samples a rate is computed over (two polls 50 ms apart say nothing)
 RPM_MIN_SPAN_S = 5.0
+#: failover events remembered as seen (to tell the new ones), far more than a poll brings
+SEEN_FAILOVERS = 1000
+
+
+def failover_key(event: dict) -> tuple:
+    """What identifies a failover event across polls."""
+    return event["session_id"], event["failed_node"], event["at_s"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,11 @@ class ConsoleState:
     histories: dict[str, NodeHistory] = field(default_factory=dict)
     trails: dict[int, list[str]] = field(default_factory=dict)
     polls: int = 0
+    #: the tracker's last ``GET /v1/traffic`` answer (None: not fetched yet)
+    traffic: dict | None = None
+    #: why the last traffic fetch failed (None: it did not)
+    traffic_error: str | None = None
+    seen_failovers: dict[tuple, None] = field(default_factory=dict)
 
     def apply(self, snapshot: Snapshot, now: float) -> bool:
         """Fold one successful poll in; returns True if the connection state changed."""
@@ -142,6 +156,22 @@ class ConsoleState:
         for old in set(self.trails) - seen:
             del self.trails[old]
         return self.connection.record_ok(now)
+
+    def apply_traffic(self, traffic: dict) -> list[dict]:
+        """Fold in one traffic answer; returns its failover events not seen before, newest first
+        (none on the first answer: what happened before the console looked is history, not news)."""
+        first = self.traffic is None
+        self.traffic, self.traffic_error = traffic, None
+        new = [e for e in traffic.get("failovers", []) if failover_key(e) not in self.seen_failovers]
+        for event in reversed(new):
+            self.seen_failovers[failover_key(event)] = None
+        while len(self.seen_failovers) > SEEN_FAILOVERS:
+            del self.seen_failovers[next(iter(self.seen_failovers))]
+        return [] if first else new
+
+    def record_traffic_failure(self, error: str) -> None:
+        """The traffic fetch failed (the last answer is kept)."""
+        self.traffic_error = error
 
     def record_failure(self, error: str, now: float) -> bool:
         """A poll failed; the snapshot is kept (shown dimmed). True if the state changed."""

@@ -367,9 +367,6 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
         app.state.probing = {}
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), transport=transport) as http:
             app.state.http = http
-            svc = app.state.service
-            app.state.traffic = TrafficGatherer(lambda: app.state.http,
-                                                lambda: [(n.node_id, n.endpoint) for n in svc.nodes.values()])
             task = asyncio.create_task(control_loop(app)) if run_loop else None
             try:
                 yield
@@ -398,5 +395,7 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
                     exception_handlers={MeshnetError: _on_error, HTTPException: http_error,
                                         Exception: _unexpected_error})
     app.state.auth = NodeAuth(settings.join_token)
+    app.state.traffic = TrafficGatherer(lambda: app.state.http, lambda: [
+        (n.node_id, n.endpoint) for n in app.state.service.nodes.values()])  # ADR-0046
     app.state.drain = drain  # SIGTERM: new chats 503, proxied chats get drain_grace_s to finish (ADR-0032)
     return app

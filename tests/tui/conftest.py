@@ -114,9 +114,66 @@ class LazyTrackerTransport(httpx.AsyncBaseTransport):
             await manager.__aexit__(None, None, None)
 
 
-def tracker_app():
-    """A tracker whose probes find every fake node reachable (tests.fake_nodes)."""
-    return build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False, transport=HealthyNodes())
+class FakeTraffic(httpx.AsyncBaseTransport):
+    """The fake nodes' ``GET /v1/traffic``: ``answers[host]`` (a NodeTraffic JSON body), a
+    refused connection for a host without one; ``calls`` counts the calls. Anything else goes
+    to ``inner``."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport | None = None) -> None:
+        self.inner = inner or httpx.AsyncHTTPTransport()
+        self.answers: dict[str, dict] = {}
+        self.calls = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "GET" and request.url.path == "/v1/traffic":
+            self.calls += 1
+            answer = self.answers.get(request.url.host)
+            if answer is None:
+                raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+            return httpx.Response(200, json=answer)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def buckets(values: list[tuple], end_s: float = 1_000_000.0) -> list[dict]:
+    """Traffic buckets ending at ``end_s`` from ``(ttft_s, tpot_s, forward_tokens, batch_size)`` rows
+    (oldest first; one first token and one finish where the mean is not None, two forwards each)."""
+    first = end_s - 10.0 * (len(values) - 1)
+    return [{"start_s": first + 10.0 * i, "ttft_s": ttft, "first_tokens": int(ttft is not None), "tpot_s": tpot,
+             "finished": int(tpot is not None), "forward_tokens": tokens, "batch_size": batch,
+             "batch_size_max": round(batch), "forwards": 2}
+            for i, (ttft, tpot, tokens, batch) in enumerate(values)]
+
+
+def session(session_id: str, entry: str, route: list[tuple[str, int, int]], *, age_s: float = 3.0,
+            ttft_s: float | None = 0.25, tokens: tuple[int, int] = (40, 7), failovers: int = 0) -> dict:
+    return {"session_id": session_id, "model": MODEL, "entry_node": entry,
+            "route": [{"node_id": n, "start_layer": a, "end_layer": b} for n, a, b in route],
+            "prompt_tokens": tokens[0], "completion_tokens": tokens[1], "age_s": age_s, "ttft_s": ttft_s,
+            "failovers": failovers}
+
+
+def failover(session_id: str, entry: str, failed: str, replacement: list[str], at_s: float,
+             layers: tuple[int, int] = (2, 3), reason: str = "missed its deadline (frozen)") -> dict:
+    return {"at_s": at_s, "session_id": session_id, "entry_node": entry, "failed_node": failed,
+            "start_layer": layers[0], "end_layer": layers[1], "replacement": replacement, "reason": reason}
+
+
+def node_traffic(node_id: str, *, rows=(), sessions=(), failovers=()) -> dict:
+    return {"node_id": node_id, "at_s": 1_000_000.0, "bucket_s": 10.0, "buckets": buckets(list(rows)),
+            "sessions": list(sessions), "failovers": list(failovers), "error": None}
+
+
+def tracker_app(traffic: FakeTraffic | None = None):
+    """A tracker whose probes find every fake node reachable (tests.fake_nodes); its traffic
+    calls to them go to ``traffic`` (default: none answers). The traffic cache is off, so
+    every console poll sees the fake nodes' current answers."""
+    app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False,
+                    transport=HealthyNodes(traffic or FakeTraffic()))
+    app.state.traffic.cache_s = 0.0
+    return app
 
 
 @dataclass
@@ -125,6 +182,7 @@ class TrackerHarness:
 
     app: object
     transport: httpx.AsyncBaseTransport
+    traffic: FakeTraffic = field(default_factory=FakeTraffic)  # the fake nodes' GET /v1/traffic
     client: TrackerClient = field(init=False)
 
     def __post_init__(self) -> None:
@@ -149,9 +207,10 @@ class TrackerHarness:
 
 @pytest.fixture
 async def tracker():
-    app = tracker_app()
+    traffic = FakeTraffic()
+    app = tracker_app(traffic)
     async with LifespanManager(app) as manager:
-        harness = TrackerHarness(app, httpx.ASGITransport(app=manager.app))
+        harness = TrackerHarness(app, httpx.ASGITransport(app=manager.app), traffic)
         yield harness
         await harness.client.aclose()
 

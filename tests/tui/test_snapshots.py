@@ -16,9 +16,8 @@ import time
 
 import httpx
 import pytest
-from conftest import SIZE, TRACKER_URL, FakeClock, LazyTrackerTransport, SwitchableTransport, node_payload, \
-    heartbeat_payload, \
-    shard, tracker_app
+from conftest import SIZE, TRACKER_URL, FakeClock, FakeTraffic, LazyTrackerTransport, SwitchableTransport, \
+    failover, heartbeat_payload, node_payload, node_traffic, session, shard, tracker_app
 
 from meshnet.client import TrackerClient
 from tests.payloads import SignAsNodes
@@ -74,8 +73,8 @@ async def seed(app: MeshnetConsole, transport: httpx.AsyncBaseTransport, clock: 
         await app.refresh_now()
 
 
-def seeded_console(**kw) -> tuple[MeshnetConsole, LazyTrackerTransport, FakeClock]:
-    transport = LazyTrackerTransport(tracker_app())
+def seeded_console(traffic: FakeTraffic | None = None, **kw) -> tuple[MeshnetConsole, LazyTrackerTransport, FakeClock]:
+    transport = LazyTrackerTransport(tracker_app(traffic))
     clock = FakeClock(time.time() + CLOCK_AHEAD_S)
     app = MeshnetConsole(url=TRACKER_URL, client=TrackerClient(TRACKER_URL, transport=transport),
                          interval_s=60.0, clock=clock, **kw)
@@ -108,6 +107,38 @@ def test_directives_view(snap_compare):
 
 def test_demand_view(snap_compare):
     assert snapshot_of(snap_compare, ("4",))
+
+
+def traffic_answers(clock: FakeClock) -> dict[str, dict]:
+    """node-a drives two sessions (one failed over from node-b to node-c), node-b answers with a
+    quiet history, node-c (10.0.0.3) does not answer."""
+    rows = [(0.21, 0.048, 120, 1.0), (0.35, 0.052, 480, 2.5), (0.28, 0.05, 260, 1.5), (0.42, 0.061, 720, 4.0),
+            (0.3, 0.055, 400, 3.0), (0.25, 0.05, 300, 2.0)]
+    return {
+        "10.0.0.1": node_traffic("node-a", rows=rows, sessions=[
+            session("5f1c9a0e22b4", "node-a", [("node-a", 0, 1), ("node-c", 2, 3)], age_s=48.0, ttft_s=0.31,
+                    tokens=(212, 96), failovers=1),
+            session("c07d33e1aa90", "node-a", [("node-a", 0, 1), ("node-b", 2, 3)], age_s=4.0, ttft_s=None,
+                    tokens=(37, 0))],
+            failovers=[failover("5f1c9a0e22b4", "node-a", "node-b", ["node-c"], clock.now - 21.0,
+                                reason="hop node-b at http://10.0.0.2:8701 (layers 2-3) missed its 0.50 s "
+                                       "deadline on 1 token(s) (frozen)")]),
+        "10.0.0.2": node_traffic("node-b", rows=[(None, None, 96, 1.0)] * 6),
+    }
+
+
+def test_traffic_view(snap_compare):
+    traffic = FakeTraffic()
+    app, transport, clock = seeded_console(traffic)
+    traffic.answers = traffic_answers(clock)
+
+    async def run_before(pilot) -> None:
+        await seed(pilot.app, transport, clock)
+        await pilot.press("5")
+        await pilot.app.refresh_now()
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
 def test_help_screen(snap_compare):

@@ -162,7 +162,8 @@ def test_console_talks_to_services_only_through_the_client():
         for line in path.read_text().splitlines():
             if line.lstrip().startswith(("import meshnet", "from meshnet")):
                 module = line.split()[1]
-                assert module in ("meshnet.client", "meshnet.errors", "meshnet.layers"), f"{path}: {line}"
+                assert module in ("meshnet.client", "meshnet.errors", "meshnet.layers", "meshnet.protocol.traffic"), \
+                    f"{path}: {line}"
 
 
 def test_node_rpm_prefers_the_nodes_own_figure():
@@ -184,3 +185,45 @@ def test_node_detail_names_an_unreachable_endpoint_and_why():
             "reach_error": "GET http://10.0.0.9:8701/v1/health failed: ConnectTimeout"}
     assert "unreachable: GET http://10.0.0.9:8701/v1/health failed: ConnectTimeout" in detail_text(node, 0.0, palette).plain
     assert "unreachable" not in detail_text({**node, "reachable": True}, 0.0, palette).plain
+
+
+# ---- traffic (ADR-0046) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seconds, text", [(None, "—"), (0.0004, "0 ms"), (0.25, "250 ms"), (9.9994, "9999 ms"),
+                                           (12.34, "12.3 s")])
+def test_format_ms(seconds, text):
+    from tui.format import format_ms
+
+    assert format_ms(seconds) == text
+
+
+def test_bucket_series_takes_the_tail_and_draws_empty_buckets_at_zero():
+    from tui.format import bucket_series
+
+    rows = [{"ttft_s": 0.1}, {"ttft_s": None}, {"ttft_s": 0.3}, {}]
+    assert bucket_series(rows, "ttft_s", 3) == [0.0, 0.3, 0.0]
+    assert bucket_series([], "ttft_s", 3) == []
+
+
+def test_route_text_is_inclusive_like_the_api():
+    from tui.format import route_text
+
+    route = [{"node_id": "a", "start_layer": 0, "end_layer": 9}, {"node_id": "b", "start_layer": 10, "end_layer": 29}]
+    assert route_text(route) == "a 0-9 → b 10-29"
+
+
+def _event(session: str, at: float) -> dict:
+    return {"session_id": session, "failed_node": "b", "at_s": at}
+
+
+def test_failovers_are_news_only_after_the_first_traffic_answer():
+    state = ConsoleState()
+    assert state.apply_traffic({"failovers": [_event("s1", 5.0)]}) == []  # history, not news
+    assert state.apply_traffic({"failovers": [_event("s2", 7.0), _event("s3", 6.0), _event("s1", 5.0)]}) == \
+        [_event("s2", 7.0), _event("s3", 6.0)]
+    assert state.apply_traffic({"failovers": [_event("s2", 7.0)]}) == []
+    state.record_traffic_failure("tracker timed out")
+    assert (state.traffic_error, state.traffic["failovers"]) == ("tracker timed out", [_event("s2", 7.0)])
+    state.apply_traffic({"failovers": []})
+    assert state.traffic_error is None

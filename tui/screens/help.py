@@ -10,7 +10,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Label, Static
 
-KEYS = (("1 2 3 4", "views: coverage, nodes, directives, demand"), ("r", "refresh now"),
+KEYS = (("1 2 3 4 5", "views: coverage, nodes, directives, demand, traffic"), ("r", "refresh now"),
         ("/", "filter the view (esc clears)"), ("ctrl+p", "command palette"), ("?", "this help"), ("q", "quit"))
 ACTIONS = (("P", "pin a model (and layer range) to the selected node"),
            ("D", "run doctor on the selected node and show its report"),
@@ -21,6 +21,9 @@ LEGEND = ("Coverage: each cell is a layer and shows how many admitted nodes serv
           "A shard counts only when admitted: its capability report passed and is fresh.\n"
           "Actions apply to the row highlighted in the nodes view (2) and always ask to confirm "
           "(y / n / esc).\n"
+          "Traffic (5): sessions in flight with their routes, per node the last minutes of time to first "
+          "token, time per output token, tokens/s and batch size (10 s buckets), and failovers as they "
+          "happen.\n"
           "When the tracker is unreachable the badge turns red, the data is dimmed and the console "
           "retries with back-off (up to 30 s).")
 

@@ -12,7 +12,7 @@ from textual.widgets import Label
 
 #: (mode, key, title) of the views, in key order
 VIEWS = (("coverage", "1", "Coverage"), ("nodes", "2", "Nodes"), ("directives", "3", "Directives"),
-         ("demand", "4", "Demand"))
+         ("demand", "4", "Demand"), ("traffic", "5", "Traffic"))
 
 
 class TopBar(Horizontal):
