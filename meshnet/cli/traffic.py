@@ -30,7 +30,7 @@ def route_text(route: list[dict]) -> str:
 
 def render(data: dict, now_s: float) -> None:
     """Print the three tables of a ``GET /v1/traffic`` answer (``now_s``: wall clock, for ages)."""
-    nodes = Table("node", "sessions", "TTFT", "TPOT", "tokens/s", "batch (mean/max)", "status",
+    nodes = Table("node", "entry/KV sessions", "TTFT", "TPOT", "tokens/s", "batch (mean/max)", "status",
                   title="last minute per node")
     entries: dict[str, int] = {}
     for s in data["sessions"]:
@@ -38,7 +38,7 @@ def render(data: dict, now_s: float) -> None:
     for n in data["nodes"]:
         r = recent_summary(n["buckets"], SUMMARY_BUCKETS)
         batch = "-" if r["batch_size"] is None else f"{r['batch_size']:.2f}/{r['batch_size_max']}"
-        nodes.add_row(n["node_id"], str(entries.get(n["node_id"], 0)), _ms(r["ttft_s"]), _ms(r["tpot_s"]),
+        nodes.add_row(n["node_id"], f"{entries.get(n['node_id'], 0)}/{n.get('kv_sessions', 0)}", _ms(r["ttft_s"]), _ms(r["tpot_s"]),
                       f"{r['tokens_per_s']:.1f}", batch, f"[red]{n['error']}[/]" if n["error"] else "ok")
     console.print(nodes)
     sessions = Table("session", "model", "route", "tokens", "age", "TTFT", "failovers", title="sessions in flight")

@@ -278,7 +278,8 @@ async def traffic(request: Request) -> JSONResponse:
     now = node.metrics.clock()
     body = NodeTraffic(node_id=node.settings.node_id, at_s=now,
                        buckets=node.metrics.traffic_buckets(node.runtime.batch_sizes, now_s=now),
-                       sessions=node.traffic.sessions(), failovers=node.traffic.failovers())
+                       sessions=node.traffic.sessions(), kv_sessions=len(node.runtime.sessions),
+                       failovers=node.traffic.failovers())
     return JSONResponse(body.model_dump())
 
 

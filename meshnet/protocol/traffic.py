@@ -90,7 +90,8 @@ class NodeTraffic(BaseModel):
     """Body of a node's ``GET /v1/traffic``; in the tracker's answer also whether it answered.
 
     ``buckets`` run oldest first and end with the bucket holding ``at_s``; ``sessions`` are the
-    generations this node drives as entry; ``failovers`` the latest it saw, newest first.
+    generations this node drives as entry; ``kv_sessions`` counts the live KV-cache sessions it
+    holds (as entry or as a hop of anyone's route); ``failovers`` the latest it saw, newest first.
     ``error``: set by the tracker when it could not read this node (then the lists are empty).
     """
 
@@ -100,6 +101,7 @@ class NodeTraffic(BaseModel):
     bucket_s: float = BUCKET_S
     buckets: list[TrafficBucket] = Field(default_factory=list)
     sessions: list[SessionInFlight] = Field(default_factory=list)
+    kv_sessions: int = Field(default=0, ge=0)
     failovers: list[FailoverEvent] = Field(default_factory=list)
     error: str | None = None
 

@@ -46,7 +46,8 @@ async def test_a_node_reports_its_sessions_buckets_and_batch_sizes(asgi_client, 
     usage = resp.json()["usage"]
     body = (await node.get("/v1/traffic")).json()
     traffic = NodeTraffic.model_validate(body)
-    assert (traffic.node_id, traffic.sessions, traffic.failovers, traffic.error) == ("n1", [], [], None)
+    assert (traffic.node_id, traffic.sessions, traffic.kv_sessions, traffic.failovers, traffic.error) == \
+        ("n1", [], 0, [], None)
     assert len(traffic.buckets) == BUCKET_COUNT and traffic.bucket_s == 10.0
     assert traffic.buckets[-1].start_s <= traffic.at_s < traffic.buckets[-1].start_s + 10.0
     recent = [b for b in traffic.buckets[-2:] if b.forward_tokens]  # the chat may straddle a bucket edge

@@ -161,9 +161,11 @@ def failover(session_id: str, entry: str, failed: str, replacement: list[str], a
             "start_layer": layers[0], "end_layer": layers[1], "replacement": replacement, "reason": reason}
 
 
-def node_traffic(node_id: str, *, rows=(), sessions=(), failovers=()) -> dict:
+def node_traffic(node_id: str, *, rows=(), sessions=(), failovers=(), kv_sessions: int | None = None) -> dict:
+    """A node's ``GET /v1/traffic`` body (``kv_sessions`` defaults to its entry sessions)."""
     return {"node_id": node_id, "at_s": 1_000_000.0, "bucket_s": 10.0, "buckets": buckets(list(rows)),
-            "sessions": list(sessions), "failovers": list(failovers), "error": None}
+            "sessions": list(sessions), "failovers": list(failovers), "error": None,
+            "kv_sessions": len(sessions) if kv_sessions is None else kv_sessions}
 
 
 def tracker_app(traffic: FakeTraffic | None = None):

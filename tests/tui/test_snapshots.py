@@ -123,7 +123,7 @@ def traffic_answers(clock: FakeClock) -> dict[str, dict]:
             failovers=[failover("5f1c9a0e22b4", "node-a", "node-b", ["node-c"], clock.now - 21.0,
                                 reason="hop node-b at http://10.0.0.2:8701 (layers 2-3) missed its 0.50 s "
                                        "deadline on 1 token(s) (frozen)")]),
-        "10.0.0.2": node_traffic("node-b", rows=[(None, None, 96, 1.0)] * 6),
+        "10.0.0.2": node_traffic("node-b", rows=[(None, None, 96, 1.0)] * 6, kv_sessions=1),
     }
 
 

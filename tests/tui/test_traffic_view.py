@@ -29,7 +29,7 @@ async def seed(tracker) -> None:
             session("aaaa1111", "node-a", [("node-a", 0, 1), ("node-b", 2, 3)], age_s=12.0),
             session("bbbb2222", "node-a", [("node-a", 0, 1), ("node-b", 2, 3)], age_s=2.0, ttft_s=None,
                     tokens=(9, 0))]),
-        "node-b.test": node_traffic("node-b", rows=[(None, None, 50, 2.0)] * 3),
+        "node-b.test": node_traffic("node-b", rows=[(None, None, 50, 2.0)] * 3, kv_sessions=2),
     }  # node-c does not answer
 
 
@@ -52,7 +52,7 @@ async def test_the_traffic_view_shows_nodes_sessions_and_failovers_as_they_happe
         assert cell(nodes, "node-a", "tpot") == "█▁█ 47 ms"
         assert cell(nodes, "node-a", "tps") == "▁▅█ 20.0"
         assert cell(nodes, "node-a", "batch") == "▁▅█ 2.0/3"
-        assert (cell(nodes, "node-a", "sessions"), cell(nodes, "node-b", "sessions")) == ("2", "0")
+        assert [cell(nodes, n, "sessions") for n in ("node-a", "node-b", "node-c")] == ["2/2", "0/2", "—"]
         assert cell(nodes, "node-a", "status") == "● ok"
         assert [cell(nodes, "node-b", c) for c in ("ttft", "tpot", "tps", "batch")] == \
             ["▁▁▁ —", "▁▁▁ —", "▄▄▄ 5.0", "▄▄▄ 2.0/2"]

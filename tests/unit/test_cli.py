@@ -135,6 +135,7 @@ def test_chat_against_a_server_error_in_plain_text_is_no_traceback(monkeypatch):
 TRAFFIC = {
     "at_s": 1000.0,
     "nodes": [{"node_id": "n1", "at_s": 1000.0, "bucket_s": 10.0, "error": None, "sessions": [], "failovers": [],
+               "kv_sessions": 1,
                "buckets": [{"start_s": 990.0, "ttft_s": 0.25, "first_tokens": 2, "tpot_s": 0.04, "finished": 1,
                             "forward_tokens": 120, "batch_size": 1.5, "batch_size_max": 2, "forwards": 4}]},
               {"node_id": "n2", "at_s": 1000.0, "bucket_s": 10.0, "error": "GET http://n2/v1/traffic timed out",
@@ -160,7 +161,7 @@ def test_traffic_prints_nodes_sessions_and_failovers_or_json(monkeypatch):
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     n1 = next(line for line in lines if line.startswith("│ n1 "))
-    assert [c.strip() for c in n1.split("│")[1:-1]] == ["n1", "1", "250 ms", "40 ms", "12.0", "1.50/2", "ok"]
+    assert [c.strip() for c in n1.split("│")[1:-1]] == ["n1", "1/1", "250 ms", "40 ms", "12.0", "1.50/2", "ok"]
     assert any("timed out" in line for line in lines if line.startswith("│ n2 "))
     session = next(line for line in lines if line.startswith("│ abcdef01 "))
     assert "n1[0-14] → n3[15-29]" in session and "40+7" in session and "310 ms" in session

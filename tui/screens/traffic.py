@@ -2,7 +2,7 @@
 
 Three keyed tables, each updated by diff so the cursor survives a refresh:
 
-- nodes: entry sessions, and per 10 s bucket over the last two minutes sparklines of time to
+- nodes: sessions it drives as entry / KV-cache sessions it holds (entry or hop), and per 10 s bucket over the last two minutes sparklines of time to
   first token, time per output token, tokens/s through the node's layers and batch size, each
   with the last minute's figure beside it (means weighted by their counts); a node the tracker
   could not read says why;
@@ -27,7 +27,7 @@ from tui.widgets.palette import Palette
 SPARK_BUCKETS = 12
 SUMMARY_BUCKETS = 6
 
-NODE_COLUMNS = (("node", "node"), ("sessions", "sessions"), ("ttft", "TTFT"), ("tpot", "TPOT"),
+NODE_COLUMNS = (("node", "node"), ("sessions", "entry/KV"), ("ttft", "TTFT"), ("tpot", "TPOT"),
                 ("tps", "tokens/s"), ("batch", "batch mean/max"), ("status", "status"))
 SESSION_COLUMNS = (("session", "session"), ("model", "model"), ("entry", "entry"), ("tokens", "tokens"),
                    ("age", "age"), ("ttft", "TTFT"), ("failovers", "failovers"), ("route", "route"))
@@ -51,7 +51,8 @@ def node_cells(node: dict, sessions: int, palette: Palette) -> dict[str, object]
     error = node.get("error")
     return {
         "node": Text(node["node_id"], style="bold"),
-        "sessions": Text(str(sessions), style=None if sessions else palette.muted),
+        "sessions": Text(f"{sessions}/{node.get('kv_sessions') or 0}" if not error else NO_VALUE,
+                         style=None if sessions or node.get("kv_sessions") else palette.muted),
         "ttft": sparked(buckets, "ttft_s", format_ms(r["ttft_s"]), palette),
         "tpot": sparked(buckets, "tpot_s", format_ms(r["tpot_s"]), palette),
         "tps": sparked(buckets, "forward_tokens", format_rate(r["tokens_per_s"]) if buckets else NO_VALUE, palette),
