@@ -239,10 +239,12 @@ class TrackerClient(_Base):
         """Queued demand per tracked model (validated against :class:`meshnet.protocol.views.DemandList`)."""
         return _parse(DemandList, await self._call("GET", "/v1/demand", "demand"), "demand").model_dump()
 
-    async def traffic(self) -> dict:
-        """The mesh's traffic: sessions in flight, failovers, each node's recent buckets
-        (validated against :class:`meshnet.protocol.traffic.MeshTraffic`)."""
-        return _parse(MeshTraffic, await self._call("GET", "/v1/traffic", "traffic"), "traffic").model_dump()
+    async def traffic(self, buckets: int | None = None) -> dict:
+        """The mesh's traffic: sessions in flight, failovers, each node's recent buckets (its last
+        ``buckets`` only when given, 1..60), validated against :class:`meshnet.protocol.traffic.MeshTraffic`."""
+        params = {"buckets": buckets} if buckets else None
+        body = await self._call("GET", "/v1/traffic", "traffic", params=params)
+        return _parse(MeshTraffic, body, "traffic").model_dump()
 
     async def assign(self, **params) -> AssignResponse:
         return _parse(AssignResponse, await self._call("GET", "/v1/network/assign", "network assignment",

@@ -31,7 +31,7 @@ from tui.screens.demand import DemandScreen
 from tui.screens.directives import DirectivesScreen
 from tui.screens.help import HelpScreen
 from tui.screens.nodes import NodesScreen
-from tui.screens.traffic import TrafficScreen
+from tui.screens.traffic import SPARK_BUCKETS as TRAFFIC_BUCKETS, TrafficScreen
 from tui.state import ConsoleState, Snapshot
 from tui.widgets.topbar import VIEWS
 
@@ -133,7 +133,7 @@ class MeshnetConsole(OperatorActions, App[None]):
         c = self.client
         calls = [c.nodes(), c.coverage(), c.directives(), c.demand()]
         if self.current_mode == "traffic":
-            calls.append(c.traffic())
+            calls.append(c.traffic(buckets=TRAFFIC_BUCKETS))
         results = await asyncio.gather(*calls, return_exceptions=True)
         if len(results) > 4:
             self._fold_traffic(results.pop())

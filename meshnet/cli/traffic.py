@@ -56,9 +56,9 @@ def render(data: dict, now_s: float) -> None:
 
 
 def traffic(url: str = UrlOpt, as_json: bool = JsonOpt) -> None:
-    """Show the data plane: sessions in flight and their routes, recent TTFT/TPOT/batch sizes, failovers."""
+    """Show the data plane: sessions in flight and their routes, the last minute's TTFT/TPOT/batch sizes, failovers."""
     async def fetch() -> dict:
         async with TrackerClient(tracker_url(url), timeout_s=30.0) as client:
-            return await client.traffic()
+            return await client.traffic(buckets=SUMMARY_BUCKETS)
 
     emit(run(fetch()), as_json, lambda d: render(d, time.time()))

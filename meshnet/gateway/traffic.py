@@ -16,8 +16,8 @@ from typing import Any, Callable
 from meshnet.protocol.route import Hop
 from meshnet.protocol.traffic import FailoverEvent, HopView, SessionInFlight
 
-#: failover events an entry node keeps (newest win)
-MAX_FAILOVERS = 100
+#: failover events an entry node keeps (newest win); the tracker merges every node's into its own list
+MAX_FAILOVERS = 20
 #: characters of a failover's reason kept
 REASON_CHARS = 240
 

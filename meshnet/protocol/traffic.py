@@ -93,6 +93,8 @@ class NodeTraffic(BaseModel):
     generations this node drives as entry; ``kv_sessions`` counts the live KV-cache sessions it
     holds (as entry or as a hop of anyone's route); ``failovers`` the latest it saw, newest first.
     ``error``: set by the tracker when it could not read this node (then the lists are empty).
+    In the tracker's :class:`MeshTraffic` the sessions and failovers are in its mesh-wide lists
+    and left empty here.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -107,8 +109,9 @@ class NodeTraffic(BaseModel):
 
 
 class MeshTraffic(BaseModel):
-    """Body of the tracker's ``GET /v1/traffic``: every registered node's traffic (sorted by node
-    id), the sessions in flight across the mesh (oldest first) and the failovers (newest first)."""
+    """Body of the tracker's ``GET /v1/traffic[?buckets=N]``: every registered node's traffic
+    (sorted by node id; its last ``N`` buckets, all :data:`BUCKET_COUNT` by default), the sessions in
+    flight across the mesh (oldest first) and the failovers (newest first)."""
 
     model_config = ConfigDict(extra="forbid")
     at_s: float

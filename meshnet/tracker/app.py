@@ -9,7 +9,7 @@ inclusive on the wire, ADR-0002):
     GET  /v1/route[?session=] (with a session: signed by its entry node, answered with a ticket, ADR-0038)
     GET  /v1/nodes, /v1/coverage, /v1/coverage/{model}, /v1/route, /v1/network/assign,
          /v1/directives, /v1/demand, /v1/models, /metrics
-    GET  /v1/traffic  (every node's sessions in flight, failovers and recent TTFT/TPOT/batch sizes, ADR-0046)
+    GET  /v1/traffic[?buckets=N]  (every node's sessions in flight, failovers and recent TTFT/TPOT/batch sizes, ADR-0046)
     GET  /v1/health (liveness), /v1/ready[?model=] (readiness: 200, or 503 with reasons)
     POST /v1/chat/completions  (forwarded to an entry node; 503 model_loading when not routable)
     POST /v1/operator/{pin,reload,doctor,drain}  (bearer operator token when configured)
@@ -45,11 +45,12 @@ from meshnet.tracker.probe import probe_endpoint
 from meshnet.tracker.rebalance import rebalance_off_loop
 from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
                                       RegisterRequest, RegisterResponse, check_revision)
+from meshnet.protocol.traffic import BUCKET_COUNT
 from meshnet.protocol.views import CoverageList, DemandList, DemandRow
 from meshnet.protocol.route import RouteResponse
 from meshnet.protocol.signing import HEADER_NODE
 from meshnet.tracker.service import TrackerService, TrackerSettings
-from meshnet.tracker.traffic import TrafficGatherer
+from meshnet.tracker.traffic import TrafficGatherer, last_buckets
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +190,13 @@ async def nodes(request: Request) -> JSONResponse:
 
 
 async def traffic(request: Request) -> JSONResponse:
-    """The mesh's traffic, gathered from the nodes on demand (cached briefly, ADR-0046)."""
-    return JSONResponse((await request.app.state.traffic.traffic()).model_dump())
+    """The mesh's traffic, gathered from the nodes on demand (cached briefly, ADR-0046); with
+    ``buckets=N`` (1..60) each node's last N history buckets only."""
+    count = _int_param(request, "buckets", BUCKET_COUNT)
+    if not 1 <= count <= BUCKET_COUNT:
+        raise InvalidRequest(f"query parameter 'buckets' must be 1..{BUCKET_COUNT}, got {count}",
+                             code="invalid_field", status=422)
+    return JSONResponse(last_buckets(await request.app.state.traffic.traffic(), count).model_dump())
 
 
 async def coverage_one(request: Request) -> JSONResponse:

@@ -39,7 +39,7 @@ async def fetch_node_traffic(http: httpx.AsyncClient, node_id: str, endpoint: st
             resp = await http.get(url, timeout=timeout_s)
         if resp.status_code != 200:
             raise ValueError(f"answered HTTP {resp.status_code}")
-        body = NodeTraffic.model_validate(resp.json())
+        body = NodeTraffic.model_validate_json(resp.content)
     except Exception as exc:  # noqa: BLE001 - refused, slow, old node, bad body
         why = "timed out" if isinstance(exc, TimeoutError) else \
             ("sent an invalid body" if isinstance(exc, ValidationError) else f"{type(exc).__name__}: {exc}")
@@ -51,7 +51,8 @@ async def fetch_node_traffic(http: httpx.AsyncClient, node_id: str, endpoint: st
 
 def merge_traffic(nodes: list[NodeTraffic], now_s: float) -> MeshTraffic:
     """One mesh-wide answer: nodes by id, sessions oldest first, failovers newest first (at most
-    :data:`MAX_FAILOVERS`; an event reported twice is listed once)."""
+    :data:`MAX_FAILOVERS`; an event reported twice is listed once). The sessions and failovers move
+    from the nodes' entries to the mesh-wide lists (each is said once)."""
     nodes = sorted(nodes, key=lambda n: n.node_id)
     sessions = sorted((s for n in nodes for s in n.sessions), key=lambda s: (-s.age_s, s.session_id))
     seen, failovers = set(), []
@@ -60,7 +61,14 @@ def merge_traffic(nodes: list[NodeTraffic], now_s: float) -> MeshTraffic:
         if key not in seen:
             seen.add(key)
             failovers.append(event)
-    return MeshTraffic(at_s=now_s, nodes=nodes, sessions=sessions, failovers=failovers[:MAX_FAILOVERS])
+    return MeshTraffic(at_s=now_s, nodes=[n.model_copy(update={"sessions": [], "failovers": []}) for n in nodes],
+                       sessions=sessions, failovers=failovers[:MAX_FAILOVERS])
+
+
+def last_buckets(traffic: MeshTraffic, count: int) -> MeshTraffic:
+    """``traffic`` with each node's history cut to its last ``count`` buckets (``count >= 1``)."""
+    return traffic.model_copy(update={"nodes": [n.model_copy(update={"buckets": n.buckets[-count:]})
+                                                for n in traffic.nodes]})
 
 
 class TrafficGatherer:

@@ -143,4 +143,10 @@ async def test_the_tracker_gathers_every_nodes_traffic_and_caches_it(asgi_client
         assert slow.error == "GET http://slow/v1/traffic timed out"
         assert (traffic.sessions, traffic.failovers) == ([], [])
         assert (await tracker.get("/v1/traffic")).json() == body  # within the cache: the nodes are not asked again
+        short = (await tracker.get("/v1/traffic", params={"buckets": 6})).json()
+        assert [len(n["buckets"]) for n in short["nodes"]] == [6, 0, 0]
+        assert short["nodes"][0]["buckets"] == body["nodes"][0]["buckets"][-6:]
         assert network.calls == {"n1": 1, "n2": 1, "slow": 1}
+        for bad in ("0", "61", "x"):
+            resp = await tracker.get("/v1/traffic", params={"buckets": bad})
+            assert resp.status_code == 422 and "buckets" in resp.json()["error"]["message"]

@@ -152,7 +152,8 @@ TRAFFIC = {
 def test_traffic_prints_nodes_sessions_and_failovers_or_json(monkeypatch):
     from meshnet.client import TrackerClient
 
-    async def fake_traffic(self):
+    async def fake_traffic(self, buckets=None):
+        assert buckets == 6  # the last minute
         return TRAFFIC
 
     monkeypatch.setattr(TrackerClient, "traffic", fake_traffic)

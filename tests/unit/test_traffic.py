@@ -138,6 +138,7 @@ def test_merge_traffic_orders_nodes_sessions_and_failovers():
     assert [n.node_id for n in merged.nodes] == ["a-node", "b-node"]
     assert [s.session_id for s in merged.sessions] == ["s1", "s2"]
     assert [(e.session_id, e.at_s) for e in merged.failovers] == [("s2", 5.0), ("s1", 4.0), ("s9", 3.0)]
+    assert all(n.sessions == [] and n.failovers == [] for n in merged.nodes)  # said once, mesh-wide
 
 
 def _bucket(start: float, **fields) -> dict:
