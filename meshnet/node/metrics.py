@@ -55,7 +55,7 @@ class NodeMetrics:
         self.requests_total = 0
         #: wall-clock history of ttft_s, tpot_s and forward_tokens for the traffic view
         self.recent = TimeBuckets(BUCKET_S, BUCKET_COUNT)
-        self.clock = time.time
+        self.clock = time.time  #: wall clock of that history (tests pin it)
 
     def observe_forward(self, n_tokens: int, seconds: float, position: int) -> None:
         self.tokens.inc(n_tokens)
