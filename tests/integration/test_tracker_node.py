@@ -1,0 +1,70 @@
+"""US-014 end to end: `meshnet serve` starts a tracker that serves the first layers itself, and a
+chat at the tracker is answered with the tracker as the route's first hop and the same greedy
+tokens as transformers' own `generate` (float32 end to end). Real processes, real SmolLM2."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from tests.integration.conftest import REAL
+from tests.integration.mesh import free_port
+
+pytestmark = pytest.mark.slow
+STORY = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+
+
+def wait_ready(proc: subprocess.Popen, timeout_s: float) -> list[str]:
+    """Lines ``meshnet serve`` printed up to its ``READY`` line (bounded by ``timeout_s``)."""
+    deadline, lines = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("READY"):
+            return lines
+    raise AssertionError("meshnet serve did not get ready:\n" + "".join(lines))
+
+
+def test_serve_answers_through_the_tracker_as_first_hop(real_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "serve", "--port", str(port), "--nodes", "3",
+                              "--dtype", "float32", "--wire-dtype", "float32", "--heartbeat-interval", "1",
+                              "--drain-grace", "5"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ})
+    try:
+        lines = wait_ready(serve, 300)
+        assert any("a tracker serving layers 0-9 and 2 node(s)" in line for line in lines), lines
+        resp = httpx.post(f"{url}/v1/chat/completions", timeout=300,
+                          json={"model": REAL, "messages": STORY, "max_tokens": 24, "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        block = resp.json()["meshnet"]
+        route = [(h["node_id"], h["endpoint"], h["start_layer"], h["end_layer"]) for h in block["route"]]
+        assert route[0] == ("tracker", f"{url}/node", 0, 9)  # the first hop is the tracker's own node
+        assert [(r[0], r[2], r[3]) for r in route[1:]] == [("node-1", 10, 19), ("node-2", 20, 29)]
+        nodes = {n["node_id"]: n for n in httpx.get(f"{url}/v1/nodes", timeout=10).json()["nodes"]}
+        assert sorted(nodes) == ["node-1", "node-2", "tracker"] and nodes["tracker"]["reachable"]
+        health = httpx.get(f"{url}/node/v1/health", timeout=10).json()
+        assert health["node_id"] == "tracker" and health["compute_dtype"] == "float32"
+        got = block["completion_token_ids"]
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=60)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/v1/health", timeout=2)
+    tok = AutoTokenizer.from_pretrained(real_model_path)
+    model = AutoModelForCausalLM.from_pretrained(real_model_path, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template(STORY, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    expected = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert len(got) == 24 and got == expected
