@@ -131,6 +131,27 @@ async def test_a_streamed_chat_at_the_tracker_ends_with_done(mesh):
     assert events[-1] == "[DONE]" and '"route"' in events[-2]
 
 
+async def test_operator_actions_reach_the_tracker_node(mesh):
+    client, hosts, _ = mesh
+    doctor = await client.post("/v1/operator/doctor", json={"node_id": "tracker"})
+    assert doctor.status_code == 200, doctor.text
+    (report,) = doctor.json()["reports"]
+    assert (report["shard_start"], report["shard_end"], report["passed"]) == (0, 1, True)
+    assert ("POST", "tracker.test", "/node/v1/doctor") in hosts.sent
+    reload = (await client.post("/v1/operator/reload", json={"node_id": "tracker"})).json()["directive"]
+    for _ in range(200):  # bounded: delivered with a heartbeat (0.2 s), applied, reported done
+        done = [d for d in (await client.get("/v1/directives", params={"node_id": "tracker"})).json()["directives"]
+                if d["id"] == reload["id"] and d["status"] in ("done", "failed")]
+        if done:
+            break
+        await asyncio.sleep(0.1)
+    assert [(d["type"], d["status"]) for d in done] == [("RELOAD", "done")]
+    drained = await client.post("/v1/operator/drain", json={"node_id": "tracker"})
+    assert drained.json() == {"node_id": "tracker", "draining": True}
+    resp = await client.post("/v1/chat/completions", json=CHAT)  # its only entry drained: a gap at layer 0
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "model_loading"
+
+
 async def test_sigterm_drains_the_node_and_the_tracker_together(mesh):
     client, _, composed = mesh
     assert await composed.state.drain.run() is True
