@@ -50,14 +50,6 @@ def split_layers(num_layers: int, parts: int) -> list[LayerRange]:
     return ranges
 
 
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 #: shards ``meshnet serve`` splits the model into when the cores allow
 DEFAULT_SHARDS = 3
 
@@ -105,7 +97,7 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
     evenly into --nodes shards; Ctrl-C stops them all."""
     from meshnet.cli.services import compute_defaults
     from meshnet.models.sources import cache_dir, resolve
-    from meshnet.node.calibration import max_processes, thread_budget
+    from meshnet.node.calibration import max_processes, thread_budget, usable_cores
     from meshnet.presets import default_model, get_preset
 
     cores = usable_cores()
@@ -138,19 +130,16 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
     mesh = LocalMesh(logs, port=port, heartbeat_s=heartbeat_interval, detach=True,
                      join_token=secrets.token_urlsafe(32), operator_token=operator_token)
     url = mesh.url
-    compute = ["--dtype", choice.compute_dtype, "--wire-dtype", wire_dtype, "--drain-grace", str(drain_grace),
-               "--memory", str(memory_mb)]
+    drain = ["--drain-grace", str(drain_grace)]
+    compute = ["--dtype", choice.compute_dtype, "--wire-dtype", wire_dtype, "--memory", str(memory_mb)]
     try:
-        own = []
-        if tracker_layers:
-            own = ["--serve-layers", str(ranges[0]), "--threads", str(choice.threads), *compute]
+        own = ["--serve-layers", str(ranges[0]), "--threads", str(choice.threads), *compute] if tracker_layers else []
         mesh.start_tracker(preset.name, node_timeout_s=25.0, rebalance_s=30.0,
-                           db=cache_dir() / f"serve-tracker-{port}.db",
-                           extra=["--drain-grace", str(drain_grace), *own])
+                           db=cache_dir() / f"serve-tracker-{port}.db", extra=[*drain, *own])
         for i, layers in enumerate(ranges[1:] if tracker_layers else ranges, start=1 if tracker_layers else 0):
             start, end = layers.to_inclusive()
             mesh.start_node(f"node-{i}", "--model", preset.name, "--shard-start", str(start), "--shard-end", str(end),
-                            *compute, threads=choice.threads)
+                            *compute, *drain, threads=choice.threads)
         who = (f"a tracker serving layers {ranges[0]} and {shards - 1} node(s)" if tracker_layers
                else f"a tracker and {shards} node(s)")
         console.print(f"started {who}, {choice.threads} torch thread(s) and {memory_mb} MB each; logs in {logs}")

@@ -152,7 +152,7 @@ def _tracker_node_settings(tracker, model: str, serve_layers: str, *, node_id: s
                            state_dir: Path | None):
     """The settings of the node a tracker runs for ``--serve-layers`` (ADR-0044); exits on a bad
     range or URL. Sets torch's thread count to the one chosen."""
-    from meshnet.cli.serve import usable_cores
+    from meshnet.node.calibration import usable_cores
     from meshnet.layers import LayerRange
     from meshnet.node.settings import NodeSettings
     from meshnet.presets import get_preset
@@ -244,7 +244,7 @@ def node_start(
     except OSError as exc:
         fail(MeshnetError(f"cannot pick a free port on --host {host}: {exc}",
                           hint="pass an address of this machine (127.0.0.1, ::1, 0.0.0.0) or --port"))
-    from meshnet.cli.serve import usable_cores
+    from meshnet.node.calibration import usable_cores
 
     choice = compute_defaults(model, dtype, threads, usable_cores())
     print(f"compute: {choice.compute_dtype}, {choice.threads} thread(s): {choice.reason}", flush=True)

@@ -58,6 +58,14 @@ class Choice:
     reason: str
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def thread_budget(cores: int, processes: int) -> int:
     """torch threads each of ``processes`` layer-serving processes on ``cores`` cores may use.
 
