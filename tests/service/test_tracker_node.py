@@ -49,24 +49,24 @@ class Hosts(httpx.AsyncBaseTransport):
         return await app.handle_async_request(request)
 
 
-@pytest.fixture
-async def mesh(tiny_model_path, tmp_path, monkeypatch):
-    """(client of the composed app, the transport, the composed app), with ``MODEL`` routable."""
-    monkeypatch.setenv("MESHNET_CACHE", str(tiny_model_path(MODEL).parent.parent))
+@contextlib.asynccontextmanager
+async def composed_mesh(tmp_path, own_layers: LayerRange, other: str, other_layers: LayerRange):
+    """(client of the composed app, the transport, the composed app) with ``MODEL`` routable: the
+    tracker's own node serves ``own_layers``, node ``other`` at ``http://<other>.test`` the rest."""
     hosts = Hosts()
     common = dict(model=MODEL, compute_dtype="float32", wire_dtype="float32", heartbeat_interval_s=0.2,
                   tracker_url=TRACKER)
-    own = NodeSettings(node_id="tracker", public_url=node_endpoint(TRACKER), shard=LayerRange(0, 2),
+    own = NodeSettings(node_id="tracker", public_url=node_endpoint(TRACKER), shard=own_layers,
                        state_dir=tmp_path / "tracker", **common)
     composed = build_app(TrackerSettings(models=(MODEL,), heartbeat_interval_s=0.2, join_settle_s=0.0), own,
                          transport=hosts)
-    other = build_node(NodeSettings(node_id="n2", public_url="http://n2.test", shard=LayerRange(2, 4),
-                                    state_dir=tmp_path / "n2", **common), transport=hosts)
+    node = build_node(NodeSettings(node_id=other, public_url=f"http://{other}.test", shard=other_layers,
+                                   state_dir=tmp_path / other, **common), transport=hosts)
     hosts.add("tracker.test", composed)
-    hosts.add("n2.test", other)
+    hosts.add(f"{other}.test", node)
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(LifespanManager(composed, startup_timeout=60, shutdown_timeout=30))
-        await stack.enter_async_context(LifespanManager(other, startup_timeout=60, shutdown_timeout=30))
+        await stack.enter_async_context(LifespanManager(node, startup_timeout=60, shutdown_timeout=30))
         client = await stack.enter_async_context(httpx.AsyncClient(transport=hosts, base_url=TRACKER))
         for _ in range(300):  # bounded: 30 s for both nodes to load, register, be probed and admitted
             cov = (await client.get(f"/v1/coverage/{MODEL}")).json()
@@ -75,6 +75,14 @@ async def mesh(tiny_model_path, tmp_path, monkeypatch):
             await asyncio.sleep(0.1)
         assert cov["routable"], cov
         yield client, hosts, composed
+
+
+@pytest.fixture
+async def mesh(tiny_model_path, tmp_path, monkeypatch):
+    """The tracker serves layers 0-1 (the entry), node ``n2`` layers 2-3."""
+    monkeypatch.setenv("MESHNET_CACHE", str(tiny_model_path(MODEL).parent.parent))
+    async with composed_mesh(tmp_path, LayerRange(0, 2), "n2", LayerRange(2, 4)) as parts:
+        yield parts
 
 
 async def test_clashing_routes_stay_apart(mesh):
@@ -121,6 +129,19 @@ async def test_chat_at_the_tracker_is_answered_in_process_by_its_own_node(mesh):
     chats = [s for s in hosts.sent if s[2].endswith("/chat/completions")]
     assert chats == [("POST", "tracker.test", "/v1/chat/completions")]  # the test's own call, no proxy hop
     assert ("POST", "n2.test", "/v1/forward") in hosts.sent
+
+
+async def test_a_tracker_serving_later_layers_proxies_to_the_entry_and_serves_as_a_hop(tiny_model_path, tmp_path,
+                                                                                      monkeypatch):
+    monkeypatch.setenv("MESHNET_CACHE", str(tiny_model_path(MODEL).parent.parent))
+    async with composed_mesh(tmp_path, LayerRange(2, 4), "n0", LayerRange(0, 2)) as (client, hosts, _):
+        hosts.sent.clear()
+        resp = await client.post("/v1/chat/completions", json=CHAT)
+        assert resp.status_code == 200, resp.text
+        route = [(h["node_id"], h["start_layer"], h["end_layer"]) for h in resp.json()["meshnet"]["route"]]
+        assert route == [("n0", 0, 1), ("tracker", 2, 3)]
+        assert ("POST", "n0.test", "/v1/chat/completions") in hosts.sent  # proxied: the entry is elsewhere
+        assert ("POST", "tracker.test", "/node/v1/forward") in hosts.sent  # the tracker's node as the last hop
 
 
 async def test_a_streamed_chat_at_the_tracker_ends_with_done(mesh):
