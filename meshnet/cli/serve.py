@@ -110,11 +110,14 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
     except (MeshnetError, ValueError) as exc:
         fail(exc if isinstance(exc, MeshnetError) else MeshnetError(str(exc)))
     if shards > cores:
-        err_console.print(f"[yellow]--nodes {shards} on {cores} usable core(s): {shards} processes share them, "
-                          "one thread each (more threads than cores)[/]")
+        err_console.print(f"[yellow]--nodes {shards} on {cores} usable core(s): {shards} processes share them "
+                          "(more threads than cores)[/]")
     choice = compute_defaults(preset.name, dtype, threads, thread_budget(cores, shards))
     console.print(f"compute: {choice.compute_dtype}, {choice.threads} thread(s) per process: {choice.reason}",
                   highlight=False)
+    if threads is not None and shards <= cores < threads * shards:
+        err_console.print(f"[yellow]--threads {threads} in {shards} processes: {threads * shards} threads on "
+                          f"{cores} usable core(s)[/]")
 
     def _terminate(signum, frame):
         raise KeyboardInterrupt
