@@ -65,8 +65,8 @@ def build_app(tracker: TrackerSettings, node: NodeSettings, *, service: TrackerS
     :data:`NODE_PREFIX` on it (:func:`node_endpoint`); it keeps its own key, join token and
     settings. ``transport`` carries the outbound calls of both (tests; default the network).
     ``app.state.drain`` drains both (:class:`meshnet.drain.DrainGroup`); ``app.state.node_app``
-    and ``app.state.tracker_app`` are the two apps; ``app.state.node_error`` says why the node
-    failed to start (None while it runs or starts).
+    and ``app.state.tracker_app`` are the two apps. Why the node failed to start, if it did, is
+    in the tracker's ``GET /v1/health`` (``local_node.error``).
 
     Raises:
         ValueError: the node has no tracker URL or its endpoint is not below :data:`NODE_PREFIX`.
@@ -85,7 +85,7 @@ def build_app(tracker: TrackerSettings, node: NodeSettings, *, service: TrackerS
     async def lifespan(app: Starlette):
         async with tracker_app.router.lifespan_context(tracker_app):
             stop = asyncio.Event()
-            task = asyncio.create_task(_run_node(app, node_app, stop))
+            task = asyncio.create_task(_run_node(tracker_app, node_app, stop))
             try:
                 yield
             finally:
@@ -100,13 +100,12 @@ def build_app(tracker: TrackerSettings, node: NodeSettings, *, service: TrackerS
     app = Starlette(routes=[Mount(NODE_PREFIX, app=node_app), Mount("", app=tracker_app)], lifespan=lifespan)
     app.state.drain = DrainGroup(tracker_app.state.drain, node_app.state.drain)
     app.state.node_app, app.state.tracker_app = node_app, tracker_app
-    app.state.node_error = None
     return app
 
 
-async def _run_node(app: Starlette, node_app: Starlette, stop: asyncio.Event) -> None:
+async def _run_node(tracker_app: Starlette, node_app: Starlette, stop: asyncio.Event) -> None:
     """Run the node's lifespan until ``stop``; a node that fails to start leaves the tracker up,
-    with the reason in ``app.state.node_error`` and the log."""
+    with the reason in the log and in ``tracker_app.state.local_node_error`` (its health shows it)."""
     try:
         async with node_app.router.lifespan_context(node_app):
             log.info("the tracker's own node %s is up", node_app.state.node.settings.node_id)
@@ -114,5 +113,5 @@ async def _run_node(app: Starlette, node_app: Starlette, stop: asyncio.Event) ->
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - the tracker goes on without its node
-        app.state.node_error = f"{type(exc).__name__}: {exc}"
+        tracker_app.state.local_node_error = f"{type(exc).__name__}: {exc}"
         log.exception("the tracker's own node failed to start; the tracker runs on without it")

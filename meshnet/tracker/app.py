@@ -260,9 +260,15 @@ async def models(request: Request) -> JSONResponse:
 
 
 async def health(request: Request) -> JSONResponse:
+    """Liveness: the tracker's counts; with a node of its own (ADR-0044) ``local_node`` names it and
+    says why it failed to start (``error``, None while it starts or runs)."""
     svc = _svc(request)
-    return JSONResponse({"status": "ok", "draining": request.app.state.drain.draining, "nodes": len(svc.nodes),
-                         "models": [m.name for m in svc.tracked_models()]})
+    body = {"status": "ok", "draining": request.app.state.drain.draining, "nodes": len(svc.nodes),
+            "models": [m.name for m in svc.tracked_models()]}
+    local: proxy.LocalNode | None = request.app.state.local_node
+    if local is not None:
+        body["local_node"] = {"node_id": local.node_id, "error": request.app.state.local_node_error}
+    return JSONResponse(body)
 
 
 async def ready(request: Request) -> JSONResponse:
@@ -405,5 +411,6 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
                                         Exception: _unexpected_error})
     app.state.auth = NodeAuth(settings.join_token)
     app.state.local_node = local_node
+    app.state.local_node_error = None  # set by the composition when that node fails to start
     app.state.drain = drain  # SIGTERM: new chats 503, proxied chats get drain_grace_s to finish (ADR-0032)
     return app

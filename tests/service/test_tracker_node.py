@@ -89,6 +89,7 @@ async def test_clashing_routes_stay_apart(mesh):
     client, _, _ = mesh
     tracker, node = (await client.get("/v1/health")).json(), (await client.get("/node/v1/health")).json()
     assert tracker["status"] == "ok" and tracker["nodes"] == 2 and tracker["models"] == [MODEL]
+    assert tracker["local_node"] == {"node_id": "tracker", "error": None}
     assert node["node_id"] == "tracker" and node["endpoint"] == "http://tracker.test/node"
     assert [(s["model"], s["shard_start"], s["shard_end"]) for s in node["shards"]] == [(MODEL, 0, 1)]
     assert (await client.get("/v1/ready")).status_code == 200
@@ -232,6 +233,23 @@ async def test_local_chat_without_remote_entries_passes_the_refusal_on():
 def test_local_tracker_url(host, port, url):
     assert local_tracker_url(host, port) == url
     assert node_endpoint(url + "/") == url + NODE_PREFIX
+
+
+async def test_a_node_that_fails_to_start_leaves_the_tracker_up_and_says_why(tmp_path):
+    hosts = Hosts()
+    own = NodeSettings(node_id="tracker", public_url=node_endpoint(TRACKER), tracker_url=TRACKER,
+                       model=str(tmp_path / "no-such-model"), shard=LayerRange(0, 2), state_dir=tmp_path / "k")
+    composed = build_app(TrackerSettings(), own, transport=hosts)
+    hosts.add("tracker.test", composed)
+    async with LifespanManager(composed, startup_timeout=30, shutdown_timeout=30):
+        async with httpx.AsyncClient(transport=hosts, base_url=TRACKER) as client:
+            for _ in range(100):  # bounded: the node's start fails within seconds
+                health = (await client.get("/v1/health")).json()
+                if health["local_node"]["error"]:
+                    break
+                await asyncio.sleep(0.1)
+            assert health["status"] == "ok" and health["nodes"] == 0
+            assert "no-such-model" in health["local_node"]["error"]
 
 
 def test_the_composition_refuses_a_node_it_cannot_reach_as_itself():
