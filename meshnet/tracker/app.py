@@ -9,7 +9,8 @@ inclusive on the wire, ADR-0002):
     GET  /v1/route[?session=] (with a session: signed by its entry node, answered with a ticket, ADR-0038)
     GET  /v1/nodes, /v1/coverage, /v1/coverage/{model}, /v1/route, /v1/network/assign,
          /v1/directives, /v1/demand, /v1/models, /metrics
-    GET  /v1/health (liveness), /v1/ready[?model=] (readiness: 200, or 503 with reasons)
+    GET  /v1/health (liveness; ``local_node`` when it serves layers too, ADR-0044),
+         /v1/ready[?model=] (readiness: 200, or 503 with reasons)
     POST /v1/chat/completions  (forwarded to an entry node, or answered by the tracker's own entry node
         in-process when it serves the first layers, ADR-0044; 503 model_loading when not routable)
     POST /v1/operator/{pin,reload,doctor,drain}  (bearer operator token when configured)
