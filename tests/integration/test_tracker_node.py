@@ -68,3 +68,39 @@ def test_serve_answers_through_the_tracker_as_first_hop(real_model_path):
     ids = tok.apply_chat_template(STORY, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     expected = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
     assert len(got) == 24 and got == expected
+
+
+def test_sigterm_to_a_tracker_serving_layers_finishes_the_stream_then_exits(real_model_path, tmp_path):
+    """The tracker's process drains its node and itself together (ADR-0032, ADR-0044): a stream in
+    flight ends with [DONE] and the undisturbed tokens, a new chat meanwhile is a 503 draining,
+    and the process exits 0 within its grace."""
+    from tests.integration.mesh import Mesh
+
+    float32 = ["--dtype", "float32", "--wire-dtype", "float32"]
+    mesh = Mesh(tmp_path, heartbeat_s=1.0)
+    try:
+        mesh.start_tracker(REAL, node_timeout_s=25.0,
+                           extra=["--serve-layers", "0-9", "--threads", "1", "--drain-grace", "30", *float32])
+        for name, (a, b) in (("node-1", (10, 19)), ("node-2", (20, 29))):
+            mesh.start_node(name, "--model", REAL, "--shard-start", str(a), "--shard-end", str(b), *float32)
+        mesh.wait_routable(REAL, 300)
+        expected, meta, _ = mesh.stream_chat(REAL, STORY, 16)
+        assert meta["route"][0]["node_id"] == "tracker" and len(expected) == 16
+        signalled: dict = {}
+
+        def on_token(count: int) -> None:
+            if count == 4 and not signalled:
+                proc = mesh.take("tracker")  # waited for here; mesh.stop() still stops it by PID
+                signalled.update(proc=proc, t=time.monotonic())
+                proc.send_signal(signal.SIGTERM)
+                time.sleep(0.5)  # the signal handler starts the drain on the event loop
+                signalled["meanwhile"] = mesh.chat(REAL, max_tokens=2)
+
+        tokens, _, lines = mesh.stream_chat(REAL, STORY, 16, on_token)
+        assert lines[-1] == "[DONE]" and tokens == expected
+        refused = signalled["meanwhile"]
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining", refused.text
+        assert signalled["proc"].wait(timeout=45) == 0
+        assert time.monotonic() - signalled["t"] < 30
+    finally:
+        mesh.stop()
