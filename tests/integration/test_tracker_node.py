@@ -1,6 +1,7 @@
 """US-014 end to end: `meshnet serve` starts a tracker that serves the first layers itself, and a
 chat at the tracker is answered with the tracker as the route's first hop and the same greedy
-tokens as transformers' own `generate` (float32 end to end). Real processes, real SmolLM2."""
+tokens as transformers' own `generate` (float32 end to end); SIGTERM to such a tracker drains
+its node and itself together. Real processes, real SmolLM2."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import REAL
-from tests.integration.mesh import free_port
+from tests.integration.mesh import Mesh, free_port
 
 pytestmark = pytest.mark.slow
 STORY = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
@@ -74,8 +75,6 @@ def test_sigterm_to_a_tracker_serving_layers_finishes_the_stream_then_exits(real
     """The tracker's process drains its node and itself together (ADR-0032, ADR-0044): a stream in
     flight ends with [DONE] and the undisturbed tokens, a new chat meanwhile is a 503 draining,
     and the process exits 0 within its grace."""
-    from tests.integration.mesh import Mesh
-
     float32 = ["--dtype", "float32", "--wire-dtype", "float32"]
     mesh = Mesh(tmp_path, heartbeat_s=1.0)
     try:
