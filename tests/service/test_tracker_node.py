@@ -237,8 +237,9 @@ def test_local_tracker_url(host, port, url):
 
 async def test_a_node_that_fails_to_start_leaves_the_tracker_up_and_says_why(tmp_path):
     hosts = Hosts()
+    (tmp_path / "empty-model").mkdir()  # a local directory without config.json: no network asked
     own = NodeSettings(node_id="tracker", public_url=node_endpoint(TRACKER), tracker_url=TRACKER,
-                       model=str(tmp_path / "no-such-model"), shard=LayerRange(0, 2), state_dir=tmp_path / "k")
+                       model=str(tmp_path / "empty-model"), shard=LayerRange(0, 2), state_dir=tmp_path / "k")
     composed = build_app(TrackerSettings(), own, transport=hosts)
     hosts.add("tracker.test", composed)
     async with LifespanManager(composed, startup_timeout=30, shutdown_timeout=30):
@@ -249,7 +250,7 @@ async def test_a_node_that_fails_to_start_leaves_the_tracker_up_and_says_why(tmp
                     break
                 await asyncio.sleep(0.1)
             assert health["status"] == "ok" and health["nodes"] == 0
-            assert "no-such-model" in health["local_node"]["error"]
+            assert "empty-model has no config.json" in health["local_node"]["error"]
 
 
 def test_the_composition_refuses_a_node_it_cannot_reach_as_itself():

@@ -94,5 +94,7 @@ def test_calibrate_with_both_flags_measures_nothing(tmp_path):
 
 
 def test_calibrate_falls_back_to_the_documented_default_when_the_model_cannot_be_read(tmp_path):
-    choice = calibrate(str(tmp_path / "missing-model"), 2, cache_file=tmp_path / "c.json")
-    assert (choice.compute_dtype, choice.threads) == ("bfloat16", 2) and "not measured" in choice.reason
+    (tmp_path / "empty-model").mkdir()  # a local directory without config.json: no network asked
+    choice = calibrate(str(tmp_path / "empty-model"), 2, cache_file=tmp_path / "c.json")
+    assert (choice.compute_dtype, choice.threads) == ("bfloat16", 2)
+    assert "not measured" in choice.reason and "has no config.json" in choice.reason
