@@ -22,7 +22,7 @@ import time
 from typing import Awaitable, Callable
 
 from meshnet.errors import Draining, MeshnetError
-from meshnet.protocol.http import sse_error
+from meshnet.protocol.http import route_path, sse_error
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,35 @@ class Drain:
             log.exception("drain %s hook failed; going on", name)
 
 
+class DrainGroup:
+    """The drains of services that share one process (the tracker serving layers, ADR-0044), run
+    as one: :meth:`run` drains them all at once, and they share one ``cut`` event, so a second
+    signal cuts every one of them. It offers what :mod:`meshnet.cli.server` uses of a
+    :class:`Drain` (``run``, ``cut``, ``in_flight``, ``draining``).
+    """
+
+    def __init__(self, *drains: Drain) -> None:
+        if not drains:
+            raise ValueError("a drain group needs at least one drain")
+        self.drains = drains
+        self.cut = drains[0].cut
+        for drain in drains:
+            drain.cut = self.cut
+
+    @property
+    def draining(self) -> bool:
+        return any(d.draining for d in self.drains)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(d.in_flight for d in self.drains)
+
+    async def run(self) -> bool:
+        """Drain every member concurrently; True when none had to cut anything."""
+        results = await asyncio.gather(*(d.run() for d in self.drains))
+        return all(results)
+
+
 class DrainMiddleware:
     """ASGI middleware: requests to ``paths`` are work that a drain waits for.
 
@@ -128,14 +157,15 @@ class DrainMiddleware:
     stream with an ``internal_error`` event instead of a silently dropped connection.
 
     Args:
-        app: the ASGI app; ``drain``: the process's :class:`Drain`; ``paths``: exact paths.
+        app: the ASGI app; ``drain``: the process's :class:`Drain`; ``paths``: exact paths, as the
+            app routes them (a mounted app's paths below its mount point).
     """
 
     def __init__(self, app, drain: Drain, paths: tuple[str, ...] = ("/v1/chat/completions",)) -> None:
         self.app, self.drain, self.paths = app, drain, frozenset(paths)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] not in self.paths:
+        if scope["type"] != "http" or route_path(scope) not in self.paths:
             await self.app(scope, receive, send)
             return
         drain = self.drain

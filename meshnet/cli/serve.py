@@ -1,10 +1,18 @@
 """``meshnet serve``: a whole local mesh in one command.
 
-Pulls the model (once), starts a tracker and ``--nodes`` node processes that split the
-model's layers evenly, waits until the model is routable, prints the URL, and stops every
+Pulls the model (once), splits its layers evenly into ``--nodes`` shards, and starts a tracker
+that serves the first shard itself (ADR-0044: it answers chat as the entry, no proxy hop) plus
+one node process per other shard; ``--no-tracker-layers`` gives the tracker no layers and starts
+a node for every shard. It waits until the model is routable, prints the URL, and stops every
 child on Ctrl-C or SIGTERM. Each child drains (ADR-0032): chats in flight finish within
 ``--drain-grace`` seconds, new ones are refused, nodes deregister; a second Ctrl-C kills what
 is left at once.
+
+Compute defaults are measured on the host (:mod:`meshnet.node.calibration`): the usable cores
+are split between the processes that serve layers, so their torch threads never add up to more
+than the cores (the default ``--nodes`` is 3, or fewer when fewer cores are usable), and the
+dtype and thread count within that budget are the fastest measured. ``--dtype`` and
+``--threads`` given win over the measurement.
 A node that dies leaves a coverage gap and the rest keeps running; the tracker dying stops
 everything. Child logs go to ``<cache>/logs/``.
 """
@@ -42,23 +50,8 @@ def split_layers(num_layers: int, parts: int) -> list[LayerRange]:
     return ranges
 
 
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def threads_per_node(nodes: int, cores: int) -> int:
-    """torch intra-op threads for each of ``nodes`` local node processes sharing ``cores``.
-
-    The cores are split evenly (``cores // nodes``, at least 1), so the nodes together never
-    ask for more threads than there are cores; with more nodes than cores each gets one.
-    torch's default (one thread per core in every process) would run ``nodes × cores``
-    threads on ``cores`` cores.
-    """
-    return max(1, cores // max(1, nodes))
+#: shards ``meshnet serve`` splits the model into when the cores allow
+DEFAULT_SHARDS = 3
 
 
 def memory_per_node_mb(nodes: int, total_bytes: int) -> int:
@@ -81,55 +74,79 @@ def write_token(path: Path, token: str) -> Path:
 
 
 def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve (default: the default preset)."),
-          nodes: int = typer.Option(3, "--nodes", "-n", min=1, help="Local node processes splitting the layers."),
+          nodes: int = typer.Option(None, "--nodes", "-n", min=1,
+                                    help=f"Shards the layers are split into, one process each, the tracker "
+                                         f"serving the first (default: {DEFAULT_SHARDS}, or the usable cores "
+                                         f"when fewer, so no core runs two processes' threads)."),
+          tracker_layers: bool = typer.Option(True, "--tracker-layers/--no-tracker-layers",
+                                              help="The tracker serves the first shard and answers chat as its "
+                                                   "entry (ADR-0044); without, a node process serves every shard."),
           port: int = typer.Option(8700, "--port", help="Tracker port (the URL clients use)."),
-          dtype: str = typer.Option("bfloat16", "--dtype",
-                                    help="Node compute dtype: bfloat16 (faster) or float32 (exact)."),
+          dtype: str = typer.Option("auto", "--dtype",
+                                    help="Compute dtype: auto (measured on this host), bfloat16 or float32 (exact)."),
           wire_dtype: str = typer.Option("bfloat16", "--wire-dtype", help="Activation dtype between nodes."),
           timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the model to be routable."),
           threads: int = typer.Option(None, "--threads", min=1,
-                                     help="torch threads per node (default: the usable cores split evenly between the nodes)."),
+                                      help="torch threads per process (default: measured on this host within the "
+                                           "usable cores split evenly between the processes)."),
           heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", help="Seconds between heartbeats."),
           drain_grace: float = typer.Option(30.0, "--drain-grace", min=0.0,
                                             help="On stop, seconds chats in flight get to finish."),
           exit_when_ready: bool = typer.Option(False, "--exit-when-ready", help="Stop everything once ready (smoke test).")) -> None:
-    """Start a tracker and N local nodes that split the model evenly; Ctrl-C stops them all."""
+    """Start a tracker serving the first layers and node processes serving the rest, the model split
+    evenly into --nodes shards; Ctrl-C stops them all."""
+    from meshnet.cli.services import compute_defaults
     from meshnet.models.sources import cache_dir, resolve
+    from meshnet.node.calibration import max_processes, thread_budget, usable_cores
     from meshnet.presets import default_model, get_preset
 
+    cores = usable_cores()
+    shards = nodes or max_processes(cores, DEFAULT_SHARDS)
     try:
         preset = get_preset(model or default_model())
         with console.status(f"preparing {preset.name}") as status:
             resolve(preset.name, progress=lambda msg: status.update(f"{preset.name}: {msg}"))
-        ranges = split_layers(preset.num_layers, nodes)
+        ranges = split_layers(preset.num_layers, shards)
     except (MeshnetError, ValueError) as exc:
         fail(exc if isinstance(exc, MeshnetError) else MeshnetError(str(exc)))
+    if shards > cores:
+        err_console.print(f"[yellow]--nodes {shards} on {cores} usable core(s): {shards} processes share them "
+                          "(more threads than cores)[/]")
+    choice = compute_defaults(preset.name, dtype, threads, thread_budget(cores, shards))
+    console.print(f"compute: {choice.compute_dtype}, {choice.threads} thread(s) per process: {choice.reason}",
+                  highlight=False)
+    if threads is not None and shards <= cores < threads * shards:
+        err_console.print(f"[yellow]--threads {threads} in {shards} processes: {threads * shards} threads on "
+                          f"{cores} usable core(s)[/]")
+
     def _terminate(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
     logs = cache_dir() / "logs"
-    threads = threads or threads_per_node(nodes, usable_cores())
     import psutil
 
-    memory_mb = memory_per_node_mb(nodes, psutil.virtual_memory().total)
+    memory_mb = memory_per_node_mb(shards, psutil.virtual_memory().total)
     # fresh tokens each run (ADR-0035): the nodes get the join token; the operator's is in a file
     operator_token = secrets.token_urlsafe(32)
     token_file = write_token(cache_dir() / f"serve-{port}.operator-token", operator_token)
     mesh = LocalMesh(logs, port=port, heartbeat_s=heartbeat_interval, detach=True,
                      join_token=secrets.token_urlsafe(32), operator_token=operator_token)
     url = mesh.url
+    drain = ["--drain-grace", str(drain_grace)]
+    compute = ["--dtype", choice.compute_dtype, "--wire-dtype", wire_dtype, "--memory", str(memory_mb)]
     try:
+        own = ["--serve-layers", str(ranges[0]), "--threads", str(choice.threads), *compute] if tracker_layers else []
         mesh.start_tracker(preset.name, node_timeout_s=25.0, rebalance_s=30.0,
-                           db=cache_dir() / f"serve-tracker-{port}.db", extra=["--drain-grace", str(drain_grace)])
-        for i, layers in enumerate(ranges):
+                           db=cache_dir() / f"serve-tracker-{port}.db", extra=[*drain, *own])
+        for i, layers in enumerate(ranges[1:] if tracker_layers else ranges, start=1 if tracker_layers else 0):
             start, end = layers.to_inclusive()
             mesh.start_node(f"node-{i}", "--model", preset.name, "--shard-start", str(start), "--shard-end", str(end),
-                            "--dtype", dtype, "--wire-dtype", wire_dtype, "--drain-grace", str(drain_grace),
-                            "--memory", str(memory_mb), threads=threads)
-        console.print(f"started tracker and {nodes} node(s), {threads} torch thread(s) and {memory_mb} MB each; "
-                      f"logs in {logs}")
-        with console.status(f"loading {preset.name} across {nodes} node(s)"):
+                            *compute, *drain, threads=choice.threads)
+        who = (f"a tracker serving layers {ranges[0]} and {shards - 1} node(s)" if tracker_layers
+               else f"a tracker and {shards} node(s)")
+        console.print(f"started {who}, {choice.threads} torch thread(s) and {memory_mb} MB each; logs in {logs}")
+        with console.status(f"loading {preset.name} across {shards} process(es)"):
             cov = mesh.wait_routable(preset.name, timeout)
         console.print(f"[green]meshnet ready[/]: {preset.name} ({cov['num_layers']} layers) routable at {url}")
         console.print(f"  try: meshnet chat \"What is the capital of France?\" --url {url}")

@@ -27,6 +27,29 @@ def _body_limit(max_body_bytes: int | None) -> dict:
     return {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
 
 
+DtypeOpt = typer.Option("auto", "--dtype",
+                        help="Compute dtype: auto (measured on this host: bfloat16 when clearly faster, else the "
+                             "exact float32), float32 or bfloat16.")
+ThreadsOpt = typer.Option(None, "--threads", min=1,
+                          help="torch intra-op threads (default: measured on this host, at most the usable cores).")
+
+
+def compute_defaults(model: str | None, dtype: str, threads: int | None, budget: int):
+    """The compute dtype and threads a node runs with: the flags where given, the rest measured on
+    this host for ``model`` within ``budget`` threads (:func:`meshnet.node.calibration.calibrate`).
+    Without a model there is nothing to measure: bfloat16 (ADR-0006) and ``budget`` threads.
+    Exits with the error on a bad ``--dtype``."""
+    from meshnet.node.calibration import Choice, calibrate
+
+    if dtype not in ("auto", "float32", "bfloat16"):
+        fail(MeshnetError(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}"))
+    given = None if dtype == "auto" else dtype
+    if model is None:
+        return Choice(given or "bfloat16", threads or budget, "no model to measure on: ADR-0006 defaults")
+    with err_console.status(f"measuring decode speed of {model} on this host"):
+        return calibrate(model, budget, dtype=given, threads=threads)
+
+
 def _serve(app, host: str, port: int) -> None:
     from meshnet.cli.server import serve
 
@@ -60,9 +83,24 @@ def tracker_start(
         directive_retention: float = typer.Option(T.directive_retention_s, "--directive-retention", min=0.0,
                                                   envvar="MESHNET_DIRECTIVE_RETENTION",
                                                   help="Seconds finished (done/failed) directives are kept."),
+        serve_layers: str = typer.Option(None, "--serve-layers",
+                                         help="Also serve these layers (inclusive 'A-B', e.g. 0-9) of the first "
+                                              "--model in this process, as a node at <tracker URL>/node; with "
+                                              "layer 0 the tracker answers chat as the entry itself (ADR-0044)."),
+        node_id: str = typer.Option("tracker", "--node-id", help="With --serve-layers: the node id of those layers."),
+        public_url: str = typer.Option(None, "--public-url",
+                                       help="With --serve-layers: the tracker's URL as others reach it "
+                                            "(default http://HOST:PORT); its node is at that URL + /node."),
+        memory: int = typer.Option(None, "--memory", min=1, help="With --serve-layers: memory budget in MB."),
+        dtype: str = DtypeOpt,
+        wire_dtype: str = typer.Option(N.wire_dtype, "--wire-dtype", help="With --serve-layers: activation dtype."),
+        threads: int = ThreadsOpt,
+        state_dir: Path = typer.Option(None, "--state-dir", envvar="MESHNET_STATE_DIR",
+                                       help="With --serve-layers: where its node keeps its key "
+                                            "(default: <cache>/nodes/<node id>)."),
         log_level: str = LogOpt) -> None:
     """Start a tracker that keeps the given models covered. Beyond loopback it needs --join-token
-    and --operator-token (or --insecure)."""
+    and --operator-token (or --insecure). With --serve-layers it also serves those layers itself."""
     from meshnet.models.sources import cache_dir
     from meshnet.presets import get_preset
     from meshnet.tracker.app import build_app
@@ -79,6 +117,10 @@ def tracker_start(
                           highlight=False)
     try:
         names = tuple(get_preset(m).name for m in model)
+        if serve_layers is not None and not names:
+            from meshnet.presets import default_model
+
+            names = (get_preset(default_model()).name,)
     except MeshnetError as exc:
         fail(exc)
     if db is None:
@@ -91,7 +133,57 @@ def tracker_start(
                                probe_timeout_s=probe_timeout, drain_grace_s=drain_grace,
                                directive_retention_s=directive_retention,
                                **_body_limit(max_body_bytes))
-    _serve(build_app(settings), host, port)
+    if serve_layers is None:
+        _serve(build_app(settings), host, port)
+        return
+    from meshnet import trackernode
+
+    node = _tracker_node_settings(settings, names[0], serve_layers, node_id=node_id, public_url=public_url,
+                                  memory=memory, dtype=dtype, wire_dtype=wire_dtype, threads=threads,
+                                  state_dir=state_dir)
+    app = trackernode.build_app(settings, node)
+    print(f"meshnet tracker at {trackernode.local_tracker_url(host, port)} serving {names[0]} layers "
+          f"{serve_layers} as node {node.node_id} at {node.endpoint}", flush=True)
+    _serve(app, host, port)
+
+
+def _tracker_node_settings(tracker, model: str, serve_layers: str, *, node_id: str, public_url: str | None,
+                           memory: int | None, dtype: str, wire_dtype: str, threads: int | None,
+                           state_dir: Path | None):
+    """The settings of the node a tracker runs for ``--serve-layers`` (ADR-0044); exits on a bad
+    range or URL. Sets torch's thread count to the one chosen."""
+    from meshnet.node.calibration import usable_cores
+    from meshnet.layers import LayerRange
+    from meshnet.node.settings import NodeSettings
+    from meshnet.presets import get_preset
+    from meshnet.trackernode import local_tracker_url, node_endpoint
+
+    try:
+        layers = LayerRange.parse(serve_layers)
+    except ValueError as exc:
+        fail(MeshnetError(f"--serve-layers: {exc}", hint="an inclusive range like 0-9"))
+    num_layers = get_preset(model).num_layers
+    if layers.end > num_layers:
+        fail(MeshnetError(f"--serve-layers {serve_layers} is beyond {model}'s {num_layers} layers "
+                          f"(the last is {num_layers - 1})"))
+    try:
+        public_url = None if public_url is None else check_endpoint(public_url)
+    except MeshnetError as exc:
+        fail(exc)
+    if wire_dtype not in ("float32", "bfloat16"):
+        fail(MeshnetError(f"--wire-dtype must be float32 or bfloat16, got {wire_dtype!r}"))
+    choice = compute_defaults(model, dtype, threads, usable_cores())
+    err_console.print(f"compute: {choice.compute_dtype}, {choice.threads} thread(s): {choice.reason}", highlight=False)
+    import torch
+
+    torch.set_num_threads(choice.threads)
+    own_url = local_tracker_url(tracker.host, tracker.port)
+    return NodeSettings(host=tracker.host, port=tracker.port, public_url=node_endpoint(public_url or own_url),
+                        node_id=node_id, tracker_url=own_url, join_token=tracker.join_token, state_dir=state_dir,
+                        model=model, shard=layers, memory_bytes=None if memory is None else memory * 1024 * 1024,
+                        compute_dtype=choice.compute_dtype, wire_dtype=wire_dtype,
+                        heartbeat_interval_s=tracker.heartbeat_interval_s, torch_threads=choice.threads,
+                        drain_grace_s=tracker.drain_grace_s)
 
 
 @node_app.command("start")
@@ -102,8 +194,7 @@ def node_start(
         shard_end: int = typer.Option(None, "--shard-end", min=0, help="Last layer (inclusive)."),
         memory: int = typer.Option(None, "--memory", min=1, help="Memory budget in MB (default: detected)."),
         max_shards: int = typer.Option(N.max_loaded_shards, "--max-shards", min=1, help="Shard slots (loaded shards at once)."),
-        dtype: str = typer.Option(N.compute_dtype, "--dtype",
-                                  help="Compute dtype: bfloat16 (about 2x faster decode here) or float32 (exact)."),
+        dtype: str = DtypeOpt,
         quantization: str = typer.Option(N.quantization, "--quantization", help="Recipe: bfloat16, int8, nf4."),
         wire_dtype: str = typer.Option(N.wire_dtype, "--wire-dtype", help="Activation dtype on the wire."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
@@ -116,7 +207,7 @@ def node_start(
                                        help="Where the node keeps its key (default: <cache>/nodes/<node id>)."),
         heartbeat_interval: float = typer.Option(N.heartbeat_interval_s, "--heartbeat-interval", min=0.1, help="Seconds."),
         no_placement: bool = typer.Option(False, "--no-placement", help="Refuse tracker-assigned shards."),
-        threads: int = typer.Option(None, "--threads", min=1, help="torch intra-op threads."),
+        threads: int = ThreadsOpt,
         max_body_bytes: int = MaxBodyOpt,
         session_cache_mb: int = typer.Option(N.session_cache_bytes >> 20, "--session-cache-mb", min=1, envvar="MESHNET_SESSION_CACHE_MB",
                                              help="KV-cache memory for sessions, MB; new sessions are refused "
@@ -141,8 +232,6 @@ def node_start(
         fail(MeshnetError("--shard-start and --shard-end go together"))
     if shard_start is not None and shard_end < shard_start:
         fail(MeshnetError("--shard-end must be >= --shard-start"))
-    if dtype not in ("float32", "bfloat16"):
-        fail(MeshnetError(f"--dtype must be float32 or bfloat16, got {dtype!r}"))
     if model and shard_start is None and not tracker:
         fail(MeshnetError("--model without a shard needs --tracker to ask for a range",
                           hint="pass --shard-start/--shard-end, or --tracker URL"))
@@ -155,10 +244,14 @@ def node_start(
     except OSError as exc:
         fail(MeshnetError(f"cannot pick a free port on --host {host}: {exc}",
                           hint="pass an address of this machine (127.0.0.1, ::1, 0.0.0.0) or --port"))
+    from meshnet.node.calibration import usable_cores
+
+    choice = compute_defaults(model, dtype, threads, usable_cores())
+    print(f"compute: {choice.compute_dtype}, {choice.threads} thread(s): {choice.reason}", flush=True)
+    dtype, threads = choice.compute_dtype, choice.threads
     import torch
 
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads)
     settings = NodeSettings(host=host, port=port, public_url=public_url, node_id=node_id or new_node_id(),
                             tracker_url=tracker, join_token=join_token, state_dir=state_dir, model=model,
                             shard=None if shard_start is None else LayerRange.from_inclusive(shard_start, shard_end),

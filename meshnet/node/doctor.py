@@ -53,15 +53,17 @@ def _probe(shard) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _measure_tokens_per_s(shard) -> float:
+def measure_decode_tokens_per_s(shard, steps: int = DECODE_STEPS) -> float:
+    """Single-token decode steps per second of ``shard`` (a ShardModel): ``steps`` steps on a fresh
+    KV cache after one warm-up step, seeded standard-normal hidden states ``[1, 1, hidden]``."""
     cache = KVCache()
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(1, 1, shard.config.hidden_size, generator=gen)
     shard.forward(hidden, cache, 0)  # warm-up
     t0 = time.perf_counter()
-    for step in range(1, DECODE_STEPS + 1):
+    for step in range(1, steps + 1):
         shard.forward(hidden, cache, step)
-    return DECODE_STEPS / (time.perf_counter() - t0)
+    return steps / (time.perf_counter() - t0)
 
 
 def _within_tolerance(slot, out: torch.Tensor, report: dict) -> bool:
@@ -104,7 +106,7 @@ def run_doctor(slot, *, lock=None) -> CapabilityReport:
                 report["reason"] = (f"{slot.quantization} probe differs from float32 by "
                                     f"{report['reference_rel_error']:.3f} > {TOLERANCE[slot.quantization]}")
             else:
-                report["tokens_per_s"] = round(_measure_tokens_per_s(shard), 2)
+                report["tokens_per_s"] = round(measure_decode_tokens_per_s(shard), 2)
                 report["passed"] = True
                 report["reason"] = "forward pass finite and well-shaped"
             report["weights_digest"] = weights_digest(shard)

@@ -18,6 +18,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshnet.errors import InvalidRequest, MeshnetError, PayloadTooLarge
 
+def route_path(scope: Scope) -> str:
+    """The request path an app routes on: ``scope["path"]`` less the ``root_path`` of the mounts
+    above it (``/v1/forward`` for a node app mounted at ``/node`` and called at ``/node/v1/forward``)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
+
+
 def error_response(exc: MeshnetError) -> JSONResponse:
     """The one mapping of a :class:`MeshnetError` to an HTTP response."""
     headers = {}
@@ -86,7 +93,8 @@ def _too_large(size: int, limit: int) -> PayloadTooLarge:
 
 class BodyLimit:
     """ASGI middleware: refuse request bodies over ``max_bytes`` (``path_limits`` overrides the
-    limit of exact paths, e.g. the node's binary ``/v1/forward`` frames)."""
+    limit of exact paths, e.g. the node's binary ``/v1/forward`` frames; paths as the app routes
+    them, :func:`route_path`, so a mounted app keeps its limits)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  path_limits: dict[str, int] | None = None) -> None:
@@ -96,7 +104,7 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.path_limits.get(scope["path"], self.max_bytes)
+        limit = self.path_limits.get(route_path(scope), self.max_bytes)
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await error_response(_too_large(int(declared), limit))(scope, receive, send)

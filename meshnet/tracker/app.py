@@ -10,8 +10,10 @@ inclusive on the wire, ADR-0002):
     GET  /v1/nodes, /v1/coverage, /v1/coverage/{model}, /v1/route, /v1/network/assign,
          /v1/directives, /v1/demand, /v1/models, /metrics
     GET  /v1/traffic[?buckets=N]  (every node's sessions in flight, failovers and recent TTFT/TPOT/batch sizes, ADR-0046)
-    GET  /v1/health (liveness), /v1/ready[?model=] (readiness: 200, or 503 with reasons)
-    POST /v1/chat/completions  (forwarded to an entry node; 503 model_loading when not routable)
+    GET  /v1/health (liveness; ``local_node`` when it serves layers too, ADR-0044),
+         /v1/ready[?model=] (readiness: 200, or 503 with reasons)
+    POST /v1/chat/completions  (forwarded to an entry node, or answered by the tracker's own entry node
+        in-process when it serves the first layers, ADR-0044; 503 model_loading when not routable)
     POST /v1/operator/{pin,reload,doctor,drain}  (bearer operator token when configured)
 """
 
@@ -23,6 +25,7 @@ import json
 import logging
 import re
 import time
+from typing import Awaitable
 
 import httpx
 from starlette.applications import Starlette
@@ -271,9 +274,15 @@ async def models(request: Request) -> JSONResponse:
 
 
 async def health(request: Request) -> JSONResponse:
+    """Liveness: the tracker's counts; with a node of its own (ADR-0044) ``local_node`` names it and
+    says why it failed to start (``error``, None while it starts or runs)."""
     svc = _svc(request)
-    return JSONResponse({"status": "ok", "draining": request.app.state.drain.draining, "nodes": len(svc.nodes),
-                         "models": [m.name for m in svc.tracked_models()]})
+    body = {"status": "ok", "draining": request.app.state.drain.draining, "nodes": len(svc.nodes),
+            "models": [m.name for m in svc.tracked_models()]}
+    local: proxy.LocalNode | None = request.app.state.local_node
+    if local is not None:
+        body["local_node"] = {"node_id": local.node_id, "error": request.app.state.local_node_error}
+    return JSONResponse(body)
 
 
 async def ready(request: Request) -> JSONResponse:
@@ -284,16 +293,27 @@ async def ready(request: Request) -> JSONResponse:
 
 async def chat(request: Request) -> Response:
     """Forward the chat body to an entry node; the next one when it is unreachable, draining or
-    out of session room (:mod:`meshnet.tracker.proxy`). Streams pass straight through."""
+    out of session room (:mod:`meshnet.tracker.proxy`). Streams pass straight through. When this
+    process runs an admitted entry node of the model itself (ADR-0044), that node answers
+    in-process, and the remote entries only if it refuses."""
     svc = _svc(request)
     body = await request.body()
     req = await read_chat_request(body)
     model = canonical_model_name(req.model or default_model())
-    entries = svc.entry_nodes(model)[:proxy.ENTRY_TRIES]
+    entries = svc.entry_nodes(model)
     svc.metrics.requests.labels(model=model).inc()
     svc.add_served(model)
-    return await proxy.forward_chat(svc, request.app.state.http, entries, body,
-                                    lambda node: probe_soon(request.app, node.node_id, node.endpoint))
+    local: proxy.LocalNode | None = request.app.state.local_node
+    remote = [n for n in entries if local is None or n.node_id != local.node_id]
+
+    def forward(nodes) -> Awaitable[Response]:
+        return proxy.forward_chat(svc, request.app.state.http, nodes, body,
+                                  lambda node: probe_soon(request.app, node.node_id, node.endpoint))
+
+    if local is not None and len(remote) < len(entries):
+        others = remote[:proxy.ENTRY_TRIES - 1]
+        return proxy.LocalChat(local, body, fallback=(lambda: forward(others)) if others else None)
+    return await forward(remote[:proxy.ENTRY_TRIES])
 
 
 async def metrics(request: Request) -> Response:
@@ -353,11 +373,14 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerService | None = None,
-              *, run_loop: bool = True, transport: httpx.AsyncBaseTransport | None = None) -> Starlette:
+              *, run_loop: bool = True, transport: httpx.AsyncBaseTransport | None = None,
+              local_node: proxy.LocalNode | None = None) -> Starlette:
     """Create the tracker app; the lifespan runs the control loop unless ``run_loop`` is False.
 
     ``transport`` carries the tracker's own calls to nodes (probes, chat forwarding, doctor);
-    tests pass an ``httpx.MockTransport`` or ``ASGITransport`` (default: the network)."""
+    tests pass an ``httpx.MockTransport`` or ``ASGITransport`` (default: the network).
+    ``local_node``: the node this process also runs (ADR-0044, :mod:`meshnet.trackernode`); chats
+    its admitted entry shards can serve go to it in-process."""
 
     settings = service.settings if service else settings
     problem = exposure_problem(settings.host, settings.join_token, settings.operator_token, settings.insecure)
@@ -403,5 +426,7 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
     app.state.auth = NodeAuth(settings.join_token)
     app.state.traffic = TrafficGatherer(lambda: app.state.http, lambda: [
         (n.node_id, n.endpoint) for n in app.state.service.nodes.values()])  # ADR-0046
+    app.state.local_node = local_node
+    app.state.local_node_error = None  # set by the composition when that node fails to start
     app.state.drain = drain  # SIGTERM: new chats 503, proxied chats get drain_grace_s to finish (ADR-0032)
     return app

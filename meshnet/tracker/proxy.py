@@ -6,17 +6,24 @@ are tried in the tracker's order (:meth:`TrackerService.entry_nodes`), at most
 URL) is reported and probed, one that answers 503 ``draining`` is marked draining, one that
 answers 503 ``session_cache_full`` has no room; each time the next one is tried. A stream
 whose entry connection breaks ends with an SSE error event rather than stopping mid-event.
+
+A tracker that serves the first layers itself (ADR-0044) holds an entry node in its own
+process (:class:`LocalNode`): a chat it can serve goes to that node's app in-process
+(:class:`LocalChat`), with no network hop, and only to the remote entries when the local one
+refuses it (draining, out of session room).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
 
 import httpx
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshnet.protocol.http import sse_error
 from meshnet.errors import Draining, MeshnetError
@@ -95,3 +102,68 @@ async def relay(svc: TrackerService, resp: httpx.Response, node_id: str, event_s
             error = MeshnetError(f"entry node {node_id} stopped mid-generation: {type(exc).__name__}",
                                  code="entry_unreachable", status=502, hint="send the request again")
             yield (b"" if tail == b"\n\n" else b"\n\n") + sse_error(error)
+
+
+@dataclass(frozen=True)
+class LocalNode:
+    """The node this tracker's process also runs (ADR-0044): its id as registered, and its ASGI
+    app (mounted at ``/node`` by the composition, :mod:`meshnet.trackernode`)."""
+
+    node_id: str
+    app: ASGIApp
+
+
+#: what the entry's chat endpoint is called at inside its own app
+CHAT_PATH = "/v1/chat/completions"
+
+
+class LocalChat:
+    """ASGI response: a chat answered by the in-process entry node (:class:`LocalNode`).
+
+    The node's app gets the request as if it had been sent to its own ``/v1/chat/completions``
+    (its middleware, drain count and error envelope included), the already-read ``body`` first,
+    then the client's own messages (a disconnect reaches the generation). When the node
+    answers 503 with a code of :data:`NEXT_ENTRY_CODES` and ``fallback`` is given, that answer
+    is dropped and ``fallback()``'s response (the remote entries, :func:`forward_chat`) is sent
+    instead.
+    """
+
+    def __init__(self, node: LocalNode, body: bytes,
+                 fallback: Callable[[], Awaitable[Response]] | None = None) -> None:
+        self.node, self.body, self.fallback = node, body, fallback
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        inner = {k: v for k, v in scope.items() if k not in ("app", "router", "endpoint", "path_params")}
+        inner.update(path=CHAT_PATH, raw_path=CHAT_PATH.encode(), root_path="")
+        body_sent = False
+
+        async def replay() -> Message:
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": self.body, "more_body": False}
+            return await receive()
+
+        held: list[Message] = []
+
+        async def hold_refusal(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 503 and self.fallback:
+                held.append(message)
+            elif held:
+                held.append(message)
+            else:
+                await send(message)
+
+        await self.node.app(inner, replay, hold_refusal)
+        if not held:
+            return
+        answer = b"".join(m.get("body", b"") for m in held[1:])
+        code = _error_code(answer)
+        if code in NEXT_ENTRY_CODES:
+            log.info("the tracker's own entry node %s answered %s; trying the remote entry nodes",
+                     self.node.node_id, code)
+            response = await self.fallback()
+            await response(scope, receive, send)
+            return
+        for message in held:
+            await send(message)

@@ -117,7 +117,7 @@ def test_meshnet_serve_then_chat_cli(real_model_path, tmp_path):
     """The README's run command path: `meshnet serve` brings up the mesh; `meshnet chat` answers."""
     port = free_port()
     env = {**os.environ}
-    serve = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "serve", "--port", str(port),
+    serve = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", "serve", "--port", str(port), "--nodes", "3",
                               "--heartbeat-interval", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              env=env, text=True)
     try:
@@ -139,9 +139,9 @@ def test_meshnet_serve_then_chat_cli(real_model_path, tmp_path):
         assert "Paris" in data["choices"][0]["message"]["content"]
         route = data["meshnet"]["route"]
         assert len(route) == 3 and route[0]["start_layer"] == 0 and route[-1]["end_layer"] == 29
+        assert route[0]["node_id"] == "tracker"  # the tracker serves the first layers (ADR-0044)
         nodes = httpx.get(f"{url}/v1/nodes", timeout=10).json()["nodes"]
-        child_pids = [n["node_id"] for n in nodes]
-        assert sorted(child_pids) == ["node-0", "node-1", "node-2"]
+        assert sorted(n["node_id"] for n in nodes) == ["node-1", "node-2", "tracker"]
         # serve made an operator token (ADR-0035): only its owner can read it, and it is required
         token_file = cache_dir() / f"serve-{port}.operator-token"
         assert str(token_file) in "".join(lines) and stat.S_IMODE(token_file.stat().st_mode) == 0o600

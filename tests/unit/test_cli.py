@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from meshnet.cli.main import app
@@ -176,3 +177,17 @@ def test_traffic_prints_nodes_sessions_and_failovers_or_json(monkeypatch):
 def test_traffic_of_an_unreachable_tracker_is_a_clean_error():
     result = runner.invoke(app, ["traffic", "--url", "http://127.0.0.1:1"])
     assert result.exit_code == 1 and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--serve-layers", "5"], "--serve-layers: layer range must look like 'START-END'"),
+    (["--serve-layers", "9-0"], "END must be >= START"),
+    (["--serve-layers", "0-30"], "--serve-layers 0-30 is beyond smollm2-135m-instruct's 30 layers (the last is 29)"),
+    (["--serve-layers", "0-9", "--dtype", "fast"], "--dtype must be auto, float32 or bfloat16, got 'fast'"),
+    (["--serve-layers", "0-9", "--public-url", "ftp://x"], "scheme must be http or https"),
+])
+def test_tracker_serve_layers_errors_are_clear(args, message, tmp_path):
+    result = runner.invoke(app, ["tracker", "start", "--db", str(tmp_path / "t.db"), *args],
+                           env={"MESHNET_CACHE": str(tmp_path)})
+    assert result.exit_code == 1
+    assert message in " ".join(result.output.split())

@@ -13,7 +13,7 @@ from starlette.middleware import Middleware
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from meshnet.drain import Drain, DrainMiddleware
+from meshnet.drain import Drain, DrainGroup, DrainMiddleware
 from meshnet.errors import Draining
 
 EVENTS = 10
@@ -181,3 +181,35 @@ async def test_an_exception_mid_stream_ends_it_with_an_error_event():
     assert resp.status_code == 200 and lines[0] == "{}"
     assert json.loads(lines[-1])["error"]["code"] == "internal_error"
     assert drain.in_flight == 0
+
+
+async def test_a_drain_group_drains_every_member_and_shares_one_cut():
+    quick, slow = Drain(1.0, poll_s=0.01), Drain(0.05, poll_s=0.01, cut_linger_s=0.0)
+    slow.idle = lambda: False  # never idle: its grace runs out and it cuts
+    left: list[str] = []
+
+    async def leave_quick():
+        left.append("quick")
+
+    async def leave_slow():
+        left.append("slow")
+
+    quick.leave, slow.leave = leave_quick, leave_slow
+    group = DrainGroup(quick, slow)
+    assert quick.cut is slow.cut is group.cut and not group.draining
+    assert await group.run() is False  # one member had to cut
+    assert quick.draining and slow.draining and group.draining and group.in_flight == 0
+    assert sorted(left) == ["quick", "slow"] and group.cut.is_set()
+
+
+async def test_the_middleware_of_a_mounted_app_knows_its_chats_by_its_own_paths():
+    from starlette.routing import Mount
+
+    drain = Drain(1.0)
+    outer = Starlette(routes=[Mount("/node", app=app_with(drain))])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=outer), base_url="http://t") as client:
+        assert (await client.post("/node/v1/chat/completions")).text.endswith("data: [DONE]\n\n")
+        drain.draining = True
+        refused = await client.post("/node/v1/chat/completions")
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        assert (await client.get("/node/other")).status_code == 200  # not a chat: served while draining

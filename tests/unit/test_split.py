@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshnet.cli.serve import memory_per_node_mb, split_layers, threads_per_node
+from meshnet.cli.serve import memory_per_node_mb, split_layers
 
 
 @pytest.mark.parametrize("num_layers, parts, expected", [
@@ -28,20 +28,6 @@ def test_split_layers(num_layers, parts, expected):
 def test_split_layers_rejects_impossible_splits(num_layers, parts):
     with pytest.raises(ValueError, match=f"cannot split {num_layers} layers into {parts} shards"):
         split_layers(num_layers, parts)
-
-
-@pytest.mark.parametrize("nodes, cores, expected", [
-    (3, 2, 1),    # this machine: more nodes than cores -> one thread each
-    (3, 16, 5),   # 15 of 16 cores used, never 16 x 3
-    (1, 8, 8),
-    (2, 8, 4),
-    (4, 4, 1),
-    (8, 2, 1),
-])
-def test_threads_per_node_never_oversubscribes(nodes, cores, expected):
-    threads = threads_per_node(nodes, cores)
-    assert threads == expected
-    assert threads * nodes <= max(cores, nodes)
 
 
 @pytest.mark.parametrize("nodes, total_gib, expected_mb", [(3, 24, 8192), (1, 24, 24576), (4, 2, 512)])

@@ -1,0 +1,230 @@
+"""Host-measured defaults: the compute dtype and torch threads a node runs with (ADR-0044).
+
+Which dtype decodes faster depends on the host (bfloat16 halves the bytes read per token but
+needs fast bf16 kernels; on some CPUs float32 wins at batch 1) and on how many threads there
+are, so it is measured, not assumed. :func:`measure` times single-token decode steps, on a
+fresh KV cache, of a small sample of the model's own layers (the step doctor times,
+:func:`meshnet.node.doctor.measure_decode_tokens_per_s`), for each candidate dtype and thread
+count, interleaved over a few rounds (medians: these machines are noisy). :func:`choose` is
+the decision, a pure function over those samples; flags the operator gave fix their axis and
+are never overridden. :func:`calibrate` ties the two together and keeps the samples in
+``<cache>/calibration.json`` (keyed by CPU, torch version, model and candidates, for
+:data:`CACHE_TTL_S`), so a host measures once, not at every start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16")
+#: bfloat16 is chosen only when it decodes at least this many times as fast as float32: float32
+#: gives exact greedy output (bfloat16 drifts from it within a few tokens), so a tie goes to it
+BF16_MIN_GAIN = 1.10
+#: the fewest threads that reach this share of the fastest thread count's speed are chosen:
+#: a thread that does not speed a decode step up only takes a core from another process
+THREAD_TOLERANCE = 0.95
+#: a cached measurement is trusted this long, seconds (a week)
+CACHE_TTL_S = 7 * 86_400.0
+#: decoder layers the measurement runs (a middle sample: no embeddings, no LM head)
+SAMPLE_LAYERS = 2
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Measured decode speed of the sample layers: ``tokens_per_s`` in ``dtype`` with ``threads``."""
+
+    dtype: str
+    threads: int
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a node runs with: ``compute_dtype``, ``threads`` (torch intra-op), and ``reason``, one
+    line for the log and the operator."""
+
+    compute_dtype: str
+    threads: int
+    reason: str
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def thread_budget(cores: int, processes: int) -> int:
+    """torch threads each of ``processes`` layer-serving processes on ``cores`` cores may use.
+
+    The cores are split evenly (``cores // processes``, at least 1), so together they never ask
+    for more threads than there are cores while ``processes <= cores``; past that each gets one
+    (callers that must not oversubscribe start fewer processes, :func:`max_processes`).
+    """
+    return max(1, cores // max(1, processes))
+
+
+def max_processes(cores: int, wanted: int) -> int:
+    """How many layer-serving processes with one thread or more fit ``cores`` cores: at most
+    ``wanted``, at least 1."""
+    return max(1, min(wanted, cores))
+
+
+def thread_candidates(budget: int) -> list[int]:
+    """Thread counts worth measuring up to ``budget``: powers of two and ``budget`` itself
+    (``thread_candidates(6) == [1, 2, 4, 6]``)."""
+    counts, t = {max(1, budget)}, 1
+    while t < budget:
+        counts.add(t)
+        t *= 2
+    return sorted(counts)
+
+
+def choose(samples: Iterable[Sample], *, dtype: str | None = None, threads: int | None = None,
+           min_gain: float = BF16_MIN_GAIN, tolerance: float = THREAD_TOLERANCE) -> Choice:
+    """The compute dtype and thread count to run with, from measured ``samples``.
+
+    ``dtype`` / ``threads`` given (operator flags) are kept as they are; only samples that
+    match them count. Of the rest: bfloat16 when its best speed is at least ``min_gain`` times
+    float32's best (else float32, which is exact), then the fewest threads within ``tolerance``
+    of that dtype's best speed.
+
+    Raises:
+        ValueError: no sample matches the fixed ``dtype``/``threads``.
+    """
+    usable = [s for s in samples if (dtype is None or s.dtype == dtype) and (threads is None or s.threads == threads)
+              and s.tokens_per_s > 0]
+    if not usable:
+        raise ValueError(f"no decode measurement for dtype {dtype or 'any'} and threads {threads or 'any'}")
+    best = {d: max(s.tokens_per_s for s in usable if s.dtype == d) for d in {s.dtype for s in usable}}
+    if dtype is not None:
+        chosen, why = dtype, f"{dtype} as given"
+    elif "bfloat16" in best and ("float32" not in best or best["bfloat16"] >= min_gain * best["float32"]):
+        chosen = "bfloat16"
+        why = (f"bfloat16 decodes {best['bfloat16']:.0f} tokens/s, float32 {best['float32']:.0f}"
+               if "float32" in best else "bfloat16, the only dtype measured")
+    else:
+        chosen = "float32"
+        why = (f"float32 decodes {best['float32']:.0f} tokens/s, bfloat16 {best['bfloat16']:.0f} "
+               f"(bfloat16 must be {min_gain:.2f}x faster to win over exact float32)"
+               if "bfloat16" in best else "float32, the only dtype measured")
+    fastest = best[chosen]
+    count = min(s.threads for s in usable if s.dtype == chosen and s.tokens_per_s >= tolerance * fastest)
+    how_many = "as given" if threads is not None else f"the fewest within {tolerance:.0%} of the fastest count"
+    return Choice(chosen, count, f"{why}; {count} thread(s), {how_many}")
+
+
+def measure(model_path: Path, dtypes: Sequence[str], thread_counts: Sequence[int], *, rounds: int = 3,
+            steps: int = 8) -> list[Sample]:
+    """Decode tokens/s of :data:`SAMPLE_LAYERS` middle layers of the model at ``model_path``, for each
+    dtype and thread count: the median of ``rounds`` interleaved runs of ``steps`` decode steps.
+    torch's thread count is restored afterwards.
+
+    Raises:
+        ModelSourceError: the weights cannot be read.
+    """
+    import torch
+
+    from meshnet.layers import LayerRange
+    from meshnet.models.shard import ShardModel
+    from meshnet.node.doctor import measure_decode_tokens_per_s
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    num_layers = int(config.get("num_hidden_layers") or config.get("n_layer"))
+    start = 1 if num_layers > SAMPLE_LAYERS else 0
+    layers = LayerRange(start, min(num_layers, start + SAMPLE_LAYERS))
+    shards = {d: ShardModel(model_path, layers, dtype=d, load_head=False) for d in dtypes}
+    previous = torch.get_num_threads()
+    runs: dict[tuple[str, int], list[float]] = {}
+    try:
+        for _ in range(rounds):
+            for t in thread_counts:
+                torch.set_num_threads(t)
+                for d in dtypes:
+                    runs.setdefault((d, t), []).append(measure_decode_tokens_per_s(shards[d], steps))
+    finally:
+        torch.set_num_threads(previous)
+    return [Sample(d, t, round(statistics.median(v), 2)) for (d, t), v in runs.items()]
+
+
+def host_key(model: str, dtypes: Sequence[str], thread_counts: Sequence[int]) -> str:
+    """Cache key of a measurement: CPU, torch version, model and the candidates measured."""
+    import torch
+
+    return f"{cpu_name()}|torch {torch.__version__}|{model}|{','.join(dtypes)}|{','.join(map(str, thread_counts))}"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def calibrate(model: str, budget: int, *, dtype: str | None = None, threads: int | None = None,
+              cache_file: Path | None = None, now: float | None = None) -> Choice:
+    """The compute dtype and threads for a node serving ``model`` with at most ``budget`` threads.
+
+    Both given: no measurement. Otherwise the free axes are measured (:func:`measure`, or the
+    cached samples of this host in ``cache_file``, default ``<cache>/calibration.json``) and
+    :func:`choose` decides. A model that cannot be read falls back to bfloat16 (ADR-0006) with
+    ``budget`` threads, saying so in the reason.
+    """
+    from meshnet.errors import MeshnetError
+    from meshnet.models.sources import cache_dir, resolve
+
+    if dtype is not None and threads is not None:
+        return Choice(dtype, threads, "dtype and threads as given")
+    dtypes = [dtype] if dtype is not None else list(DTYPES)
+    counts = [threads] if threads is not None else thread_candidates(budget)
+    try:
+        path = resolve(model, progress=lambda _msg: None)
+    except MeshnetError as exc:
+        return Choice(dtype or "bfloat16", threads or budget, f"not measured ({exc.message}); ADR-0006 defaults")
+    cache_file = cache_file or cache_dir() / "calibration.json"
+    key, now = host_key(model, dtypes, counts), time.time() if now is None else now
+    cached = _read_cache(cache_file).get(key)
+    if cached and now - cached["measured_at"] < CACHE_TTL_S:
+        samples = [Sample(**s) for s in cached["samples"]]
+        source = "cached measurement"
+    else:
+        samples = measure(path, dtypes, counts)
+        _write_cache(cache_file, key, {"measured_at": now, "samples": [asdict(s) for s in samples]})
+        source = "measured now"
+    choice = choose(samples, dtype=dtype, threads=threads)
+    log.info("compute defaults for %s (%s): %s", model, source, choice.reason)
+    return Choice(choice.compute_dtype, choice.threads, f"{choice.reason} ({source})")
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path: Path, key: str, entry: dict) -> None:
+    """Add ``entry`` under ``key`` (replace, then rename: a concurrent reader sees old or new)."""
+    data = _read_cache(path)
+    data[key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)

@@ -1,0 +1,100 @@
+"""Host-measured compute defaults (meshnet.node.calibration): the choice as a pure function over
+measured samples, the thread budget, and one real measurement of the tiny model (cached)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshnet.node.calibration import (Sample, calibrate, choose, max_processes, thread_budget,
+                                      thread_candidates)
+
+
+def samples(table: dict[tuple[str, int], float]) -> list[Sample]:
+    return [Sample(d, t, v) for (d, t), v in table.items()]
+
+
+@pytest.mark.parametrize("table, expected", [
+    # this machine's batch-1 decode (DESIGN): float32 24 tok/s, bfloat16 15 -> float32
+    ({("float32", 1): 24.0, ("bfloat16", 1): 15.0}, ("float32", 1)),
+    # bfloat16 clearly faster (ADR-0006's figures) -> bfloat16
+    ({("float32", 2): 8.0, ("bfloat16", 2): 16.0}, ("bfloat16", 2)),
+    # bfloat16 faster, but by less than 10 %: exact float32 wins the tie
+    ({("float32", 1): 20.0, ("bfloat16", 1): 21.9}, ("float32", 1)),
+    ({("float32", 1): 20.0, ("bfloat16", 1): 22.0}, ("bfloat16", 1)),
+    # the fewest threads within 5 % of the fastest count
+    ({("float32", 1): 10.0, ("float32", 2): 18.0, ("float32", 4): 18.5, ("bfloat16", 1): 5.0,
+      ("bfloat16", 2): 9.0, ("bfloat16", 4): 9.5}, ("float32", 2)),
+    # more threads slower (small layers, shared cores): one thread
+    ({("float32", 1): 30.0, ("float32", 2): 26.0, ("bfloat16", 1): 12.0, ("bfloat16", 2): 11.0}, ("float32", 1)),
+    # the best bfloat16 count decides, not the same count as float32's best
+    ({("float32", 1): 10.0, ("float32", 4): 10.0, ("bfloat16", 1): 8.0, ("bfloat16", 4): 30.0}, ("bfloat16", 4)),
+    # a failed (zero) measurement never wins
+    ({("float32", 1): 0.0, ("bfloat16", 1): 3.0}, ("bfloat16", 1)),
+])
+def test_choose(table, expected):
+    choice = choose(samples(table))
+    assert (choice.compute_dtype, choice.threads) == expected
+    assert choice.reason
+
+
+def test_explicit_flags_win_over_the_measurement():
+    table = samples({("float32", 1): 30.0, ("float32", 2): 60.0, ("bfloat16", 1): 10.0, ("bfloat16", 2): 20.0})
+    assert (choose(table, dtype="bfloat16").compute_dtype, choose(table, dtype="bfloat16").threads) == ("bfloat16", 2)
+    assert (choose(table, threads=1).compute_dtype, choose(table, threads=1).threads) == ("float32", 1)
+    both = choose(table, dtype="bfloat16", threads=1)
+    assert (both.compute_dtype, both.threads) == ("bfloat16", 1) and "as given" in both.reason
+
+
+def test_choose_without_a_matching_sample_says_so():
+    with pytest.raises(ValueError, match="no decode measurement for dtype bfloat16"):
+        choose(samples({("float32", 1): 3.0}), dtype="bfloat16")
+
+
+@pytest.mark.parametrize("cores, processes, budget, fit", [  # the thread split of `meshnet serve`
+    (2, 3, 1, 2),     # this machine: 3 shards wanted, 2 fit with one thread each
+    (2, 2, 1, 2),
+    (16, 3, 5, 3),    # 15 of 16 cores, never 16 x 3
+    (8, 1, 8, 1),
+    (4, 4, 1, 4),
+    (1, 3, 1, 1),
+])
+def test_thread_budget_never_oversubscribes(cores, processes, budget, fit):
+    assert thread_budget(cores, processes) == budget
+    assert max_processes(cores, processes) == fit
+    assert thread_budget(cores, fit) * fit <= cores
+
+
+@pytest.mark.parametrize("budget, expected", [(1, [1]), (2, [1, 2]), (5, [1, 2, 4, 5]), (8, [1, 2, 4, 8]),
+                                              (0, [1])])
+def test_thread_candidates(budget, expected):
+    assert thread_candidates(budget) == expected
+
+
+def test_calibrate_measures_the_host_once_then_reads_the_cache(tiny_model_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHNET_CACHE", str(tiny_model_path("tiny-llama").parent.parent))
+    cache = tmp_path / "calibration.json"
+    first = calibrate("tiny-llama", 1, cache_file=cache, now=1000.0)
+    assert first.compute_dtype in ("float32", "bfloat16") and first.threads == 1
+    assert "measured now" in first.reason
+    stored = json.loads(cache.read_text())
+    (key, entry), = stored.items()
+    assert "tiny-llama" in key and entry["measured_at"] == 1000.0
+    assert sorted((s["dtype"], s["threads"]) for s in entry["samples"]) == [("bfloat16", 1), ("float32", 1)]
+    assert all(s["tokens_per_s"] > 0 for s in entry["samples"])
+    again = calibrate("tiny-llama", 1, cache_file=cache, now=2000.0)
+    assert (again.compute_dtype, again.threads) == (first.compute_dtype, first.threads)
+    assert "cached measurement" in again.reason
+
+
+def test_calibrate_with_both_flags_measures_nothing(tmp_path):
+    choice = calibrate("no-such-model", 4, dtype="float32", threads=3, cache_file=tmp_path / "c.json")
+    assert (choice.compute_dtype, choice.threads) == ("float32", 3) and not (tmp_path / "c.json").exists()
+
+
+def test_calibrate_falls_back_to_the_documented_default_when_the_model_cannot_be_read(tmp_path):
+    (tmp_path / "empty-model").mkdir()  # a local directory without config.json: no network asked
+    choice = calibrate(str(tmp_path / "empty-model"), 2, cache_file=tmp_path / "c.json")
+    assert (choice.compute_dtype, choice.threads) == ("bfloat16", 2)
+    assert "not measured" in choice.reason and "has no config.json" in choice.reason
