@@ -23,8 +23,8 @@ from meshnet.tracker.cadence import TIMEOUT_FACTOR, Cadence, heartbeat_cadence
 from meshnet.protocol.control import (OPEN_STATUSES, CapabilityReport, Directive, HeartbeatRequest,
                                       RegisterRequest)
 from meshnet.tracker.registry import NodeRecord, ShardRecord
-from meshnet.tracker.store import TrackerStore
-from meshnet.tracker.tickets import TicketIssuer, load_tracker_key
+from meshnet.tracker.store import TrackerStore, open_store
+from meshnet.tracker.tickets import TicketIssuer
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class TrackerService:
 
     def __init__(self, settings: TrackerSettings = TrackerSettings(), store: TrackerStore | None = None) -> None:
         self.settings = settings
-        self.store = store or TrackerStore(settings.db_path)
+        self.store = store or open_store(settings.db_path)
         self.nodes: dict[str, NodeRecord] = {}
         self._bound_keys: dict[str, str] = {}  # node id -> public key, as read from the store
         self.models: dict[str, ModelInfo] = {}
@@ -133,7 +133,7 @@ class TrackerService:
         self.dirty = True  # a join/leave happened: rebalance soon
         self.last_join_s = 0.0
         self.plan_reasons: Mapping[str, str] = {}  # node id -> why it did or did not get a range
-        self.tickets = TicketIssuer(load_tracker_key(settings.db_path), settings.ticket_ttl_s)
+        self.tickets = TicketIssuer(self.store.tracker_key(), settings.ticket_ttl_s)
         for name in settings.models:
             self.store.add_model(canonical_model_name(name))
         for name in self.store.models():
