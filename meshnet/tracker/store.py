@@ -191,6 +191,10 @@ class TrackerStore:
         when it does not. Cheap enough to call every second."""
         raise NotImplementedError
 
+    def resign(self) -> None:
+        """Stop leading, so that another tracker of this database may take over (no-op where
+        only one tracker uses it)."""
+
     def tracker_key(self) -> Ed25519PrivateKey:
         """The key that signs session tickets, the same for every tracker of this database (ADR-0038)."""
         raise NotImplementedError
