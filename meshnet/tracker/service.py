@@ -24,7 +24,8 @@ from meshnet.tracker.cadence import TIMEOUT_FACTOR, Cadence, heartbeat_cadence
 from meshnet.protocol.control import (OPEN_STATUSES, CapabilityReport, Directive, HeartbeatRequest,
                                       RegisterRequest)
 from meshnet.tracker.registry import NodeRecord, ShardRecord, record_from_json, record_to_json
-from meshnet.tracker.store import DemandEvent, NodeRow, TrackerStore, open_store
+from meshnet.tracker.backends import open_store
+from meshnet.tracker.store import DemandEvent, NodeRow, TrackerStore
 from meshnet.tracker.tickets import TicketIssuer
 
 log = logging.getLogger(__name__)

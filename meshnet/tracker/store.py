@@ -4,6 +4,8 @@
 column types of the schema, the placeholder (``?`` for sqlite, ``%s`` for psycopg, converted
 once per statement) and how they lead:
 
+:func:`meshnet.tracker.backends.open_store` picks one for ``--db``:
+
 - :class:`SqliteStore` (the embedded default, a file or ``:memory:``): one tracker process per
   database, which always leads.
 - :class:`meshnet.tracker.pgstore.PostgresStore` (``--db postgresql://...``): several tracker
@@ -30,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshnet.protocol.control import OPEN_STATUSES, Directive
 
 __all__ = ["FINISHED_STATUSES", "OPEN_STATUSES", "DemandEvent", "NewDirective", "NodeRow", "SqliteStore",
-           "TrackerStore", "open_store"]
+           "TrackerStore"]
 
 #: the schema; ``{id}`` and ``{real}`` are the backend's auto-increment key and float column types
 SCHEMA = """
@@ -400,15 +402,3 @@ class SqliteStore(TrackerStore):
         from meshnet.tracker.tickets import load_tracker_key
         return load_tracker_key(self.path)
 
-
-def open_store(db: str) -> TrackerStore:
-    """The store for ``--db``: a ``postgresql://`` (or ``postgres://``) URL opens
-    :class:`~meshnet.tracker.pgstore.PostgresStore`; anything else is a sqlite path.
-
-    Raises:
-        MeshnetError (``database_unreachable``): the PostgreSQL server cannot be reached.
-    """
-    if db.startswith(("postgresql://", "postgres://")):
-        from meshnet.tracker.pgstore import PostgresStore
-        return PostgresStore(db)
-    return SqliteStore(db)
