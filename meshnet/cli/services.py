@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from meshnet.cli.output import err_console, fail, setup_logging
-from meshnet.endpoints import check_endpoint, free_port
+from meshnet.endpoints import check_endpoint, check_endpoints, free_port
 from meshnet.errors import MeshnetError
 from meshnet.node.settings import NodeSettings as N
 from meshnet.tracker.service import TrackerSettings as T
@@ -39,7 +39,9 @@ def tracker_start(
         host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
         port: int = typer.Option(T.port, "--port", help="Port to listen on."),
         db: str = typer.Option(None, "--db", envvar="MESHNET_TRACKER_DB",
-                               help="sqlite file for pins/directives (default: ~/.cache/meshnet/tracker.db)."),
+                               help="sqlite file for the tracker's state (default: ~/.cache/meshnet/tracker.db), "
+                                    "or postgresql://user@host:5432/db: several trackers may share that database, "
+                                    "one leading, the others standing by."),
         heartbeat_interval: float = typer.Option(T.heartbeat_interval_s, "--heartbeat-interval", min=0.1, help="Node heartbeat, s."),
         node_timeout: float = typer.Option(T.node_timeout_s, "--node-timeout", min=0.5, help="Dropout after this many s."),
         rebalance_interval: float = typer.Option(T.rebalance_interval_s, "--rebalance-interval", min=0.5, help="Rebalance period, s."),
@@ -67,7 +69,7 @@ def tracker_start(
     from meshnet.presets import get_preset
     from meshnet.tracker.app import build_app
     from meshnet.tracker.auth import exposure_problem, is_loopback
-    from meshnet.tracker.service import TrackerSettings
+    from meshnet.tracker.service import TrackerService, TrackerSettings
 
     setup_logging(log_level)
     problem = exposure_problem(host, join_token, operator_token, insecure)
@@ -91,12 +93,18 @@ def tracker_start(
                                probe_timeout_s=probe_timeout, drain_grace_s=drain_grace,
                                directive_retention_s=directive_retention,
                                **_body_limit(max_body_bytes))
-    _serve(build_app(settings), host, port)
+    try:
+        service = TrackerService(settings)  # opens the database now: an unreachable one fails here, clearly
+    except MeshnetError as exc:
+        fail(exc)
+    _serve(build_app(settings, service), host, port)
 
 
 @node_app.command("start")
 def node_start(
-        tracker: str = typer.Option(None, "--tracker", envvar="MESHNET_TRACKER", help="Tracker URL to join."),
+        tracker: list[str] = typer.Option(None, "--tracker", envvar="MESHNET_TRACKER",
+                                          help="Tracker URL to join; repeat it (or separate by commas) for every "
+                                               "tracker of one database: the node moves on when one stops answering."),
         model: str = typer.Option(None, "--model", "-m", help="Preset, hub repo or local dir to serve (pinned)."),
         shard_start: int = typer.Option(None, "--shard-start", min=0, help="First layer (inclusive)."),
         shard_end: int = typer.Option(None, "--shard-end", min=0, help="Last layer (inclusive)."),
@@ -148,7 +156,7 @@ def node_start(
                           hint="pass --shard-start/--shard-end, or --tracker URL"))
     try:
         public_url = None if public_url is None else check_endpoint(public_url)
-        tracker = None if tracker is None else check_endpoint(tracker)
+        tracker = ",".join(check_endpoints(tracker)) if tracker else None
         port = port or free_port(host)
     except MeshnetError as exc:
         fail(exc)
