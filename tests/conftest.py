@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import uuid
 from pathlib import Path
 
 import httpx
@@ -133,10 +132,6 @@ def pg_server() -> str:
 @pytest.fixture
 def pg_url(pg_server):
     """A fresh, empty PostgreSQL database for one test, dropped afterwards."""
-    from meshnet.tracker.pgstore import create_database, drop_database
-    name = f"meshnet_test_{os.getpid()}_{uuid.uuid4().hex[:10]}"
-    url = create_database(pg_server, name)
-    try:
+    from meshnet.tracker.pgstore import scratch_database
+    with scratch_database(pg_server, prefix="meshnet_test") as url:
         yield url
-    finally:
-        drop_database(pg_server, name)
