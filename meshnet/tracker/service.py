@@ -1,6 +1,6 @@
 """The tracker's state and decisions, independent of HTTP.
 
-Thin shell around pure functions: it keeps node records and the sqlite store, and calls
+Thin shell around pure functions: it keeps node records and the store (sqlite or PostgreSQL), and calls
 :mod:`placement` (who loads what), :mod:`routing` (which hops serve a request) and the
 coverage helpers. Every mutating method is synchronous and cheap; the app runs the
 periodic loop (dropout check and rebalance).
