@@ -127,6 +127,14 @@ class PostgresStore(TrackerStore):
                 out.append(None)
         return out
 
+    def touch_nodes(self, heartbeats: dict[str, float]) -> None:
+        """:meth:`TrackerStore.touch_nodes` as one statement over arrays."""
+        if heartbeats:
+            with self.lock:
+                self.db.execute("UPDATE nodes SET heartbeat_at = v.at FROM unnest(%s::text[], %s::float8[]) "
+                                "AS v(node_id, at) WHERE nodes.node_id = v.node_id AND nodes.heartbeat_at < v.at",
+                                (list(heartbeats), list(heartbeats.values())))
+
     def lead(self) -> bool:
         """Whether this process holds the leader lock: checks that the lock's connection still
         answers (a connection that broke lost the lock with it), else tries to take the lock on a

@@ -151,6 +151,10 @@ class TrackerService:
         self.leader = not self.store.shared
         self.demand_seen = 0  # the highest demand event id read from the store
         self._heartbeats: dict[str, float] = {}  # node id -> unix time of a heartbeat not written yet
+        #: on a shared store, the nodes with queued directives as of the last sync round plus those
+        #: this tracker queued since: a heartbeat of any other node reads nothing (None: always read)
+        self.queued_hint: set[str] | None = set(self.store.nodes_with_queued()) if self.store.shared else None
+        self._queued_since_read: set[str] = set()
         for name in settings.models:
             self.store.add_model(canonical_model_name(name))
         for name in self.store.models():
@@ -233,8 +237,10 @@ class TrackerService:
                         layers: LayerRange | None = None, tier: str | None = None, reason: str = "") -> Directive:
         """Queue one directive for ``node_id`` (delivered with its next heartbeat); returns its row."""
         start, end = layers.to_inclusive() if layers is not None else (None, None)
-        return self.store.add_directive(node_id, type_, model=model, shard_start=start, shard_end=end, tier=tier,
-                                        reason=reason)
+        directive = self.store.add_directive(node_id, type_, model=model, shard_start=start, shard_end=end, tier=tier,
+                                             reason=reason)
+        self.note_queued([node_id])
+        return directive
 
     def restore_pins(self, node: NodeRecord) -> list[Directive]:
         """Give a (re)registering node back every shard the operator pinned on it.
@@ -391,9 +397,25 @@ class TrackerService:
                 self._heartbeats[node_id] = time.time()
         self.store.set_statuses([(u.id, u.status, u.error) for u in payload.directive_updates], node_id=node_id,
                                 node=row)
+        if self.queued_hint is not None and node_id not in self.queued_hint:
+            return []  # nothing queued for it as of this round's read (a shared store: no query)
         out = [d.model_copy(update={"status": "delivered"})
                for d in reversed(self.store.directives(node_id=node_id, statuses=("queued",)))]
         self.store.set_statuses([(d.id, "delivered", None) for d in out], node_id=node_id)
+        if self.queued_hint is not None:
+            self.queued_hint.discard(node_id)
+        return out
+
+    def note_queued(self, node_ids) -> None:
+        """Directives were queued for ``node_ids`` by this tracker: their next heartbeat reads them."""
+        if self.queued_hint is not None:
+            node_ids = set(node_ids)
+            self.queued_hint |= node_ids
+            self._queued_since_read |= node_ids
+
+    def take_queued_since_read(self) -> set[str]:
+        """The nodes this tracker queued directives for since the last call (the sync round's read)."""
+        out, self._queued_since_read = self._queued_since_read, set()
         return out
 
     def set_reachability(self, node_id: str, endpoint: str, error: str, now: float | None = None) -> None:

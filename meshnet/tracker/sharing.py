@@ -8,7 +8,9 @@ the tracker leads. On a shared store (PostgreSQL) it:
    heard of, and plans at once;
 2. writes the heartbeat times it collected since the last round, in one transaction;
 3. reads the node records other trackers changed since the last round (plus a margin for
-   writes that were in flight), and the demand they counted.
+   writes that were in flight), the demand they counted, and which nodes have queued
+   directives (so a heartbeat of a node with none reads nothing; a directive another tracker
+   queues reaches its node at most one round later than it would from this one).
 
 The store calls run on a worker thread; the service is changed on the event loop only.
 """
@@ -53,10 +55,12 @@ class Sharing:
         heartbeats = svc.take_heartbeats()
         since = max(0.0, self.read_at - SYNC_MARGIN_S) if self.read_at else 0.0
         read_at = time.time()
-        rows, events = await asyncio.to_thread(self._exchange, heartbeats, since)
+        svc.take_queued_since_read()
+        rows, events, queued = await asyncio.to_thread(self._exchange, heartbeats, since)
         self.read_at = read_at
         svc.apply_rows(rows)
         svc.apply_demand(events)
+        svc.queued_hint = set(queued) | svc.take_queued_since_read()
         return leading
 
     def _exchange(self, heartbeats: dict[str, float], since: float):
@@ -65,4 +69,5 @@ class Sharing:
         store.touch_nodes(heartbeats)
         return (store.nodes_changed(since),
                 store.demand_events(after_id=svc.demand_seen, since=time.time() - svc.settings.demand_window_s,
-                                    not_from=svc.origin))
+                                    not_from=svc.origin),
+                store.nodes_with_queued())

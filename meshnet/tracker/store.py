@@ -264,6 +264,10 @@ class TrackerStore:
         args.append(limit)
         return [Directive.model_construct(**row) for row in self._rows(sql, tuple(args))]
 
+    def nodes_with_queued(self) -> list[str]:
+        """Ids of the nodes that have a queued (not yet delivered) directive."""
+        return [r["node_id"] for r in self._rows("SELECT DISTINCT node_id FROM directives WHERE status = 'queued'")]
+
     def set_status(self, directive_id: int, status: str, error: str | None = None) -> None:
         self._exec("UPDATE directives SET status = ?, error = ?, updated_at = ? WHERE id = ?",
                    (status, error, time.time(), directive_id))
