@@ -127,3 +127,18 @@ async def test_a_standby_does_not_fail_the_directives_of_a_node_that_heartbeats_
     assert a.service.check_dropouts() == ["node-b"]  # the leader decides
     assert [d.status for d in a.service.store.directives(node_id="node-b")] == ["failed"]
     assert a.service.store.heartbeat_times(["node-b"]) == {}
+
+
+async def test_a_directive_queued_at_one_tracker_reaches_a_node_at_the_other_after_one_round(trackers):
+    a, b = trackers
+    await a.sharing.sync_round()
+    assert (await b.post("/v1/nodes/register", json=node("node-c"))).status_code == 200
+    await a.sharing.sync_round()
+    assert (await a.post("/v1/operator/reload", json={"node_id": "node-c"})).status_code == 200
+    first = await b.post("/v1/nodes/node-c/heartbeat", json=heartbeat())
+    assert first.json()["directives"] == []  # b has not read the queue since: no query per idle heartbeat
+    await b.sharing.sync_round()
+    second = await b.post("/v1/nodes/node-c/heartbeat", json=heartbeat())
+    assert [d["type"] for d in second.json()["directives"]] == ["RELOAD"]
+    third = await b.post("/v1/nodes/node-c/heartbeat", json=heartbeat())
+    assert third.json()["directives"] == []
