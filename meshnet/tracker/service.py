@@ -387,14 +387,7 @@ class TrackerService:
             self.dirty = True
         if any(u.status in ("done", "failed") for u in payload.directive_updates):
             self.dirty = True
-        row = None
-        if self.store.shared:
-            if payload.directive_updates or node.shards != shards_before:
-                node.record_at = time.time()  # the finished load and its shard are written together
-                row = self.node_row(node)
-                self._heartbeats.pop(node_id, None)
-            else:
-                self._heartbeats[node_id] = time.time()
+        row = self._heartbeat_row(node, bool(payload.directive_updates) or node.shards != shards_before)
         self.store.set_statuses([(u.id, u.status, u.error) for u in payload.directive_updates], node_id=node_id,
                                 node=row)
         if self.queued_hint is not None and node_id not in self.queued_hint:
@@ -405,6 +398,20 @@ class TrackerService:
         if self.queued_hint is not None:
             self.queued_hint.discard(node_id)
         return out
+
+    def _heartbeat_row(self, node: NodeRecord, changed: bool) -> NodeRow | None:
+        """On a shared store, the record a heartbeat that ``changed`` the node's shards or directives
+        writes in the same transaction as its directive updates (no tracker ever sees a finished
+        load without its shard); for one that changed nothing only its time is noted, for the
+        round's batch. None on sqlite, or when nothing changed."""
+        if not self.store.shared:
+            return None
+        if not changed:
+            self._heartbeats[node.node_id] = time.time()
+            return None
+        node.record_at = time.time()
+        self._heartbeats.pop(node.node_id, None)
+        return self.node_row(node)
 
     def note_queued(self, node_ids) -> None:
         """Directives were queued for ``node_ids`` by this tracker: their next heartbeat reads them."""
