@@ -202,6 +202,7 @@ class TrackerService:
         """
         node_id = payload.node_id
         bound = self.store.bind_key(node_id, payload.public_key)
+        self._bound_keys[node_id] = bound  # its heartbeats' signatures are checked against it
         if bound != payload.public_key:
             log.warning("refused a registration of %s with another key (endpoint %s)", node_id, payload.endpoint)
             raise Conflict(f"node id {node_id!r} belongs to another key; this registration is refused",
