@@ -139,12 +139,17 @@ async def run(size: int, backend: str) -> None:
     with database(backend) as db:
         app = build_app(TrackerSettings(db_path=db), run_loop=False, transport=httpx.MockTransport(healthy_nodes))
         async with LifespanManager(app):
-            syncing = asyncio.create_task(sync_every_second(Sharing(app.state.service)))
+            sharing = Sharing(app.state.service)
+            await sharing.sync_round()  # it leads from the start, as a tracker whose loop runs before nodes come
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tracker",
                                          timeout=120.0) as client:
                 t0 = time.perf_counter()
                 signers, interval_s = await register_all(client, size)
                 register_s = time.perf_counter() - t0
+                # in-process registrations never wait, so they all ran in one turn of the event loop,
+                # which no sync round could interrupt: catch up once, as the per-second rounds would have
+                await sharing.sync_round()
+                syncing = asyncio.create_task(sync_every_second(sharing))
                 latencies, window_s, announced = await heartbeat_window(client, signers, interval_s, rng)
                 timeout_s = app.state.service.cadence().timeout_s
             syncing.cancel()
