@@ -30,17 +30,34 @@ log = logging.getLogger(__name__)
 SYNC_MARGIN_S = 5.0
 
 
-class Sharing:
-    """The state of one tracker's sync with its database: when it last read node records."""
+#: the shortest time between two sync rounds, seconds (the control loop also wakes on every join)
+SYNC_INTERVAL_S = 1.0
 
-    def __init__(self, service: TrackerService) -> None:
+
+class Sharing:
+    """The state of one tracker's sync with its database: when it last read node records.
+
+    Args:
+        service: the tracker's service.
+        min_interval_s: a round sooner than this after the previous one does nothing (the
+            control loop wakes on every registration; a storm of them must not become a storm
+            of database rounds); tests pass 0.
+    """
+
+    def __init__(self, service: TrackerService, min_interval_s: float = SYNC_INTERVAL_S) -> None:
         self.service = service
+        self.min_interval_s = min_interval_s
         self.read_at = 0.0  # unix time of the last read of changed records (0: read all)
+        self.round_s = -min_interval_s  # monotonic time of the last round
 
     async def sync_round(self) -> bool:
-        """One round (see the module); returns whether this tracker leads now. Store errors
-        propagate (the control loop logs them and tries again next round)."""
+        """One round (see the module); returns whether this tracker leads now (as of the last
+        round, when this one comes too soon). Store errors propagate (the control loop logs them
+        and tries again next round)."""
         svc, store = self.service, self.service.store
+        if time.monotonic() - self.round_s < self.min_interval_s:
+            return svc.leader
+        self.round_s = time.monotonic()
         leading = await asyncio.to_thread(store.lead)
         if leading != svc.leader:
             svc.leader = leading

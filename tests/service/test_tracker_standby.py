@@ -42,7 +42,7 @@ async def trackers(asgi_client, pg_url):
         app = build_app(TrackerSettings(models=(MODEL,), db_path=pg_url), run_loop=False, transport=HealthyNodes())
         client = await asgi_client(app, "http://tracker", auth=SignAsNodes())
         client.service = app.state.service
-        client.sharing = Sharing(client.service)
+        client.sharing = Sharing(client.service, min_interval_s=0.0)
         out.append(client)
     return out
 
@@ -142,3 +142,15 @@ async def test_a_directive_queued_at_one_tracker_reaches_a_node_at_the_other_aft
     assert [d["type"] for d in second.json()["directives"]] == ["RELOAD"]
     third = await b.post("/v1/nodes/node-c/heartbeat", json=heartbeat())
     assert third.json()["directives"] == []
+
+
+async def test_rounds_come_at_most_once_per_interval():
+    from meshnet.tracker.service import TrackerService
+
+    svc = TrackerService(TrackerSettings(models=(MODEL,)))
+    calls = []
+    lead = svc.store.lead
+    svc.store.lead = lambda: calls.append(1) or lead()
+    sharing = Sharing(svc, min_interval_s=60.0)
+    assert [await sharing.sync_round() for _ in range(5)] == [True] * 5
+    assert calls == [1]  # a storm of wake-ups is one round
