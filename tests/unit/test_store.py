@@ -224,3 +224,30 @@ def test_trackers_of_one_postgres_database_share_the_ticket_key_and_one_leads(pg
     finally:
         first.close()
         second.close()
+
+
+def test_a_leader_killed_inside_its_write_leaves_no_directive_and_the_next_writes_them_once(pg_url):
+    import psycopg
+
+    from meshnet.tracker.pgstore import PostgresStore
+    old, new_leader = PostgresStore(pg_url), PostgresStore(pg_url)
+    try:
+        batch = [new(f"n{k % 3}", k) for k in range(30)]
+        old.db.execute("BEGIN")  # the old leader's batch, not committed yet ...
+        old.db.execute("INSERT INTO directives (node_id, type, model, shard_start, shard_end, tier, status, "
+                       "created_at, updated_at) VALUES ('n0', 'LOAD_SHARD', 'tiny-llama', 0, 1, 'bootstrap', "
+                       "'queued', 1, 1)")
+        pid = old.db.info.backend_pid
+        new_leader._exec("SELECT pg_terminate_backend(?)", (pid,))  # ... when its process dies
+        assert new_leader.directives() == []
+        ids = new_leader.add_directives(batch)
+        assert None not in ids and len(new_leader.directives(limit=100)) == 30
+        assert new_leader.add_directives(batch) == [None] * 30  # the same plan again queues nothing
+        with pytest.raises(psycopg.OperationalError):
+            old.db.execute("COMMIT")
+    finally:
+        new_leader.close()
+        try:
+            old.close()
+        except Exception:  # noqa: BLE001 - its connection is gone
+            pass
