@@ -1,7 +1,12 @@
-"""Benchmark of the tracker's heartbeat path at network scale (ADR-0037).
+"""Benchmark of the tracker's heartbeat path at network scale (ADR-0037, ADR-0043).
 
-An in-process tracker app (:func:`meshnet.tracker.app.build_app`, sqlite on disk in a temporary
-directory, no control loop) served through ``httpx.ASGITransport``: no sockets. ``N`` simulated
+An in-process tracker app (:func:`meshnet.tracker.app.build_app`, no control loop) served through
+``httpx.ASGITransport``: no sockets. Its store is, per backend, sqlite on disk in a temporary
+directory or a fresh PostgreSQL database (the server of ``MESHNET_BENCH_PG``, default
+``postgresql://postgres@127.0.0.1:5432/test``, dropped afterwards). Beside it runs the part of the
+control loop that touches the store every second whatever happens: the sync round
+(:class:`meshnet.tracker.sharing.Sharing`: leadership; on PostgreSQL the batched write of
+heartbeat times and the read of other trackers' changes). ``N`` simulated
 nodes, each with its own Ed25519 key, register (signed, with the protocol revision, probed through
 a fake transport) and then heartbeat, signed, at the interval the tracker announced to them.
 
@@ -13,13 +18,16 @@ A heartbeat's latency runs from its scheduled time to its answer, so time spent 
 event loop (the client and the tracker share it, as a saturated tracker's queue would) counts.
 
 Printed per size: the announced interval and timeout, the offered and served rates, and p50 / p99 /
-max heartbeat latency. Run: ``.venv/bin/python bench/heartbeats.py [N ...]`` (default 1,000 and
-10,000; about two minutes on two CPU cores, most of it registering the nodes).
+max heartbeat latency. Run: ``.venv/bin/python bench/heartbeats.py [N ...] [sqlite|postgresql]``
+(default 1,000 and 10,000 on both backends; about two minutes per backend on two CPU cores, most
+of it registering the nodes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import platform
 import random
 import sys
@@ -39,6 +47,7 @@ from meshnet.protocol.control import (PROTOCOL_REVISION, HeartbeatRequest, NodeS
 from meshnet.protocol.signing import encode_public_key  # noqa: E402
 from meshnet.tracker.app import build_app  # noqa: E402
 from meshnet.tracker.service import TrackerSettings  # noqa: E402
+from meshnet.tracker.sharing import Sharing  # noqa: E402
 
 SIZES = (1_000, 10_000)
 #: longest real time heartbeats are sent for, per size, seconds
@@ -101,36 +110,71 @@ async def heartbeat_window(client: httpx.AsyncClient, signers: list[NodeSigner],
     return latencies, window_s, announced
 
 
-async def run(size: int) -> None:
+#: the PostgreSQL server a scratch database is made on
+PG_SERVER = os.environ.get("MESHNET_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/test")
+BACKENDS = ("sqlite", "postgresql")
+
+
+@contextlib.contextmanager
+def database(backend: str):
+    """A fresh ``--db`` of ``backend`` for the block."""
+    if backend == "sqlite":
+        with tempfile.TemporaryDirectory() as tmp:
+            yield f"{tmp}/tracker.db"
+    else:
+        from meshnet.tracker.pgstore import scratch_database
+        with scratch_database(PG_SERVER, prefix="meshnet_bench") as url:
+            yield url
+
+
+async def sync_every_second(sharing: Sharing) -> None:
+    """The control loop's store work that runs whatever happens (no probes, no rebalance)."""
+    while True:
+        await asyncio.sleep(1.0)
+        await sharing.sync_round()
+
+
+async def run(size: int, backend: str) -> None:
     rng = random.Random(size)
-    with tempfile.TemporaryDirectory() as tmp:
-        app = build_app(TrackerSettings(db_path=f"{tmp}/tracker.db"), run_loop=False,
-                        transport=httpx.MockTransport(healthy_nodes))
+    with database(backend) as db:
+        app = build_app(TrackerSettings(db_path=db), run_loop=False, transport=httpx.MockTransport(healthy_nodes))
         async with LifespanManager(app):
+            sharing = Sharing(app.state.service)
+            await sharing.sync_round()  # it leads from the start, as a tracker whose loop runs before nodes come
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tracker",
                                          timeout=120.0) as client:
                 t0 = time.perf_counter()
                 signers, interval_s = await register_all(client, size)
                 register_s = time.perf_counter() - t0
+                # in-process registrations never wait, so they all ran in one turn of the event loop,
+                # which no sync round could interrupt: catch up once, as the per-second rounds would have
+                await sharing.sync_round()
+                syncing = asyncio.create_task(sync_every_second(sharing))
                 latencies, window_s, announced = await heartbeat_window(client, signers, interval_s, rng)
                 timeout_s = app.state.service.cadence().timeout_s
+            syncing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await syncing
+            app.state.service.store.close()
     latencies.sort()
     sent = len(latencies)
     served_s = max(window_s, latencies[-1] if latencies else 0.0)
-    print(f"{size:>7,} {register_s:>8.1f} {interval_s:>9.1f} {timeout_s:>9.1f} {size / interval_s:>8.0f} "
+    print(f"{backend:>11} {size:>7,} {register_s:>8.1f} {interval_s:>9.1f} {timeout_s:>9.1f} {size / interval_s:>8.0f} "
           f"{sent:>6,} {sent / served_s:>8.0f} {percentile(latencies, 0.5) * 1000:>8.1f} "
           f"{percentile(latencies, 0.99) * 1000:>8.1f} {latencies[-1] * 1000:>8.1f}"
           f"{'' if announced == {interval_s} else f'  (announced {sorted(announced)})'}")
 
 
 def main() -> None:
-    sizes = tuple(int(a) for a in sys.argv[1:]) or SIZES
+    sizes = tuple(int(a) for a in sys.argv[1:] if a.isdigit()) or SIZES
+    backends = tuple(a for a in sys.argv[1:] if a in BACKENDS) or BACKENDS
     print(f"python {platform.python_version()} on {platform.machine()}; window {WINDOW_S:.0f} s real time; "
           "client and tracker share one event loop")
-    print(f"{'nodes':>7} {'reg s':>8} {'interval':>9} {'timeout':>9} {'offer/s':>8} {'sent':>6} {'served/s':>8} "
+    print(f"{'backend':>11} {'nodes':>7} {'reg s':>8} {'interval':>9} {'timeout':>9} {'offer/s':>8} {'sent':>6} {'served/s':>8} "
           f"{'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
-    for size in sizes:
-        asyncio.run(run(size))
+    for backend in backends:
+        for size in sizes:
+            asyncio.run(run(size, backend))
 
 
 if __name__ == "__main__":

@@ -11,10 +11,12 @@ one full ``plan_placement`` (median of 5 runs, ``time.perf_counter``) in three s
 
 Then, at 10,000 nodes over 20 models (the ``cold`` network), one full tracker rebalance as the
 tracker's control loop runs it (:func:`meshnet.tracker.rebalance.rebalance_off_loop`): placement
-inputs and the plan on the event loop, every directive written in one transaction to a sqlite
-file in a temporary directory on a worker thread. It prints the wall time, the write's share, and
-the longest event-loop block meanwhile, seen by a probe task that sleeps 1 ms in a loop and records
-how late it wakes (ADR-0037).
+inputs on the event loop, the plan and the write of every directive in one transaction on worker
+threads, on each backend: a sqlite file in a temporary directory, and a fresh PostgreSQL database
+(ADR-0043; the server of ``MESHNET_BENCH_PG``, default ``postgresql://postgres@127.0.0.1:5432/test``;
+``MESHNET_BENCH_PG=off`` leaves it out). It prints the wall time, the planner's and the write's
+shares, and the longest event-loop block meanwhile, seen by a probe task that sleeps 1 ms in a
+loop and records how late it wakes (ADR-0037).
 
 Run: ``.venv/bin/python bench/placement.py``. Target: under 100 ms at 10,000 nodes.
 """
@@ -22,6 +24,9 @@ Run: ``.venv/bin/python bench/placement.py``. Target: under 100 ms at 10,000 nod
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import os
 import platform
 import random
 import statistics
@@ -34,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from meshnet.layers import LayerRange  # noqa: E402
+from meshnet.tracker import placement  # noqa: E402
 from meshnet.tracker.placement import (  # noqa: E402
     Assignment, ModelSpec, NodeState, apply_plan, max_assignable_layers, plan_placement)
 from meshnet.tracker.rebalance import rebalance_off_loop  # noqa: E402
@@ -137,9 +143,10 @@ def tracker_with(nodes: list[NodeState], models: list[ModelSpec], db_path: str) 
 
 
 async def timed_rebalance(svc: TrackerService) -> dict[str, float]:
-    """One :func:`rebalance_off_loop` with a loop-lag probe beside it: wall, write and longest block, ms."""
-    worst_s, written = 0.0, {"ms": 0.0, "rows": 0}
-    write = svc.store.add_directives
+    """One :func:`rebalance_off_loop` with a loop-lag probe beside it: wall, plan, write and longest
+    block, ms."""
+    worst_s, written, planned = 0.0, {"ms": 0.0, "rows": 0}, {"ms": 0.0}
+    write, plan = svc.store.add_directives, placement.plan_placement
 
     def timed_write(new):
         t0 = time.perf_counter()
@@ -147,7 +154,14 @@ async def timed_rebalance(svc: TrackerService) -> dict[str, float]:
         written["ms"], written["rows"] = (time.perf_counter() - t0) * 1000, len(ids)
         return ids
 
+    def timed_plan(*args):
+        t0 = time.perf_counter()
+        out = plan(*args)
+        planned["ms"] = (time.perf_counter() - t0) * 1000
+        return out
+
     svc.store.add_directives = timed_write
+    placement.plan_placement = timed_plan
     stop = asyncio.Event()
 
     async def probe() -> None:
@@ -160,27 +174,57 @@ async def timed_rebalance(svc: TrackerService) -> dict[str, float]:
     task = asyncio.create_task(probe())
     await asyncio.sleep(0.01)
     t0 = time.perf_counter()
-    await rebalance_off_loop(svc)
+    try:
+        await rebalance_off_loop(svc)
+    finally:
+        placement.plan_placement = plan
     wall_ms = (time.perf_counter() - t0) * 1000
     stop.set()
     await task
-    return {"wall_ms": wall_ms, "write_ms": written["ms"], "rows": written["rows"], "block_ms": worst_s * 1000}
+    return {"wall_ms": wall_ms, "plan_ms": planned["ms"], "write_ms": written["ms"], "rows": written["rows"],
+            "block_ms": worst_s * 1000}
+
+
+#: the PostgreSQL server a scratch database is made on (``off``: sqlite only)
+PG_SERVER = os.environ.get("MESHNET_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+@contextlib.contextmanager
+def database(backend: str):
+    """A fresh ``--db`` of ``backend`` (``sqlite`` or ``postgresql``) for the block."""
+    if backend == "sqlite":
+        with tempfile.TemporaryDirectory() as tmp:
+            yield f"{tmp}/tracker.db"
+    else:
+        from meshnet.tracker.pgstore import scratch_database
+        with scratch_database(PG_SERVER, prefix="meshnet_bench") as url:
+            yield url
 
 
 def rebalance_figures(size: int = SIZES[-1]) -> None:
-    """Print the full rebalance at ``size`` nodes (the ``cold`` network of :func:`main`'s seed)."""
+    """Print the full rebalance at ``size`` nodes (the ``cold`` network of :func:`main`'s seed), per backend."""
     rng = random.Random(size)
     models = make_models(rng)
     cold = [make_node(rng, f"node-{k:05d}", models, held=0.3) for k in range(size)]
-    with tempfile.TemporaryDirectory() as tmp:
-        svc = tracker_with(cold, models, f"{tmp}/tracker.db")
-        r = asyncio.run(timed_rebalance(svc))
-    print(f"\nfull rebalance at {size:,} nodes x {len(models)} models, sqlite on disk (rebalance_off_loop):")
-    print(f"  wall {r['wall_ms']:.0f} ms: write of {r['rows']:,} directives in one transaction "
-          f"{r['write_ms']:.0f} ms, the rest {r['wall_ms'] - r['write_ms']:.0f} ms (inputs, plan, apply)")
-    print(f"  longest event-loop block meanwhile: {r['block_ms']:.0f} ms")
+    backends = ("sqlite",) if PG_SERVER == "off" else ("postgresql", "sqlite")
+    print(f"\nfull rebalance at {size:,} nodes x {len(models)} models (rebalance_off_loop), ms; target "
+          f"{TARGET_MS:.0f} ms for the plan and for the longest event-loop block:")
+    print(f"{'backend':>11} {'wall':>6} {'plan':>6} {'write':>6} {'rows':>6} {'rest':>6} {'block':>6}")
+    for backend in backends:
+        with database(backend) as db:
+            svc = tracker_with(cold, models, db)
+            gc.collect()  # the previous backend's garbage is not this one's time
+            r = asyncio.run(timed_rebalance(svc))
+            svc.store.close()
+            del svc
+        rest = r["wall_ms"] - r["write_ms"] - r["plan_ms"]
+        print(f"{backend:>11} {r['wall_ms']:>6.0f} {r['plan_ms']:>6.0f} {r['write_ms']:>6.0f} {r['rows']:>6,} "
+              f"{rest:>6.0f} {r['block_ms']:>6.0f}")
+    print("  (write: every directive in one transaction, on a worker thread; rest: inputs, demand moves, apply; "
+          "block: the longest the event loop waited)")
 
 
 if __name__ == "__main__":
-    main()
+    if "--rebalance-only" not in sys.argv:
+        main()
     rebalance_figures()

@@ -6,14 +6,15 @@ message says what was asked of whom.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import logging
+from collections.abc import Generator, Sequence
 from typing import Any, TypeVar
 
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel, ValidationError
 
-from meshnet.endpoints import check_endpoint
+from meshnet.endpoints import check_endpoints
 from meshnet.errors import MeshnetError, ModelNotRoutable
 from meshnet.protocol.control import (AssignResponse, DirectiveList, FailureReport, HeartbeatRequest,
                                       HeartbeatResponse, RegisterRequest, RegisterResponse)
@@ -22,6 +23,7 @@ from meshnet.protocol.traffic import MeshTraffic
 from meshnet.protocol.views import Coverage, CoverageList, DemandList, NodeList
 from meshnet.protocol.signing import HEADER_JOIN_TOKEN, sign_request
 
+log = logging.getLogger(__name__)
 T = TypeVar("T", bound=BaseModel)
 
 
@@ -90,26 +92,60 @@ class NodeSigner(httpx.Auth):
 
 
 class _Base:
-    """Raises InvalidRequest (``invalid_endpoint``) when ``url`` is not a usable base URL.
+    """A client of one service, or of several equal ones (every tracker of one database, ADR-0043).
 
-    ``token``: the operator's bearer token; ``auth``: httpx auth applied to every call (a node
-    passes its :class:`NodeSigner`)."""
+    ``url``: a base URL, several separated by commas, or a list of them. Calls go to the one that
+    answered last (:attr:`url`, the first at the start). When it cannot be connected to, the call
+    goes to the next at once (nothing was sent); when it fails later (a timeout, a dropped
+    connection) the call fails, since it may have been carried out, and the next call goes to
+    the next URL. ``token``: the operator's bearer token; ``auth``: httpx auth applied to every
+    call (a node passes its :class:`NodeSigner`).
 
-    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 10.0,
+    Raises:
+        InvalidRequest (``invalid_endpoint``): a URL is not a usable base URL.
+    """
+
+    def __init__(self, url: str | Sequence[str], *, token: str | None = None, timeout_s: float = 10.0,
                  transport: httpx.AsyncBaseTransport | None = None, auth: httpx.Auth | None = None) -> None:
-        self.url = check_endpoint(url)
+        self.urls = check_endpoints(url)
+        self.url = self.urls[0]
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
-        self.http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout, transport=transport,
-                                      auth=auth)
+        self.http = httpx.AsyncClient(headers=headers, timeout=timeout, transport=transport, auth=auth)
+
+    async def _request(self, method: str, path: str, what: str, **kw) -> httpx.Response:
+        """Send to :attr:`url`, moving on to the next URL as the class says.
+
+        Raises:
+            MeshnetError (503 ``unreachable``): no URL could be reached, or the call failed midway.
+        """
+        start = self.urls.index(self.url)
+        order = self.urls[start:] + self.urls[:start]
+        for i, url in enumerate(order):
+            try:
+                resp = await self.http.request(method, url + path, **kw)
+            except httpx.ConnectError as exc:
+                if i + 1 < len(order):
+                    continue
+                raise MeshnetError(f"{what}: cannot reach {self._names(url)}: {type(exc).__name__}: {exc}",
+                                   code="unreachable", status=503,
+                                   hint="is the service running? check --url / --tracker") from exc
+            except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
+                self.url = order[(i + 1) % len(order)]  # the next call tries another one
+                raise MeshnetError(f"{what}: cannot reach {url}: {type(exc).__name__}: {exc}",
+                                   code="unreachable", status=503,
+                                   hint="is the service running? check --url / --tracker") from exc
+            if url != self.url:
+                log.warning("%s did not answer; %s did", self.url, url)
+                self.url = url
+            return resp
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def _names(self, last: str) -> str:
+        return last if len(self.urls) == 1 else f"any of {', '.join(self.urls)}"
 
     async def _call(self, method: str, path: str, what: str, **kw) -> Any:
-        try:
-            resp = await self.http.request(method, path, **kw)
-        except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
-            raise MeshnetError(f"{what}: cannot reach {self.url}: {type(exc).__name__}: {exc}",
-                               code="unreachable", status=503,
-                               hint="is the service running? check --url / --tracker") from exc
+        resp = await self._request(method, path, what, **kw)
         _raise_for(resp, what)
         try:
             return resp.json() if resp.content else None
@@ -119,11 +155,7 @@ class _Base:
 
     async def _ready(self, what: str, **kw) -> dict:
         """``GET /v1/ready``: the body whether ready (200) or not (503, with ``reasons``)."""
-        try:
-            resp = await self.http.get("/v1/ready", **kw)
-        except httpx.HTTPError as exc:
-            raise MeshnetError(f"{what}: cannot reach {self.url}: {type(exc).__name__}: {exc}",
-                               code="unreachable", status=503, hint="is the service running?") from exc
+        resp = await self._request("GET", "/v1/ready", what, **kw)
         if resp.status_code == 503:
             try:
                 body = resp.json()

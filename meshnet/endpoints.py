@@ -8,12 +8,13 @@ a free port on a host of either family. Imports neither torch nor the services.
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 
 import httpx
 
 from meshnet.errors import InvalidRequest
 
-__all__ = ["base_url", "check_endpoint", "free_port", "url_host"]
+__all__ = ["base_url", "check_endpoint", "check_endpoints", "free_port", "url_host"]
 
 
 def url_host(host: str) -> str:
@@ -55,6 +56,26 @@ def check_endpoint(url: str) -> str:
     if parsed.query or parsed.fragment:
         raise bad("a base URL has no query or fragment")
     return url.rstrip("/")
+
+
+def check_endpoints(urls: str | Sequence[str]) -> list[str]:
+    """Several base URLs (every tracker of one database, ADR-0043), given as a list or one string
+    separated by commas; each checked by :func:`check_endpoint`, duplicates dropped, order kept.
+
+    Raises:
+        InvalidRequest (422 ``invalid_endpoint``): none given, or one that is not a usable base URL.
+    """
+    parts = [urls] if isinstance(urls, str) else list(urls)
+    out: list[str] = []
+    for part in parts:
+        for url in part.split(","):
+            url = check_endpoint(url.strip())
+            if url not in out:
+                out.append(url)
+    if not out:
+        raise InvalidRequest("no URL given", code="invalid_endpoint", status=422,
+                             hint="pass one URL, or several separated by commas")
+    return out
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,4 +1,4 @@
-"""A whole mesh on this machine: one tracker and node processes on 127.0.0.1.
+"""A whole mesh on this machine: a tracker (or several on one database) and node processes on 127.0.0.1.
 
 The one launcher behind ``meshnet serve``, the integration tests and ``bench/``. Every
 process is a real ``python -m meshnet.cli.main`` child; every child started here is stopped
@@ -54,6 +54,8 @@ class LocalMesh:
         self.taken: list[subprocess.Popen] = []  # children out of watch (see :meth:`take`), still stopped
         self.port = port or free_port()
         self.url = base_url("127.0.0.1", self.port)
+        #: every tracker started: child name -> URL (nodes are given them all, in this order)
+        self.trackers: dict[str, str] = {}
 
     # ---- processes --------------------------------------------------------------------
 
@@ -67,27 +69,37 @@ class LocalMesh:
         return proc
 
     def start_tracker(self, *models: str, node_timeout_s: float = 3.0, rebalance_s: float = 2.0,
-                      db: Path | None = None, extra: list[str] | None = None, wait_s: float = 30.0) -> None:
-        """Start the tracker keeping ``models`` covered and wait until it answers (``wait_s``).
+                      db: Path | str | None = None, extra: list[str] | None = None, wait_s: float = 30.0,
+                      name: str = "tracker") -> str:
+        """Start a tracker keeping ``models`` covered and wait until it answers (``wait_s``); returns
+        its URL. The first one listens on :attr:`port`; another (a second ``name``, sharing a
+        PostgreSQL ``db``, ADR-0043) on a free port. Nodes started afterwards are given every
+        tracker's URL.
 
         Raises:
             MeshnetError: it exited or did not answer within ``wait_s``.
         """
-        args = ["tracker", "start", "--port", str(self.port), "--db", str(db or self.log_dir / "tracker.db"),
+        port = self.port if not self.trackers else free_port()
+        url = base_url("127.0.0.1", port)
+        self.trackers[name] = url
+        args = ["tracker", "start", "--port", str(port), "--db", str(db or self.log_dir / f"{name}.db"),
                 "--heartbeat-interval", str(self.heartbeat_s), "--node-timeout", str(node_timeout_s),
                 "--rebalance-interval", str(rebalance_s)]
         for m in models:
             args += ["--model", m]
         tokens = {"MESHNET_JOIN_TOKEN": self.join_token, "MESHNET_OPERATOR_TOKEN": self.operator_token}
-        self.spawn("tracker", args + (extra or []), {k: v for k, v in tokens.items() if v})
-        self.wait(lambda: httpx.get(f"{self.url}/v1/health", timeout=1).status_code == 200, wait_s, "tracker up")
+        self.spawn(name, args + (extra or []), {k: v for k, v in tokens.items() if v})
+        self.wait(lambda: httpx.get(f"{url}/v1/health", timeout=1).status_code == 200, wait_s, f"{name} up")
+        return url
 
     def start_node(self, name: str, *args: str, threads: int = 1, env: dict[str, str] | None = None) -> None:
-        """Start node ``name`` (its ``--node-id``) joining this mesh's tracker; ``args`` as for
-        ``meshnet node start`` (for example ``--model M --shard-start 0 --shard-end 9``)."""
+        """Start node ``name`` (its ``--node-id``) joining this mesh's trackers (all of them, the
+        first one first); ``args`` as for ``meshnet node start`` (for example ``--model M
+        --shard-start 0 --shard-end 9``)."""
         state = ["--state-dir", str(self.state_dir / name)] if self.state_dir is not None else []
         token = {"MESHNET_JOIN_TOKEN": self.join_token} if self.join_token else {}
-        self.spawn(name, ["node", "start", "--tracker", self.url, "--node-id", name, *state,
+        trackers = [arg for url in (self.trackers.values() or [self.url]) for arg in ("--tracker", url)]
+        self.spawn(name, ["node", "start", *trackers, "--node-id", name, *state,
                           "--heartbeat-interval", str(self.heartbeat_s), "--threads", str(threads), *args],
                    {**token, **(env or {})})
 
@@ -118,8 +130,8 @@ class LocalMesh:
         tracker and deregisters, ADR-0032), then SIGTERM the tracker and wait for it; each wait is
         bounded by ``grace_s``, then what is left is SIGKILLed. A KeyboardInterrupt while waiting
         (a second Ctrl-C) SIGKILLs every child left at once."""
-        nodes = [p for name, p in self.procs.items() if name != "tracker"] + self.taken
-        tracker = [p for name, p in self.procs.items() if name == "tracker"]
+        nodes = [p for name, p in self.procs.items() if name not in self.trackers] + self.taken
+        tracker = [p for name, p in self.procs.items() if name in self.trackers]
         try:
             for group in (nodes, tracker):  # the tracker last: draining nodes still reach it
                 for proc in group:

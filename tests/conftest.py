@@ -105,3 +105,33 @@ async def asgi_client():
                                                                        auth=auth))
 
         yield make
+
+
+#: the PostgreSQL server the tracker's store tests use (trust auth); MESHNET_TEST_PG overrides it,
+#: and MESHNET_TEST_PG=off skips those tests (saying so), for machines without a server
+PG_SERVER = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> str:
+    """The server's URL, checked once. Unreachable ⇒ the tests that need it fail with that message
+    (never a silent skip: `.ci/run` starts a server)."""
+    url = os.environ.get("MESHNET_TEST_PG", PG_SERVER)
+    if url == "off":
+        pytest.skip("PostgreSQL tests turned off (MESHNET_TEST_PG=off)")
+    import psycopg
+    try:
+        psycopg.connect(url, connect_timeout=3).close()
+    except psycopg.Error as exc:
+        pytest.fail(f"no PostgreSQL server at {url}: {exc}. Start one (`.ci/run` does: pg_ctlcluster 15 main "
+                    "start), point MESHNET_TEST_PG at one, or set MESHNET_TEST_PG=off to skip these tests",
+                    pytrace=False)
+    return url
+
+
+@pytest.fixture
+def pg_url(pg_server):
+    """A fresh, empty PostgreSQL database for one test, dropped afterwards."""
+    from meshnet.tracker.pgstore import scratch_database
+    with scratch_database(pg_server, prefix="meshnet_test") as url:
+        yield url

@@ -11,7 +11,8 @@ import httpx
 import typer
 from rich.table import Table
 
-from meshnet.cli.output import JsonOpt, TokenOpt, UrlOpt, console, emit, fail, human_bytes, run, tracker_url
+from meshnet.cli.output import (JsonOpt, TokenOpt, UrlOpt, console, emit, fail, human_bytes, run, tracker_url,
+                                tracker_urls)
 from meshnet.client import NodeClient, TrackerClient, error_from_response
 from meshnet.errors import MeshnetError
 
@@ -39,50 +40,73 @@ def chat(prompt: str = typer.Argument(..., help="The user message."),
     from meshnet.presets import default_model
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    body = {"model": model or _served_model(tracker_url(url), default_model()), "messages": messages, "max_tokens": max_tokens,
+    urls = tracker_urls(url)
+    body = {"model": model or _served_model(urls, default_model()), "messages": messages, "max_tokens": max_tokens,
             "temperature": temperature, "seed": seed, "stream": stream and not as_json}
-    endpoint = f"{tracker_url(url)}/v1/chat/completions"
-    try:
-        if not body["stream"]:
-            resp = httpx.post(endpoint, json=body, timeout=600.0)
-            if resp.status_code != 200:
-                raise error_from_response(resp)
-            data = resp.json()
-            emit(data, as_json, lambda d: console.print(d["choices"][0]["message"]["content"]))
+    for i, base in enumerate(urls):  # every tracker of one database: the next when one does not answer
+        endpoint = f"{base}/v1/chat/completions"
+        try:
+            _chat_at(endpoint, body, as_json)
             return
-        final = None
-        with httpx.stream("POST", endpoint, json=body, timeout=600.0) as resp:
-            if resp.status_code != 200:
-                resp.read()
-                raise error_from_response(resp)
-            for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise MeshnetError(chunk["error"]["message"])
-                delta = chunk["choices"][0]["delta"].get("content")
-                if delta:
-                    sys.stdout.write(delta)
-                    sys.stdout.flush()
-                final = chunk if chunk.get("meshnet") else final
-        sys.stdout.write("\n")
-        if final:
-            m = final["meshnet"]
-            hops = " → ".join(f"{h['node_id']}[{h['start_layer']}-{h['end_layer']}]" for h in m["route"])
-            console.print(f"[dim]route: {hops} · decode {m['decode_tokens_per_s']} tokens/s[/]", highlight=False)
-    except httpx.HTTPError as exc:
-        fail(MeshnetError(f"cannot reach {endpoint}: {exc}", hint="is `meshnet serve` running? see --url"))
-    except MeshnetError as exc:
-        fail(exc)
+        except httpx.ConnectError as exc:
+            if i + 1 < len(urls):
+                continue
+            fail(MeshnetError(f"cannot reach {endpoint}: {exc}", hint="is `meshnet serve` running? see --url"))
+        except httpx.HTTPError as exc:
+            fail(MeshnetError(f"cannot reach {endpoint}: {exc}", hint="is `meshnet serve` running? see --url"))
+        except MeshnetError as exc:
+            fail(exc)
 
 
-def _served_model(url: str, fallback: str) -> str:
-    """The model to ask when --model is not given: the default preset if the tracker routes it,
-    else the first routable model it lists, else the default preset."""
-    try:
-        models = httpx.get(f"{url}/v1/models", timeout=5.0).json()["data"]
-    except (httpx.HTTPError, ValueError, KeyError):
+def _chat_at(endpoint: str, body: dict, as_json: bool) -> None:
+    """One chat request at ``endpoint``, printed as it streams (or whole, with ``--json``).
+
+    Raises:
+        httpx.HTTPError: the tracker cannot be reached. MeshnetError: it answered with an error.
+    """
+    if not body["stream"]:
+        resp = httpx.post(endpoint, json=body, timeout=600.0)
+        if resp.status_code != 200:
+            raise error_from_response(resp)
+        data = resp.json()
+        emit(data, as_json, lambda d: console.print(d["choices"][0]["message"]["content"]))
+        return
+    final = None
+    with httpx.stream("POST", endpoint, json=body, timeout=600.0) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise error_from_response(resp)
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise MeshnetError(chunk["error"]["message"])
+            delta = chunk["choices"][0]["delta"].get("content")
+            if delta:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+            final = chunk if chunk.get("meshnet") else final
+    sys.stdout.write("\n")
+    if final:
+        m = final["meshnet"]
+        hops = " → ".join(f"{h['node_id']}[{h['start_layer']}-{h['end_layer']}]" for h in m["route"])
+        console.print(f"[dim]route: {hops} · decode {m['decode_tokens_per_s']} tokens/s[/]", highlight=False)
+
+
+def _served_model(urls: list[str], fallback: str) -> str:
+    """The model to ask when --model is not given: the default preset if the tracker (the first of
+    ``urls`` that answers) routes it, else the first routable model it lists, else the default preset."""
+    models = None
+    for url in urls:
+        try:
+            models = httpx.get(f"{url}/v1/models", timeout=5.0).json()["data"]
+            break
+        except httpx.ConnectError:
+            continue
+        except (httpx.HTTPError, ValueError, KeyError):
+            return fallback
+    if models is None:
         return fallback
     routable = [m["id"] for m in models if m.get("routable")]
     return fallback if fallback in routable or not routable else routable[0]

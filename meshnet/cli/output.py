@@ -20,19 +20,26 @@ err_console = Console(stderr=True)
 
 JsonOpt = typer.Option(False, "--json", help="Print machine-readable JSON instead of tables.")
 UrlOpt = typer.Option(None, "--url", envvar="MESHNET_URL",
-                      help="Tracker URL (default: http://127.0.0.1:8700, env MESHNET_URL).")
+                      help="Tracker URL (default: http://127.0.0.1:8700, env MESHNET_URL); several separated by "
+                           "commas: the next is tried when one does not answer.")
 TokenOpt = typer.Option(None, "--token", envvar="MESHNET_OPERATOR_TOKEN", help="Operator token for mutating calls.")
 
 DEFAULT_URL = "http://127.0.0.1:8700"
 
 
 def tracker_url(url: str | None) -> str:
-    """``--url`` (or the default) checked as a base URL; a bad one (e.g. an unbracketed IPv6
-    address) exits 1 with the reason and a hint instead of failing later with a traceback."""
-    from meshnet.endpoints import check_endpoint
+    """``--url`` (or the default) checked as base URLs, comma-separated as given (every tracker of
+    one database); a bad one (e.g. an unbracketed IPv6 address) exits 1 with the reason and a
+    hint instead of failing later with a traceback."""
+    return ",".join(tracker_urls(url))
+
+
+def tracker_urls(url: str | None) -> list[str]:
+    """:func:`tracker_url` as a list, in the order given."""
+    from meshnet.endpoints import check_endpoints
 
     try:
-        return check_endpoint(url or DEFAULT_URL)
+        return check_endpoints(url or DEFAULT_URL)
     except MeshnetError as exc:
         fail(exc)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from meshnet.cli.output import err_console, fail, setup_logging
-from meshnet.endpoints import check_endpoint, free_port
+from meshnet.endpoints import check_endpoint, check_endpoints, free_port
 from meshnet.errors import MeshnetError
 from meshnet.node.settings import NodeSettings as N
 from meshnet.tracker.service import TrackerSettings as T
@@ -62,7 +62,9 @@ def tracker_start(
         host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
         port: int = typer.Option(T.port, "--port", help="Port to listen on."),
         db: str = typer.Option(None, "--db", envvar="MESHNET_TRACKER_DB",
-                               help="sqlite file for pins/directives (default: ~/.cache/meshnet/tracker.db)."),
+                               help="sqlite file for the tracker's state (default: ~/.cache/meshnet/tracker.db), "
+                                    "or postgresql://user@host:5432/db: several trackers may share that database, "
+                                    "one leading, the others standing by."),
         heartbeat_interval: float = typer.Option(T.heartbeat_interval_s, "--heartbeat-interval", min=0.1, help="Node heartbeat, s."),
         node_timeout: float = typer.Option(T.node_timeout_s, "--node-timeout", min=0.5, help="Dropout after this many s."),
         rebalance_interval: float = typer.Option(T.rebalance_interval_s, "--rebalance-interval", min=0.5, help="Rebalance period, s."),
@@ -105,7 +107,7 @@ def tracker_start(
     from meshnet.presets import get_preset
     from meshnet.tracker.app import build_app
     from meshnet.tracker.auth import exposure_problem, is_loopback
-    from meshnet.tracker.service import TrackerSettings
+    from meshnet.tracker.service import TrackerService, TrackerSettings
 
     setup_logging(log_level)
     problem = exposure_problem(host, join_token, operator_token, insecure)
@@ -133,15 +135,19 @@ def tracker_start(
                                probe_timeout_s=probe_timeout, drain_grace_s=drain_grace,
                                directive_retention_s=directive_retention,
                                **_body_limit(max_body_bytes))
+    try:
+        service = TrackerService(settings)  # opens the database now: an unreachable one fails here, clearly
+    except MeshnetError as exc:
+        fail(exc)
     if serve_layers is None:
-        _serve(build_app(settings), host, port)
+        _serve(build_app(settings, service), host, port)
         return
     from meshnet import trackernode
 
     node = _tracker_node_settings(settings, names[0], serve_layers, node_id=node_id, public_url=public_url,
                                   memory=memory, dtype=dtype, wire_dtype=wire_dtype, threads=threads,
                                   state_dir=state_dir)
-    app = trackernode.build_app(settings, node)
+    app = trackernode.build_app(settings, node, service=service)
     print(f"meshnet tracker at {trackernode.local_tracker_url(host, port)} serving {names[0]} layers "
           f"{serve_layers} as node {node.node_id} at {node.endpoint}", flush=True)
     _serve(app, host, port)
@@ -188,7 +194,9 @@ def _tracker_node_settings(tracker, model: str, serve_layers: str, *, node_id: s
 
 @node_app.command("start")
 def node_start(
-        tracker: str = typer.Option(None, "--tracker", envvar="MESHNET_TRACKER", help="Tracker URL to join."),
+        tracker: list[str] = typer.Option(None, "--tracker", envvar="MESHNET_TRACKER",
+                                          help="Tracker URL to join; repeat it (or separate by commas) for every "
+                                               "tracker of one database: the node moves on when one stops answering."),
         model: str = typer.Option(None, "--model", "-m", help="Preset, hub repo or local dir to serve (pinned)."),
         shard_start: int = typer.Option(None, "--shard-start", min=0, help="First layer (inclusive)."),
         shard_end: int = typer.Option(None, "--shard-end", min=0, help="Last layer (inclusive)."),
@@ -237,7 +245,7 @@ def node_start(
                           hint="pass --shard-start/--shard-end, or --tracker URL"))
     try:
         public_url = None if public_url is None else check_endpoint(public_url)
-        tracker = None if tracker is None else check_endpoint(tracker)
+        tracker = ",".join(check_endpoints(tracker)) if tracker else None
         port = port or free_port(host)
     except MeshnetError as exc:
         fail(exc)

@@ -46,6 +46,7 @@ from meshnet.tracker.auth import NodeAuth, exposure_problem
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.probe import probe_endpoint
 from meshnet.tracker.rebalance import rebalance_off_loop
+from meshnet.tracker.sharing import Sharing
 from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
                                       RegisterRequest, RegisterResponse, check_revision)
 from meshnet.protocol.traffic import BUCKET_COUNT
@@ -278,7 +279,7 @@ async def health(request: Request) -> JSONResponse:
     says why it failed to start (``error``, None while it starts or runs)."""
     svc = _svc(request)
     body = {"status": "ok", "draining": request.app.state.drain.draining, "nodes": len(svc.nodes),
-            "models": [m.name for m in svc.tracked_models()]}
+            "models": [m.name for m in svc.tracked_models()], "leader": svc.leader}
     local: proxy.LocalNode | None = request.app.state.local_node
     if local is not None:
         body["local_node"] = {"node_id": local.node_id, "error": request.app.state.local_node_error}
@@ -327,18 +328,22 @@ PRUNE_INTERVAL_S = 60.0
 
 
 async def prune_directives(svc: TrackerService) -> int:
-    """Delete finished directives older than ``directive_retention_s``, on a worker thread; returns how many."""
+    """Delete finished directives older than ``directive_retention_s`` and demand events older than
+    the demand window, on a worker thread; returns how many directives."""
     pruned = await asyncio.to_thread(svc.store.prune_finished, svc.settings.directive_retention_s)
+    await asyncio.to_thread(svc.store.prune_demand, time.time() - svc.settings.demand_window_s)
     if pruned:
         log.info("pruned %d finished directive(s) older than %.0f s", pruned, svc.settings.directive_retention_s)
     return pruned
 
 
 async def control_loop(app: Starlette) -> None:
-    """Every second: probe unreachable nodes again and check dropouts; rebalance on every
-    join/leave/reachability change and every rebalance interval (the store write off the loop);
-    prune finished directives every :data:`PRUNE_INTERVAL_S`."""
+    """Every second: lead or stand by, and share the registry with the other trackers of the
+    database (:mod:`meshnet.tracker.sharing`); probe unreachable nodes again and check dropouts.
+    The leader alone rebalances, on every join/leave/reachability change and every rebalance
+    interval (the store write off the loop), and prunes every :data:`PRUNE_INTERVAL_S`."""
     svc: TrackerService = app.state.service
+    sharing = Sharing(svc)
     last = 0.0
     pruned_s = 0.0
     while True:
@@ -348,9 +353,12 @@ async def control_loop(app: Starlette) -> None:
             pass
         app.state.wake.clear()
         try:
+            leading = await sharing.sync_round()
             for node in svc.to_probe():
                 probe_soon(app, node.node_id, node.endpoint)
             svc.check_dropouts()
+            if not leading:
+                continue
             settled = time.monotonic() - svc.last_join_s >= svc.settings.join_settle_s
             if (svc.dirty and settled) or time.monotonic() - last >= svc.settings.rebalance_interval_s:
                 await rebalance_off_loop(svc)
@@ -405,6 +413,7 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
                         pending.cancel()
                         with contextlib.suppress(asyncio.CancelledError):
                             await pending
+                app.state.service.store.resign()  # a standby of the same database takes over now
 
     routes = [Route("/v1/nodes/register", register, methods=["POST"]),
               Route("/v1/nodes/{node_id}/heartbeat", heartbeat, methods=["POST"]),

@@ -1,7 +1,7 @@
 """Operator actions: pin, unpin, reload, doctor, drain (``POST /v1/operator/...``).
 
 Protected by a bearer token when the tracker has one (``--operator-token`` /
-``MESHNET_OPERATOR_TOKEN``). Pins are stored in sqlite and survive restarts; pinned
+``MESHNET_OPERATOR_TOKEN``). Pins are stored in the tracker's database and survive restarts; pinned
 shards are never retargeted by placement (ADR-0026).
 """
 

@@ -148,6 +148,7 @@ def rebalance(service: TrackerService) -> placement.PlacementPlan:
     service.dirty = False
     result = plan_rebalance(service)
     service.store.add_directives(result.directives)
+    service.note_queued(d.node_id for d in result.directives)
     apply_rebalance(service, result)
     return result.plan
 
@@ -174,6 +175,7 @@ async def rebalance_off_loop(service: TrackerService) -> placement.PlacementPlan
     plan = await asyncio.to_thread(placement.plan_placement, nodes, models)
     result = directives_for(service, nodes, models, plan)
     await asyncio.to_thread(service.store.add_directives, result.directives)
+    service.note_queued(d.node_id for d in result.directives)
     apply_rebalance(service, result)
     return result.plan
 

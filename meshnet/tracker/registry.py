@@ -1,11 +1,13 @@
 """Node registry: the records the tracker keeps per node and per shard.
 
 The payloads they are built from are :mod:`meshnet.protocol.control` models. Records are
-plain dataclasses owned by :class:`meshnet.tracker.service.TrackerService`.
+plain dataclasses owned by :class:`meshnet.tracker.service.TrackerService`. Trackers that share
+one database share the records as JSON (:func:`record_to_json`, :func:`record_from_json`, ADR-0043).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +33,13 @@ class ShardRecord:
         """The record of a reported shard, under the model's one canonical name (aliases resolved)."""
         return cls(canonical_model_name(p.model), p.layers, p.tier, p.quantization, p.entry, p.weight_bytes,
                    p.report)
+
+    def to_payload(self) -> ShardInfo:
+        """The shard as a node reports it (inverse of :meth:`from_payload`)."""
+        start, end = self.layers.to_inclusive()
+        return ShardInfo(model=self.model, shard_start=start, shard_end=end, tier=self.tier,
+                         quantization=self.quantization, entry=self.entry, weight_bytes=self.weight_bytes,
+                         report=self.report)
 
 
 @dataclass
@@ -65,6 +74,8 @@ class NodeRecord:
     probed_s: float | None = None  # monotonic time of the last probe's answer
     #: the heartbeat interval last announced to this node, seconds (its dropout timeout follows it, ADR-0037)
     interval_s: float = 0.0
+    #: unix time the shared parts of this record last changed (trackers of one database keep the newest, ADR-0043)
+    record_at: float = field(default_factory=time.time)
 
     @property
     def quantization(self) -> str:
@@ -89,3 +100,34 @@ class NodeRecord:
         measured = self.stats.tokens_per_s
         doctor = shard.report.tokens_per_s if shard.report is not None else 0.0
         return measured or doctor or self.benchmark_tokens_per_sec or 1.0
+
+
+#: the fields trackers of one database share; the rest (last failure, last move, the time of the
+#: last heartbeat, which travels apart) stays with each tracker
+_SHARED = ("node_id", "endpoint", "wallet", "vram_bytes", "ram_bytes", "device", "quantizations",
+           "benchmark_tokens_per_sec", "benchmark_model", "max_loaded_shards", "accepts_placement", "registered_at",
+           "draining", "reachable", "reach_error", "interval_s", "record_at")
+
+
+def record_to_json(node: NodeRecord) -> str:
+    """The shared parts of ``node`` as JSON text (ADR-0043): registration fields, shards with their
+    capability reports, stats, reports made stale by a reload, drain and reachability."""
+    data = {name: getattr(node, name) for name in _SHARED}
+    data["shards"] = [s.to_payload().model_dump(mode="json") for s in node.shards]
+    data["stats"] = node.stats.model_dump(mode="json")
+    data["stale_reports"] = sorted(node.stale_reports)
+    return json.dumps(data, separators=(",", ":"))
+
+
+def record_from_json(text: str, last_heartbeat_s: float) -> NodeRecord:
+    """The record :func:`record_to_json` wrote, last heard of at monotonic time ``last_heartbeat_s``.
+
+    Raises:
+        ValueError: not such a record (pydantic's ValidationError is one).
+    """
+    data = json.loads(text)
+    shards = [ShardRecord.from_payload(ShardInfo.model_validate(s)) for s in data.pop("shards")]
+    stats = NodeStats.model_validate(data.pop("stats"))
+    stale = set(data.pop("stale_reports"))
+    return NodeRecord(**{name: data[name] for name in _SHARED}, shards=shards, stats=stats, stale_reports=stale,
+                      last_heartbeat_s=last_heartbeat_s, probed_s=time.monotonic())

@@ -1,6 +1,6 @@
 """The tracker's state and decisions, independent of HTTP.
 
-Thin shell around pure functions: it keeps node records and the sqlite store, and calls
+Thin shell around pure functions: it keeps node records and the store (sqlite or PostgreSQL), and calls
 :mod:`placement` (who loads what), :mod:`routing` (which hops serve a request) and the
 coverage helpers. Every mutating method is synchronous and cheap; the app runs the
 periodic loop (dropout check and rebalance).
@@ -9,8 +9,9 @@ periodic loop (dropout check and rebalance).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 import time
+import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from meshnet.errors import Conflict, Forbidden, InvalidRequest, ModelNotRoutable, NotFound
@@ -22,9 +23,10 @@ from meshnet.protocol.views import Coverage, CoverageSegment
 from meshnet.tracker.cadence import TIMEOUT_FACTOR, Cadence, heartbeat_cadence
 from meshnet.protocol.control import (OPEN_STATUSES, CapabilityReport, Directive, HeartbeatRequest,
                                       RegisterRequest)
-from meshnet.tracker.registry import NodeRecord, ShardRecord
-from meshnet.tracker.store import TrackerStore
-from meshnet.tracker.tickets import TicketIssuer, load_tracker_key
+from meshnet.tracker.registry import NodeRecord, ShardRecord, record_from_json, record_to_json
+from meshnet.tracker.backends import open_store
+from meshnet.tracker.store import DemandEvent, NodeRow, TrackerStore
+from meshnet.tracker.tickets import TicketIssuer
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,8 @@ class TrackerSettings:
         node_timeout_s: missing heartbeats for this long ⇒ dropout (the shortest; it grows with
             the interval announced to the node).
         rebalance_interval_s: periodic rebalance (DESIGN: 30 s; also on every join/leave).
-        db_path: sqlite file (``:memory:`` for tests).
+        db_path: sqlite file (``:memory:`` for tests), or a ``postgresql://`` URL: a database
+            several trackers share, one leading (ADR-0043).
         operator_token: bearer token for /v1/operator/* (None: open, for local use).
         join_token: token a node must present to register (None: anyone may join, for local
             use); a tracker listening beyond loopback needs both tokens unless ``insecure``.
@@ -120,11 +123,19 @@ class TrackerService:
     """All tracker state. Not thread-safe: call it from the event loop only. The rebalance runs its
     plan and its store write on worker threads, but those touch only a frozen snapshot and the
     store (whose lock serialises it); every read and change of this object stays on the loop
-    (:func:`meshnet.tracker.rebalance.rebalance_off_loop`, ADR-0037)."""
+    (:func:`meshnet.tracker.rebalance.rebalance_off_loop`, ADR-0037).
+
+    On a shared store (PostgreSQL, ADR-0043) the node registry is a cache of the store's node
+    records: a registration, or a heartbeat that changes a node's shards or directives, writes the
+    node's record at once; a heartbeat that changes nothing only bumps its time, written once a
+    second (:meth:`take_heartbeats`); records other trackers wrote arrive with :meth:`apply_rows`,
+    demand they counted with :meth:`apply_demand` (:mod:`meshnet.tracker.sharing` runs both).
+    Only the leader (:attr:`leader`) plans, and fails the directives of a node that dropped out.
+    """
 
     def __init__(self, settings: TrackerSettings = TrackerSettings(), store: TrackerStore | None = None) -> None:
         self.settings = settings
-        self.store = store or TrackerStore(settings.db_path)
+        self.store = store or open_store(settings.db_path)
         self.nodes: dict[str, NodeRecord] = {}
         self._bound_keys: dict[str, str] = {}  # node id -> public key, as read from the store
         self.models: dict[str, ModelInfo] = {}
@@ -133,11 +144,22 @@ class TrackerService:
         self.dirty = True  # a join/leave happened: rebalance soon
         self.last_join_s = 0.0
         self.plan_reasons: Mapping[str, str] = {}  # node id -> why it did or did not get a range
-        self.tickets = TicketIssuer(load_tracker_key(settings.db_path), settings.ticket_ttl_s)
+        self.tickets = TicketIssuer(self.store.tracker_key(), settings.ticket_ttl_s)
+        #: this tracker process, as demand events name it (ADR-0043)
+        self.origin = uuid.uuid4().hex[:16]
+        #: plans and issues directives: always on sqlite; on a shared store while holding the lock
+        self.leader = not self.store.shared
+        self.demand_seen = 0  # the highest demand event id read from the store
+        self._heartbeats: dict[str, float] = {}  # node id -> unix time of a heartbeat not written yet
+        #: on a shared store, the nodes with queued directives as of the last sync round plus those
+        #: this tracker queued since: a heartbeat of any other node reads nothing (None: always read)
+        self.queued_hint: set[str] | None = set(self.store.nodes_with_queued()) if self.store.shared else None
+        self._queued_since_read: set[str] = set()
         for name in settings.models:
             self.store.add_model(canonical_model_name(name))
         for name in self.store.models():
             self.ensure_model(name)
+        self.apply_demand(self.store.demand_events(since=time.time() - settings.demand_window_s))
 
     # ---- models -----------------------------------------------------------------------
 
@@ -180,6 +202,7 @@ class TrackerService:
         """
         node_id = payload.node_id
         bound = self.store.bind_key(node_id, payload.public_key)
+        self._bound_keys[node_id] = bound  # its heartbeats' signatures are checked against it
         if bound != payload.public_key:
             log.warning("refused a registration of %s with another key (endpoint %s)", node_id, payload.endpoint)
             raise Conflict(f"node id {node_id!r} belongs to another key; this registration is refused",
@@ -204,6 +227,7 @@ class TrackerService:
         self.dirty = True
         if old is None:
             self.last_join_s = time.monotonic()
+        self.save(record)
         log.info("node %s registered at %s with %d shard(s)", node_id, record.endpoint, len(record.shards))
         self.restore_pins(record)
         return record
@@ -214,8 +238,10 @@ class TrackerService:
                         layers: LayerRange | None = None, tier: str | None = None, reason: str = "") -> Directive:
         """Queue one directive for ``node_id`` (delivered with its next heartbeat); returns its row."""
         start, end = layers.to_inclusive() if layers is not None else (None, None)
-        return self.store.add_directive(node_id, type_, model=model, shard_start=start, shard_end=end, tier=tier,
-                                        reason=reason)
+        directive = self.store.add_directive(node_id, type_, model=model, shard_start=start, shard_end=end, tier=tier,
+                                             reason=reason)
+        self.note_queued([node_id])
+        return directive
 
     def restore_pins(self, node: NodeRecord) -> list[Directive]:
         """Give a (re)registering node back every shard the operator pinned on it.
@@ -299,6 +325,7 @@ class TrackerService:
         node = self.get(node_id)
         node.mark_reports_stale()
         self.dirty = True
+        self.save(node)
         return self.queue_directive(node.node_id, "RELOAD", reason="operator reload")
 
     def record_doctor(self, node_id: str, reports: list[CapabilityReport]) -> list[str]:
@@ -309,6 +336,7 @@ class TrackerService:
         for shard in node.shards:
             shard.report = by_range.get((shard.model, shard.layers), shard.report)
         self.dirty = True
+        self.save(node)
         return [r.reason for r in reports if not r.passed]
 
     def drain(self, node_id: str) -> NodeRecord:
@@ -316,6 +344,7 @@ class TrackerService:
         node = self.get(node_id)
         node.draining = True
         self.dirty = True
+        self.save(node)
         return node
 
     def get(self, node_id: str) -> NodeRecord:
@@ -351,6 +380,7 @@ class TrackerService:
         node.last_heartbeat_s = time.monotonic()
         node.stats = payload.stats
         before = {(s.model, s.layers) for s in node.shards if node.admitted(s)}
+        shards_before = node.shards
         node.shards = [ShardRecord.from_payload(s) for s in payload.shards]
         for s in payload.shards:
             self.ensure_model(s.model, s.num_layers)
@@ -358,10 +388,42 @@ class TrackerService:
             self.dirty = True
         if any(u.status in ("done", "failed") for u in payload.directive_updates):
             self.dirty = True
-        self.store.set_statuses([(u.id, u.status, u.error) for u in payload.directive_updates], node_id=node_id)
+        row = self._heartbeat_row(node, bool(payload.directive_updates) or node.shards != shards_before)
+        self.store.set_statuses([(u.id, u.status, u.error) for u in payload.directive_updates], node_id=node_id,
+                                node=row)
+        if self.queued_hint is not None and node_id not in self.queued_hint:
+            return []  # nothing queued for it as of this round's read (a shared store: no query)
         out = [d.model_copy(update={"status": "delivered"})
                for d in reversed(self.store.directives(node_id=node_id, statuses=("queued",)))]
         self.store.set_statuses([(d.id, "delivered", None) for d in out], node_id=node_id)
+        if self.queued_hint is not None:
+            self.queued_hint.discard(node_id)
+        return out
+
+    def _heartbeat_row(self, node: NodeRecord, changed: bool) -> NodeRow | None:
+        """On a shared store, the record a heartbeat that ``changed`` the node's shards or directives
+        writes in the same transaction as its directive updates (no tracker ever sees a finished
+        load without its shard); for one that changed nothing only its time is noted, for the
+        round's batch. None on sqlite, or when nothing changed."""
+        if not self.store.shared:
+            return None
+        if not changed:
+            self._heartbeats[node.node_id] = time.time()
+            return None
+        node.record_at = time.time()
+        self._heartbeats.pop(node.node_id, None)
+        return self.node_row(node)
+
+    def note_queued(self, node_ids) -> None:
+        """Directives were queued for ``node_ids`` by this tracker: their next heartbeat reads them."""
+        if self.queued_hint is not None:
+            node_ids = set(node_ids)
+            self.queued_hint |= node_ids
+            self._queued_since_read |= node_ids
+
+    def take_queued_since_read(self) -> set[str]:
+        """The nodes this tracker queued directives for since the last call (the sync round's read)."""
+        out, self._queued_since_read = self._queued_since_read, set()
         return out
 
     def set_reachability(self, node_id: str, endpoint: str, error: str, now: float | None = None) -> None:
@@ -381,7 +443,10 @@ class TrackerService:
             log.warning("node %s became unreachable: %s", node_id, error)
         elif not reachable and error != node.reach_error:  # a node registers before it listens: often once
             log.info("node %s not reachable (yet): %s", node_id, error)
+        changed = (reachable, error) != (node.reachable, node.reach_error)
         node.reachable, node.reach_error = reachable, error
+        if changed:
+            self.save(node)
 
     def to_probe(self, now: float | None = None) -> list[NodeRecord]:
         """Unreachable nodes whose last probe is ``probe_interval_s`` old or more."""
@@ -430,6 +495,13 @@ class TrackerService:
         floor_s = self.cadence().timeout_s  # once per check, not once per node
         gone = [(nid, now - n.last_heartbeat_s) for nid, n in self.nodes.items()
                 if now - n.last_heartbeat_s > self.node_timeout_s(n, floor_s)]
+        if gone and self.store.shared:  # it may heartbeat to another tracker of this database
+            elsewhere = self.store.heartbeat_times([nid for nid, _ in gone])
+            wall = time.time()
+            for nid, at in elsewhere.items():
+                self.nodes[nid].last_heartbeat_s = max(self.nodes[nid].last_heartbeat_s, now - (wall - at))
+            gone = [(nid, now - self.nodes[nid].last_heartbeat_s) for nid, _ in gone
+                    if now - self.nodes[nid].last_heartbeat_s > self.node_timeout_s(self.nodes[nid], floor_s)]
         for nid, silent_s in gone:
             self._forget(nid, "node dropped out")
             log.warning("node %s dropped out (no heartbeat for %.0f s)", nid, silent_s)
@@ -442,13 +514,82 @@ class TrackerService:
             NotFound: unknown node.
         """
         self.get(node_id)
-        self._forget(node_id, "node deregistered")
+        self._forget(node_id, "node deregistered", final=True)
         log.info("node %s deregistered", node_id)
 
-    def _forget(self, node_id: str, why: str) -> None:
+    def _forget(self, node_id: str, why: str, *, final: bool = False) -> None:
+        """Forget ``node_id``. Its open directives fail and its shared record goes when this tracker
+        leads or the node left on purpose (``final``); a standby that stopped hearing from a node
+        only forgets it, since the leader decides dropouts (ADR-0043)."""
         del self.nodes[node_id]
-        self.store.fail_open(node_id, why)
+        self._heartbeats.pop(node_id, None)
+        if self.leader or final:
+            self.store.fail_open(node_id, why)
+            if self.store.shared:
+                self.store.delete_node(node_id)
         self.dirty = True
+
+    # ---- sharing one database with other trackers (ADR-0043) ---------------------------
+
+    def node_row(self, node: NodeRecord) -> NodeRow:
+        """``node``'s shared record, heard of now."""
+        return NodeRow(node.node_id, record_to_json(node), node.record_at, time.time())
+
+    def save(self, node: NodeRecord) -> None:
+        """Write ``node``'s record for the other trackers of a shared store (nothing on sqlite)."""
+        if self.store.shared:
+            node.record_at = time.time()
+            self._heartbeats.pop(node.node_id, None)
+            self.store.save_node(self.node_row(node))
+
+    def take_heartbeats(self) -> dict[str, float]:
+        """Node id → unix time of the heartbeats not written yet (:meth:`TrackerStore.touch_nodes`); cleared."""
+        out, self._heartbeats = self._heartbeats, {}
+        return out
+
+    def apply_rows(self, rows: list[NodeRow], now: float | None = None) -> int:
+        """Take the records other trackers wrote (:meth:`TrackerStore.nodes_changed`) where they are
+        newer than this tracker's; returns how many changed the registry. A record that cannot be
+        read (another meshnet version) is skipped with a warning."""
+        now = time.monotonic() if now is None else now
+        wall, changed = time.time(), 0
+        for row in rows:
+            old = self.nodes.get(row.node_id)
+            if old is not None and old.record_at >= row.record_at:
+                continue
+            try:
+                record = record_from_json(row.record, now - max(0.0, wall - row.heartbeat_at))
+                for shard in record.shards:
+                    self.ensure_model(shard.model)
+            except (ValueError, KeyError, TypeError, NotFound) as exc:
+                log.warning("skipped the shared record of %s: %s", row.node_id, exc)
+                continue
+            if old is None:
+                self.last_join_s = time.monotonic()
+            else:
+                record.last_failure_s, record.last_move_s = old.last_failure_s, old.last_move_s
+                record.last_heartbeat_s = max(record.last_heartbeat_s, old.last_heartbeat_s)
+            self.nodes[row.node_id] = record
+            changed += 1
+        if changed:
+            self.dirty = True
+        return changed
+
+    def apply_demand(self, events: list[DemandEvent], now: float | None = None) -> None:
+        """Count demand events other trackers stored (or this one, before a restart)."""
+        now = time.monotonic() if now is None else now
+        wall = time.time()
+        for e in events:
+            target = self.demand if e.kind == "refused" else self.served
+            target.setdefault(e.model, []).append(now - max(0.0, wall - e.at))
+            self.demand_seen = max(self.demand_seen, e.id)
+        if any(e.kind == "refused" for e in events):
+            self.dirty = True
+
+    def _count(self, model: str, kind: str, now: float | None) -> None:
+        target = self.demand if kind == "refused" else self.served
+        target.setdefault(model, []).append(time.monotonic() if now is None else now)
+        self.store.add_demand_event(DemandEvent(model, kind, time.time(), self.origin))
 
     # ---- coverage and routes ----------------------------------------------------------
 
@@ -563,14 +704,15 @@ class TrackerService:
     # ---- demand -----------------------------------------------------------------------
 
     def add_demand(self, model: str, now: float | None = None) -> None:
-        """Count a request refused because ``model`` was not routable (queued demand)."""
-        self.demand.setdefault(model, []).append(time.monotonic() if now is None else now)
+        """Count a request refused because ``model`` was not routable (queued demand); stored, so it
+        survives a restart and reaches the other trackers of a shared store."""
+        self._count(model, "refused", now)
         self.store.add_model(model, source="demand")
         self.dirty = True
 
     def add_served(self, model: str, now: float | None = None) -> None:
-        """Count a request forwarded to an entry node (the load that earns redundancy)."""
-        self.served.setdefault(model, []).append(time.monotonic() if now is None else now)
+        """Count a request forwarded to an entry node (the load that earns redundancy); stored."""
+        self._count(model, "served", now)
 
     def _rate(self, events: dict[str, list[float]], model: str, now: float | None) -> float:
         now = time.monotonic() if now is None else now

@@ -1,8 +1,21 @@
-"""Embedded tracker state in sqlite: pins, directives and models survive a tracker restart.
+"""Tracker state in a SQL database: one interface, two backends (ADR-0037, ADR-0043).
 
-Nodes re-register on their own after a restart (their heartbeat gets 404), so live node
-state is not stored; what only the tracker knows is: operator pins, the directive queue,
-the models it keeps covered, and which public key owns each node id (ADR-0035). ``path=":memory:"`` keeps everything in memory (tests).
+:class:`TrackerStore` holds every statement; the backends differ only in how they connect, the
+column types of the schema, the placeholder (``?`` for sqlite, ``%s`` for psycopg, converted
+once per statement) and how they lead:
+
+:func:`meshnet.tracker.backends.open_store` picks one for ``--db``:
+
+- :class:`SqliteStore` (the embedded default, a file or ``:memory:``): one tracker process per
+  database, which always leads.
+- :class:`meshnet.tracker.pgstore.PostgresStore` (``--db postgresql://...``): several tracker
+  processes share the database; one leads (an advisory lock) and the others stand by.
+
+What only the tracker knows lives here: operator pins, the directive queue, the tracked models,
+which public key owns each node id (ADR-0035), the demand events, and (on a shared database)
+the node records every tracker reads, so that a standby knows the whole network when it takes
+over. An open ``LOAD_SHARD``/``DROP_SHARD`` is unique per node, model and range (a partial
+unique index): queueing it again is a no-op, whichever tracker queues it.
 """
 
 from __future__ import annotations
@@ -14,31 +27,54 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from meshnet.protocol.control import OPEN_STATUSES, Directive
 
-__all__ = ["FINISHED_STATUSES", "OPEN_STATUSES", "NewDirective", "TrackerStore"]
+__all__ = ["FINISHED_STATUSES", "OPEN_STATUSES", "DemandEvent", "NewDirective", "NodeRow", "SqliteStore",
+           "TrackerStore"]
 
+#: the schema; ``{id}`` and ``{real}`` are the backend's auto-increment key and float column types
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS directives (
-  id INTEGER PRIMARY KEY AUTOINCREMENT, node_id TEXT NOT NULL, type TEXT NOT NULL,
+  id {id}, node_id TEXT NOT NULL, type TEXT NOT NULL,
   model TEXT, shard_start INTEGER, shard_end INTEGER, tier TEXT, status TEXT NOT NULL,
-  error TEXT, reason TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL);
+  error TEXT, reason TEXT, created_at {real} NOT NULL, updated_at {real} NOT NULL);
 CREATE TABLE IF NOT EXISTS pins (
   node_id TEXT NOT NULL, model TEXT NOT NULL, shard_start INTEGER, shard_end INTEGER,
-  created_at REAL NOT NULL, PRIMARY KEY (node_id, model));
-CREATE TABLE IF NOT EXISTS models (name TEXT PRIMARY KEY, added_at REAL NOT NULL, source TEXT);
-CREATE TABLE IF NOT EXISTS node_keys (node_id TEXT PRIMARY KEY, public_key TEXT NOT NULL, bound_at REAL NOT NULL);
+  created_at {real} NOT NULL, PRIMARY KEY (node_id, model));
+CREATE TABLE IF NOT EXISTS models (name TEXT PRIMARY KEY, added_at {real} NOT NULL, source TEXT);
+CREATE TABLE IF NOT EXISTS node_keys (node_id TEXT PRIMARY KEY, public_key TEXT NOT NULL, bound_at {real} NOT NULL);
+CREATE TABLE IF NOT EXISTS nodes (
+  node_id TEXT PRIMARY KEY, record TEXT NOT NULL, record_at {real} NOT NULL, heartbeat_at {real} NOT NULL);
+CREATE TABLE IF NOT EXISTS demand (
+  id {id}, model TEXT NOT NULL, kind TEXT NOT NULL, at {real} NOT NULL, origin TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS tracker_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 -- what every heartbeat reads (a node's queued directives) and what rebalance and pruning read
 -- (directives by status, finished ones by age); IF NOT EXISTS adds them to older databases (ADR-0037)
 CREATE INDEX IF NOT EXISTS directives_by_node_status ON directives (node_id, status);
 CREATE INDEX IF NOT EXISTS directives_by_status ON directives (status, updated_at);
+CREATE INDEX IF NOT EXISTS nodes_by_record_at ON nodes (record_at);
+CREATE INDEX IF NOT EXISTS demand_by_at ON demand (at);
 """
+
+#: one open load or drop per node, model and range, whichever tracker queues it (ADR-0043)
+OPEN_ONCE = ("CREATE UNIQUE INDEX IF NOT EXISTS directives_open_once ON directives "
+             "(node_id, type, model, shard_start, shard_end) "
+             "WHERE status IN ('queued', 'delivered', 'acked') AND type IN ('LOAD_SHARD', 'DROP_SHARD')")
+#: an older database may hold duplicates the index would refuse: all but the oldest fail first
+_FAIL_DUPLICATES = ("UPDATE directives SET status = 'failed', error = 'duplicate open directive' "
+                    "WHERE status IN ('queued', 'delivered', 'acked') AND type IN ('LOAD_SHARD', 'DROP_SHARD') "
+                    "AND id NOT IN (SELECT MIN(id) FROM directives WHERE status IN ('queued', 'delivered', 'acked') "
+                    "AND type IN ('LOAD_SHARD', 'DROP_SHARD') GROUP BY node_id, type, model, shard_start, shard_end)")
 
 #: statuses of a finished directive, pruned after the retention period (ADR-0037)
 FINISHED_STATUSES = ("done", "failed")
 
 _INSERT_DIRECTIVE = ("INSERT INTO directives (node_id, type, model, shard_start, shard_end, tier, status, reason, "
-                     "created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)")
+                     "created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?) ON CONFLICT DO NOTHING RETURNING id")
+_OPEN_TWIN = ("SELECT * FROM directives WHERE node_id = ? AND type = ? AND model = ? AND shard_start = ? "
+              "AND shard_end = ? AND status IN ('queued', 'delivered', 'acked')")
 
 
 @dataclass(frozen=True)
@@ -54,20 +90,64 @@ class NewDirective:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class NodeRow:
+    """A node's record as trackers on one database share it (ADR-0043).
+
+    ``record``: the record as JSON text (:func:`meshnet.tracker.registry.record_to_json`);
+    ``record_at``: unix time the record last changed; ``heartbeat_at``: unix time of the node's
+    latest heartbeat at any tracker."""
+
+    node_id: str
+    record: str
+    record_at: float
+    heartbeat_at: float
+
+
+@dataclass(frozen=True)
+class DemandEvent:
+    """One chat request counted for placement: ``kind`` is ``refused`` (queued demand, the model
+    was not routable) or ``served`` (forwarded to an entry node); ``at`` unix time; ``origin`` the
+    tracker process that counted it."""
+
+    model: str
+    kind: str
+    at: float
+    origin: str
+    id: int = 0
+
 
 class TrackerStore:
-    """Thread-safe sqlite wrapper. Directives come back as :class:`Directive`, other rows as dicts.
+    """The store's interface and its shared SQL. Thread-safe: every method takes :attr:`lock` for
+    its whole statement or transaction, so a thread (the rebalance's batched write, the pruning)
+    and the event loop never interleave inside one. Directives come back as :class:`Directive`,
+    other rows as dicts or the dataclasses above.
 
-    Every method takes :attr:`lock` for its whole statement or transaction, so a thread (the
-    rebalance's batched write, the pruning) and the event loop never interleave inside one.
+    A backend sets :attr:`db` (a DB-API connection in autocommit mode whose rows read as
+    mappings) and implements :meth:`_insert_returning_many`, :meth:`tracker_key` and :meth:`lead`.
     """
 
-    def __init__(self, path: str | Path = ":memory:") -> None:
-        self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self.db.row_factory = sqlite3.Row
+    #: several tracker processes may use this database at once (so node records are shared)
+    shared = False
+    #: the exception a broken constraint (NOT NULL, ...) raises
+    IntegrityError: type[Exception] = sqlite3.IntegrityError
+    placeholder = "?"
+
+    def __init__(self) -> None:
         self.lock = threading.Lock()
-        with self.lock:
-            self.db.executescript(SCHEMA)
+        self._sql_cache: dict[str, str] = {}
+
+    def _sql(self, sql: str) -> str:
+        """``sql`` with this backend's placeholder."""
+        if self.placeholder == "?":
+            return sql
+        out = self._sql_cache.get(sql)
+        if out is None:
+            out = self._sql_cache[sql] = sql.replace("?", self.placeholder)
+        return out
+
+    def _execute(self, sql: str, args: tuple | list = ()):
+        return self.db.execute(self._sql(sql), args)
 
     @contextlib.contextmanager
     def _transaction(self):
@@ -84,33 +164,68 @@ class TrackerStore:
 
     def _rows(self, sql: str, args: tuple = ()) -> list[dict]:
         with self.lock:
-            return [dict(r) for r in self.db.execute(sql, args).fetchall()]
+            return [dict(r) for r in self._execute(sql, args).fetchall()]
 
     def _exec(self, sql: str, args: tuple = ()) -> int:
+        """Run one statement; returns how many rows it changed."""
         with self.lock:
-            return self.db.execute(sql, args).lastrowid
+            return self._execute(sql, args).rowcount
+
+    def _executemany(self, sql: str, rows: list[tuple]) -> None:
+        self.db.executemany(self._sql(sql), rows)
+
+    def _insert_returning_many(self, sql: str, rows: list[tuple]) -> list[int | None]:
+        """Run ``sql`` (an INSERT ... RETURNING id) once per row inside the caller's transaction;
+        the id of each row, None where a conflict skipped it."""
+        out = []
+        for row in rows:
+            got = self._execute(sql, row).fetchone()
+            out.append(None if got is None else got["id"])
+        return out
+
+    def close(self) -> None:
+        """Close the connection(s); the store is unusable afterwards."""
+        self.db.close()
+
+    # leadership (ADR-0043)
+    def lead(self) -> bool:
+        """Whether this process leads now (plans and issues directives); tries to become leader
+        when it does not. Cheap enough to call every second."""
+        raise NotImplementedError
+
+    def resign(self) -> None:
+        """Stop leading, so that another tracker of this database may take over (no-op where
+        only one tracker uses it)."""
+
+    def tracker_key(self) -> Ed25519PrivateKey:
+        """The key that signs session tickets, the same for every tracker of this database (ADR-0038)."""
+        raise NotImplementedError
 
     # directives
     def add_directive(self, node_id: str, type_: str, *, model: str | None = None, shard_start: int | None = None,
                       shard_end: int | None = None, tier: str | None = None, reason: str = "") -> Directive:
-        now = time.time()
-        rid = self._exec(_INSERT_DIRECTIVE, (node_id, type_, model, shard_start, shard_end, tier, "queued", reason,
-                                             now, now))
+        """Queue one directive; returns its row, or the identical load/drop still open for the node
+        (queueing it again is a no-op)."""
+        new = NewDirective(node_id, type_, model, shard_start, shard_end, tier, reason)
+        rid = self.add_directives([new])[0]
+        if rid is None:
+            rows = self._rows(_OPEN_TWIN, (node_id, type_, model, shard_start, shard_end))
+            return Directive.model_validate(rows[0])
         return self.directive(rid)
 
-    def add_directives(self, new: list[NewDirective]) -> list[int]:
+    def add_directives(self, new: list[NewDirective]) -> list[int | None]:
         """Queue many directives in one transaction (one commit, whatever their number); returns
-        their ids in the order given. A failure rolls the whole batch back and re-raises
-        (``sqlite3.Error``). Safe to call from a worker thread (rebalance does, ADR-0037)."""
+        their ids in the order given, None for a load or drop skipped because the identical one is
+        still open for the node (ADR-0043). A failure rolls the whole batch back and re-raises
+        (:attr:`IntegrityError` for a broken constraint). Safe to call from a worker thread
+        (rebalance does, ADR-0037)."""
         if not new:
             return []
         now = time.time()
-        ids = []
+        rows = [(d.node_id, d.type, d.model, d.shard_start, d.shard_end, d.tier, "queued", d.reason, now, now)
+                for d in new]
         with self._transaction():
-            for d in new:
-                ids.append(self.db.execute(_INSERT_DIRECTIVE, (d.node_id, d.type, d.model, d.shard_start, d.shard_end,
-                                                               d.tier, "queued", d.reason, now, now)).lastrowid)
-        return ids
+            return self._insert_returning_many(_INSERT_DIRECTIVE, rows)
 
     def prune_finished(self, older_than_s: float, now: float | None = None) -> int:
         """Delete finished directives (:data:`FINISHED_STATUSES`) last updated more than
@@ -118,17 +233,14 @@ class TrackerStore:
         Returns how many rows were deleted."""
         cutoff = (time.time() if now is None else now) - older_than_s
         marks = ",".join("?" * len(FINISHED_STATUSES))
-        with self.lock:
-            return self.db.execute(f"DELETE FROM directives WHERE status IN ({marks}) AND updated_at < ?",
-                                   (*FINISHED_STATUSES, cutoff)).rowcount
+        return self._exec(f"DELETE FROM directives WHERE status IN ({marks}) AND updated_at < ?",
+                          (*FINISHED_STATUSES, cutoff))
 
     def fail_open(self, node_id: str, error: str) -> int:
         """Mark every open directive of ``node_id`` failed with ``error`` in one statement; returns how many."""
         marks = ",".join("?" * len(OPEN_STATUSES))
-        with self.lock:
-            return self.db.execute(f"UPDATE directives SET status = 'failed', error = ?, updated_at = ? "
-                                   f"WHERE node_id = ? AND status IN ({marks})",
-                                   (error, time.time(), node_id, *OPEN_STATUSES)).rowcount
+        return self._exec(f"UPDATE directives SET status = 'failed', error = ?, updated_at = ? "
+                          f"WHERE node_id = ? AND status IN ({marks})", (error, time.time(), node_id, *OPEN_STATUSES))
 
     def directive(self, directive_id: int) -> Directive | None:
         rows = self._rows("SELECT * FROM directives WHERE id = ?", (directive_id,))
@@ -152,24 +264,36 @@ class TrackerStore:
         args.append(limit)
         return [Directive.model_construct(**row) for row in self._rows(sql, tuple(args))]
 
+    def nodes_with_queued(self) -> list[str]:
+        """Ids of the nodes that have a queued (not yet delivered) directive."""
+        return [r["node_id"] for r in self._rows("SELECT DISTINCT node_id FROM directives WHERE status = 'queued'")]
+
     def set_status(self, directive_id: int, status: str, error: str | None = None) -> None:
         self._exec("UPDATE directives SET status = ?, error = ?, updated_at = ? WHERE id = ?",
                    (status, error, time.time(), directive_id))
 
-    def set_statuses(self, updates: list[tuple[int, str, str | None]], *, node_id: str) -> None:
+    def set_statuses(self, updates: list[tuple[int, str, str | None]], *, node_id: str,
+                     node: NodeRow | None = None) -> None:
         """Apply ``(directive id, status, error)`` updates to directives of ``node_id`` in one
         transaction (one commit): what a heartbeat reports and delivers (ADR-0037). An id of
-        another node's directive, or an unknown one, changes nothing."""
-        if not updates:
+        another node's directive, or an unknown one, changes nothing. ``node``: the node's record,
+        written in the same transaction (a shared database: a finished load and the shard it
+        brought are seen together, ADR-0043)."""
+        if not updates and node is None:
             return
         now = time.time()
         with self._transaction():
-            self.db.executemany("UPDATE directives SET status = ?, error = ?, updated_at = ? WHERE id = ? AND node_id = ?",
-                                [(status, error, now, i, node_id) for i, status, error in updates])
+            if updates:
+                self._executemany("UPDATE directives SET status = ?, error = ?, updated_at = ? "
+                                  "WHERE id = ? AND node_id = ?",
+                                  [(status, error, now, i, node_id) for i, status, error in updates])
+            if node is not None:
+                self._save_node(node)
 
     # pins
     def add_pin(self, node_id: str, model: str, shard_start: int | None, shard_end: int | None) -> None:
-        self._exec("INSERT OR REPLACE INTO pins VALUES (?,?,?,?,?)",
+        self._exec("INSERT INTO pins VALUES (?,?,?,?,?) ON CONFLICT (node_id, model) DO UPDATE SET "
+                   "shard_start = excluded.shard_start, shard_end = excluded.shard_end, created_at = excluded.created_at",
                    (node_id, model, shard_start, shard_end, time.time()))
 
     def pins(self, node_id: str | None = None) -> list[dict]:
@@ -180,16 +304,15 @@ class TrackerStore:
 
     def remove_pin(self, node_id: str, model: str) -> bool:
         """Delete the pin of ``model`` on ``node_id``; True when there was one."""
-        with self.lock:
-            return self.db.execute("DELETE FROM pins WHERE node_id = ? AND model = ?", (node_id, model)).rowcount > 0
+        return self._exec("DELETE FROM pins WHERE node_id = ? AND model = ?", (node_id, model)) > 0
 
     # node keys (ADR-0035)
     def bind_key(self, node_id: str, public_key: str) -> str:
         """Bind ``node_id`` to ``public_key`` unless it is bound already; returns the key it is bound
-        to now (the earlier one when there was one: first registration wins)."""
+        to now (the earlier one when there was one: first registration wins, on any tracker)."""
         with self.lock:
-            self.db.execute("INSERT OR IGNORE INTO node_keys VALUES (?,?,?)", (node_id, public_key, time.time()))
-            return self.db.execute("SELECT public_key FROM node_keys WHERE node_id = ?", (node_id,)).fetchone()[0]
+            self._execute("INSERT INTO node_keys VALUES (?,?,?) ON CONFLICT DO NOTHING", (node_id, public_key, time.time()))
+            return self._execute("SELECT public_key FROM node_keys WHERE node_id = ?", (node_id,)).fetchone()["public_key"]
 
     def node_key(self, node_id: str) -> str | None:
         """The public key bound to ``node_id`` (base64url), or None."""
@@ -198,11 +321,88 @@ class TrackerStore:
 
     # models
     def add_model(self, name: str, source: str = "operator") -> None:
-        self._exec("INSERT OR IGNORE INTO models VALUES (?,?,?)", (name, time.time(), source))
+        self._exec("INSERT INTO models VALUES (?,?,?) ON CONFLICT DO NOTHING", (name, time.time(), source))
 
     def model_sources(self) -> dict[str, str]:
         """Model name → how it became tracked: ``operator`` (``--model``/pin) or ``demand``."""
         return {r["name"]: r["source"] for r in self._rows("SELECT name, source FROM models")}
 
     def models(self) -> list[str]:
-        return [r["name"] for r in self._rows("SELECT name FROM models ORDER BY added_at")]
+        return [r["name"] for r in self._rows("SELECT name FROM models ORDER BY added_at, name")]
+
+    # node records, shared by the trackers of one database (ADR-0043)
+    def _save_node(self, row: NodeRow) -> None:
+        self._execute("INSERT INTO nodes VALUES (?,?,?,?) ON CONFLICT (node_id) DO UPDATE SET "
+                      "record = excluded.record, record_at = excluded.record_at, heartbeat_at = excluded.heartbeat_at",
+                      (row.node_id, row.record, row.record_at, row.heartbeat_at))
+
+    def save_node(self, row: NodeRow) -> None:
+        """Write (insert or replace) one node's record."""
+        with self.lock:
+            self._save_node(row)
+
+    def touch_nodes(self, heartbeats: dict[str, float]) -> None:
+        """Record the latest heartbeat (unix time) of many nodes in one transaction; a time older
+        than the stored one changes nothing."""
+        if heartbeats:
+            with self._transaction():
+                self._executemany("UPDATE nodes SET heartbeat_at = ? WHERE node_id = ? AND heartbeat_at < ?",
+                                  [(at, node_id, at) for node_id, at in heartbeats.items()])
+
+    def nodes_changed(self, since: float) -> list[NodeRow]:
+        """Node records changed at or after unix time ``since`` (0: all)."""
+        return [NodeRow(**r) for r in self._rows("SELECT * FROM nodes WHERE record_at >= ?", (since,))]
+
+    def heartbeat_times(self, node_ids: list[str]) -> dict[str, float]:
+        """The latest heartbeat (unix time) of each of ``node_ids`` that has a record."""
+        if not node_ids:
+            return {}
+        marks = ",".join("?" * len(node_ids))
+        return {r["node_id"]: r["heartbeat_at"]
+                for r in self._rows(f"SELECT node_id, heartbeat_at FROM nodes WHERE node_id IN ({marks})",
+                                    tuple(node_ids))}
+
+    def delete_node(self, node_id: str) -> None:
+        """Forget a node's record (it dropped out or left)."""
+        self._exec("DELETE FROM nodes WHERE node_id = ?", (node_id,))
+
+    # demand events (ADR-0043)
+    def add_demand_event(self, event: DemandEvent) -> int:
+        """Store one demand event; returns its id."""
+        with self.lock:
+            return self._execute("INSERT INTO demand (model, kind, at, origin) VALUES (?,?,?,?) RETURNING id",
+                                 (event.model, event.kind, event.at, event.origin)).fetchone()["id"]
+
+    def demand_events(self, *, after_id: int = 0, since: float = 0.0, not_from: str = "") -> list[DemandEvent]:
+        """Demand events with an id over ``after_id`` and a time at or after ``since``, oldest
+        first, except those counted by tracker ``not_from``."""
+        rows = self._rows("SELECT * FROM demand WHERE id > ? AND at >= ? AND origin != ? ORDER BY id",
+                          (after_id, since, not_from))
+        return [DemandEvent(**r) for r in rows]
+
+    def prune_demand(self, older_than: float) -> int:
+        """Delete demand events before unix time ``older_than``; returns how many."""
+        return self._exec("DELETE FROM demand WHERE at < ?", (older_than,))
+
+
+class SqliteStore(TrackerStore):
+    """The embedded store: a sqlite file, or ``":memory:"`` (tests). One tracker process per file;
+    it always leads. Its ticket key lives next to the file (``tracker.key``, ADR-0038)."""
+
+    def __init__(self, path: str | Path = ":memory:") -> None:
+        super().__init__()
+        self.path = str(path)
+        self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self.db.row_factory = sqlite3.Row
+        with self.lock:
+            self.db.executescript(SCHEMA.format(id="INTEGER PRIMARY KEY AUTOINCREMENT", real="REAL"))
+            self.db.execute(_FAIL_DUPLICATES)
+            self.db.execute(OPEN_ONCE)
+
+    def lead(self) -> bool:
+        return True
+
+    def tracker_key(self) -> Ed25519PrivateKey:
+        from meshnet.tracker.tickets import load_tracker_key
+        return load_tracker_key(self.path)
+

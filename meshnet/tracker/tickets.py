@@ -1,9 +1,10 @@
 """The tracker issues session tickets (ADR-0038).
 
-The tracker's Ed25519 key signs them. It lives next to the sqlite store
+The tracker's Ed25519 key signs them. With sqlite it lives next to the store
 (``<db dir>/tracker.key``, made on first start, mode 0600), so nodes that learned the key at
 registration keep accepting tickets across a tracker restart; a tracker with an in-memory store
-(tests) makes a key for its lifetime only.
+(tests) makes a key for its lifetime only. With PostgreSQL it lives in the database, the same for
+every tracker of it (:meth:`meshnet.tracker.pgstore.PostgresStore.tracker_key`, ADR-0043).
 
 A session belongs to the first entry node that asks for a ticket for it, for as long as its
 latest ticket is valid: another node cannot get a ticket for that session id, and so cannot

@@ -408,7 +408,7 @@ async def test_operator_pin_queues_a_load(tracker):
 async def test_health_and_models(tracker):
     await register(tracker, node("node-a", shard(0, 3)))
     assert (await tracker.get("/v1/health")).json() == {"status": "ok", "draining": False, "nodes": 1,
-                                                         "models": [MODEL]}
+                                                         "models": [MODEL], "leader": True}
     assert (await tracker.get("/v1/models")).json() == {"object": "list", "data": [
         {"id": MODEL, "object": "model", "owned_by": "meshnet", "num_layers": 4, "routable": True,
          "aliases": ["meshnet/tiny-llama"]}]}

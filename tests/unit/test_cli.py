@@ -191,3 +191,24 @@ def test_tracker_serve_layers_errors_are_clear(args, message, tmp_path):
                            env={"MESHNET_CACHE": str(tmp_path)})
     assert result.exit_code == 1
     assert message in " ".join(result.output.split())
+
+
+def test_chat_moves_on_to_the_next_tracker_url(monkeypatch):
+    import httpx
+
+    from meshnet.cli import ops
+
+    asked = []
+
+    def post(url, **kw):
+        asked.append(url)
+        if url.startswith("http://t1"):
+            raise httpx.ConnectError("[Errno 111] Connection refused")
+        return httpx.Response(200, json={"choices": [{"message": {"content": "Paris"}}]})
+
+    monkeypatch.setattr(ops.httpx, "post", post)
+    result = runner.invoke(app, ["chat", "hi", "--model", "tiny-llama", "--no-stream",
+                                 "--url", "http://t1:8700,http://t2:8700"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == "Paris"
+    assert asked == ["http://t1:8700/v1/chat/completions", "http://t2:8700/v1/chat/completions"]

@@ -1,17 +1,32 @@
-"""The tracker's sqlite store (ADR-0037): batched directive writes, indexes, pruning."""
+"""The tracker's store on both backends (ADR-0037, ADR-0043): batched directive writes, indexes,
+pruning, one open load per node and range, shared node records and demand, the ticket key."""
 
 from __future__ import annotations
 
 import sqlite3
 
-from meshnet.tracker.store import NewDirective, TrackerStore
+import pytest
+
+from meshnet.tracker.store import DemandEvent, NewDirective, NodeRow, SqliteStore
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request):
+    """An empty store on each backend (PostgreSQL: a fresh database, see tests/conftest.py)."""
+    if request.param == "sqlite":
+        s = SqliteStore()
+    else:
+        from meshnet.tracker.pgstore import PostgresStore
+        s = PostgresStore(request.getfixturevalue("pg_url"))
+    yield s
+    s.close()
 
 
 def new(node_id: str, k: int = 0) -> NewDirective:
     return NewDirective(node_id, "LOAD_SHARD", "tiny-llama", k, k + 1, "bootstrap", f"reason {k}")
 
 
-def commits_during(store: TrackerStore, action) -> list[str]:
+def commits_during(store: SqliteStore, action) -> list[str]:
     """The transaction-ending statements sqlite ran during ``action`` (trace of the connection)."""
     seen: list[str] = []
     store.db.set_trace_callback(seen.append)
@@ -23,7 +38,7 @@ def commits_during(store: TrackerStore, action) -> list[str]:
 
 
 def test_a_batch_of_directives_is_one_transaction():
-    store = TrackerStore()
+    store = SqliteStore()
     batch = [new(f"n{k % 7}", k) for k in range(250)]
     before = store.db.total_changes
     ends = commits_during(store, lambda: store.add_directives(batch))
@@ -35,22 +50,16 @@ def test_a_batch_of_directives_is_one_transaction():
         (f"n{k % 7}", k, f"reason {k}") for k in range(250)]  # ids in the order given
 
 
-def test_a_batch_returns_its_ids_in_order_and_an_empty_one_writes_nothing():
-    store = TrackerStore()
+def test_a_batch_returns_its_ids_in_order_and_an_empty_one_writes_nothing(store):
     assert store.add_directives([]) == []
     ids = store.add_directives([new("a"), new("b")])
     assert [store.directive(i).node_id for i in ids] == ["a", "b"]
 
 
-def test_a_failing_batch_is_rolled_back_whole():
-    store = TrackerStore()
+def test_a_failing_batch_is_rolled_back_whole(store):
     bad = NewDirective("n1", None, None)  # type NOT NULL
-    try:
+    with pytest.raises(store.IntegrityError):
         store.add_directives([new("n0"), bad])
-    except sqlite3.IntegrityError:
-        pass
-    else:
-        raise AssertionError("the NOT NULL constraint should fail")
     assert store.directives() == []
     store.add_directives([new("n0")])  # the connection is usable afterwards
     assert len(store.directives()) == 1
@@ -64,7 +73,7 @@ def test_the_indexes_exist_also_in_a_database_made_before_them(tmp_path):
                       "status TEXT NOT NULL, error TEXT, reason TEXT, created_at REAL NOT NULL, "
                       "updated_at REAL NOT NULL);")
     old.close()
-    store = TrackerStore(path)
+    store = SqliteStore(path)
     names = {row["name"] for row in store.db.execute("PRAGMA index_list(directives)")}
     assert {"directives_by_node_status", "directives_by_status"} <= names
     columns = {name: [r["name"] for r in store.db.execute(f"PRAGMA index_info({name})")]
@@ -74,14 +83,13 @@ def test_the_indexes_exist_also_in_a_database_made_before_them(tmp_path):
 
 
 def test_a_heartbeats_read_uses_the_node_status_index():
-    store = TrackerStore()
+    store = SqliteStore()
     plan = " ".join(r["detail"] for r in store.db.execute(
         "EXPLAIN QUERY PLAN SELECT * FROM directives WHERE node_id = ? AND status IN ('queued')", ("n",)))
     assert "directives_by_node_status" in plan
 
 
-def test_pruning_removes_finished_directives_past_retention_and_keeps_open_ones():
-    store = TrackerStore()
+def test_pruning_removes_finished_directives_past_retention_and_keeps_open_ones(store):
     ids = store.add_directives([new(f"n{k}") for k in range(6)])
     statuses = ["queued", "delivered", "acked", "done", "failed", "done"]
     for i, status in zip(ids, statuses):
@@ -89,34 +97,32 @@ def test_pruning_removes_finished_directives_past_retention_and_keeps_open_ones(
     now = 1_000_000.0
     ages_s = [100_000, 100_000, 100_000, 100_000, 100_000, 10]  # the last one finished recently
     for i, age in zip(ids, ages_s):
-        store.db.execute("UPDATE directives SET updated_at = ? WHERE id = ?", (now - age, i))
+        store._exec("UPDATE directives SET updated_at = ? WHERE id = ?", (now - age, i))
     assert store.prune_finished(86_400, now=now) == 2
     left = {d.id: d.status for d in store.directives()}
     assert left == {ids[0]: "queued", ids[1]: "delivered", ids[2]: "acked", ids[5]: "done"}
     assert store.prune_finished(86_400, now=now) == 0
 
 
-def test_fail_open_fails_only_that_nodes_open_directives():
-    store = TrackerStore()
-    a1, a2, b1 = store.add_directives([new("a"), new("a"), new("b")])
+def test_fail_open_fails_only_that_nodes_open_directives(store):
+    a1, a2, b1 = store.add_directives([new("a"), new("a", 1), new("b")])
     store.set_status(a2, "done")
     assert store.fail_open("a", "node dropped out") == 1
     assert {d.id: (d.status, d.error) for d in store.directives()} == {
         a1: ("failed", "node dropped out"), a2: ("done", None), b1: ("queued", None)}
 
 
-def test_directives_updated_after_a_time():
-    store = TrackerStore()
+def test_directives_updated_after_a_time(store):
     old, new_ = store.add_directives([new("a"), new("b")])
-    store.db.execute("UPDATE directives SET updated_at = 100 WHERE id = ?", (old,))
-    store.db.execute("UPDATE directives SET updated_at = 200 WHERE id = ?", (new_,))
+    store._exec("UPDATE directives SET updated_at = 100 WHERE id = ?", (old,))
+    store._exec("UPDATE directives SET updated_at = 200 WHERE id = ?", (new_,))
     assert [d.id for d in store.directives(updated_after=150)] == [new_]
     assert [d.id for d in store.directives(updated_after=50)] == [new_, old]
 
 
 def test_status_updates_are_one_transaction():
-    store = TrackerStore()
-    a, b, c, other = store.add_directives([new("a"), new("a"), new("a"), new("b")])
+    store = SqliteStore()
+    a, b, c, other = store.add_directives([new("a"), new("a", 1), new("a", 2), new("b")])
     ends = commits_during(store, lambda: store.set_statuses([(a, "done", None), (b, "failed", "no memory"),
                                                              (c, "delivered", None), (other, "done", None)],
                                                             node_id="a"))
@@ -125,3 +131,123 @@ def test_status_updates_are_one_transaction():
         a: ("done", None), b: ("failed", "no memory"), c: ("delivered", None),
         other: ("queued", None)}  # node a cannot finish node b's directive
     assert commits_during(store, lambda: store.set_statuses([], node_id="a")) == []
+
+
+def test_an_open_load_is_queued_once_per_node_model_and_range(store):
+    first = store.add_directives([new("a"), new("a"), new("a", 1), new("b")])
+    assert first[1] is None and None not in (first[0], first[2], first[3])
+    assert store.add_directives([new("a")]) == [None]  # another tracker, or the next leader, asks again
+    again = store.add_directive("a", "LOAD_SHARD", model="tiny-llama", shard_start=0, shard_end=1, tier="pinned")
+    assert (again.id, again.tier, again.status) == (first[0], "bootstrap", "queued")  # the open one
+    assert len(store.directives(node_id="a")) == 2
+    store.set_status(first[0], "done")
+    assert store.add_directives([new("a")])[0] is not None  # once finished, the same load may come again
+    reloads = [store.add_directive("a", "RELOAD").id for _ in range(2)]
+    assert len(set(reloads)) == 2  # only loads and drops are unique
+
+
+def test_pins_replace_and_remove(store):
+    store.add_pin("a", "m", 0, 3)
+    store.add_pin("a", "m", 0, 5)
+    assert [(p["node_id"], p["model"], p["shard_start"], p["shard_end"]) for p in store.pins()] == [("a", "m", 0, 5)]
+    assert store.remove_pin("a", "m") is True and store.remove_pin("a", "m") is False
+    assert store.pins("a") == []
+
+
+def test_keys_and_models_first_one_wins(store):
+    assert store.bind_key("a", "k1") == "k1"
+    assert store.bind_key("a", "k2") == "k1"
+    assert store.node_key("a") == "k1" and store.node_key("b") is None
+    store.add_model("m")
+    store.add_model("m", source="demand")
+    store.add_model("d", source="demand")
+    assert store.model_sources() == {"m": "operator", "d": "demand"}
+    assert sorted(store.models()) == ["d", "m"]
+
+
+def test_node_records_heartbeats_and_a_status_update_in_one_transaction(store):
+    store.save_node(NodeRow("a", '{"v": 1}', record_at=100.0, heartbeat_at=100.0))
+    store.save_node(NodeRow("b", '{"v": 2}', record_at=200.0, heartbeat_at=200.0))
+    store.touch_nodes({"a": 150.0, "b": 120.0, "gone": 1.0})  # an older time never wins
+    assert store.heartbeat_times(["a", "b", "c"]) == {"a": 150.0, "b": 200.0}
+    assert [r.node_id for r in store.nodes_changed(150.0)] == ["b"]
+    (d,) = store.add_directives([new("a")])
+    store.set_statuses([(d, "done", None)], node_id="a", node=NodeRow("a", '{"v": 3}', 300.0, 300.0))
+    assert store.directive(d).status == "done"
+    assert store.nodes_changed(250.0) == [NodeRow("a", '{"v": 3}', 300.0, 300.0)]
+    store.delete_node("a")
+    assert store.heartbeat_times(["a", "b"]) == {"b": 200.0}
+
+
+def test_demand_events_by_id_time_and_origin(store):
+    ids = [store.add_demand_event(DemandEvent("m", kind, at, origin))
+           for kind, at, origin in [("refused", 10.0, "t1"), ("served", 20.0, "t2"), ("refused", 30.0, "t1")]]
+    assert ids == sorted(ids)
+    assert [(e.kind, e.at) for e in store.demand_events(not_from="t2")] == [("refused", 10.0), ("refused", 30.0)]
+    assert [e.at for e in store.demand_events(after_id=ids[0])] == [20.0, 30.0]
+    assert [e.at for e in store.demand_events(since=15.0)] == [20.0, 30.0]
+    assert store.prune_demand(25.0) == 2
+    assert [e.id for e in store.demand_events()] == [ids[2]]
+
+
+def test_a_sqlite_store_always_leads():
+    assert SqliteStore().lead() is True
+
+
+def test_an_older_database_with_duplicate_open_loads_keeps_the_oldest(tmp_path):
+    path = tmp_path / "old.db"
+    old = sqlite3.connect(path)
+    old.executescript("CREATE TABLE directives (id INTEGER PRIMARY KEY AUTOINCREMENT, node_id TEXT NOT NULL, "
+                      "type TEXT NOT NULL, model TEXT, shard_start INTEGER, shard_end INTEGER, tier TEXT, "
+                      "status TEXT NOT NULL, error TEXT, reason TEXT, created_at REAL NOT NULL, "
+                      "updated_at REAL NOT NULL);"
+                      "INSERT INTO directives VALUES (1, 'a', 'LOAD_SHARD', 'm', 0, 1, 'bootstrap', 'queued', "
+                      "NULL, '', 1, 1), (2, 'a', 'LOAD_SHARD', 'm', 0, 1, 'bootstrap', 'delivered', NULL, '', 2, 2);")
+    old.commit()
+    old.close()
+    store = SqliteStore(path)
+    assert {d.id: (d.status, d.error) for d in store.directives()} == {
+        1: ("queued", None), 2: ("failed", "duplicate open directive")}
+
+
+def test_trackers_of_one_postgres_database_share_the_ticket_key_and_one_leads(pg_url):
+    from meshnet.tracker.pgstore import PostgresStore
+    from meshnet.protocol.signing import encode_public_key
+    first, second = PostgresStore(pg_url), PostgresStore(pg_url)
+    try:
+        assert encode_public_key(first.tracker_key().public_key()) == encode_public_key(
+            second.tracker_key().public_key())
+        assert first.lead() is True
+        assert second.lead() is False and first.lead() is True
+        first.resign()
+        assert second.lead() is True and first.lead() is False
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_leader_killed_inside_its_write_leaves_no_directive_and_the_next_writes_them_once(pg_url):
+    import psycopg
+
+    from meshnet.tracker.pgstore import PostgresStore
+    old, new_leader = PostgresStore(pg_url), PostgresStore(pg_url)
+    try:
+        batch = [new(f"n{k % 3}", k) for k in range(30)]
+        old.db.execute("BEGIN")  # the old leader's batch, not committed yet ...
+        old.db.execute("INSERT INTO directives (node_id, type, model, shard_start, shard_end, tier, status, "
+                       "created_at, updated_at) VALUES ('n0', 'LOAD_SHARD', 'tiny-llama', 0, 1, 'bootstrap', "
+                       "'queued', 1, 1)")
+        pid = old.db.info.backend_pid
+        new_leader._exec("SELECT pg_terminate_backend(?)", (pid,))  # ... when its process dies
+        assert new_leader.directives() == []
+        ids = new_leader.add_directives(batch)
+        assert None not in ids and len(new_leader.directives(limit=100)) == 30
+        assert new_leader.add_directives(batch) == [None] * 30  # the same plan again queues nothing
+        with pytest.raises(psycopg.OperationalError):
+            old.db.execute("COMMIT")
+    finally:
+        new_leader.close()
+        try:
+            old.close()
+        except Exception:  # noqa: BLE001 - its connection is gone
+            pass

@@ -1,0 +1,90 @@
+"""Several trackers on one database: leadership and the shared registry, once a second (ADR-0043).
+
+:func:`sync_round` runs at the top of every control-loop round. On sqlite it only confirms that
+the tracker leads. On a shared store (PostgreSQL) it:
+
+1. asks the store whether this tracker leads (:meth:`TrackerStore.lead`); a tracker that just
+   took the lead reads every node record again, so its registry holds every node any tracker
+   heard of, and plans at once;
+2. writes the heartbeat times it collected since the last round, in one transaction;
+3. reads the node records other trackers changed since the last round (plus a margin for
+   writes that were in flight), the demand they counted, and which nodes have queued
+   directives (so a heartbeat of a node with none reads nothing; a directive another tracker
+   queues reaches its node at most one round later than it would from this one).
+
+The store calls run on a worker thread; the service is changed on the event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from meshnet.tracker.service import TrackerService
+
+log = logging.getLogger(__name__)
+
+#: records changed this long before the last read are read again (a write in flight then may
+#: commit with an earlier time stamp), seconds
+SYNC_MARGIN_S = 5.0
+
+
+#: the shortest time between two sync rounds, seconds (the control loop also wakes on every join)
+SYNC_INTERVAL_S = 1.0
+
+
+class Sharing:
+    """The state of one tracker's sync with its database: when it last read node records.
+
+    Args:
+        service: the tracker's service.
+        min_interval_s: a round sooner than this after the previous one does nothing (the
+            control loop wakes on every registration; a storm of them must not become a storm
+            of database rounds); tests pass 0.
+    """
+
+    def __init__(self, service: TrackerService, min_interval_s: float = SYNC_INTERVAL_S) -> None:
+        self.service = service
+        self.min_interval_s = min_interval_s
+        self.read_at = 0.0  # unix time of the last read of changed records (0: read all)
+        self.round_s = -min_interval_s  # monotonic time of the last round
+
+    async def sync_round(self) -> bool:
+        """One round (see the module); returns whether this tracker leads now (as of the last
+        round, when this one comes too soon). Store errors propagate (the control loop logs them
+        and tries again next round)."""
+        svc, store = self.service, self.service.store
+        if time.monotonic() - self.round_s < self.min_interval_s:
+            return svc.leader
+        self.round_s = time.monotonic()
+        leading = await asyncio.to_thread(store.lead)
+        if leading != svc.leader:
+            svc.leader = leading
+            if leading:
+                log.warning("this tracker leads now: it plans and issues directives")
+                self.read_at = 0.0  # every record again: nodes no tracker holds are dropped properly
+                svc.dirty = True
+            else:
+                log.warning("this tracker no longer leads; it stands by (answers reads, registrations, heartbeats)")
+        if not store.shared:
+            return leading
+        heartbeats = svc.take_heartbeats()
+        since = max(0.0, self.read_at - SYNC_MARGIN_S) if self.read_at else 0.0
+        read_at = time.time()
+        svc.take_queued_since_read()
+        rows, events, queued = await asyncio.to_thread(self._exchange, heartbeats, since)
+        self.read_at = read_at
+        svc.apply_rows(rows)
+        svc.apply_demand(events)
+        svc.queued_hint = set(queued) | svc.take_queued_since_read()
+        return leading
+
+    def _exchange(self, heartbeats: dict[str, float], since: float):
+        """Worker thread: write the heartbeat times, read the changes."""
+        store, svc = self.service.store, self.service
+        store.touch_nodes(heartbeats)
+        return (store.nodes_changed(since),
+                store.demand_events(after_id=svc.demand_seen, since=time.time() - svc.settings.demand_window_s,
+                                    not_from=svc.origin),
+                store.nodes_with_queued())

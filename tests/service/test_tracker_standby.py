@@ -1,0 +1,156 @@
+"""Two tracker services in-process on one PostgreSQL database (ADR-0043): one leads, the other
+stands by; both answer registrations, heartbeats and reads from the shared state; the standby
+takes over when the leader goes, and issues no directive twice.
+
+The control loops are off (``run_loop=False``): the test drives each tracker's sync round
+(:class:`meshnet.tracker.sharing.Sharing`) and the leader's rebalance itself, in a fixed order.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshnet.tracker.app import build_app
+from meshnet.tracker.rebalance import rebalance
+from meshnet.tracker.service import TrackerSettings
+from meshnet.tracker.sharing import Sharing
+from tests.fake_nodes import HealthyNodes
+from tests.payloads import SignAsNodes, capability_report, registration
+
+MODEL = "tiny-llama"  # 4 layers
+
+
+def node(node_id: str, *shards: tuple[int, int]) -> dict:
+    """A registration whose node holds ``shards`` (inclusive ranges) of the tiny model, admitted."""
+    return registration(node_id, f"http://{node_id}.test:8000", vram_bytes=2 * 1024**3, max_loaded_shards=2,
+                        shards=[{"model": MODEL, "shard_start": a, "shard_end": b, "entry": a == 0, "tier": "pinned",
+                                 "quantization": "bfloat16", "report": capability_report(MODEL, a, b)}
+                                for a, b in shards])
+
+
+def heartbeat(shards: list[dict] | None = None, updates: list[dict] | None = None) -> dict:
+    return {"shards": shards or [], "stats": {}, "directive_updates": updates or []}
+
+
+@pytest.fixture
+async def trackers(asgi_client, pg_url):
+    """Two trackers (``a``, ``b``) on one fresh database, each with its :class:`Sharing`."""
+    out = []
+    for _ in range(2):
+        app = build_app(TrackerSettings(models=(MODEL,), db_path=pg_url), run_loop=False, transport=HealthyNodes())
+        client = await asgi_client(app, "http://tracker", auth=SignAsNodes())
+        client.service = app.state.service
+        client.sharing = Sharing(client.service, min_interval_s=0.0)
+        out.append(client)
+    return out
+
+
+async def loads_of(client, node_id: str) -> list[tuple]:
+    body = (await client.get("/v1/directives")).json()["directives"]
+    return sorted((d["model"], d["shard_start"], d["shard_end"], d["status"]) for d in body
+                  if d["node_id"] == node_id and d["type"] == "LOAD_SHARD")
+
+
+async def test_one_leads_both_serve_and_the_standby_takes_over_without_duplicates(trackers):
+    a, b = trackers
+    assert await a.sharing.sync_round() is True
+    assert await b.sharing.sync_round() is False
+    assert ((await a.get("/v1/health")).json()["leader"], (await b.get("/v1/health")).json()["leader"]) == (True, False)
+
+    # one ticket key for both (nodes verify tickets whichever tracker issued them)
+    ra = await a.post("/v1/nodes/register", json=node("node-a", (0, 1)))
+    rb = await b.post("/v1/nodes/register", json=node("node-b"))
+    assert ra.status_code == rb.status_code == 200
+    assert ra.json()["tracker_key"] == rb.json()["tracker_key"]
+
+    # a refused chat at the standby is demand the leader counts; pins are shared
+    chat = await b.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 503
+    pinned = await b.post("/v1/operator/pin", json={"model": MODEL, "node_id": "node-b", "shard": "2-3"})
+    assert pinned.status_code == 200, pinned.text
+    for t in (a, b):
+        await t.sharing.sync_round()
+    assert sorted(a.service.nodes) == sorted(b.service.nodes) == ["node-a", "node-b"]
+    assert a.service.demand_rate(MODEL) == b.service.demand_rate(MODEL) == pytest.approx(60.0 / 300.0)
+    assert a.service.store.pins() == b.service.store.pins()
+
+    # the leader plans: node-b already has the pinned load 2-3 open, so nothing is issued twice
+    assert await loads_of(a, "node-b") == [(MODEL, 2, 3, "queued")]
+    rebalance(a.service)
+    assert await loads_of(a, "node-b") == [(MODEL, 2, 3, "queued")]
+
+    # node-b heartbeats to the standby and gets its load from the shared queue
+    hb = await b.post("/v1/nodes/node-b/heartbeat", json=heartbeat())
+    assert [(d["type"], d["shard_start"], d["shard_end"]) for d in hb.json()["directives"]] == [("LOAD_SHARD", 2, 3)]
+
+    # the leader goes (its lock's connection closes, as when the process is killed)
+    a.service.store.resign()
+    a.service.store.lead = lambda: False  # ... and it does not come back
+    assert await b.sharing.sync_round() is True
+    assert b.service.dirty is True and sorted(b.service.nodes) == ["node-a", "node-b"]
+    rebalance(b.service)  # the new leader plans over the same open directives
+    assert await loads_of(b, "node-b") == [(MODEL, 2, 3, "delivered")]
+    assert b.service.demand_rate(MODEL) == pytest.approx(60.0 / 300.0)
+
+    # node-b finishes the load at the new leader: its shard and the finished directive are written together
+    (load,) = [d for d in b.service.store.directives(node_id="node-b") if d.type == "LOAD_SHARD"]
+    shard = node("x", (2, 3))["shards"][0]
+    done = await b.post("/v1/nodes/node-b/heartbeat", json=heartbeat([shard], [{"id": load.id, "status": "done"}]))
+    assert done.status_code == 200
+    (row,) = [r for r in b.service.store.nodes_changed(0) if r.node_id == "node-b"]
+    assert [(s["shard_start"], s["shard_end"]) for s in json.loads(row.record)["shards"]] == [(2, 3)]
+    rebalance(b.service)
+    assert await loads_of(b, "node-b") == [(MODEL, 2, 3, "done")]
+    assert b.service.coverage(MODEL).covered_layers == 4
+
+
+async def test_a_standby_does_not_fail_the_directives_of_a_node_that_heartbeats_elsewhere(trackers):
+    a, b = trackers
+    await a.sharing.sync_round()
+    await b.sharing.sync_round()
+    assert (await b.post("/v1/nodes/register", json=node("node-b"))).status_code == 200
+    await a.sharing.sync_round()
+    pin = await a.post("/v1/operator/pin", json={"model": MODEL, "node_id": "node-b", "shard": "0-3"})
+    assert pin.status_code == 200
+    # node-b heartbeats to the leader only; the standby has not heard from it for a long time
+    assert (await a.post("/v1/nodes/node-b/heartbeat", json=heartbeat())).status_code == 200
+    await a.sharing.sync_round()  # writes the heartbeat time
+    b.service.nodes["node-b"].last_heartbeat_s -= 3600
+    assert b.service.check_dropouts() == []  # the shared heartbeat time says it is alive
+    for t in (a, b):  # then the node falls silent everywhere
+        t.service.nodes["node-b"].last_heartbeat_s -= 3600
+    a.service.store._exec("UPDATE nodes SET heartbeat_at = 0")
+    assert b.service.check_dropouts() == ["node-b"]  # the standby forgets it ...
+    assert [d.status for d in b.service.store.directives(node_id="node-b")] == ["delivered"]  # ... and fails nothing
+    assert a.service.check_dropouts() == ["node-b"]  # the leader decides
+    assert [d.status for d in a.service.store.directives(node_id="node-b")] == ["failed"]
+    assert a.service.store.heartbeat_times(["node-b"]) == {}
+
+
+async def test_a_directive_queued_at_one_tracker_reaches_a_node_at_the_other_after_one_round(trackers):
+    a, b = trackers
+    await a.sharing.sync_round()
+    assert (await b.post("/v1/nodes/register", json=node("node-c"))).status_code == 200
+    await a.sharing.sync_round()
+    assert (await a.post("/v1/operator/reload", json={"node_id": "node-c"})).status_code == 200
+    first = await b.post("/v1/nodes/node-c/heartbeat", json=heartbeat())
+    assert first.json()["directives"] == []  # b has not read the queue since: no query per idle heartbeat
+    await b.sharing.sync_round()
+    second = await b.post("/v1/nodes/node-c/heartbeat", json=heartbeat())
+    assert [d["type"] for d in second.json()["directives"]] == ["RELOAD"]
+    third = await b.post("/v1/nodes/node-c/heartbeat", json=heartbeat())
+    assert third.json()["directives"] == []
+
+
+async def test_rounds_come_at_most_once_per_interval():
+    from meshnet.tracker.service import TrackerService
+
+    svc = TrackerService(TrackerSettings(models=(MODEL,)))
+    calls = []
+    lead = svc.store.lead
+    svc.store.lead = lambda: calls.append(1) or lead()
+    sharing = Sharing(svc, min_interval_s=60.0)
+    assert [await sharing.sync_round() for _ in range(5)] == [True] * 5
+    assert calls == [1]  # a storm of wake-ups is one round

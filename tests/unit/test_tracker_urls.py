@@ -1,0 +1,70 @@
+"""Clients given every tracker of one database move on when one stops answering (ADR-0043)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from meshnet.client import TrackerClient
+from meshnet.endpoints import check_endpoints
+from meshnet.errors import InvalidRequest, MeshnetError
+
+
+def test_urls_from_a_list_or_commas_checked_in_order_without_duplicates():
+    assert check_endpoints("http://a:1, http://b:2/") == ["http://a:1", "http://b:2"]
+    assert check_endpoints(["http://a:1,http://b:2", "http://a:1", "http://c:3"]) == [
+        "http://a:1", "http://b:2", "http://c:3"]
+    with pytest.raises(InvalidRequest, match="not a usable base URL"):
+        check_endpoints("http://a:1,ftp://b")
+    with pytest.raises(InvalidRequest):
+        check_endpoints([])
+
+
+class Trackers(httpx.AsyncBaseTransport):
+    """Hosts in ``down`` refuse connections; ``slow`` ones time out after the request was sent;
+    the others answer /v1/health with their host name."""
+
+    def __init__(self) -> None:
+        self.down: set[str] = set()
+        self.slow: set[str] = set()
+        self.calls: list[str] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.calls.append(request.url.host)
+        if request.url.host in self.down:
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+        if request.url.host in self.slow:
+            raise httpx.ReadTimeout("timed out", request=request)
+        return httpx.Response(200, json={"status": "ok", "host": request.url.host})
+
+
+async def test_a_call_moves_on_to_the_next_tracker_and_stays_there():
+    net = Trackers()
+    client = TrackerClient("http://t1:8700,http://t2:8700,http://t3:8700", transport=net)
+    assert (await client.health())["host"] == "t1"
+    net.down.add("t1")
+    assert (await client.health())["host"] == "t2"
+    assert client.url == "http://t2:8700"
+    net.down.discard("t1")
+    assert (await client.health())["host"] == "t2"  # it stays with the one that answered
+    net.down |= {"t2", "t3"}
+    assert (await client.health())["host"] == "t1"  # round the list
+    assert net.calls == ["t1", "t1", "t2", "t2", "t2", "t3", "t1"]
+    await client.aclose()
+
+
+async def test_all_down_names_every_url_and_a_failure_midway_is_not_resent():
+    net = Trackers()
+    net.down |= {"t1", "t2"}
+    client = TrackerClient(["http://t1:8700", "http://t2:8700"], transport=net)
+    with pytest.raises(MeshnetError, match="cannot reach any of http://t1:8700, http://t2:8700") as err:
+        await client.health()
+    assert err.value.code == "unreachable" and err.value.status == 503
+    net.down.clear()
+    net.slow.add("t1")
+    net.calls.clear()
+    with pytest.raises(MeshnetError, match="cannot reach http://t1:8700: ReadTimeout"):
+        await client.health()
+    assert net.calls == ["t1"]  # it may have been carried out: not sent again
+    assert (await client.health())["host"] == "t2"  # the next call goes elsewhere
+    await client.aclose()
