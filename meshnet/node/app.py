@@ -320,6 +320,8 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
                     agent_task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await agent_task
+                if node.agent is not None:
+                    await node.agent.close()
 
     routes = [Route("/v1/forward", forward, methods=["POST"]),
               Route("/v1/sessions/{session_id}", release_session, methods=["DELETE"]),
@@ -328,10 +330,28 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
               Route("/metrics", metrics)]
     # forward frames may be up to the wire format's limit (plus a header of at most 24 bytes)
     body_limit = Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
-                            path_limits={"/v1/forward": wire.DEFAULT_MAX_BYTES + 64})
+                            path_limits={"/v1/forward": wire.DEFAULT_MAX_BYTES + 64},
+                            prefix_limits={"/v1/relay/": wire.DEFAULT_MAX_BYTES + 64})  # relayed hops, checked again by the hub
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[body_limit, Middleware(DrainMiddleware, drain=drain)],
                     exception_handlers={MeshnetError: _meshnet_error, HTTPException: http_error,
                                         Exception: _unexpected_error})
     app.state.drain = drain
+    if settings.offer_relay:
+        _offer_relay(app)
     return app
+
+
+def _offer_relay(app: Starlette) -> None:
+    """Relay other nodes' traffic here (``--offer-relay``, ADR-0045): a node attaches for its own id
+    only, signed with the key the tracker has bound to it."""
+    from meshnet.relay.hub import DEFAULT_RELAY_BODY_BYTES, KeyedAuthorize, RelayHub
+
+    async def key_of(node_id: str) -> str | None:
+        agent = app.state.node.agent
+        if agent is None:
+            raise NotFound("this node has no tracker to check relayed nodes' keys with", code="relay_unavailable")
+        return await agent.client.node_key(node_id)
+
+    app.state.relay = hub = RelayHub(KeyedAuthorize(key_of), max_body_bytes=DEFAULT_RELAY_BODY_BYTES)
+    app.router.routes.extend(hub.routes())

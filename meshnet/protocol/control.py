@@ -181,6 +181,10 @@ class RegisterRequest(Payload):
     max_loaded_shards: int = Field(default=1, ge=1, le=64)
     accepts_placement: bool = True
     shards: list[ShardInfo] = Field(default_factory=list)
+    #: the relay's base URL when ``endpoint`` goes through one (ADR-0045), else None
+    relay_url: str | None = Field(default=None, pattern=r"^https?://")
+    #: the relay tunnel's measured round trip, seconds: what each relayed hop adds (route cost)
+    relay_rtt_s: float = Field(default=0.0, ge=0, le=60)
 
     @field_validator("endpoint")
     @classmethod

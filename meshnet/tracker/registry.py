@@ -65,6 +65,10 @@ class NodeRecord:
     probed_s: float | None = None  # monotonic time of the last probe's answer
     #: the heartbeat interval last announced to this node, seconds (its dropout timeout follows it, ADR-0037)
     interval_s: float = 0.0
+    #: the relay the node's endpoint goes through (ADR-0045), None when reached directly
+    relay_url: str | None = None
+    #: the relay tunnel's round trip the node measured, seconds (added to each of its hops' cost)
+    relay_rtt_s: float = 0.0
 
     @property
     def quantization(self) -> str:
