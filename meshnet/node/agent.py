@@ -19,6 +19,8 @@ import asyncio
 import contextlib
 import logging
 
+import httpx
+
 from meshnet.client import NodeSigner, TrackerClient
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
@@ -37,6 +39,9 @@ log = logging.getLogger(__name__)
 
 #: registration answers that retrying cannot change: the node stops with the tracker's message
 REFUSALS = (400, 401, 403, 409, 422, 426)
+#: an unreachable node moves to a relay when the tracker still cannot reach it this long after the
+#: node's own listener answered: longer than a probe's timeout plus its retry interval, seconds
+AUTO_RELAY_AFTER_S = 5.0
 
 
 class TrackerAgent:
@@ -80,6 +85,8 @@ class TrackerAgent:
         #: the relay tunnel when this node is reached through a relay (ADR-0045), else None
         self.tunnel: NodeTunnel | None = None
         self._tunnel_task: asyncio.Task | None = None
+        self._considering: asyncio.Task | None = None   # a running :meth:`consider_relay` check
+        self._listening_since: float | None = None      # loop time the own listener first answered
 
     @property
     def endpoint(self) -> str:
@@ -121,12 +128,14 @@ class TrackerAgent:
         """
         await self.load_initial()
         if self.settings.relay:
-            await self.use_relay()
+            self.tunnel = self._new_tunnel()
         for attempt in range(attempts):
             try:
                 resp = await self.client.register(self.registration())
                 self.note_registered(resp)
                 log.info("registered %s with %s", self.settings.node_id, self.settings.tracker_url)
+                if self.tunnel is not None:
+                    await self.start_tunnel()
                 return
             except MeshnetError as exc:
                 self.last_error = exc.message
@@ -228,8 +237,11 @@ class TrackerAgent:
 
     def note_reachability(self, resp: RegisterResponse | HeartbeatResponse) -> None:
         """Log when the tracker's verdict on reaching this node's endpoint changes: an unreachable
-        node's shards are not admitted, so nothing is routed to it (meshnet.tracker.probe)."""
+        node's shards are not admitted, so nothing is routed to it (meshnet.tracker.probe). An
+        unreachable node allowed a relay considers moving to one (:meth:`consider_relay`)."""
         reachable = resp.reachable
+        if not reachable and self.tunnel is None and self.settings.auto_relay:
+            self.consider_relay()
         if reachable == self.reachable:
             return
         if not reachable and self.reachable is None and not self._probed_again:
@@ -243,10 +255,8 @@ class TrackerAgent:
         if reachable:
             log.info("the tracker reaches this node at %s; its shards can be admitted", self.endpoint)
         elif self.tunnel is None and self.settings.auto_relay:
-            log.warning("the tracker cannot reach this node at %s (%s): serving through a relay instead",
-                        self.endpoint, resp.reach_error)
-            self.tasks.add(task := asyncio.create_task(self.switch_to_relay()))
-            task.add_done_callback(self.tasks.discard)
+            log.info("the tracker cannot reach this node at %s (%s); if it still cannot once this node "
+                     "listens, the node serves through a relay", self.endpoint, resp.reach_error)
         elif self.tunnel is None:
             log.warning("the tracker cannot reach this node at %s (%s): its shards are not admitted until it "
                         "can; check --public-url, --host and firewalls (or allow a relay)", self.endpoint,
@@ -257,24 +267,59 @@ class TrackerAgent:
 
     # ---- relay (ADR-0045) ---------------------------------------------------------------
 
-    async def use_relay(self, attach_wait_s: float = 10.0) -> None:
-        """Open the relay tunnel (to ``--relay-url``, else the tracker) and wait up to ``attach_wait_s``
-        for the first attach; registering goes on either way (the tunnel keeps dialling)."""
-        if self.tunnel is not None:
+    def consider_relay(self) -> None:
+        """Move to a relay when the tracker still cannot reach this node :data:`AUTO_RELAY_AFTER_S`
+        after the node's own listener answered (an earlier verdict may predate the listener)."""
+        if self._considering is None or self._considering.done():
+            self._considering = asyncio.create_task(self._consider_relay())
+
+    async def _consider_relay(self) -> None:
+        loop = asyncio.get_running_loop()
+        if not await self._listening():
+            self._listening_since = None
             return
+        if self._listening_since is None:
+            self._listening_since = loop.time()
+            self.wake_soon(AUTO_RELAY_AFTER_S + 0.1)  # a verdict from a probe made after it listens
+            return
+        if loop.time() - self._listening_since < AUTO_RELAY_AFTER_S or self.tunnel is not None:
+            return
+        log.warning("the tracker cannot reach this node at %s although it listens: serving through a relay "
+                    "instead", self.endpoint)
+        await self.switch_to_relay()
+
+    async def _listening(self) -> bool:
+        """Whether this node's own listener answers ``GET /v1/health`` on ``local_url``."""
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as http:
+                return (await http.get(f"{self.settings.local_url}/v1/health")).status_code < 500
+        except httpx.HTTPError:
+            return False
+
+    def _new_tunnel(self) -> NodeTunnel:
+        """The relay tunnel (to ``--relay-url``, else the tracker), not dialling yet: its endpoint is
+        known before the first attach, so the node can register it first (an attach needs a node id
+        the relay knows)."""
         relay_url = self.settings.relay_url or self.settings.tracker_url
-        self.tunnel = NodeTunnel(relay_url, self.settings.node_id, self.key, self.settings.local_url,
-                                 on_attached=self._tunnel_attached)
-        self._tunnel_task = asyncio.create_task(self.tunnel.run())
+        return NodeTunnel(relay_url, self.settings.node_id, self.key, self.settings.local_url,
+                          on_attached=self._tunnel_attached)
+
+    async def start_tunnel(self, attach_wait_s: float = 10.0) -> None:
+        """Dial the tunnel (made by :meth:`_new_tunnel` when none is) and wait up to ``attach_wait_s``
+        for the first attach; the node goes on either way (the tunnel keeps dialling)."""
+        if self.tunnel is None:
+            self.tunnel = self._new_tunnel()
+        if self._tunnel_task is None:
+            self._tunnel_task = asyncio.create_task(self.tunnel.run())
         try:
             await asyncio.wait_for(self.tunnel.attached.wait(), timeout=attach_wait_s)
         except asyncio.TimeoutError:
-            log.warning("no tunnel to %s within %.0f s (%s); still trying", relay_url, attach_wait_s,
+            log.warning("no tunnel to %s within %.0f s (%s); still trying", self.tunnel.relay_url, attach_wait_s,
                         self.tunnel.last_error)
 
     async def switch_to_relay(self) -> None:
         """The tracker cannot reach this node: attach a tunnel, then register the relayed endpoint."""
-        await self.use_relay()
+        await self.start_tunnel()
         self.reachable, self._probed_again = None, False
         try:
             self.note_registered(await self.client.register(self.registration()))
@@ -288,11 +333,12 @@ class TrackerAgent:
             self.wake.set()
 
     async def close(self) -> None:
-        """Stop the relay tunnel (the app's lifespan ends)."""
-        if self._tunnel_task is not None:
-            self._tunnel_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._tunnel_task
+        """Stop the relay tunnel and a pending relay check (the app's lifespan ends)."""
+        for task in (self._tunnel_task, self._considering):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     def wake_soon(self, delay_s: float) -> None:
         """Heartbeat early, in ``delay_s`` seconds (to learn the tracker's next verdict sooner)."""
