@@ -78,10 +78,10 @@ NODE_APP = Starlette(routes=[Route("/v1/forward", echo, methods=["POST"]), Route
 # ---- servers ------------------------------------------------------------------------------
 
 @contextlib.asynccontextmanager
-async def serving(app):
+async def serving(app, lifespan: str = "off"):
     """``app`` under uvicorn on 127.0.0.1:<free port> in this event loop; yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan))
     task = asyncio.create_task(server.serve())
     for _ in range(200):
         if server.started:
