@@ -33,11 +33,11 @@ async def wait_until(check, timeout_s: float = 10.0):
 
 
 @contextlib.asynccontextmanager
-async def tracker_with_relayed_node(register: bool = True):
+async def tracker_with_relayed_node(register: bool = True, backoff: Backoff | None = None):
     app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", probe_interval_s=0.2, probe_timeout_s=2.0))
     async with serving(NODE_APP) as local, serving(app, lifespan="on") as tracker, \
             httpx.AsyncClient(base_url=tracker, auth=SignAsNodes(), timeout=10) as http:
-        tunnel = NodeTunnel(tracker, NODE, node_key(NODE), local, backoff=Backoff(0.05, 0.2))
+        tunnel = NodeTunnel(tracker, NODE, node_key(NODE), local, backoff=backoff or Backoff(0.05, 0.2))
         if register:
             shard = {"model": MODEL, "shard_start": 0, "shard_end": 3, "num_layers": 4, "tier": "pinned",
                      "entry": True, "report": capability_report(MODEL, 0, 3)}
@@ -74,18 +74,20 @@ async def test_a_registered_node_attaches_and_is_admitted_and_routed_through_the
 
 
 async def test_a_closed_tunnel_makes_the_node_unreachable_until_it_attaches_again():
-    async with tracker_with_relayed_node() as (tracker, http, tunnel, app):
+    async with tracker_with_relayed_node(backoff=Backoff(1.5, 1.5)) as (tracker, http, tunnel, app):
         await asyncio.wait_for(tunnel.attached.wait(), 10)
 
         async def reachable(value: bool):
             nodes = (await http.get("/v1/nodes")).json()["nodes"]
-            return nodes[0]["reachable"] is value
+            return nodes[0]["reachable"] is value and nodes[0]
 
         await wait_until(lambda: reachable(True))
-        tunnel_conn = tunnel._conn
-        await tunnel_conn.close()  # the node's side drops; it dials again within 0.2 s
+        await tunnel._conn.close()  # the tunnel drops; the node dials again after 0.75-1.5 s
+        down = await wait_until(lambda: reachable(False), 1.0)
+        assert down["reach_error"] == "its relay tunnel closed (the node dials again by itself)"
+        assert (await http.get("/v1/route", params={"model": MODEL})).status_code == 503
         await wait_until(lambda: asyncio.sleep(0, tunnel.attaches >= 2 and tunnel.attached.is_set()))
-        await wait_until(lambda: reachable(True))
+        await wait_until(lambda: reachable(True), 3.0)  # probed at once on attach
         assert tunnel.attaches == 2
 
 
