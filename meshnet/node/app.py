@@ -44,7 +44,7 @@ from starlette.routing import Route
 
 from meshnet import wire
 from meshnet.drain import Drain, DrainMiddleware
-from meshnet.errors import Forbidden, InvalidRequest, MeshnetError, NotFound
+from meshnet.errors import Forbidden, InvalidRequest, MeshnetError, NotFound, Unauthorized
 from meshnet.gateway import openai_api
 from meshnet.protocol.http import BodyLimit, http_error
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
@@ -168,7 +168,23 @@ def check_release(node: NodeContext, request: Request, session: str) -> None:
     if signer != claims.entry:
         raise Forbidden(f"only the session's entry node {claims.entry} may release it, not {signer}",
                         code="not_your_session")
-    verify_request(decode_public_key(claims.entry_key), request.headers, request.method, request.url.path, b"")
+    key = decode_public_key(claims.entry_key)
+    try:
+        verify_request(key, request.headers, request.method, request.url.path, b"")
+    except Unauthorized:
+        prefix = advertised_path(node)
+        if not prefix:
+            raise
+        # the entry signed the path it called: through a relay, the relayed endpoint's path comes first
+        verify_request(key, request.headers, request.method, prefix + request.url.path, b"")
+
+
+def advertised_path(node: NodeContext) -> str:
+    """The path part of the endpoint this node advertises ("" for ``http://host:port``): a relayed
+    node's ``/v1/relay/{node_id}`` (ADR-0045), or a reverse proxy's prefix given in ``--public-url``."""
+    agent = node.agent
+    endpoint = getattr(agent, "endpoint", None) or node.settings.endpoint
+    return httpx.URL(endpoint).path.rstrip("/")
 
 
 async def release_session(request: Request) -> JSONResponse:

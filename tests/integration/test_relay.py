@@ -62,6 +62,12 @@ def wait_middle(mesh: Mesh, node_id: str, timeout_s: float) -> dict:
     return mesh.wait(check, timeout_s, f"layers 10-19 routed to {node_id}")
 
 
+def wait_released(mesh: Mesh, endpoint: str) -> None:
+    """The entry's signed release reached the relayed node through the tunnel: it holds no session."""
+    mesh.wait(lambda: httpx.get(f"{endpoint}/v1/health", timeout=5).json()["sessions"] == 0, 15,
+              "the relayed node to release its session")
+
+
 def chat_until_served(mesh: Mesh, timeout_s: float) -> tuple[dict, float]:
     """Send the chat again and again until one answers 200 (each bounded); returns it and the seconds taken."""
     t0 = time.monotonic()
@@ -180,6 +186,7 @@ def test_unreachable_node_in_a_namespace_serves_through_the_relay_and_heals(real
         tokens = relayed["meshnet"]["completion_token_ids"]
         assert len(tokens) == MAX_TOKENS
         assert tokens == direct
+        wait_released(mesh, middle(relayed)["endpoint"])
 
         netns.link(up=False)  # cut: the tunnel's keepalive goes unanswered, the node dials again and again
         mesh.wait(lambda: "dialling again" in (tmp_path / "node-1.log").read_text(), 30, "node-1 to see its tunnel down")
@@ -211,6 +218,7 @@ def test_relay_on_loopback(real_model_path, tmp_path):
         assert middle(relayed)["endpoint"] == f"{mesh.url}/v1/relay/node-1"
         assert len(tokens) == MAX_TOKENS
         assert tokens == direct
+        wait_released(mesh, middle(relayed)["endpoint"])
 
         # the relay (the tracker) dies and comes back: the node dials its tunnel again and
         # re-registers on its own, as do the others
