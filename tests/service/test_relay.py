@@ -228,3 +228,44 @@ async def test_only_the_node_itself_may_attach():
             async with connect(url, additional_headers=good, proxy=None):
                 pass
         assert replayed.value.response.status_code == 401
+
+
+async def test_a_node_offering_relay_carries_another_nodes_traffic():
+    """``--offer-relay``: the node app mounts a hub that checks attaches against the tracker's key binding."""
+    from types import SimpleNamespace
+
+    from meshnet.node.app import build_app
+    from meshnet.node.settings import NodeSettings
+
+    asked = []
+
+    async def node_key_of(node_id: str) -> str | None:
+        asked.append(node_id)
+        return public_key(node_id) if node_id == NODE else None
+
+    relay_node = build_app(NodeSettings(node_id="n-relay", port=1, tracker_url="http://tracker.invalid",
+                                        offer_relay=True), start_agent=False)
+    async with serving(NODE_APP) as local, serving(relay_node, lifespan="on") as relay, \
+            httpx.AsyncClient(timeout=10) as http:
+        relay_node.state.node.agent = SimpleNamespace(client=SimpleNamespace(node_key=node_key_of))
+        tunnel = NodeTunnel(relay, NODE, node_key(NODE), local, backoff=Backoff(0.05, 0.2))
+        task = asyncio.create_task(tunnel.run())
+        try:
+            await asyncio.wait_for(tunnel.attached.wait(), timeout=10)
+            resp = await http.post(f"{relay}/v1/relay/{NODE}/v1/forward", content=b"abc")
+            assert resp.content == b"cba"
+            assert asked == [NODE]
+            stranger = NodeTunnel(relay, "n-stranger", node_key("n-stranger"), local, backoff=Backoff(5, 5))
+            stranger_task = asyncio.create_task(stranger.run())
+            for _ in range(100):
+                if stranger.last_error:
+                    break
+                await asyncio.sleep(0.02)
+            stranger_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stranger_task
+            assert "HTTP 404" in stranger.last_error and "unknown_node" in stranger.last_error
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
