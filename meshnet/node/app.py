@@ -326,17 +326,20 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
             if settings.tracker_url and start_agent:
                 from meshnet.node.agent import TrackerAgent
                 node.agent = TrackerAgent(node)
-                await node.agent.start()
+                try:
+                    await node.agent.start()
+                except BaseException:
+                    await node.agent.close()  # its relay tunnel, if it opened one
+                    raise
                 drain.announce, drain.leave = node.agent.announce_drain, node.agent.leave
                 agent_task = asyncio.create_task(node.agent.run())
             try:
                 yield
             finally:
-                if agent_task is not None:
+                if agent_task is not None:  # the agent this lifespan started (tests may set their own)
                     agent_task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await agent_task
-                if node.agent is not None:
                     await node.agent.close()
 
     routes = [Route("/v1/forward", forward, methods=["POST"]),
