@@ -3,7 +3,7 @@
 Routes:
     POST   /v1/forward              activation frame in, activation frame out (headers below)
     DELETE /v1/sessions/{id}        release a session's KV caches
-    GET    /v1/health               liveness: node id, shard slots, sessions, cache bytes left, draining
+    GET    /v1/health               liveness: node id, endpoint, relay tunnel, shard slots, sessions, cache bytes left, draining
     GET    /v1/ready                readiness: 200 {"ready": true} or 503 {"ready": false, "reasons"} (ADR-0032)
     POST   /v1/doctor               run doctor on the loaded shards, return capability reports
     GET    /v1/models, POST /v1/chat/completions   OpenAI surface (entry nodes)
@@ -200,8 +200,11 @@ async def release_session(request: Request) -> JSONResponse:
 async def health(request: Request) -> JSONResponse:
     node = _state(request)
     rt = node.runtime
+    tunnel = getattr(node.agent, "tunnel", None)
+    relay = None if tunnel is None else {"url": tunnel.relay_url, "attached": tunnel.attached.is_set(),
+                                         "attaches": tunnel.attaches, "rtt_s": round(tunnel.rtt_s, 6)}
     return JSONResponse({"status": "ok", "draining": node.drain.draining, "node_id": node.settings.node_id,
-                         "endpoint": node.settings.endpoint,
+                         "endpoint": getattr(node.agent, "endpoint", None) or node.settings.endpoint, "relay": relay,
                          "shards": [s.model_dump(exclude={"report"}) for s in rt.describe()], "slots_total": rt.max_loaded_shards,
                          "sessions": len(rt.sessions), "cache_bytes_left": rt.sessions.bytes_left,
                          "session_cache_bytes": rt.sessions.max_bytes, "session_ttl_s": rt.sessions.ttl_s,
@@ -248,7 +251,8 @@ def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | Non
                                     hop_connect_timeout_s=node.settings.hop_connect_timeout_s,
                                     pipelined=True if pipelined is None else pipelined)
     entry = LocalEntry(node.runtime, slot, wire_dtype=node.settings.wire_dtype, metrics=node.metrics)
-    return slot.model, Orchestrator(entry, node_id=node.settings.node_id, endpoint=node.settings.endpoint,
+    advertised = getattr(agent, "endpoint", None) or node.settings.endpoint  # relayed: the relay's URL (ADR-0045)
+    return slot.model, Orchestrator(entry, node_id=node.settings.node_id, endpoint=advertised,
                                     client=node.http, routes=routes, report=report, settings=settings,
                                     observer=node.metrics, release_auth=getattr(agent, "signer", None))
 

@@ -230,5 +230,39 @@ def test_relay_on_loopback(real_model_path, tmp_path):
         assert took_s <= HEAL_S, f"took {took_s:.1f} s"
         assert middle(healed)["endpoint"] == f"{mesh.url}/v1/relay/node-1"
         assert healed["meshnet"]["completion_token_ids"] == tokens
+        health = httpx.get(f"{mesh.url}/v1/relay/node-1/v1/health", timeout=10).json()
+        assert health["endpoint"] == f"{mesh.url}/v1/relay/node-1"
+        assert health["relay"]["url"] == mesh.url and health["relay"]["attached"] is True
+        assert health["relay"]["attaches"] == 2
+    finally:
+        mesh.stop()
+
+
+def test_a_node_whose_public_url_nobody_can_reach_moves_to_the_relay_by_itself(tmp_path, monkeypatch):
+    """Auto relay on loopback (tiny seeded model): the advertised URL takes no connection, the node
+    listens all the same, so after the tracker still cannot reach it the node attaches a tunnel,
+    registers its relayed endpoint and is routed; the chat answers as through a direct node."""
+    monkeypatch.setenv("MESHNET_CACHE", str(tmp_path / "cache"))
+    tiny, ask = "tiny-llama", [{"role": "user", "content": "hello"}]
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    mesh = Mesh(tmp_path)
+    try:
+        mesh.start_tracker(tiny)
+        mesh.start_node("seen", "--model", tiny, "--shard-start", "0", "--shard-end", "3", *FLOAT32)
+        mesh.wait_routable(tiny, 60)
+        direct = mesh.chat(tiny, ask, max_tokens=6).json()["meshnet"]["completion_token_ids"]
+        mesh.kill("seen")
+        mesh.start_node("hidden", "--model", tiny, "--shard-start", "0", "--shard-end", "3", "--public-url", dead,
+                        *FLOAT32)
+        node = mesh.wait(lambda: (n := {x["node_id"]: x for x in mesh.get("/v1/nodes")["nodes"]}.get("hidden"))
+                         and n["reachable"] and n, 60, "hidden reachable through the relay")
+        assert node["endpoint"] == f"{mesh.url}/v1/relay/hidden"
+        mesh.wait(lambda: mesh.get(f"/v1/coverage/{tiny}")["routable"], 30, "routable again")
+        resp = mesh.chat(tiny, ask, max_tokens=6)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["meshnet"]["route"][0]["endpoint"] == f"{mesh.url}/v1/relay/hidden"
+        assert resp.json()["meshnet"]["completion_token_ids"] == direct
+        log = (tmp_path / "hidden.log").read_text()
+        assert f"the tracker cannot reach this node at {dead} although it listens: serving through a relay" in log
     finally:
         mesh.stop()
