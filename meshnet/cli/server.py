@@ -18,6 +18,7 @@ import logging
 import uvicorn
 
 from meshnet.drain import Drain
+from meshnet.relay.frames import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -84,5 +85,6 @@ def serve(app, host: str, port: int, drain: Drain | None = None) -> None:
     Blocks. Returns after the server has shut down.
     """
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=AFTER_DRAIN_S,
-                            ws_ping_interval=WS_PING_INTERVAL_S, ws_ping_timeout=WS_PING_TIMEOUT_S)
+                            ws_ping_interval=WS_PING_INTERVAL_S, ws_ping_timeout=WS_PING_TIMEOUT_S,
+                            ws_max_size=MAX_FRAME_BYTES)  # a relay tunnel's largest message (ADR-0045)
     DrainingServer(config, drain).run()

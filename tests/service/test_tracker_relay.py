@@ -71,6 +71,7 @@ async def test_a_registered_node_attaches_and_is_admitted_and_routed_through_the
         # the relay leg counts in the route cost: the node's measured 0.01 s (over the floor)
         [candidate] = app.state.service.candidates(MODEL, 4)
         assert candidate.latency_s == 0.01 > RELAY_LATENCY_FLOOR_S
+        assert "meshnet_relayed_nodes 1.0" in (await http.get("/metrics")).text
 
 
 async def test_a_closed_tunnel_makes_the_node_unreachable_until_it_attaches_again():
