@@ -291,7 +291,7 @@ class TrackerAgent:
     async def _listening(self) -> bool:
         """Whether this node's own listener answers ``GET /v1/health`` on ``local_url``."""
         try:
-            async with httpx.AsyncClient(timeout=2.0) as http:
+            async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
                 return (await http.get(f"{self.settings.local_url}/v1/health")).status_code < 500
         except httpx.HTTPError:
             return False

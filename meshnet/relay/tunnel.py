@@ -86,7 +86,8 @@ class NodeTunnel:
     async def run(self) -> None:
         """Attach, serve, and attach again whenever the tunnel drops (until cancelled)."""
         path = TUNNEL_PATH.format(node_id=self.node_id)
-        async with httpx.AsyncClient(base_url=self.local_url, timeout=self.local_timeout_s) as local:
+        # the node's own listener: never through a proxy from the environment
+        async with httpx.AsyncClient(base_url=self.local_url, timeout=self.local_timeout_s, trust_env=False) as local:
             while True:
                 try:
                     headers = sign_request(self.key, self.node_id, "GET", path, b"")
