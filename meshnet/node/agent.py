@@ -113,7 +113,10 @@ class TrackerAgent:
                                relay_rtt_s=0.0 if self.tunnel is None else round(self.tunnel.rtt_s, 6))
 
     def stats(self) -> NodeStats:
-        return self.node.metrics.heartbeat_stats(self.node.runtime, rss_bytes=hardware.rss_bytes())
+        stats = self.node.metrics.heartbeat_stats(self.node.runtime, rss_bytes=hardware.rss_bytes())
+        if self.tunnel is not None:  # the relay leg each hop through this node pays (route cost, ADR-0045)
+            stats = stats.model_copy(update={"relay_rtt_s": round(min(self.tunnel.rtt_s, 60.0), 6)})
+        return stats
 
     # ---- lifecycle --------------------------------------------------------------------
 

@@ -67,7 +67,8 @@ class NodeRecord:
     interval_s: float = 0.0
     #: the relay the node's endpoint goes through (ADR-0045), None when reached directly
     relay_url: str | None = None
-    #: the relay tunnel's round trip the node measured, seconds (added to each of its hops' cost)
+    #: the relay tunnel's round trip the node measured at registration, seconds (added to each of its
+    #: hops' cost; the latest heartbeat's ``stats.relay_rtt_s`` supersedes it once measured)
     relay_rtt_s: float = 0.0
 
     @property

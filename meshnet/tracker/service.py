@@ -492,7 +492,8 @@ class TrackerService:
                 continue
             age = None if node.last_failure_s is None else now - node.last_failure_s
             out.append(routing.ShardCandidate(node.node_id, node.endpoint, shard.layers, node.tokens_per_s(shard),
-                                              routing.relay_latency_s(node.relay_url, node.relay_rtt_s),
+                                              routing.relay_latency_s(node.relay_url,
+                                                                      node.stats.relay_rtt_s or node.relay_rtt_s),
                                               node.stats.sessions, age))
         return out
 

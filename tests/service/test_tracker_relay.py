@@ -32,6 +32,11 @@ async def wait_until(check, timeout_s: float = 10.0):
     raise AssertionError("condition not met in time")
 
 
+def shard() -> dict:
+    return {"model": MODEL, "shard_start": 0, "shard_end": 3, "num_layers": 4, "tier": "pinned", "entry": True,
+            "report": capability_report(MODEL, 0, 3)}
+
+
 @contextlib.asynccontextmanager
 async def tracker_with_relayed_node(register: bool = True, backoff: Backoff | None = None):
     app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", probe_interval_s=0.2, probe_timeout_s=2.0))
@@ -39,9 +44,7 @@ async def tracker_with_relayed_node(register: bool = True, backoff: Backoff | No
             httpx.AsyncClient(base_url=tracker, auth=SignAsNodes(), timeout=10) as http:
         tunnel = NodeTunnel(tracker, NODE, node_key(NODE), local, backoff=backoff or Backoff(0.05, 0.2))
         if register:
-            shard = {"model": MODEL, "shard_start": 0, "shard_end": 3, "num_layers": 4, "tier": "pinned",
-                     "entry": True, "report": capability_report(MODEL, 0, 3)}
-            body = registration(NODE, tunnel.endpoint, shards=[shard], relay_url=tracker, relay_rtt_s=0.01)
+            body = registration(NODE, tunnel.endpoint, shards=[shard()], relay_url=tracker, relay_rtt_s=0.01)
             resp = await http.post("/v1/nodes/register", json=body)
             assert resp.status_code == 200, resp.text
             assert resp.json()["reachable"] is False  # not attached yet: the relay answers 404 for it
@@ -72,6 +75,10 @@ async def test_a_registered_node_attaches_and_is_admitted_and_routed_through_the
         [candidate] = app.state.service.candidates(MODEL, 4)
         assert candidate.latency_s == 0.01 > RELAY_LATENCY_FLOOR_S
         assert "meshnet_relayed_nodes 1.0" in (await http.get("/metrics")).text
+        beat = await http.post(f"/v1/nodes/{NODE}/heartbeat", json={"shards": [shard()], "stats": {"relay_rtt_s": 0.02}})
+        assert beat.status_code == 200, beat.text
+        [candidate] = app.state.service.candidates(MODEL, 4)
+        assert candidate.latency_s == 0.02  # the latest measured round trip counts
 
 
 async def test_a_closed_tunnel_makes_the_node_unreachable_until_it_attaches_again():
