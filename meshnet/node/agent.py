@@ -42,6 +42,9 @@ REFUSALS = (400, 401, 403, 409, 422, 426)
 #: an unreachable node moves to a relay when the tracker still cannot reach it this long after the
 #: node's own listener answered: longer than a probe's timeout plus its retry interval, seconds
 AUTO_RELAY_AFTER_S = 5.0
+#: a node relayed through another node (``--relay-url``) whose tunnel stays down this long moves
+#: to the tracker's relay, seconds
+RELAY_FALLBACK_S = 30.0
 
 
 class TrackerAgent:
@@ -185,6 +188,8 @@ class TrackerAgent:
     async def heartbeat(self) -> None:
         if self.leaving:
             return
+        if self.relay_lost():
+            await self.fall_back_to_tracker_relay()
         updates, self.updates = self.updates, []
         payload = HeartbeatRequest(shards=self.shards_payload(), stats=self.stats(), directive_updates=updates)
         try:
@@ -299,11 +304,11 @@ class TrackerAgent:
         except httpx.HTTPError:
             return False
 
-    def _new_tunnel(self) -> NodeTunnel:
-        """The relay tunnel (to ``--relay-url``, else the tracker), not dialling yet: its endpoint is
-        known before the first attach, so the node can register it first (an attach needs a node id
-        the relay knows)."""
-        relay_url = self.settings.relay_url or self.settings.tracker_url
+    def _new_tunnel(self, relay_url: str | None = None) -> NodeTunnel:
+        """The relay tunnel (to ``relay_url``, else ``--relay-url``, else the tracker), not dialling
+        yet: its endpoint is known before the first attach, so the node can register it first (an
+        attach needs a node id the relay knows)."""
+        relay_url = relay_url or self.settings.relay_url or self.settings.tracker_url
         return NodeTunnel(relay_url, self.settings.node_id, self.key, self.settings.local_url,
                           on_attached=self._tunnel_attached)
 
@@ -319,6 +324,24 @@ class TrackerAgent:
         except asyncio.TimeoutError:
             log.warning("no tunnel to %s within %.0f s (%s); still trying", self.tunnel.relay_url, attach_wait_s,
                         self.tunnel.last_error)
+
+    def relay_lost(self) -> bool:
+        """Whether this node's relay is another node whose tunnel has been down :data:`RELAY_FALLBACK_S`."""
+        tunnel, tracker = self.tunnel, (self.settings.tracker_url or "").rstrip("/")
+        return (tunnel is not None and bool(tracker) and tunnel.relay_url != tracker
+                and tunnel.down_for_s() >= RELAY_FALLBACK_S)
+
+    async def fall_back_to_tracker_relay(self) -> None:
+        """The node relaying this one is gone: attach to the tracker's relay and register that endpoint."""
+        old = self.tunnel
+        log.warning("relay %s unreachable for %.0f s (%s): moving to the tracker's relay", old.relay_url,
+                    old.down_for_s(), old.last_error)
+        if self._tunnel_task is not None:
+            self._tunnel_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tunnel_task
+        self.tunnel, self._tunnel_task = self._new_tunnel(self.settings.tracker_url), None
+        await self.switch_to_relay()
 
     async def switch_to_relay(self) -> None:
         """The tracker cannot reach this node: attach a tunnel, then register the relayed endpoint."""

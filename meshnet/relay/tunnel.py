@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import httpx
@@ -72,6 +73,7 @@ class NodeTunnel:
         self.local_timeout_s = local_timeout_s
         self.attached = asyncio.Event()
         self.attaches = 0
+        self._down_since: float | None = time.monotonic()  # not attached since (None: attached)
         self.last_error: str | None = None
         self._conn: ClientConnection | None = None
         self._send_lock = asyncio.Lock()
@@ -82,6 +84,11 @@ class NodeTunnel:
     def rtt_s(self) -> float:
         conn = self._conn
         return float(conn.latency) if conn is not None and self.attached.is_set() else 0.0
+
+    def down_for_s(self) -> float:
+        """Seconds since the tunnel was last attached (since it was made, before the first attach;
+        0.0 while attached)."""
+        return 0.0 if self._down_since is None else time.monotonic() - self._down_since
 
     async def run(self) -> None:
         """Attach, serve, and attach again whenever the tunnel drops (until cancelled)."""
@@ -97,6 +104,7 @@ class NodeTunnel:
                         self._conn = conn
                         self.attaches += 1
                         self.attached.set()
+                        self._down_since = None
                         self.backoff.reset()
                         self.last_error = None
                         log.info("tunnel to %s attached; this node is reachable at %s", self.relay_url, self.endpoint)
@@ -118,6 +126,8 @@ class NodeTunnel:
                 await asyncio.sleep(delay)
 
     def _drop_all(self) -> None:
+        if self.attached.is_set() or self._down_since is None:
+            self._down_since = time.monotonic()
         self.attached.clear()
         self._conn = None
         for task in list(self._tasks):

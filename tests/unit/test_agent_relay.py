@@ -72,3 +72,27 @@ async def test_no_auto_relay_keeps_the_node_unadmitted():
     await verdicts(agent, 4, 0.06)
     assert switched == [] and agent._considering is None
     assert agent.reachable is False
+
+
+async def test_a_node_whose_relay_node_is_gone_moves_to_the_trackers_relay(monkeypatch):
+    """--relay-url names another node; its tunnel stays down past RELAY_FALLBACK_S: the agent attaches
+    to the tracker's relay instead and registers that endpoint (no operator)."""
+    monkeypatch.setattr(agent_module, "RELAY_FALLBACK_S", 0.05)
+    agent, _ = make_agent(listening=True)
+    agent.settings = SimpleNamespace(tracker_url="http://tracker:8700", relay_url="http://relay-node:8821",
+                                     node_id="n1", endpoint="http://10.0.0.2:8821", auto_relay=True, local_url="")
+    agent.key = None
+    agent._tunnel_task = None
+    agent.tunnel = agent._new_tunnel()
+    assert agent.tunnel.relay_url == "http://relay-node:8821" and not agent.relay_lost()
+    moved = []
+
+    async def switch() -> None:
+        moved.append(agent.tunnel.endpoint)
+
+    agent.switch_to_relay = switch
+    await asyncio.sleep(0.06)
+    assert agent.relay_lost()
+    await agent.fall_back_to_tracker_relay()
+    assert moved == ["http://tracker:8700/v1/relay/n1"]
+    assert not agent.relay_lost()  # the tracker is the relay now: nothing further to fall back to
