@@ -124,9 +124,10 @@ class TrackerAgent:
     # ---- lifecycle --------------------------------------------------------------------
 
     async def start(self, attempts: int = 60) -> None:
-        """Load the configured shard, attach the relay tunnel with ``--relay``, then register
-        (up to ``attempts`` tries, a jittered back-off of at most 5 s between them, while the
-        tracker is unreachable or busy).
+        """Load the configured shard, then register (up to ``attempts`` tries, a jittered back-off
+        of at most 5 s between them, while the tracker is unreachable or busy). With ``--relay`` the
+        registration names the relayed endpoint and the tunnel attaches right after it (a relay
+        admits only a node id it knows), waiting up to 10 s for the first attach.
 
         Raises:
             MeshnetError: a refusal that retrying cannot change (401 join token or signature, 403,
