@@ -368,7 +368,8 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
 def _offer_relay(app: Starlette) -> None:
     """Relay other nodes' traffic here (``--offer-relay``, ADR-0045): a node attaches for its own id
     only, signed with the key the tracker has bound to it."""
-    from meshnet.relay.hub import DEFAULT_RELAY_BODY_BYTES, KeyedAuthorize, RelayHub
+    from meshnet.relay.auth import KeyedAuthorize
+    from meshnet.relay.hub import DEFAULT_RELAY_BODY_BYTES, RelayHub
 
     async def key_of(node_id: str) -> str | None:
         agent = app.state.node.agent

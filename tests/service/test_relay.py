@@ -22,7 +22,8 @@ from websockets.exceptions import InvalidStatus
 from meshnet.endpoints import free_port
 from meshnet.protocol.signing import sign_request
 from meshnet.relay.backoff import Backoff
-from meshnet.relay.hub import KeyedAuthorize, RelayHub
+from meshnet.relay.auth import KeyedAuthorize
+from meshnet.relay.hub import RelayHub
 from meshnet.relay.tunnel import NodeTunnel
 from tests.payloads import node_key, public_key
 
