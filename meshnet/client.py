@@ -247,6 +247,20 @@ class TrackerClient(_Base):
                                hint="tracker and node versions may differ")
         return route
 
+    async def node_key(self, node_id: str) -> str | None:
+        """The public key bound to ``node_id`` (base64url), None when the tracker knows no such id.
+
+        Raises:
+            MeshnetError: the tracker is unreachable or answers another error.
+        """
+        try:
+            body = await self._call("GET", f"/v1/nodes/{node_id}/key", "node key")
+        except MeshnetError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return str(body["public_key"])
+
     async def nodes(self) -> list[dict]:
         """Every node's view (validated against :class:`meshnet.protocol.views.NodeView`)."""
         body = await self._call("GET", "/v1/nodes", "list nodes")

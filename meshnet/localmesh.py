@@ -59,10 +59,13 @@ class LocalMesh:
 
     # ---- processes --------------------------------------------------------------------
 
-    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start ``meshnet <args>`` as child ``name`` (its output goes to ``<log_dir>/<name>.log``)."""
-        with open(self.log_dir / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli.main", *args], stdout=log,
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
+              prefix: list[str] | None = None) -> subprocess.Popen:
+        """Start ``meshnet <args>`` as child ``name`` (its output goes to ``<log_dir>/<name>.log``).
+        ``prefix`` runs it under a command that execs it in place, keeping the PID (e.g.
+        ``["ip", "netns", "exec", "ns1"]`` to start it in a network namespace)."""
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "meshnet.cli.main", *args], stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=self.detach,
                                     env={**os.environ, "MESHNET_LOG_LEVEL": "INFO", **self.env, **(env or {})})
         self.procs[name] = proc
@@ -92,16 +95,17 @@ class LocalMesh:
         self.wait(lambda: httpx.get(f"{url}/v1/health", timeout=1).status_code == 200, wait_s, f"{name} up")
         return url
 
-    def start_node(self, name: str, *args: str, threads: int = 1, env: dict[str, str] | None = None) -> None:
+    def start_node(self, name: str, *args: str, threads: int = 1, env: dict[str, str] | None = None,
+                   prefix: list[str] | None = None) -> None:
         """Start node ``name`` (its ``--node-id``) joining this mesh's trackers (all of them, the
         first one first); ``args`` as for ``meshnet node start`` (for example ``--model M
-        --shard-start 0 --shard-end 9``)."""
+        --shard-start 0 --shard-end 9``); ``prefix`` as for :meth:`spawn`."""
         state = ["--state-dir", str(self.state_dir / name)] if self.state_dir is not None else []
         token = {"MESHNET_JOIN_TOKEN": self.join_token} if self.join_token else {}
         trackers = [arg for url in (self.trackers.values() or [self.url]) for arg in ("--tracker", url)]
         self.spawn(name, ["node", "start", *trackers, "--node-id", name, *state,
                           "--heartbeat-interval", str(self.heartbeat_s), "--threads", str(threads), *args],
-                   {**token, **(env or {})})
+                   {**token, **(env or {})}, prefix)
 
     def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 10.0) -> int:
         """Send ``sig`` to child ``name``, wait for it to exit and forget it; returns its exit code."""

@@ -18,11 +18,16 @@ import logging
 import uvicorn
 
 from meshnet.drain import Drain
+from meshnet.relay.frames import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 
 #: what uvicorn still gives open connections once the drain is over (health polls, idle hops), s
 AFTER_DRAIN_S = 3.0
+#: keepalive pings on served WebSockets (relay tunnels, hop streams): a peer silent for about
+#: interval + timeout is dropped, so a relay forgets a tunnel whose network vanished (ADR-0045), s
+WS_PING_INTERVAL_S = 5.0
+WS_PING_TIMEOUT_S = 5.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -79,5 +84,7 @@ def serve(app, host: str, port: int, drain: Drain | None = None) -> None:
 
     Blocks. Returns after the server has shut down.
     """
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=AFTER_DRAIN_S)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=AFTER_DRAIN_S,
+                            ws_ping_interval=WS_PING_INTERVAL_S, ws_ping_timeout=WS_PING_TIMEOUT_S,
+                            ws_max_size=MAX_FRAME_BYTES)  # a relay tunnel's largest message (ADR-0045)
     DrainingServer(config, drain).run()

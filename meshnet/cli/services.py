@@ -229,9 +229,21 @@ def node_start(
                                                   help="Seconds to connect to a hop before failing over."),
         wallet: str = typer.Option("", "--wallet", envvar="MESHNET_WALLET", help="Wallet reported to the tracker."),
         drain_grace: float = DrainOpt,
+        relay: bool = typer.Option(False, "--relay", envvar="MESHNET_RELAY",
+                                   help="Serve only through a relay (behind NAT or a firewall): keep one outbound "
+                                        "tunnel to --relay-url (default: the tracker)."),
+        relay_url: str = typer.Option(None, "--relay-url", envvar="MESHNET_RELAY_URL",
+                                      help="Relay to attach to: the tracker (default) or a node started with "
+                                           "--offer-relay."),
+        no_auto_relay: bool = typer.Option(False, "--no-auto-relay",
+                                           help="When the tracker cannot reach this node, stay unadmitted instead "
+                                                "of serving through a relay."),
+        offer_relay: bool = typer.Option(False, "--offer-relay",
+                                         help="Relay other (unreachable) nodes' traffic through this node."),
         log_level: str = LogOpt) -> None:
     """Start a node. With --model and --shard-start/--shard-end it serves that shard (pinned); with
-    --model alone it asks the tracker which range to take; with neither it waits for directives."""
+    --model alone it asks the tracker which range to take; with neither it waits for directives.
+    A node the tracker cannot reach serves through a relay (ADR-0045)."""
     from meshnet.layers import LayerRange
     from meshnet.node.settings import NodeSettings, new_node_id
 
@@ -240,12 +252,16 @@ def node_start(
         fail(MeshnetError("--shard-start and --shard-end go together"))
     if shard_start is not None and shard_end < shard_start:
         fail(MeshnetError("--shard-end must be >= --shard-start"))
+    if (relay or relay_url or offer_relay) and not tracker:
+        fail(MeshnetError("--relay, --relay-url and --offer-relay need --tracker",
+                          hint="a relayed node registers its relayed endpoint with a tracker"))
     if model and shard_start is None and not tracker:
         fail(MeshnetError("--model without a shard needs --tracker to ask for a range",
                           hint="pass --shard-start/--shard-end, or --tracker URL"))
     try:
         public_url = None if public_url is None else check_endpoint(public_url)
         tracker = ",".join(check_endpoints(tracker)) if tracker else None
+        relay_url = None if relay_url is None else check_endpoint(relay_url)
         port = port or free_port(host)
     except MeshnetError as exc:
         fail(exc)
@@ -269,7 +285,8 @@ def node_start(
                             accepts_placement=not no_placement, torch_threads=threads,
                             session_cache_bytes=session_cache_mb * 1024 * 1024, session_ttl_s=session_ttl,
                             hop_timeout_s=hop_timeout, hop_connect_timeout_s=hop_connect_timeout, wallet=wallet,
-                            drain_grace_s=drain_grace, **_body_limit(max_body_bytes))
+                            drain_grace_s=drain_grace, relay=relay or relay_url is not None, relay_url=relay_url,
+                            auto_relay=not no_auto_relay, offer_relay=offer_relay, **_body_limit(max_body_bytes))
     from meshnet.node.app import build_app
 
     app = build_app(settings)

@@ -5,12 +5,21 @@ heartbeats every ``heartbeat_interval_s`` with stats, and applies the directives
 back: ``LOAD_SHARD`` (load the weights for real, run doctor, then serve), ``DROP_SHARD``
 (free them), ``RUN_DOCTOR`` and ``RELOAD``. Each directive's status (acked, done, failed)
 travels back in the next heartbeat; a finished directive triggers an early heartbeat.
+
+Self-healing (ADR-0045): a failed heartbeat is retried after a bounded, jittered back-off (never
+later than the interval); a tracker that forgot the node (404) gets a new registration. A node
+the tracker cannot reach (``--relay``, or the probe's verdict) attaches a relay tunnel
+(:class:`meshnet.relay.tunnel.NodeTunnel`) and registers the relayed endpoint; the tunnel dials
+again by itself whenever it drops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+
+import httpx
 
 from meshnet.client import NodeSigner, TrackerClient
 from meshnet.errors import MeshnetError
@@ -23,11 +32,19 @@ from meshnet.protocol.control import (PROTOCOL_REVISION, CapabilityReport, Direc
                                       RegisterRequest, ShardInfo)
 from meshnet.protocol.signing import decode_public_key, encode_public_key
 from meshnet.protocol.route import Hop, Route
+from meshnet.relay.backoff import Backoff
+from meshnet.relay.tunnel import NodeTunnel
 
 log = logging.getLogger(__name__)
 
 #: registration answers that retrying cannot change: the node stops with the tracker's message
 REFUSALS = (400, 401, 403, 409, 422, 426)
+#: an unreachable node moves to a relay when the tracker still cannot reach it this long after the
+#: node's own listener answered: longer than a probe's timeout plus its retry interval, seconds
+AUTO_RELAY_AFTER_S = 5.0
+#: a node relayed through another node (``--relay-url``) whose tunnel stays down this long moves
+#: to the tracker's relay, seconds
+RELAY_FALLBACK_S = 30.0
 
 
 class TrackerAgent:
@@ -44,6 +61,7 @@ class TrackerAgent:
         self.node = node
         self.settings = node.settings
         key = identity.load_or_create_key(self.settings.state_dir or identity.default_state_dir(self.settings.node_id))
+        self.key = key
         self.public_key = encode_public_key(key.public_key())
         #: signs this node's calls: to the tracker, and its session releases on hops (ADR-0038)
         self.signer = NodeSigner(self.settings.node_id, key)
@@ -64,6 +82,19 @@ class TrackerAgent:
         self.last_ok_s: float | None = None   # monotonic time the tracker last accepted us
         self.last_error: str | None = None    # why the latest register/heartbeat failed, if it did
         self.leaving = False                  # deregistered (drain): no more heartbeats
+        #: retry delays after a failed registration or heartbeat (bounded by the interval in :meth:`run`)
+        self.backoff = Backoff(0.5, 5.0)
+        self.failures = 0                      # heartbeats failed in a row
+        #: the relay tunnel when this node is reached through a relay (ADR-0045), else None
+        self.tunnel: NodeTunnel | None = None
+        self._tunnel_task: asyncio.Task | None = None
+        self._considering: asyncio.Task | None = None   # a running :meth:`consider_relay` check
+        self._listening_since: float | None = None      # loop time the own listener first answered
+
+    @property
+    def endpoint(self) -> str:
+        """What this node advertises: the relayed endpoint while it uses a relay, else its own."""
+        return self.tunnel.endpoint if self.tunnel is not None else self.settings.endpoint
 
     # ---- payloads ---------------------------------------------------------------------
 
@@ -74,33 +105,44 @@ class TrackerAgent:
         s = self.settings
         tokens_per_s = max((r.tokens_per_s for r in self.node.reports.values() if r), default=0.0)
         return RegisterRequest(protocol=PROTOCOL_REVISION, node_id=s.node_id, public_key=self.public_key,
-                               wallet=s.wallet, endpoint=s.endpoint,
+                               wallet=s.wallet, endpoint=self.endpoint,
                                vram_bytes=hardware.node_memory_bytes(s.memory_bytes, self.hw),
                                ram_bytes=self.hw.ram_bytes, device=self.hw.device, quantizations=[s.quantization],
                                benchmark_tokens_per_sec=tokens_per_s,
                                benchmark_model=next(iter({sl.model for sl in self.node.runtime.slots.values()}), None),
                                max_loaded_shards=s.max_loaded_shards, accepts_placement=s.accepts_placement,
-                               shards=self.shards_payload())
+                               shards=self.shards_payload(),
+                               relay_url=None if self.tunnel is None else self.tunnel.relay_url,
+                               relay_rtt_s=0.0 if self.tunnel is None else round(self.tunnel.rtt_s, 6))
 
     def stats(self) -> NodeStats:
-        return self.node.metrics.heartbeat_stats(self.node.runtime, rss_bytes=hardware.rss_bytes())
+        stats = self.node.metrics.heartbeat_stats(self.node.runtime, rss_bytes=hardware.rss_bytes())
+        if self.tunnel is not None:  # the relay leg each hop through this node pays (route cost, ADR-0045)
+            stats = stats.model_copy(update={"relay_rtt_s": round(min(self.tunnel.rtt_s, 60.0), 6)})
+        return stats
 
     # ---- lifecycle --------------------------------------------------------------------
 
     async def start(self, attempts: int = 60) -> None:
-        """Load the configured shard, then register (retrying up to ``attempts`` × 1 s while the
-        tracker is unreachable or busy).
+        """Load the configured shard, then register (up to ``attempts`` tries, a jittered back-off
+        of at most 5 s between them, while the tracker is unreachable or busy). With ``--relay`` the
+        registration names the relayed endpoint and the tunnel attaches right after it (a relay
+        admits only a node id it knows), waiting up to 10 s for the first attach.
 
         Raises:
             MeshnetError: a refusal that retrying cannot change (401 join token or signature, 403,
                 409 node id bound to another key, 422, 426 protocol revision), or the last attempt's error.
         """
         await self.load_initial()
+        if self.settings.relay:
+            self.tunnel = self._new_tunnel()
         for attempt in range(attempts):
             try:
                 resp = await self.client.register(self.registration())
                 self.note_registered(resp)
                 log.info("registered %s with %s", self.settings.node_id, self.settings.tracker_url)
+                if self.tunnel is not None:
+                    await self.start_tunnel()
                 return
             except MeshnetError as exc:
                 self.last_error = exc.message
@@ -110,8 +152,9 @@ class TrackerAgent:
                     raise
                 if attempt == attempts - 1:
                     raise
-                log.info("tracker not ready (%s); retrying", exc.message)
-                await asyncio.sleep(1.0)
+                delay = self.backoff.next_delay_s()
+                log.info("tracker not ready (%s); retrying in %.1f s", exc.message, delay)
+                await asyncio.sleep(delay)
 
     async def load_initial(self) -> None:
         s = self.settings
@@ -128,21 +171,26 @@ class TrackerAgent:
         return await load_shard(self.node, model, layers, tier)
 
     async def run(self) -> None:
-        """Heartbeat forever (cancelled by the app's lifespan)."""
+        """Heartbeat forever (cancelled by the app's lifespan); after a failed round, again after the
+        back-off (at most the interval), so a tracker that comes back finds the node within seconds."""
         while True:
+            wait_s = self.interval_s if not self.failures else min(self.interval_s, self.backoff.next_delay_s())
             try:
-                await asyncio.wait_for(self.wake.wait(), timeout=self.interval_s)
+                await asyncio.wait_for(self.wake.wait(), timeout=wait_s)
             except asyncio.TimeoutError:
                 pass
             self.wake.clear()
             try:
                 await self.heartbeat()
             except Exception:  # noqa: BLE001 - one bad round must not stop the heartbeats for good
-                log.exception("heartbeat round failed; retrying next interval")
+                self.failures += 1
+                log.exception("heartbeat round failed; retrying after a back-off")
 
     async def heartbeat(self) -> None:
         if self.leaving:
             return
+        if self.relay_lost():
+            await self.fall_back_to_tracker_relay()
         updates, self.updates = self.updates, []
         payload = HeartbeatRequest(shards=self.shards_payload(), stats=self.stats(), directive_updates=updates)
         try:
@@ -150,6 +198,7 @@ class TrackerAgent:
         except MeshnetError as exc:
             self.updates = updates + self.updates
             self.last_error = exc.message
+            self.failures += 1
             if exc.status == 404 and not (self.leaving or self.node.drain.draining):
                 # the tracker forgot us (restart): register again; a draining node stays forgotten
                 try:
@@ -163,6 +212,10 @@ class TrackerAgent:
             log.warning("heartbeat failed: %s", exc.message)
             return
         self._ok()
+        if self.failures:
+            log.info("the tracker answers again after %d failed heartbeat(s)", self.failures)
+        self.failures = 0
+        self.backoff.reset()
         self.note_reachability(resp)
         self.follow_interval(resp.heartbeat_interval_s)
         directives = resp.directives
@@ -177,6 +230,8 @@ class TrackerAgent:
         need its session tickets, ADR-0038), its heartbeat interval and its verdict on reaching
         this node."""
         self.node.tracker_key = decode_public_key(resp.tracker_key)
+        self.failures = 0
+        self.backoff.reset()
         self.follow_interval(resp.heartbeat_interval_s)
         self.note_reachability(resp)
         self._ok()
@@ -191,24 +246,126 @@ class TrackerAgent:
 
     def note_reachability(self, resp: RegisterResponse | HeartbeatResponse) -> None:
         """Log when the tracker's verdict on reaching this node's endpoint changes: an unreachable
-        node's shards are not admitted, so nothing is routed to it (meshnet.tracker.probe)."""
+        node's shards are not admitted, so nothing is routed to it (meshnet.tracker.probe). An
+        unreachable node allowed a relay considers moving to one (:meth:`consider_relay`)."""
         reachable = resp.reachable
+        if not reachable and self.tunnel is None and self.settings.auto_relay:
+            self.consider_relay()
         if reachable == self.reachable:
             return
         if not reachable and self.reachable is None and not self._probed_again:
             # a node registers before it listens: the tracker probes again within a second, so
             # the first "unreachable" is only provisional; the next verdict decides
             self._probed_again = True
-            log.info("registered before listening; the tracker will probe %s again", self.settings.endpoint)
+            log.info("registered before listening; the tracker will probe %s again", self.endpoint)
             self.wake_soon(1.5)
             return
         self.reachable = reachable
         if reachable:
-            log.info("the tracker reaches this node at %s; its shards can be admitted", self.settings.endpoint)
-        else:
+            log.info("the tracker reaches this node at %s; its shards can be admitted", self.endpoint)
+        elif self.tunnel is None and self.settings.auto_relay:
+            log.info("the tracker cannot reach this node at %s (%s); if it still cannot once this node "
+                     "listens, the node serves through a relay", self.endpoint, resp.reach_error)
+        elif self.tunnel is None:
             log.warning("the tracker cannot reach this node at %s (%s): its shards are not admitted until it "
-                        "can; check --public-url, --host and firewalls", self.settings.endpoint,
+                        "can; check --public-url, --host and firewalls (or allow a relay)", self.endpoint,
                         resp.reach_error)
+        else:
+            log.warning("the tracker cannot reach this node through its relay at %s (%s); the tunnel dials "
+                        "again by itself", self.endpoint, resp.reach_error)
+
+    # ---- relay (ADR-0045) ---------------------------------------------------------------
+
+    def consider_relay(self) -> None:
+        """Move to a relay when the tracker still cannot reach this node :data:`AUTO_RELAY_AFTER_S`
+        after the node's own listener answered (an earlier verdict may predate the listener)."""
+        if self._considering is None or self._considering.done():
+            self._considering = asyncio.create_task(self._consider_relay())
+
+    async def _consider_relay(self) -> None:
+        loop = asyncio.get_running_loop()
+        if not await self._listening():
+            self._listening_since = None
+            return
+        if self._listening_since is None:
+            self._listening_since = loop.time()
+            self.wake_soon(AUTO_RELAY_AFTER_S + 0.1)  # a verdict from a probe made after it listens
+            return
+        if loop.time() - self._listening_since < AUTO_RELAY_AFTER_S or self.tunnel is not None:
+            return
+        log.warning("the tracker cannot reach this node at %s although it listens: serving through a relay "
+                    "instead", self.endpoint)
+        await self.switch_to_relay()
+
+    async def _listening(self) -> bool:
+        """Whether this node's own listener answers ``GET /v1/health`` on ``local_url``."""
+        try:
+            async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
+                return (await http.get(f"{self.settings.local_url}/v1/health")).status_code < 500
+        except httpx.HTTPError:
+            return False
+
+    def _new_tunnel(self, relay_url: str | None = None) -> NodeTunnel:
+        """The relay tunnel (to ``relay_url``, else ``--relay-url``, else the tracker), not dialling
+        yet: its endpoint is known before the first attach, so the node can register it first (an
+        attach needs a node id the relay knows)."""
+        relay_url = relay_url or self.settings.relay_url or self.settings.tracker_url
+        return NodeTunnel(relay_url, self.settings.node_id, self.key, self.settings.local_url,
+                          on_attached=self._tunnel_attached)
+
+    async def start_tunnel(self, attach_wait_s: float = 10.0) -> None:
+        """Dial the tunnel (made by :meth:`_new_tunnel` when none is) and wait up to ``attach_wait_s``
+        for the first attach; the node goes on either way (the tunnel keeps dialling)."""
+        if self.tunnel is None:
+            self.tunnel = self._new_tunnel()
+        if self._tunnel_task is None:
+            self._tunnel_task = asyncio.create_task(self.tunnel.run())
+        try:
+            await asyncio.wait_for(self.tunnel.attached.wait(), timeout=attach_wait_s)
+        except asyncio.TimeoutError:
+            log.warning("no tunnel to %s within %.0f s (%s); still trying", self.tunnel.relay_url, attach_wait_s,
+                        self.tunnel.last_error)
+
+    def relay_lost(self) -> bool:
+        """Whether this node's relay is another node whose tunnel has been down :data:`RELAY_FALLBACK_S`."""
+        tunnel, tracker = self.tunnel, (self.settings.tracker_url or "").rstrip("/")
+        return (tunnel is not None and bool(tracker) and tunnel.relay_url != tracker
+                and tunnel.down_for_s() >= RELAY_FALLBACK_S)
+
+    async def fall_back_to_tracker_relay(self) -> None:
+        """The node relaying this one is gone: attach to the tracker's relay and register that endpoint."""
+        old = self.tunnel
+        log.warning("relay %s unreachable for %.0f s (%s): moving to the tracker's relay", old.relay_url,
+                    old.down_for_s(), old.last_error)
+        if self._tunnel_task is not None:
+            self._tunnel_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tunnel_task
+        self.tunnel, self._tunnel_task = self._new_tunnel(self.settings.tracker_url), None
+        await self.switch_to_relay()
+
+    async def switch_to_relay(self) -> None:
+        """The tracker cannot reach this node: attach a tunnel, then register the relayed endpoint."""
+        await self.start_tunnel()
+        self.reachable, self._probed_again = None, False
+        try:
+            self.note_registered(await self.client.register(self.registration()))
+        except MeshnetError as exc:  # the next heartbeat's 404 or the next round registers again
+            self.last_error = exc.message
+            log.warning("registration through the relay failed: %s", exc.message)
+
+    def _tunnel_attached(self) -> None:
+        """A tunnel (re)attached: heartbeat now, so the tracker hears of the node at once."""
+        if self.tunnel is not None and self.tunnel.attaches > 1:
+            self.wake.set()
+
+    async def close(self) -> None:
+        """Stop the relay tunnel and a pending relay check (the app's lifespan ends)."""
+        for task in (self._tunnel_task, self._considering):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     def wake_soon(self, delay_s: float) -> None:
         """Heartbeat early, in ``delay_s`` seconds (to learn the tracker's next verdict sooner)."""

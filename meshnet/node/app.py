@@ -3,7 +3,7 @@
 Routes:
     POST   /v1/forward              activation frame in, activation frame out (headers below)
     DELETE /v1/sessions/{id}        release a session's KV caches
-    GET    /v1/health               liveness: node id, shard slots, sessions, cache bytes left, draining
+    GET    /v1/health               liveness: node id, endpoint, relay tunnel, shard slots, sessions, cache bytes left, draining
     GET    /v1/ready                readiness: 200 {"ready": true} or 503 {"ready": false, "reasons"} (ADR-0032)
     GET    /v1/traffic              sessions in flight as entry, recent failovers, the last minutes'
                                     TTFT/TPOT/tokens/batch sizes (ADR-0046, ``NodeTraffic``)
@@ -46,7 +46,7 @@ from starlette.routing import Route
 
 from meshnet import wire
 from meshnet.drain import Drain, DrainMiddleware
-from meshnet.errors import Forbidden, InvalidRequest, MeshnetError, NotFound
+from meshnet.errors import Forbidden, InvalidRequest, MeshnetError, NotFound, Unauthorized
 from meshnet.gateway import openai_api
 from meshnet.protocol.http import BodyLimit, http_error
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
@@ -176,7 +176,23 @@ def check_release(node: NodeContext, request: Request, session: str) -> None:
     if signer != claims.entry:
         raise Forbidden(f"only the session's entry node {claims.entry} may release it, not {signer}",
                         code="not_your_session")
-    verify_request(decode_public_key(claims.entry_key), request.headers, request.method, request.url.path, b"")
+    key = decode_public_key(claims.entry_key)
+    try:
+        verify_request(key, request.headers, request.method, request.url.path, b"")
+    except Unauthorized:
+        prefix = advertised_path(node)
+        if not prefix:
+            raise
+        # the entry signed the path it called: through a relay, the relayed endpoint's path comes first
+        verify_request(key, request.headers, request.method, prefix + request.url.path, b"")
+
+
+def advertised_path(node: NodeContext) -> str:
+    """The path part of the endpoint this node advertises ("" for ``http://host:port``): a relayed
+    node's ``/v1/relay/{node_id}`` (ADR-0045), or a reverse proxy's prefix given in ``--public-url``."""
+    agent = node.agent
+    endpoint = getattr(agent, "endpoint", None) or node.settings.endpoint
+    return httpx.URL(endpoint).path.rstrip("/")
 
 
 async def release_session(request: Request) -> JSONResponse:
@@ -192,8 +208,11 @@ async def release_session(request: Request) -> JSONResponse:
 async def health(request: Request) -> JSONResponse:
     node = _state(request)
     rt = node.runtime
+    tunnel = getattr(node.agent, "tunnel", None)
+    relay = None if tunnel is None else {"url": tunnel.relay_url, "attached": tunnel.attached.is_set(),
+                                         "attaches": tunnel.attaches, "rtt_s": round(tunnel.rtt_s, 6)}
     return JSONResponse({"status": "ok", "draining": node.drain.draining, "node_id": node.settings.node_id,
-                         "endpoint": node.settings.endpoint,
+                         "endpoint": getattr(node.agent, "endpoint", None) or node.settings.endpoint, "relay": relay,
                          "shards": [s.model_dump(exclude={"report"}) for s in rt.describe()], "slots_total": rt.max_loaded_shards,
                          "sessions": len(rt.sessions), "cache_bytes_left": rt.sessions.bytes_left,
                          "session_cache_bytes": rt.sessions.max_bytes, "session_ttl_s": rt.sessions.ttl_s,
@@ -240,7 +259,8 @@ def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | Non
                                     hop_connect_timeout_s=node.settings.hop_connect_timeout_s,
                                     pipelined=True if pipelined is None else pipelined)
     entry = LocalEntry(node.runtime, slot, wire_dtype=node.settings.wire_dtype, metrics=node.metrics)
-    return slot.model, Orchestrator(entry, node_id=node.settings.node_id, endpoint=node.settings.endpoint,
+    advertised = getattr(agent, "endpoint", None) or node.settings.endpoint  # relayed: the relay's URL (ADR-0045)
+    return slot.model, Orchestrator(entry, node_id=node.settings.node_id, endpoint=advertised,
                                     client=node.http, routes=routes, report=report, settings=settings,
                                     observer=node.metrics, release_auth=getattr(agent, "signer", None),
                                     traffic=node.traffic)
@@ -331,16 +351,21 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
             if settings.tracker_url and start_agent:
                 from meshnet.node.agent import TrackerAgent
                 node.agent = TrackerAgent(node)
-                await node.agent.start()
+                try:
+                    await node.agent.start()
+                except BaseException:
+                    await node.agent.close()  # its relay tunnel, if it opened one
+                    raise
                 drain.announce, drain.leave = node.agent.announce_drain, node.agent.leave
                 agent_task = asyncio.create_task(node.agent.run())
             try:
                 yield
             finally:
-                if agent_task is not None:
+                if agent_task is not None:  # the agent this lifespan started (tests may set their own)
                     agent_task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await agent_task
+                    await node.agent.close()
 
     routes = [Route("/v1/forward", forward, methods=["POST"]),
               Route("/v1/sessions/{session_id}", release_session, methods=["DELETE"]),
@@ -349,10 +374,29 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
               Route("/metrics", metrics)]
     # forward frames may be up to the wire format's limit (plus a header of at most 24 bytes)
     body_limit = Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
-                            path_limits={"/v1/forward": wire.DEFAULT_MAX_BYTES + 64})
+                            path_limits={"/v1/forward": wire.DEFAULT_MAX_BYTES + 64},
+                            prefix_limits={"/v1/relay/": wire.DEFAULT_MAX_BYTES + 64})  # relayed hops, checked again by the hub
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[body_limit, Middleware(DrainMiddleware, drain=drain)],
                     exception_handlers={MeshnetError: _meshnet_error, HTTPException: http_error,
                                         Exception: _unexpected_error})
     app.state.drain = drain
+    if settings.offer_relay:
+        _offer_relay(app)
     return app
+
+
+def _offer_relay(app: Starlette) -> None:
+    """Relay other nodes' traffic here (``--offer-relay``, ADR-0045): a node attaches for its own id
+    only, signed with the key the tracker has bound to it."""
+    from meshnet.relay.auth import KeyedAuthorize
+    from meshnet.relay.hub import DEFAULT_RELAY_BODY_BYTES, RelayHub
+
+    async def key_of(node_id: str) -> str | None:
+        agent = app.state.node.agent
+        if agent is None:
+            raise NotFound("this node has no tracker to check relayed nodes' keys with", code="relay_unavailable")
+        return await agent.client.node_key(node_id)
+
+    app.state.relay = hub = RelayHub(KeyedAuthorize(key_of), max_body_bytes=DEFAULT_RELAY_BODY_BYTES)
+    app.router.routes.extend(hub.routes())

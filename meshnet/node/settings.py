@@ -40,6 +40,10 @@ class NodeSettings:
             finish before the node leaves (ADR-0032).
         drain_hop_idle_s: while draining, a hop session untouched this long counts as over
             (its entry finished without releasing it, or died), seconds.
+        relay: reach this node only through a relay, from the start (ADR-0045).
+        relay_url: the relay to attach to (None: the tracker).
+        auto_relay: when the tracker cannot reach ``endpoint``, attach to the relay by itself.
+        offer_relay: relay other nodes' traffic (this node must be reachable itself).
     """
 
     host: str = "127.0.0.1"
@@ -67,11 +71,22 @@ class NodeSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_grace_s: float = 30.0
     drain_hop_idle_s: float = 5.0
+    relay: bool = False
+    relay_url: str | None = None
+    auto_relay: bool = True
+    offer_relay: bool = False
 
     @property
     def endpoint(self) -> str:
         """Base URL others reach this node at: ``public_url``, else ``http://host:port`` (IPv6 bracketed)."""
         return self.public_url or base_url(self.host, self.port)
+
+    @property
+    def local_url(self) -> str:
+        """Where this machine reaches the node's own listener (a relay tunnel replays requests
+        there): loopback of the listening family for a wildcard host, else the host itself."""
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return base_url(host, self.port)
 
 
 def new_node_id() -> str:

@@ -145,6 +145,8 @@ class NodeStats(Payload):
         cache_bytes_left: KV-cache space left under the node's cap, bytes.
         tokens_processed: tokens run through this node's layers since start.
         rss_bytes: resident memory of the node process, bytes.
+        relay_rtt_s: the relay tunnel's latest keepalive round trip, seconds (0: not relayed, or not
+            measured yet; ADR-0045): what each hop through this node pays on top.
     """
 
     tokens_per_s: float = Field(default=0.0, ge=0)
@@ -156,6 +158,7 @@ class NodeStats(Payload):
     cache_bytes_left: int = Field(default=0, ge=0)
     tokens_processed: int = Field(default=0, ge=0)
     rss_bytes: int = Field(default=0, ge=0)
+    relay_rtt_s: float = Field(default=0.0, ge=0, le=60)
 
 
 class RegisterRequest(Payload):
@@ -181,6 +184,10 @@ class RegisterRequest(Payload):
     max_loaded_shards: int = Field(default=1, ge=1, le=64)
     accepts_placement: bool = True
     shards: list[ShardInfo] = Field(default_factory=list)
+    #: the relay's base URL when ``endpoint`` goes through one (ADR-0045), else None
+    relay_url: str | None = Field(default=None, pattern=r"^https?://")
+    #: the relay tunnel's measured round trip, seconds: what each relayed hop adds (route cost)
+    relay_rtt_s: float = Field(default=0.0, ge=0, le=60)
 
     @field_validator("endpoint")
     @classmethod

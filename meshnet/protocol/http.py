@@ -93,18 +93,26 @@ def _too_large(size: int, limit: int) -> PayloadTooLarge:
 
 class BodyLimit:
     """ASGI middleware: refuse request bodies over ``max_bytes`` (``path_limits`` overrides the
-    limit of exact paths, e.g. the node's binary ``/v1/forward`` frames; paths as the app routes
-    them, :func:`route_path`, so a mounted app keeps its limits)."""
+    limit of exact paths, e.g. the node's binary ``/v1/forward`` frames; ``prefix_limits`` that of
+    every path under a prefix, e.g. ``/v1/relay/``, whose handler enforces its own limit; paths as
+    the app routes them, :func:`route_path`, so a mounted app keeps its limits)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 path_limits: dict[str, int] | None = None) -> None:
+                 path_limits: dict[str, int] | None = None, prefix_limits: dict[str, int] | None = None) -> None:
         self.app, self.max_bytes, self.path_limits = app, max_bytes, dict(path_limits or {})
+        self.prefix_limits = dict(prefix_limits or {})
+
+    def limit(self, path: str) -> int:
+        """The body limit of ``path``, bytes: its exact entry, else its prefix's, else ``max_bytes``."""
+        if path in self.path_limits:
+            return self.path_limits[path]
+        return next((v for k, v in self.prefix_limits.items() if path.startswith(k)), self.max_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.path_limits.get(route_path(scope), self.max_bytes)
+        limit = self.limit(route_path(scope))
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await error_response(_too_large(int(declared), limit))(scope, receive, send)

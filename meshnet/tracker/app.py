@@ -15,6 +15,9 @@ inclusive on the wire, ADR-0002):
     POST /v1/chat/completions  (forwarded to an entry node, or answered by the tracker's own entry node
         in-process when it serves the first layers, ADR-0044; 503 model_loading when not routable)
     POST /v1/operator/{pin,reload,doctor,drain}  (bearer operator token when configured)
+    GET  /v1/nodes/{id}/key  (the public key bound to a node id: relays on nodes check attaches with it)
+    WS   /v1/tunnel/{id}  (a relayed node's tunnel, signed by its key), and
+    *    /v1/relay/{id}/...  (HTTP and WebSocket to that node through its tunnel, ADR-0045)
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshnet.drain import Drain, DrainMiddleware
-from meshnet.errors import InvalidRequest, MeshnetError
+from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.protocol.http import BodyLimit, error_response, http_error, validate_json
 from meshnet.protocol.openai import read_chat_request
 from meshnet.layers import LayerRange
@@ -53,6 +56,7 @@ from meshnet.protocol.traffic import BUCKET_COUNT
 from meshnet.protocol.views import CoverageList, DemandList, DemandRow
 from meshnet.protocol.route import RouteResponse
 from meshnet.protocol.signing import HEADER_NODE
+from meshnet.relay.hub import DEFAULT_RELAY_BODY_BYTES, RelayHub
 from meshnet.tracker.service import TrackerService, TrackerSettings
 from meshnet.tracker.traffic import TrafficGatherer, last_buckets
 
@@ -187,6 +191,46 @@ async def deregister(request: Request) -> JSONResponse:
     _svc(request).deregister(node_id)
     request.app.state.wake.set()
     return JSONResponse({"node_id": node_id, "deregistered": True})
+
+
+async def node_key(request: Request) -> JSONResponse:
+    """The public key bound to a node id (public: it proves nothing by itself). A node offering a
+    relay checks a tunnel's signature with it (ADR-0045).
+
+    Raises:
+        NotFound (404 ``unknown_node``): the id was never registered.
+    """
+    node_id = request.path_params["node_id"]
+    key = _svc(request).public_key(node_id)
+    if key is None:
+        raise NotFound(f"unknown node {node_id!r}: no key is bound to it", code="unknown_node",
+                       hint="see `meshnet nodes` for node ids")
+    return JSONResponse({"node_id": node_id, "public_key": key})
+
+
+def relay_hub(app: Starlette, max_body_bytes: int) -> RelayHub:
+    """The tracker's relay (ADR-0045): only a registered node, signing with its bound key, attaches
+    for its own id; an attach has the node probed at once (its shards count again as soon as the
+    probe through the tunnel answers), a closed tunnel makes it unreachable at once."""
+
+    async def authorize(node_id: str, headers, method: str, target: str) -> None:
+        svc = app.state.service
+        app.state.auth.verify_node_call(svc.public_key(node_id), headers, method, target, b"", as_node=node_id)
+
+    def attached(node_id: str) -> None:
+        node = app.state.service.nodes.get(node_id)
+        if node is not None:
+            probe_soon(app, node_id, node.endpoint)
+
+    def detached(node_id: str) -> None:
+        svc: TrackerService = app.state.service
+        node = svc.nodes.get(node_id)
+        if node is not None:
+            svc.set_reachability(node_id, node.endpoint, "its relay tunnel closed (the node dials again by itself)")
+            if svc.dirty:
+                app.state.wake.set()
+
+    return RelayHub(authorize, max_body_bytes=max_body_bytes, on_attach=attached, on_detach=detached)
 
 
 async def nodes(request: Request) -> JSONResponse:
@@ -420,6 +464,7 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
               Route("/v1/nodes/{node_id}/failure", failure, methods=["POST"]),
               Route("/v1/nodes/{node_id}/drain", drain_node, methods=["POST"]),
               Route("/v1/nodes/{node_id}", deregister, methods=["DELETE"]),
+              Route("/v1/nodes/{node_id}/key", node_key),
               Route("/v1/nodes", nodes), Route("/v1/traffic", traffic), Route("/v1/coverage", coverage_all),
               Route("/v1/coverage/{model:path}", coverage_one), Route("/v1/route", route),
               Route("/v1/network/assign", network_assign), Route("/v1/directives", directives),
@@ -428,7 +473,8 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
               Route("/v1/chat/completions", chat, methods=["POST"]), Route("/metrics", metrics),
               *operator.routes()]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[Middleware(BodyLimit, max_bytes=settings.max_body_bytes),
+                    middleware=[Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
+                                           prefix_limits={"/v1/relay/": DEFAULT_RELAY_BODY_BYTES}),
                                 Middleware(DrainMiddleware, drain=drain)],
                     exception_handlers={MeshnetError: _on_error, HTTPException: http_error,
                                         Exception: _unexpected_error})
@@ -437,5 +483,7 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
         (n.node_id, n.endpoint) for n in app.state.service.nodes.values()])  # ADR-0046
     app.state.local_node = local_node
     app.state.local_node_error = None  # set by the composition when that node fails to start
+    app.state.relay = relay_hub(app, DEFAULT_RELAY_BODY_BYTES)
+    app.router.routes.extend(app.state.relay.routes())
     app.state.drain = drain  # SIGTERM: new chats 503, proxied chats get drain_grace_s to finish (ADR-0032)
     return app

@@ -15,12 +15,15 @@ class TrackerMetrics:
                              registry=self.registry)
         self.running = Gauge("meshnet_requests_running", "in-flight requests reported by nodes",
                              registry=self.registry)
+        self.relayed_nodes = Gauge("meshnet_relayed_nodes", "registered nodes reached through a relay (ADR-0045)",
+                                   registry=self.registry)
         self.node_tokens_per_s = Gauge("meshnet_node_tokens_per_second", "node decode throughput EMA",
                                        ["node"], registry=self.registry)
 
     def render(self, service) -> tuple[bytes, str]:
         self.nodes.set(len(service.nodes))
         self.running.set(sum(n.stats.requests_running for n in service.nodes.values()))
+        self.relayed_nodes.set(sum(1 for n in service.nodes.values() if n.relay_url))
         for m in service.tracked_models():
             self.covered.labels(model=m.name).set(service.coverage(m.name).covered_layers)
         for n in service.nodes.values():

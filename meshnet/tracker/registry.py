@@ -76,6 +76,11 @@ class NodeRecord:
     interval_s: float = 0.0
     #: unix time the shared parts of this record last changed (trackers of one database keep the newest, ADR-0043)
     record_at: float = field(default_factory=time.time)
+    #: the relay the node's endpoint goes through (ADR-0045), None when reached directly
+    relay_url: str | None = None
+    #: the relay tunnel's round trip the node measured at registration, seconds (added to each of its
+    #: hops' cost; the latest heartbeat's ``stats.relay_rtt_s`` supersedes it once measured)
+    relay_rtt_s: float = 0.0
 
     @property
     def quantization(self) -> str:
@@ -106,7 +111,7 @@ class NodeRecord:
 #: last heartbeat, which travels apart) stays with each tracker
 _SHARED = ("node_id", "endpoint", "wallet", "vram_bytes", "ram_bytes", "device", "quantizations",
            "benchmark_tokens_per_sec", "benchmark_model", "max_loaded_shards", "accepts_placement", "registered_at",
-           "draining", "reachable", "reach_error", "interval_s", "record_at")
+           "draining", "reachable", "reach_error", "interval_s", "record_at", "relay_url", "relay_rtt_s")
 
 
 def record_to_json(node: NodeRecord) -> str:
@@ -129,5 +134,5 @@ def record_from_json(text: str, last_heartbeat_s: float) -> NodeRecord:
     shards = [ShardRecord.from_payload(ShardInfo.model_validate(s)) for s in data.pop("shards")]
     stats = NodeStats.model_validate(data.pop("stats"))
     stale = set(data.pop("stale_reports"))
-    return NodeRecord(**{name: data[name] for name in _SHARED}, shards=shards, stats=stats, stale_reports=stale,
+    return NodeRecord(**{name: data[name] for name in _SHARED if name in data}, shards=shards, stats=stats, stale_reports=stale,
                       last_heartbeat_s=last_heartbeat_s, probed_s=time.monotonic())

@@ -30,6 +30,7 @@ __all__ = [
     "ShardCandidate",
     "choose_route",
     "estimate_hop_seconds",
+    "relay_latency_s",
     "seconds_per_layer",
 ]
 
@@ -82,6 +83,23 @@ class NoRoute(ModelNotRoutable):
             hint="wait for the tracker to place a shard there, or start a node serving it",
         )
         self.gap_start = gap_start
+
+
+#: the least a relayed hop is charged for its relay's extra leg, seconds (ADR-0045)
+RELAY_LATENCY_FLOOR_S = 0.002
+
+
+def relay_latency_s(relay_url: str | None, relay_rtt_s: float) -> float:
+    """Extra seconds per token a hop pays when its node is reached through a relay (ADR-0045).
+
+    A relayed call travels caller → relay → node and back: on top of the direct path it crosses
+    the relay ↔ node leg once each way, which is the tunnel's round trip ``relay_rtt_s`` as the
+    node measured it (at least :data:`RELAY_LATENCY_FLOOR_S`, so that of two equal holders the
+    directly reached one wins). 0 for a node reached directly (``relay_url`` None).
+    """
+    if relay_url is None:
+        return 0.0
+    return max(relay_rtt_s, RELAY_LATENCY_FLOOR_S) if math.isfinite(relay_rtt_s) else RELAY_LATENCY_FLOOR_S
 
 
 def seconds_per_layer(candidate: ShardCandidate, *, load_penalty: float = LOAD_PENALTY) -> float:

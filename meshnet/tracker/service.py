@@ -217,7 +217,8 @@ class TrackerService:
                             benchmark_tokens_per_sec=payload.benchmark_tokens_per_sec,
                             benchmark_model=payload.benchmark_model, max_loaded_shards=payload.max_loaded_shards,
                             accepts_placement=payload.accepts_placement,
-                            shards=[ShardRecord.from_payload(s) for s in payload.shards])
+                            shards=[ShardRecord.from_payload(s) for s in payload.shards],
+                            relay_url=payload.relay_url, relay_rtt_s=payload.relay_rtt_s)
         old = self.nodes.get(node_id)
         if old is not None:
             record.stale_reports, record.draining = old.stale_reports, old.draining
@@ -622,7 +623,8 @@ class TrackerService:
         measured tokens/s is over the whole shard; choose_route trims past ``num_layers``).
 
         Load is the node's live KV-cache sessions. Per-hop network latency is not measured yet
-        (nodes report compute time only, which tokens/s already counts), so it is 0 here.
+        (nodes report compute time only, which tokens/s already counts), so it is 0 here, except
+        the relay's extra leg for a relayed node (:func:`routing.relay_latency_s`, ADR-0045).
         """
         now = time.monotonic()
         out = []
@@ -631,7 +633,9 @@ class TrackerService:
                 continue
             age = None if node.last_failure_s is None else now - node.last_failure_s
             out.append(routing.ShardCandidate(node.node_id, node.endpoint, shard.layers, node.tokens_per_s(shard),
-                                              0.0, node.stats.sessions, age))
+                                              routing.relay_latency_s(node.relay_url,
+                                                                      node.stats.relay_rtt_s or node.relay_rtt_s),
+                                              node.stats.sessions, age))
         return out
 
     def route(self, model: str, layers: LayerRange, exclude: frozenset[str] = frozenset()) -> list[routing.Hop]:

@@ -51,7 +51,9 @@ def test_a_node_nobody_can_reach_is_never_routed_and_a_chat_does_not_hang(tmp_pa
     mesh = Mesh(tmp_path)
     try:
         mesh.start_tracker(MODEL)
-        mesh.start_node("hidden", "--model", MODEL, "--shard-start", "0", "--shard-end", "3", "--public-url", dead)
+        # --no-auto-relay: otherwise it would serve through the tracker's relay (ADR-0045)
+        mesh.start_node("hidden", "--model", MODEL, "--shard-start", "0", "--shard-end", "3", "--public-url", dead,
+                        "--no-auto-relay")
         # registered with its shard, and the tracker's probe of its endpoint answered (it runs right
         # after the registration is recorded, so a poll in between sees "not probed yet")
         hidden = mesh.wait(lambda: (n := nodes(mesh).get("hidden")) and n["shards"]

@@ -181,8 +181,11 @@ async def test_a_failed_heartbeat_round_does_not_stop_the_node_agent():
     from meshnet.errors import MeshnetError
     from meshnet.node.agent import TrackerAgent
 
+    from meshnet.relay.backoff import Backoff
+
     agent = TrackerAgent.__new__(TrackerAgent)
     agent.interval_s, agent.wake = 0.01, asyncio.Event()
+    agent.failures, agent.backoff = 0, Backoff(0.01, 0.01)
     rounds = []
 
     async def heartbeat():

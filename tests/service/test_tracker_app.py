@@ -276,7 +276,7 @@ async def test_heartbeat_updates_shards_and_stats(tracker):
     (view,) = (await tracker.get("/v1/nodes")).json()["nodes"]
     assert view["stats"] == {"tokens_per_s": 42.0, "decode_latency_s": 0.0, "requests_per_min": 0.0,
                              "sessions": 1, "requests_running": 0, "requests_total": 0, "cache_bytes_left": 0,
-                             "tokens_processed": 0, "rss_bytes": 0}
+                             "tokens_processed": 0, "rss_bytes": 0, "relay_rtt_s": 0.0}
     assert [(s["shard_start"], s["shard_end"], s["admitted"]) for s in view["shards"]] == [(0, 3, True)]
     assert (await tracker.get(f"/v1/coverage/{MODEL}")).json()["routable"] is True
 
