@@ -76,14 +76,21 @@ class LocalMesh:
                       name: str = "tracker") -> str:
         """Start a tracker keeping ``models`` covered and wait until it answers (``wait_s``); returns
         its URL. The first one listens on :attr:`port`; another (a second ``name``, sharing a
-        PostgreSQL ``db``, ADR-0043) on a free port. Nodes started afterwards are given every
+        PostgreSQL ``db``, ADR-0043) on a free port of 127.0.0.1; the first answers at :attr:`url`; a
+        restart of one (its ``name`` again) at its earlier URL. Nodes started afterwards are given every
         tracker's URL.
 
         Raises:
             MeshnetError: it exited or did not answer within ``wait_s``.
         """
-        port = self.port if not self.trackers else free_port()
-        url = base_url("127.0.0.1", port)
+        if name in self.trackers:  # a restart: the same URL
+            url = self.trackers[name]
+            port = httpx.URL(url).port
+        elif not self.trackers:
+            port, url = self.port, self.url
+        else:
+            port = free_port()
+            url = base_url("127.0.0.1", port)
         self.trackers[name] = url
         args = ["tracker", "start", "--port", str(port), "--db", str(db or self.log_dir / f"{name}.db"),
                 "--heartbeat-interval", str(self.heartbeat_s), "--node-timeout", str(node_timeout_s),
