@@ -129,6 +129,12 @@ def node_start(
                                                   envvar="MESHNET_HOP_CONNECT_TIMEOUT",
                                                   help="Seconds to connect to a hop before failing over."),
         wallet: str = typer.Option("", "--wallet", envvar="MESHNET_WALLET", help="Wallet reported to the tracker."),
+        batch_window_ms: float = typer.Option(N.batch_window_s * 1000, "--batch-window-ms", min=0.0,
+                                              envvar="MESHNET_BATCH_WINDOW_MS",
+                                              help="Longest wait for other sessions' decode steps to batch with, ms "
+                                                   "(none while only one session is active)."),
+        max_batch: int = typer.Option(N.max_batch_size, "--max-batch", min=1, envvar="MESHNET_MAX_BATCH",
+                                      help="Most sessions' steps in one batched forward."),
         drain_grace: float = DrainOpt,
         log_level: str = LogOpt) -> None:
     """Start a node. With --model and --shard-start/--shard-end it serves that shard (pinned); with
@@ -168,7 +174,8 @@ def node_start(
                             accepts_placement=not no_placement, torch_threads=threads,
                             session_cache_bytes=session_cache_mb * 1024 * 1024, session_ttl_s=session_ttl,
                             hop_timeout_s=hop_timeout, hop_connect_timeout_s=hop_connect_timeout, wallet=wallet,
-                            drain_grace_s=drain_grace, **_body_limit(max_body_bytes))
+                            drain_grace_s=drain_grace, batch_window_s=batch_window_ms / 1000,
+                            max_batch_size=max_batch, **_body_limit(max_body_bytes))
     from meshnet.node.app import build_app
 
     app = build_app(settings)

@@ -38,6 +38,9 @@ class NodeSettings:
             are bounded by the wire format's own limit instead.
         drain_grace_s: on SIGTERM, seconds in-flight generations and hop sessions may take to
             finish before the node leaves (ADR-0032).
+        batch_window_s: longest wait, seconds, for other sessions' decode steps after one reaches an
+            idle node (none when only one session is active); ``max_batch_size``: most steps in one
+            batched forward (ADR-0041).
         drain_hop_idle_s: while draining, a hop session untouched this long counts as over
             (its entry finished without releasing it, or died), seconds.
     """
@@ -67,6 +70,14 @@ class NodeSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_grace_s: float = 30.0
     drain_hop_idle_s: float = 5.0
+    batch_window_s: float = 0.005
+    max_batch_size: int = 16
+
+    @property
+    def worker_threads(self) -> int:
+        """Worker threads of the node's event loop: enough for every caller of a full batch to wait
+        in one while the batch runs, plus the codec and LM-head calls around them."""
+        return max(32, 4 * self.max_batch_size)
 
     @property
     def endpoint(self) -> str:
