@@ -67,28 +67,35 @@ DEFAULT_BATCH_WINDOW_S = 0.005
 DEFAULT_MAX_BATCH_SIZE = 16
 
 
+HIDDEN, TOKENS, HEAD = "hidden", "tokens", "head"  # what a step's inputs are (see _Work)
+
+
 @dataclass(frozen=True)
 class _Work:
-    """What one step runs: ``inputs`` is hidden states ``[1, seq, hidden]``, or token ids ``[1, seq]``
-    when ``entry`` (embedded first)."""
+    """What one step runs, by ``kind``: ``hidden`` states ``[1, seq, hidden]`` through ``layers``;
+    token ids ``[1, seq]`` (``tokens``), embedded first; or the last hidden state ``[1, 1, hidden]``
+    through the final norm and LM head (``head``: no layers, no session cache)."""
 
     slot: ShardSlot
     layers: LayerRange
     position: int
     inputs: torch.Tensor
-    entry: bool = False
+    kind: str = HIDDEN
 
 
 def _compute(works: list[_Work], sessions: list[Session]) -> list[torch.Tensor]:
     """Run steps of one group (same slot, layers and kind): one step as it is, several decode
-    steps as one :meth:`ShardModel.forward_batch`. Returns each step's ``[1, seq, hidden]``."""
+    steps as one :meth:`ShardModel.forward_batch`, head steps as one LM-head matmul. Returns each
+    step's ``[1, seq, hidden]`` (``[1, 1, vocab]`` float32 logits for head steps)."""
     first = works[0]
     shard = first.slot.shard
+    if first.kind == HEAD:
+        return list(shard.logits(torch.cat([w.inputs for w in works])).split(1))
     if len(works) == 1:
-        inputs = shard.embed_tokens(first.inputs, first.position) if first.entry else first.inputs
+        inputs = shard.embed_tokens(first.inputs, first.position) if first.kind == TOKENS else first.inputs
         return [shard.forward(inputs, sessions[0].cache, first.position, first.layers)]
     positions = [w.position for w in works]
-    if first.entry:
+    if first.kind == TOKENS:
         hidden = shard.embed_tokens(torch.cat([w.inputs for w in works]), positions)
     else:
         hidden = torch.cat([w.inputs.to(shard.dtype) for w in works])
@@ -218,15 +225,31 @@ class NodeRuntime:
         size = slot.shard.config.hidden_size
         if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] < 1 or hidden.shape[-1] != size:
             raise InvalidRequest(f"activation shape {list(hidden.shape)} does not match [1, seq >= 1, {size}]")
-        return self.batcher.submit(Step(session_id, (slot.key, layers, False), hidden.shape[1],
+        return self.batcher.submit(Step(session_id, (slot.key, layers, HIDDEN), hidden.shape[1],
                                         _Work(slot, layers, position, hidden)))
 
     def run_entry(self, slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
                   layers: LayerRange) -> torch.Tensor:
         """Embed ``input_ids`` ``[1, seq]`` and run this node's entry ``layers`` (thread-safe,
         batched like :meth:`forward`)."""
-        return self.batcher.submit(Step(session_id, (slot.key, layers, True), input_ids.shape[1],
-                                        _Work(slot, layers, position, input_ids, entry=True)))
+        return self.batcher.submit(Step(session_id, (slot.key, layers, TOKENS), input_ids.shape[1],
+                                        _Work(slot, layers, position, input_ids, TOKENS)))
+
+    def logits(self, slot: ShardSlot, generation: str, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head of entry ``slot`` on the last hidden state ``hidden`` ``[1, 1,
+        hidden]`` of one generation; ``[1, 1, vocab]`` float32. Thread-safe; batched with the
+        other generations' head steps like decode steps (ADR-0041). ``generation`` names the
+        generation (one step of it per batch).
+
+        Raises:
+            InvalidRequest: ``slot`` holds no LM head, or ``hidden`` is not one position.
+        """
+        if slot.shard.lm_head is None:
+            raise InvalidRequest(f"{slot.key} holds no LM head (not an entry shard)")
+        if hidden.dim() != 3 or hidden.shape[:2] != (1, 1):
+            raise InvalidRequest(f"the LM head takes one position [1, 1, hidden], got {list(hidden.shape)}")
+        return self.batcher.submit(Step(generation, (slot.key, HEAD), 1,
+                                        _Work(slot, slot.layers, 0, hidden.to(slot.shard.dtype), HEAD)))
 
     def _run_batch(self, steps: list[Step]) -> None:
         """Admit, run and commit one batch of steps of one group, under the compute lock.
@@ -235,6 +258,9 @@ class NodeRuntime:
         run. An unexpected compute error drops every session of the batch (their caches may be
         half-written) and fails each step with ``forward_failed``.
         """
+        if steps[0].work.kind == HEAD:
+            self._run_heads(steps)
+            return
         with self.lock:
             admitted: list[tuple[Step, Session]] = []
             for step in steps:
@@ -267,6 +293,22 @@ class NodeRuntime:
             self.batch_sizes.append((time.monotonic(), len(admitted)))
         if self.on_batch is not None:
             self.on_batch(len(admitted))
+
+    def _run_heads(self, steps: list[Step]) -> None:
+        """LM-head steps: one matmul for all, under the compute lock, no session touched (not counted
+        in :attr:`batch_sizes`, which counts forwards through layers)."""
+        with self.lock:
+            try:
+                outs = _compute([step.work for step in steps], [])
+            except Exception as exc:
+                key = steps[0].work.slot.key
+                log.exception("LM head failed on %s (batch of %d)", key, len(steps))
+                for step in steps:
+                    step.fail(MeshnetError(f"LM head failed on {key}: {type(exc).__name__}: {exc}",
+                                           code="forward_failed"))
+                return
+        for step, out in zip(steps, outs):
+            step.finish(out)
 
     def end_session(self, session_id: str) -> int:
         """End ``session_id`` on this node (:meth:`SessionStore.end`) once no forward runs

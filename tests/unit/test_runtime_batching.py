@@ -150,3 +150,35 @@ def test_an_unexpected_error_in_a_batch_drops_its_sessions_with_forward_failed(s
     assert len(rt.sessions) == 0
     with pytest.raises(SessionConflict, match="unknown session"):
         rt.forward(model=MODEL, session_id="a", layers=layers, position=5, hidden=prompt(1, 1))
+
+
+def test_concurrent_lm_head_steps_batch_and_equal_solo_logits(shard_path, monkeypatch):
+    layers = LayerRange(0, 4)
+    rt = runtime_of(shard_path, layers)
+    slot = next(iter(rt.slots.values()))
+    hiddens = {f"g{i}": prompt(1, 50 + i) for i in range(4)}
+    for name, hidden in hiddens.items():  # each generation once alone: now all four are active
+        assert_close(rt.logits(slot, name, hidden), slot.shard.logits(hidden))
+    rt.batcher.window_s = JOIN_S
+    runs_before = len(rt.batch_sizes)
+    shapes, head = [], slot.shard.logits
+    monkeypatch.setattr(slot.shard, "logits", lambda hidden: shapes.append(tuple(hidden.shape)) or head(hidden))
+    got = concurrently({name: (lambda name=name: rt.logits(slot, name, hiddens[name])) for name in hiddens})
+    monkeypatch.undo()
+    assert shapes == [(4, 1, 64)]  # one matmul for the four generations
+    for name, hidden in hiddens.items():
+        want = slot.shard.logits(hidden)
+        assert got[name].shape == (1, 1, 512) and got[name].dtype == torch.float32
+        assert_close(got[name], want, rtol=1e-5, atol=1e-5)
+        assert int(got[name].argmax()) == int(want.argmax())
+    assert len(rt.batch_sizes) == runs_before  # head runs are not forwards through layers
+    assert len(rt.sessions) == 0
+
+
+def test_the_lm_head_needs_an_entry_slot_and_one_position(shard_path):
+    rt = runtime_of(shard_path, LayerRange(2, 4))
+    with pytest.raises(MeshnetError, match="holds no LM head"):
+        rt.logits(next(iter(rt.slots.values())), "g", prompt(1, 0))
+    entry = runtime_of(shard_path, LayerRange(0, 4))
+    with pytest.raises(MeshnetError, match=r"takes one position \[1, 1, hidden\], got \[1, 3, 64\]"):
+        entry.logits(next(iter(entry.slots.values())), "g", prompt(3, 0))
