@@ -169,14 +169,15 @@ def aggregate_rate(streams: list[dict]) -> tuple[float, int]:
     return decoded / (last - first), sum(s["tokens"] for s in streams)
 
 
-def mesh_rates(dtype: str, threads: int, runs: int, max_tokens: int, sessions: int) -> dict:
+def mesh_rates(dtype: str, threads: int, runs: int, max_tokens: int, sessions: int, window_ms: float) -> dict:
     mesh = LocalMesh(Path(tempfile.mkdtemp(prefix="meshnet-bench-batching-")), heartbeat_s=1.0)
     out: dict = {"one": [], "many": [], "one_tokens": [], "many_tokens": []}
     try:
         mesh.start_tracker(MODEL)
         for i, (a, b) in enumerate([(0, 9), (10, 19), (20, 29)]):
             mesh.start_node(f"node-{i}", "--model", MODEL, "--shard-start", str(a), "--shard-end", str(b),
-                            "--dtype", dtype, "--wire-dtype", dtype, threads=threads)
+                            "--dtype", dtype, "--wire-dtype", dtype, "--batch-window-ms", str(window_ms),
+                            threads=threads)
         mesh.wait_routable(MODEL, 300)
         timed_stream(mesh.url, "warm-up", 4)
         for _ in range(runs):
@@ -240,6 +241,7 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--steps", type=int, default=32, help="decode steps per parity run")
     ap.add_argument("--context", type=int, default=128, help="tokens cached before the parity runs")
+    ap.add_argument("--batch-window-ms", type=float, default=5.0, help="the nodes' batch window")
     ap.add_argument("--skip-mesh", action="store_true")
     ap.add_argument("--skip-parity", action="store_true")
     args = ap.parse_args()
@@ -254,12 +256,12 @@ def main() -> None:
             print(line, flush=True)
     if args.skip_mesh:
         return
-    mesh = mesh_rates(args.dtype, args.threads, args.runs, args.max_tokens, args.sessions)
+    mesh = mesh_rates(args.dtype, args.threads, args.runs, args.max_tokens, args.sessions, args.batch_window_ms)
     mono = monolithic_rates(path, args.dtype, args.threads, args.runs, args.max_tokens, args.sessions)
     one, many = statistics.median(mesh["one"]), statistics.median(mesh["many"])
     print(f"{f'aggregate decode tokens/s, {args.dtype}':44} {'1 session':>10} {f'{args.sessions} sessions':>11} "
           f"{'ratio':>7}")
-    print(f"{'3-node mesh (client-timed streams)':44} {one:10.2f} {many:11.2f} {many / one:7.2f}  (target >= 4)")
+    print(f"{f'3-node mesh, {args.batch_window_ms:g} ms window (client-timed)':44} {one:10.2f} {many:11.2f} {many / one:7.2f}  (target >= 4)")
     print(f"{'monolithic generate (batch 1 / batch 8)':44} {mono['one']:10.2f} {mono['many']:11.2f} "
           f"{mono['many'] / mono['one']:7.2f}")
     print(f"completion tokens per run: 1 session {mesh['one_tokens']}, {args.sessions} sessions {mesh['many_tokens']}")

@@ -100,4 +100,5 @@ class LocalEntry:
         return await asyncio.to_thread(run)
 
     def release(self, session_id: str) -> None:
+        self.runtime.batcher.forget(session_id)  # batches stop waiting for its steps
         self.runtime.sessions.release(session_id)

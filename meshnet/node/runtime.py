@@ -33,6 +33,7 @@ from meshnet.node.hardware import rss_bytes
 from meshnet.node.batching import Step, StepBatcher
 from meshnet.presets import canonical_model_name
 from meshnet.node.sessions import Session, SessionStore
+from meshnet.node.settings import NodeSettings
 from meshnet.protocol.control import CapabilityReport, ShardInfo
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,8 @@ class ShardSlot:
 
 
 WARM_UP_TOKENS = 16
-DEFAULT_BATCH_WINDOW_S = 0.005
-DEFAULT_MAX_BATCH_SIZE = 16
-
+DEFAULT_BATCH_WINDOW_S = NodeSettings.batch_window_s  # one place for defaults: the node's settings
+DEFAULT_MAX_BATCH_SIZE = NodeSettings.max_batch_size
 
 HIDDEN, TOKENS, HEAD = "hidden", "tokens", "head"  # what a step's inputs are (see _Work)
 
