@@ -14,7 +14,8 @@ Policy (pure data in, list of steps out; :meth:`StepBatcher._collect`):
 - A decode step (one token) batches with the other pending decode steps of its *group* (same
   shard slot, same layers, same kind of input), oldest first, one step per session, at most
   ``max_batch`` steps. A prefill chunk (more tokens) runs alone.
-- A decode step that finds the node idle waits at most ``window_s`` after it arrived for the
+- A decode step that finds the node idle waits at most the window after it arrived (``window_s``,
+  or half the time the group's recent decode batches took to run when that is longer) for the
   other sessions it expects: those whose last step of the group here ended within ``active_s``
   but before this step arrived, and that have not been forgotten (:meth:`StepBatcher.forget`).
   It stops waiting as soon as all of them are in, or ``max_batch`` is reached. With one session
@@ -27,6 +28,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
+
+from meshnet.stats import EMA
+
+#: a leader may wait up to this share of its group's recent decode-batch compute time, when that is
+#: longer than ``window_s``: a step that joins saves a batch of its own, which costs about as much
+WINDOW_COMPUTE_SHARE = 0.5
 
 
 @dataclass(eq=False)
@@ -84,6 +91,7 @@ class StepBatcher:
         self._pending: list[Step] = []
         self._active: dict[Hashable, dict[str, float]] = {}  # group -> session id -> its last step's end (or arrival)
         self._leading = False
+        self._compute_s: dict[Hashable, EMA] = {}  # group -> seconds a decode batch of it takes to run
 
     def submit(self, step: Step) -> object:
         """Queue ``step``, wait until it has run (leading a batch when no one else does) and
@@ -105,6 +113,7 @@ class StepBatcher:
                 try:
                     batch = self._collect()
                     self._cond.release()
+                    started_s = self.clock()
                     try:
                         self._execute(batch)
                     finally:
@@ -112,6 +121,8 @@ class StepBatcher:
                         finished_s = self.clock()
                         for done in batch:
                             self._active.setdefault(done.group, {})[done.session_id] = finished_s
+                        if batch[0].tokens == 1:
+                            self._compute_s.setdefault(batch[0].group, EMA(0.2)).update(finished_s - started_s)
                 finally:
                     self._leading = False
                     self._cond.notify_all()
@@ -124,6 +135,13 @@ class StepBatcher:
         with self._cond:
             for sessions in self._active.values():
                 sessions.pop(session_id, None)
+
+    def window(self, group: Hashable) -> float:
+        """Longest wait, seconds, for expected sessions of ``group``: ``window_s``, or
+        :data:`WINDOW_COMPUTE_SHARE` of the group's recent decode-batch compute time when longer
+        (a slow or loaded host, where a round's steps arrive further apart)."""
+        compute = self._compute_s.get(group)
+        return max(self.window_s, WINDOW_COMPUTE_SHARE * compute.value) if compute else self.window_s
 
     def pending(self) -> int:
         """Steps queued and not yet taken into a batch."""
@@ -139,7 +157,7 @@ class StepBatcher:
                 batch = self._decode_batch(head)
                 if len(batch) >= self.max_batch:
                     break
-                remaining = head.arrived_s + self.window_s - self.clock()
+                remaining = head.arrived_s + self.window(head.group) - self.clock()
                 if remaining <= 0 or not self._expecting(head):
                     break
                 self._cond.wait(remaining)

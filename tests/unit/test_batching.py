@@ -205,3 +205,20 @@ def test_many_concurrent_sessions_all_get_their_own_result():
     assert results == {(f"s{i}", i): i * 10 for i in range(40)}
     assert sorted(w for batch in recorder.batches for _, w in batch) == list(range(40))
     assert max(len(batch) for batch in recorder.batches) <= 8
+
+
+def test_the_window_stretches_to_half_the_groups_recent_decode_compute():
+    now = [0.0]
+
+    def slow(steps):  # each batch takes 2 s of the fake clock
+        now[0] += 2.0
+        for step in steps:
+            step.finish(step.work)
+
+    batcher = StepBatcher(slow, window_s=0.005, clock=lambda: now[0])
+    assert batcher.window("g") == 0.005  # nothing run yet: the setting
+    batcher.submit(decode("a", 1))
+    assert batcher.window("g") == pytest.approx(1.0)  # half of 2 s
+    assert batcher.window("other") == 0.005
+    batcher.submit(Step("p", "g", 64, 2))  # a prefill chunk does not count
+    assert batcher.window("g") == pytest.approx(1.0)
