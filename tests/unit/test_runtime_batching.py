@@ -65,6 +65,7 @@ def test_concurrent_decode_steps_of_ragged_sessions_batch_and_equal_solo(shard_p
             rt.forward(model=MODEL, session_id=sid, layers=layers, position=0, hidden=prompt(n, i))
     sizes.clear()
     batched.batcher.window_s = JOIN_S  # from now on a leader waits until every active session is in
+    batched.batcher.active_s = JOIN_S  # a loaded host may take over 1 s between steps
     for step in range(3):
         steps = {sid: prompt(1, 100 + 10 * step + i) for i, sid in enumerate(LENGTHS)}
         got = concurrently({sid: (lambda sid=sid: batched.forward(model=MODEL, session_id=sid, layers=layers,
@@ -93,6 +94,7 @@ def test_concurrent_entry_steps_batch_and_give_solo_greedy_tokens(shard_path):
             hidden = rt.run_entry(slot, sid, ids[sid], 0, layers)
             out[sid].append(int(slot.shard.logits(hidden)[0, -1].argmax()))
     batched.batcher.window_s = JOIN_S
+    batched.batcher.active_s = JOIN_S  # a loaded host may take over 1 s between steps
     for step in range(4):
         got = concurrently({sid: (lambda sid=sid: batched.run_entry(
             slot_b, sid, torch.tensor([[tokens[sid][-1]]]), LENGTHS[sid] + step, layers)) for sid in LENGTHS})
@@ -110,6 +112,7 @@ def test_a_refused_step_fails_alone_and_the_rest_of_its_batch_runs(shard_path):
     for sid in ("a", "b", "c"):
         rt.forward(model=MODEL, session_id=sid, layers=layers, position=0, hidden=prompt(4, 0))
     rt.batcher.window_s = JOIN_S
+    rt.batcher.active_s = JOIN_S  # a loaded host may take over 1 s between steps
     got = concurrently({
         "a": lambda: rt.forward(model=MODEL, session_id="a", layers=layers, position=4, hidden=prompt(1, 1)),
         "b": lambda: rt.forward(model=MODEL, session_id="b", layers=layers, position=7, hidden=prompt(1, 2)),
@@ -137,6 +140,7 @@ def test_an_unexpected_error_in_a_batch_drops_its_sessions_with_forward_failed(s
     for sid in ("a", "b"):
         rt.forward(model=MODEL, session_id=sid, layers=layers, position=0, hidden=prompt(4, 0))
     rt.batcher.window_s = JOIN_S
+    rt.batcher.active_s = JOIN_S  # a loaded host may take over 1 s between steps
     shard = next(iter(rt.slots.values())).shard
 
     def broken(*args, **kwargs):
@@ -160,6 +164,7 @@ def test_concurrent_lm_head_steps_batch_and_equal_solo_logits(shard_path, monkey
     for name, hidden in hiddens.items():  # each generation once alone: now all four are active
         assert_close(rt.logits(slot, name, hidden), slot.shard.logits(hidden))
     rt.batcher.window_s = JOIN_S
+    rt.batcher.active_s = JOIN_S  # a loaded host may take over 1 s between steps
     runs_before = len(rt.batch_sizes)
     shapes, head = [], slot.shard.logits
     monkeypatch.setattr(slot.shard, "logits", lambda hidden: shapes.append(tuple(hidden.shape)) or head(hidden))
