@@ -132,7 +132,8 @@ def node_start(
         batch_window_ms: float = typer.Option(N.batch_window_s * 1000, "--batch-window-ms", min=0.0,
                                               envvar="MESHNET_BATCH_WINDOW_MS",
                                               help="Longest wait for other sessions' decode steps to batch with, ms "
-                                                   "(none while only one session is active)."),
+                                                   "(none while only one session is active; stretched to half "
+                                                   "a batch's compute time on a slow host)."),
         max_batch: int = typer.Option(N.max_batch_size, "--max-batch", min=1, envvar="MESHNET_MAX_BATCH",
                                       help="Most sessions' steps in one batched forward."),
         drain_grace: float = DrainOpt,

@@ -39,8 +39,9 @@ class NodeSettings:
         drain_grace_s: on SIGTERM, seconds in-flight generations and hop sessions may take to
             finish before the node leaves (ADR-0032).
         batch_window_s: longest wait, seconds, for other sessions' decode steps after one reaches an
-            idle node (none when only one session is active); ``max_batch_size``: most steps in one
-            batched forward (ADR-0041).
+            idle node (none when only one session is active; stretched to half a batch's recent
+            compute time when that is longer); ``max_batch_size``: most steps in one batched
+            forward (ADR-0041).
         drain_hop_idle_s: while draining, a hop session untouched this long counts as over
             (its entry finished without releasing it, or died), seconds.
     """
