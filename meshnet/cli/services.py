@@ -228,6 +228,13 @@ def node_start(
                                                   envvar="MESHNET_HOP_CONNECT_TIMEOUT",
                                                   help="Seconds to connect to a hop before failing over."),
         wallet: str = typer.Option("", "--wallet", envvar="MESHNET_WALLET", help="Wallet reported to the tracker."),
+        batch_window_ms: float = typer.Option(N.batch_window_s * 1000, "--batch-window-ms", min=0.0,
+                                              envvar="MESHNET_BATCH_WINDOW_MS",
+                                              help="Longest wait for other sessions' decode steps to batch with, ms "
+                                                   "(none while only one session is active; stretched to half "
+                                                   "a batch's compute time on a slow host)."),
+        max_batch: int = typer.Option(N.max_batch_size, "--max-batch", min=1, envvar="MESHNET_MAX_BATCH",
+                                      help="Most sessions' steps in one batched forward."),
         drain_grace: float = DrainOpt,
         relay: bool = typer.Option(False, "--relay", envvar="MESHNET_RELAY",
                                    help="Serve only through a relay (behind NAT or a firewall): keep one outbound "
@@ -286,6 +293,7 @@ def node_start(
                             session_cache_bytes=session_cache_mb * 1024 * 1024, session_ttl_s=session_ttl,
                             hop_timeout_s=hop_timeout, hop_connect_timeout_s=hop_connect_timeout, wallet=wallet,
                             drain_grace_s=drain_grace, relay=relay or relay_url is not None, relay_url=relay_url,
+                            batch_window_s=batch_window_ms / 1000, max_batch_size=max_batch,
                             auto_relay=not no_auto_relay, offer_relay=offer_relay, **_body_limit(max_body_bytes))
     from meshnet.node.app import build_app
 

@@ -37,47 +37,151 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class KVCache:
-    """Per-session key/value cache for the layers of one shard.
+#: tokens a KV-cache buffer grows by when it is full (ADR-0041): one copy of the cache every this many tokens
+KV_BLOCK_TOKENS = 128
 
-    Duck-types the ``update(key, value, layer_idx, ...)`` call transformers' attention
-    modules make. Tensors are ``[batch, kv_heads, seq, head_dim]`` in the compute dtype.
+
+class KVCache:
+    """Per-session key/value cache for the layers of one shard, stored without per-token copies.
+
+    Duck-types the ``update(key, value, layer_idx, ...)`` call transformers' attention modules
+    make. Per layer it holds one buffer each for keys and values, ``[batch, kv_heads, capacity,
+    head_dim]`` in the compute dtype, of which the first ``lengths[layer]`` positions are filled.
+    The first update sizes the buffers to its own tokens; when a later update does not fit, the
+    buffers are reallocated with room for ``block_tokens`` more positions and the filled part is
+    copied once. A decode step therefore writes one position in place, and the cache is
+    copied once every ``block_tokens`` tokens, never once per token.
+
+    Args:
+        block_tokens: positions added when a buffer grows (> 0).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, block_tokens: int = KV_BLOCK_TOKENS) -> None:
+        if block_tokens <= 0:
+            raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+        self.block_tokens = block_tokens
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        self.lengths: dict[int, int] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer_idx in self.keys:
-            key_states = torch.cat([self.keys[layer_idx], key_states], dim=-2)
-            value_states = torch.cat([self.values[layer_idx], value_states], dim=-2)
-        self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
-        return key_states, value_states
+        """Append ``key_states``/``value_states`` ``[batch, kv_heads, seq, head_dim]`` to layer
+        ``layer_idx``; returns every cached key and value of that layer (views, no copy)."""
+        length = self.lengths.get(layer_idx)
+        if length is None:  # exactly the first chunk's size: a one-shot prefill leaves no slack
+            keys = self.keys[layer_idx] = key_states.clone(memory_format=torch.contiguous_format)
+            values = self.values[layer_idx] = value_states.clone(memory_format=torch.contiguous_format)
+            self.lengths[layer_idx] = key_states.shape[-2] if key_states.dim() > 1 else key_states.numel()
+            return keys, values
+        new = key_states.shape[-2]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if length + new > keys.shape[-2]:
+            keys, values = self._grow(layer_idx, length, length + new)
+        keys[..., length:length + new, :].copy_(key_states)
+        values[..., length:length + new, :].copy_(value_states)
+        self.lengths[layer_idx] = length = length + new
+        return keys[..., :length, :], values[..., :length, :]
+
+    def _grow(self, layer_idx: int, length: int, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        capacity = needed + self.block_tokens
+        grown = []
+        for store in (self.keys, self.values):
+            old = store[layer_idx]
+            buffer = old.new_empty((*old.shape[:-2], capacity, old.shape[-1]))
+            buffer[..., :length, :].copy_(old[..., :length, :])
+            store[layer_idx] = buffer
+            grown.append(buffer)
+        return grown[0], grown[1]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        tensor = self.keys.get(layer_idx)
-        return 0 if tensor is None else tensor.shape[-2]
+        """Positions cached for layer ``layer_idx`` (0 when it holds none)."""
+        return self.lengths.get(layer_idx, 0)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the cached keys and values."""
+        """Bytes held by the keys' and values' buffers, the room for later tokens included: what
+        the session costs in memory (the session cache cap counts this, ADR-0031)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
 
 
 def causal_mask(q_len: int, past_len: int, dtype: torch.dtype) -> torch.Tensor | None:
     """Additive attention mask ``[1, 1, q_len, past_len + q_len]`` (0 = attend, min = blocked).
 
-    Returns None for a single query token (it may attend to everything cached).
+    Returns None where SDPA needs no mask: a single query token (it attends to everything
+    cached) and a chunk at position 0 (SDPA's own ``is_causal`` path, which builds nothing).
     """
-    if q_len == 1:
+    if q_len == 1 or past_len == 0:
         return None
     q_pos = torch.arange(past_len, past_len + q_len)[:, None]
     k_pos = torch.arange(past_len + q_len)[None, :]
     mask = torch.zeros(q_len, past_len + q_len, dtype=dtype)
     mask.masked_fill_(k_pos > q_pos, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+class RaggedKV:
+    """Keys (or values) of a batch whose rows have different lengths: ``rows[b]`` is row ``b``'s
+    own cached tensor ``[1, kv_heads, length_b, head_dim]`` (a view of its session's buffer)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: list[torch.Tensor]) -> None:
+        self.rows = rows
+
+
+class BatchCache:
+    """The KV caches of a batch of sessions, one per row, seen as one cache by the attention modules.
+
+    ``update`` writes row ``b`` of the new keys and values into ``caches[b]`` (in place, see
+    :class:`KVCache`) and returns :class:`RaggedKV` views that :func:`attention` runs row by row.
+    """
+
+    def __init__(self, caches: list[KVCache]) -> None:
+        self.caches = caches
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[RaggedKV, RaggedKV]:
+        keys, values = [], []
+        for row, cache in enumerate(self.caches):
+            k, v = cache.update(key_states[row:row + 1], value_states[row:row + 1], layer_idx)
+            keys.append(k)
+            values.append(v)
+        return RaggedKV(keys), RaggedKV(values)
+
+
+#: name of meshnet's attention function in transformers' AttentionInterface
+ATTENTION = "meshnet_sdpa"
+_sdpa = None  # transformers' SDPA attention function, bound by _register_attention
+
+
+def attention(module: nn.Module, query: torch.Tensor, key, value, attention_mask: torch.Tensor | None,
+              **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention; a ragged batch (:class:`RaggedKV` keys and values) runs one
+    SDPA per row over that row's own cache, with no mask and no padding, so every row computes
+    exactly what it computes alone.
+
+    Args:
+        query: ``[batch, heads, q_len, head_dim]`` (``q_len == 1`` for a ragged batch).
+
+    Returns:
+        ``([batch, q_len, heads, head_dim], None)``.
+    """
+    if isinstance(key, RaggedKV):
+        rows = [_sdpa(module, query[b:b + 1], k, v, None, **kwargs)[0]
+                for b, (k, v) in enumerate(zip(key.rows, value.rows))]
+        return torch.cat(rows), None
+    return _sdpa(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_attention() -> None:
+    global _sdpa
+    if _sdpa is None:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        _sdpa = sdpa_attention_forward
+        AttentionInterface.register(ATTENTION, attention)
 
 
 @dataclass(frozen=True)
@@ -156,6 +260,14 @@ def trim_heap() -> bool:
     return True
 
 
+def position_ids(position: int | list[int], seq: int) -> torch.Tensor:
+    """Absolute positions ``[rows, seq]`` (int64) of ``seq`` tokens starting at ``position``: one
+    start for a single row, or one start per row."""
+    if isinstance(position, int):
+        return torch.arange(position, position + seq)[None]
+    return torch.tensor(position)[:, None] + torch.arange(seq)[None]
+
+
 def family_of(config) -> str:
     """``gpt2`` for GPT-2 configs, else ``llama`` (any ``model.layers`` decoder)."""
     return "gpt2" if config.model_type == "gpt2" else "llama"
@@ -212,6 +324,8 @@ class ShardModel:
         self.is_entry = layers.start == 0 if load_head is None else load_head
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)
+        _register_attention()
+        skeleton.config._attn_implementation = ATTENTION  # the layers' attention modules read this config
         all_layers = _get(skeleton, self.family.layers_path)
         self.blocks = nn.ModuleDict({str(i): all_layers[i] for i in range(layers.start, layers.end)})
         self.embed = self.norm = self.pos_embed = self.lm_head = None
@@ -286,8 +400,10 @@ class ShardModel:
     # ---- compute -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def embed_tokens(self, input_ids: torch.Tensor, position: int) -> torch.Tensor:
+    def embed_tokens(self, input_ids: torch.Tensor, position: int | list[int]) -> torch.Tensor:
         """Token ids ``[batch, seq]`` (int64) → hidden states ``[batch, seq, hidden]`` (compute dtype).
+
+        ``position``: absolute position of ``input_ids[:, 0]``, one for all rows or one per row.
 
         Raises:
             InvalidRequest: this shard holds no embeddings (not an entry shard).
@@ -296,14 +412,13 @@ class ShardModel:
             raise InvalidRequest("this shard holds no embeddings (not an entry shard)")
         hidden = self.embed(input_ids)
         if self.pos_embed is not None:
-            positions = torch.arange(position, position + input_ids.shape[1])[None]
-            hidden = hidden + self.pos_embed(positions)
+            hidden = hidden + self.pos_embed(position_ids(position, input_ids.shape[1]))
         return hidden
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache: KVCache, position: int,
                 layers: LayerRange | None = None) -> torch.Tensor:
-        """Run decoder layers ``layers`` (default: the whole shard) on ``hidden``.
+        """Run decoder layers ``layers`` (default: the whole shard) on ``hidden`` of one session.
 
         Args:
             hidden: ``[batch, seq, hidden_size]``; cast to the compute dtype.
@@ -313,15 +428,40 @@ class ShardModel:
         Returns:
             ``[batch, seq, hidden_size]`` in the compute dtype.
         """
-        layers = layers or self.layers
-        hidden = hidden.to(self.dtype)
         seq = hidden.shape[1]
-        position_ids = torch.arange(position, position + seq)[None]
-        mask = causal_mask(seq, position, self.dtype)
+        return self._run_layers(hidden, cache, position_ids(position, seq), causal_mask(seq, position, self.dtype),
+                                layers or self.layers)
+
+    @torch.inference_mode()
+    def forward_batch(self, hidden: torch.Tensor, caches: list[KVCache], positions: list[int],
+                      layers: LayerRange | None = None) -> torch.Tensor:
+        """One decode step of several sessions at once (ADR-0041).
+
+        Args:
+            hidden: ``[sessions, 1, hidden_size]``, row ``b`` the next token of session ``b``.
+            caches: each row's own KV cache; ``positions[b]`` must equal ``caches[b]``'s length
+                (the rows' lengths may all differ).
+
+        Returns:
+            ``[sessions, 1, hidden_size]`` in the compute dtype; row ``b`` equals
+            ``forward(hidden[b:b+1], caches[b], positions[b])`` up to the matmul kernels' rounding.
+
+        Raises:
+            InvalidRequest: more than one token per row, or ``caches``/``positions`` not one per row.
+        """
+        if hidden.dim() != 3 or hidden.shape[1] != 1 or not len(caches) == len(positions) == hidden.shape[0]:
+            raise InvalidRequest(f"a batched decode step takes [sessions, 1, hidden] with one cache and one "
+                                 f"position per row, got {list(hidden.shape)}, {len(caches)} caches, "
+                                 f"{len(positions)} positions")
+        return self._run_layers(hidden, BatchCache(caches), position_ids(positions, 1), None, layers or self.layers)
+
+    def _run_layers(self, hidden: torch.Tensor, cache, positions: torch.Tensor, mask: torch.Tensor | None,
+                    layers: LayerRange) -> torch.Tensor:
+        hidden = hidden.to(self.dtype)
         kwargs = {}
         if self.rotary is not None:
-            kwargs["position_embeddings"] = self.rotary(hidden, position_ids)
-            kwargs["position_ids"] = position_ids
+            kwargs["position_embeddings"] = self.rotary(hidden, positions)
+            kwargs["position_ids"] = positions
         for i in range(layers.start, layers.end):
             out = self.blocks[str(i)](hidden, attention_mask=mask, cache=cache, use_cache=True, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -337,11 +338,17 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
     async def lifespan(app: Starlette):
         rt = runtime or NodeRuntime(max_loaded_shards=settings.max_loaded_shards,
                                     compute_dtype=settings.compute_dtype,
-                                    sessions=SessionStore(settings.session_ttl_s, settings.session_cache_bytes))
+                                    sessions=SessionStore(settings.session_ttl_s, settings.session_cache_bytes),
+                                    batch_window_s=settings.batch_window_s, max_batch_size=settings.max_batch_size)
+        # callers block in worker threads while their step is batched: the default pool (cores + 4)
+        # would cap a batch at a handful of sessions (ADR-0041)
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(settings.worker_threads, thread_name_prefix="meshnet-node"))
         async with httpx.AsyncClient(timeout=httpx.Timeout(settings.hop_timeout_s,
                                                            connect=settings.hop_connect_timeout_s),
                                      limits=httpx.Limits(max_keepalive_connections=32), transport=transport) as http:
             node = NodeContext(settings=settings, runtime=rt, http=http, drain=drain, transport=transport)
+            rt.on_batch = node.metrics.observe_batch
             app.state.node = node
             drain.idle = lambda: hop_sessions_idle(node)
             agent_task = None

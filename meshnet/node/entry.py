@@ -95,9 +95,10 @@ class LocalEntry:
 
     async def choose(self, hidden: Activation, chooser: TokenPicker) -> tuple[int, TokenLogprob | None]:
         """LM head on the last position and the token choice, in one worker-thread call."""
-        def run():
-            return chooser.pick(self.slot.shard.logits(hidden[:, -1:])[0, -1])
+        def run():  # the LM head batches with other generations' (ADR-0041); the choice is per generation
+            return chooser.pick(self.runtime.logits(self.slot, f"head-{id(chooser):x}", hidden[:, -1:])[0, -1])
         return await asyncio.to_thread(run)
 
     def release(self, session_id: str) -> None:
+        self.runtime.batcher.forget(session_id)  # batches stop waiting for its steps
         self.runtime.sessions.release(session_id)

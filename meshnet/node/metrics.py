@@ -18,6 +18,7 @@ from meshnet.protocol.control import NodeStats
 from meshnet.protocol.traffic import BUCKET_COUNT, BUCKET_S, TrafficBucket
 from meshnet.stats import EMA, PerformanceEMA, RollingCounter, TimeBuckets
 
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -42,6 +43,8 @@ class NodeMetrics:
         self.tokens = Counter("meshnet_forward_tokens", "tokens run through this node's layers", registry=r)
         self.forward_seconds = Histogram("meshnet_forward_seconds", "time of one forward call",
                                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("meshnet_node_batch_size", "steps (sessions) run by one forward of this node",
+                                    buckets=_BATCH_BUCKETS, registry=r)
         self.sessions = Gauge("meshnet_sessions", "live KV-cache sessions", registry=r)
         self.cache_bytes_left = Gauge("meshnet_cache_left_bytes", "KV-cache space left", registry=r)
         #: decode throughput of this node's layers (single-token forwards only), tokens/s
@@ -66,6 +69,10 @@ class NodeMetrics:
         if n_tokens == 1 and seconds > 0:
             self.tokens_per_s.update(1, seconds)
             self.decode_latency_s.update(seconds)
+
+    def observe_batch(self, steps: int) -> None:
+        """One forward run of ``steps`` sessions' steps (thread-safe: called from the compute thread)."""
+        self.batch_size.observe(steps)
 
     def generation_started(self) -> None:
         self.requests_total += 1

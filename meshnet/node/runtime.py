@@ -3,8 +3,10 @@
 A node holds up to ``max_loaded_shards`` slots; each slot is one :class:`ShardModel`
 (one model, one layer range, one recipe). A forward call names the layers to run; the
 runtime picks the slot whose range contains them (a hop may start inside a shard,
-ADR-0012). Compute is serialised per node with one lock: torch already uses every core
-for one forward, and the pipeline overlaps work across nodes, not within one.
+ADR-0012). Compute is serialised per node with one lock (torch already uses every core for one
+forward), but concurrent callers do not queue one by one: their steps meet in a
+:class:`~meshnet.node.batching.StepBatcher`, and the decode steps of different sessions run as
+one batched forward (ADR-0041).
 
 Each load measures the shard's resident memory (ADR-0039): the process RSS after the shard is
 built and has run one warm-up forward, minus the RSS just before, with transformers' modeling
@@ -20,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -27,8 +30,10 @@ from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.layers import LayerRange
 from meshnet.models.shard import KVCache, ShardModel, trim_heap, warm_runtime
 from meshnet.node.hardware import rss_bytes
+from meshnet.node.batching import Step, StepBatcher
 from meshnet.presets import canonical_model_name
-from meshnet.node.sessions import SessionStore
+from meshnet.node.sessions import Session, SessionStore
+from meshnet.node.settings import NodeSettings
 from meshnet.protocol.control import CapabilityReport, ShardInfo
 
 log = logging.getLogger(__name__)
@@ -59,6 +64,43 @@ class ShardSlot:
 
 
 WARM_UP_TOKENS = 16
+DEFAULT_BATCH_WINDOW_S = NodeSettings.batch_window_s  # one place for defaults: the node's settings
+DEFAULT_MAX_BATCH_SIZE = NodeSettings.max_batch_size
+
+HIDDEN, TOKENS, HEAD = "hidden", "tokens", "head"  # what a step's inputs are (see _Work)
+
+
+@dataclass(frozen=True)
+class _Work:
+    """What one step runs, by ``kind``: ``hidden`` states ``[1, seq, hidden]`` through ``layers``;
+    token ids ``[1, seq]`` (``tokens``), embedded first; or the last hidden state ``[1, 1, hidden]``
+    through the final norm and LM head (``head``: no layers, no session cache)."""
+
+    slot: ShardSlot
+    layers: LayerRange
+    position: int
+    inputs: torch.Tensor
+    kind: str = HIDDEN
+
+
+def _compute(works: list[_Work], sessions: list[Session]) -> list[torch.Tensor]:
+    """Run steps of one group (same slot, layers and kind): one step as it is, several decode
+    steps as one :meth:`ShardModel.forward_batch`, head steps as one LM-head matmul. Returns each
+    step's ``[1, seq, hidden]`` (``[1, 1, vocab]`` float32 logits for head steps)."""
+    first = works[0]
+    shard = first.slot.shard
+    if first.kind == HEAD:
+        return list(shard.logits(torch.cat([w.inputs for w in works])).split(1))
+    if len(works) == 1:
+        inputs = shard.embed_tokens(first.inputs, first.position) if first.kind == TOKENS else first.inputs
+        return [shard.forward(inputs, sessions[0].cache, first.position, first.layers)]
+    positions = [w.position for w in works]
+    if first.kind == TOKENS:
+        hidden = shard.embed_tokens(torch.cat([w.inputs for w in works]), positions)
+    else:
+        hidden = torch.cat([w.inputs.to(shard.dtype) for w in works])
+    out = shard.forward_batch(hidden, [s.cache for s in sessions], positions, first.layers)
+    return list(out.split(1))
 
 
 def measure_load(build, dtype: str) -> tuple[ShardModel, int]:
@@ -90,19 +132,29 @@ class NodeRuntime:
         max_loaded_shards: slot count (>= 1).
         compute_dtype: ``float32`` or ``bfloat16``.
         sessions: the KV-cache session store.
+        batch_window_s, max_batch_size: decode batching (:class:`meshnet.node.batching.StepBatcher`):
+            longest wait for other sessions' steps, seconds, and most steps per forward.
+
+    Raises:
+        InvalidRequest: ``max_loaded_shards`` < 1. ValueError: a batching setting out of range.
     """
 
     def __init__(self, *, max_loaded_shards: int = 1, compute_dtype: str = "float32",
-                 sessions: SessionStore | None = None) -> None:
+                 sessions: SessionStore | None = None, batch_window_s: float = DEFAULT_BATCH_WINDOW_S,
+                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> None:
         if max_loaded_shards < 1:
             raise InvalidRequest("max_loaded_shards must be >= 1")
         self.max_loaded_shards = max_loaded_shards
         self.compute_dtype = compute_dtype
         self.sessions = sessions if sessions is not None else SessionStore()  # an empty store is falsy
         self.slots: dict[str, ShardSlot] = {}
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the compute lock: one batch (or doctor run) at a time, and the session store
         self.tokens_processed = 0
+        self.batcher = StepBatcher(self._run_batch, window_s=batch_window_s, max_batch=max_batch_size)
+        #: (monotonic time, steps) of each forward run, newest last (the console reads it)
         self.batch_sizes: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
+        #: called with the size of each forward run, outside the compute lock (the node's metrics)
+        self.on_batch: Callable[[int], None] | None = None
 
     # ---- slot lifecycle ---------------------------------------------------------------
 
@@ -160,50 +212,108 @@ class NodeRuntime:
                 hidden: torch.Tensor) -> torch.Tensor:
         """Run ``layers`` on ``hidden`` ``[batch, seq, hidden]`` for one session.
 
+        Thread-safe; blocks until the step has run. A decode step (``seq == 1``) runs batched
+        with the steps of other sessions that reach this node at about the same time (ADR-0041).
+
         Returns hidden states ``[batch, seq, hidden]`` in the compute dtype.
 
         Raises:
-            NotFound, SessionConflict, InvalidRequest.
+            NotFound, SessionConflict, SessionCacheFull, InvalidRequest; MeshnetError
+            ``forward_failed`` (the session was dropped).
         """
         slot = self.find_slot(model, layers)
         size = slot.shard.config.hidden_size
         if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] < 1 or hidden.shape[-1] != size:
             raise InvalidRequest(f"activation shape {list(hidden.shape)} does not match [1, seq >= 1, {size}]")
-        with self.lock:
-            session = self.sessions.acquire(session_id, slot.key, position)
-            out = self._run(session_id, slot, lambda: slot.shard.forward(hidden, session.cache, position, layers))
-            self.batch_sizes.append((time.monotonic(), hidden.shape[0]))
-            self.sessions.commit(session, hidden.shape[1])
-            self.tokens_processed += hidden.shape[1]
-        return out
-
-    def _run(self, session_id: str, slot: ShardSlot, compute):
-        """Run ``compute``; on an unexpected error drop the (possibly half-updated) session."""
-        try:
-            return compute()
-        except MeshnetError:
-            raise
-        except Exception as exc:
-            self.sessions.release(session_id)
-            log.exception("forward failed on %s", slot.key)
-            raise MeshnetError(f"forward failed on {slot.key}: {type(exc).__name__}: {exc}",
-                               code="forward_failed", hint="the session was dropped; replay it from position 0") from exc
+        return self.batcher.submit(Step(session_id, (slot.key, layers, HIDDEN), hidden.shape[1],
+                                        _Work(slot, layers, position, hidden)))
 
     def run_entry(self, slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
                   layers: LayerRange) -> torch.Tensor:
-        """Embed ``input_ids`` ``[1, seq]`` and run this node's entry ``layers``."""
+        """Embed ``input_ids`` ``[1, seq]`` and run this node's entry ``layers`` (thread-safe,
+        batched like :meth:`forward`)."""
+        return self.batcher.submit(Step(session_id, (slot.key, layers, TOKENS), input_ids.shape[1],
+                                        _Work(slot, layers, position, input_ids, TOKENS)))
+
+    def logits(self, slot: ShardSlot, generation: str, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head of entry ``slot`` on the last hidden state ``hidden`` ``[1, 1,
+        hidden]`` of one generation; ``[1, 1, vocab]`` float32. Thread-safe; batched with the
+        other generations' head steps like decode steps (ADR-0041). ``generation`` names the
+        generation (one step of it per batch).
+
+        Raises:
+            InvalidRequest: ``slot`` holds no LM head, or ``hidden`` is not one position.
+        """
+        if slot.shard.lm_head is None:
+            raise InvalidRequest(f"{slot.key} holds no LM head (not an entry shard)")
+        if hidden.dim() != 3 or hidden.shape[:2] != (1, 1):
+            raise InvalidRequest(f"the LM head takes one position [1, 1, hidden], got {list(hidden.shape)}")
+        return self.batcher.submit(Step(generation, (slot.key, HEAD), 1,
+                                        _Work(slot, slot.layers, 0, hidden.to(slot.shard.dtype), HEAD)))
+
+    def _run_batch(self, steps: list[Step]) -> None:
+        """Admit, run and commit one batch of steps of one group, under the compute lock.
+
+        A step whose session is refused (:meth:`SessionStore.acquire`) fails alone; the others
+        run. An unexpected compute error drops every session of the batch (their caches may be
+        half-written) and fails each step with ``forward_failed``.
+        """
+        if steps[0].work.kind == HEAD:
+            self._run_heads(steps)
+            return
         with self.lock:
-            session = self.sessions.acquire(session_id, slot.key, position)
-            out = self._run(session_id, slot, lambda: slot.shard.forward(
-                slot.shard.embed_tokens(input_ids, position), session.cache, position, layers))
-            self.batch_sizes.append((time.monotonic(), input_ids.shape[0]))
-            self.sessions.commit(session, input_ids.shape[1])
-            self.tokens_processed += input_ids.shape[1]
-        return out
+            admitted: list[tuple[Step, Session]] = []
+            for step in steps:
+                try:
+                    admitted.append((step, self.sessions.acquire(step.session_id, step.work.slot.key,
+                                                                 step.work.position)))
+                except MeshnetError as exc:
+                    step.fail(exc)
+            if not admitted:
+                return
+            try:
+                outs = _compute([step.work for step, _ in admitted], [session for _, session in admitted])
+            except MeshnetError as exc:
+                for step, _ in admitted:
+                    step.fail(exc)
+                return
+            except Exception as exc:
+                key = admitted[0][0].work.slot.key
+                log.exception("forward failed on %s (batch of %d)", key, len(admitted))
+                for step, _ in admitted:
+                    self.sessions.release(step.session_id)
+                    step.fail(MeshnetError(f"forward failed on {key}: {type(exc).__name__}: {exc}",
+                                           code="forward_failed",
+                                           hint="the session was dropped; replay it from position 0"))
+                return
+            for (step, session), out in zip(admitted, outs):
+                self.sessions.commit(session, step.tokens)
+                self.tokens_processed += step.tokens
+                step.finish(out)
+            self.batch_sizes.append((time.monotonic(), len(admitted)))
+        if self.on_batch is not None:
+            self.on_batch(len(admitted))
+
+    def _run_heads(self, steps: list[Step]) -> None:
+        """LM-head steps: one matmul for all, under the compute lock, no session touched (not counted
+        in :attr:`batch_sizes`, which counts forwards through layers)."""
+        with self.lock:
+            try:
+                outs = _compute([step.work for step in steps], [])
+            except Exception as exc:
+                key = steps[0].work.slot.key
+                log.exception("LM head failed on %s (batch of %d)", key, len(steps))
+                for step in steps:
+                    step.fail(MeshnetError(f"LM head failed on {key}: {type(exc).__name__}: {exc}",
+                                           code="forward_failed"))
+                return
+        for step, out in zip(steps, outs):
+            step.finish(out)
 
     def end_session(self, session_id: str) -> int:
         """End ``session_id`` on this node (:meth:`SessionStore.end`) once no forward runs
         (blocking: waits for the compute lock); returns how many caches were dropped."""
+        self.batcher.forget(session_id)
         with self.lock:
             return self.sessions.end(session_id)
 

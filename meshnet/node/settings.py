@@ -38,6 +38,10 @@ class NodeSettings:
             are bounded by the wire format's own limit instead.
         drain_grace_s: on SIGTERM, seconds in-flight generations and hop sessions may take to
             finish before the node leaves (ADR-0032).
+        batch_window_s: longest wait, seconds, for other sessions' decode steps after one reaches an
+            idle node (none when only one session is active; stretched to half a batch's recent
+            compute time when that is longer); ``max_batch_size``: most steps in one batched
+            forward (ADR-0041).
         drain_hop_idle_s: while draining, a hop session untouched this long counts as over
             (its entry finished without releasing it, or died), seconds.
         relay: reach this node only through a relay, from the start (ADR-0045).
@@ -75,6 +79,14 @@ class NodeSettings:
     relay_url: str | None = None
     auto_relay: bool = True
     offer_relay: bool = False
+    batch_window_s: float = 0.005
+    max_batch_size: int = 16
+
+    @property
+    def worker_threads(self) -> int:
+        """Worker threads of the node's event loop: enough for every caller of a full batch to wait
+        in one while the batch runs, plus the codec and LM-head calls around them."""
+        return max(32, 4 * self.max_batch_size)
 
     @property
     def endpoint(self) -> str:

@@ -142,6 +142,7 @@ def test_directory_without_weights_raises(tmp_path, tiny_model_path):
 
 def test_causal_mask_shapes_and_values():
     assert causal_mask(1, 5, torch.float32) is None
+    assert causal_mask(4, 0, torch.float32) is None  # a first chunk: SDPA's is_causal, no mask built
     mask = causal_mask(3, 2, torch.float32)
     assert mask.shape == (1, 1, 3, 5)
     blocked = mask[0, 0] != 0
@@ -151,13 +152,30 @@ def test_causal_mask_shapes_and_values():
 
 
 def test_kv_cache_appends_along_sequence():
-    cache = KVCache()
+    cache = KVCache(block_tokens=4)
     k, v = torch.zeros(1, 2, 3, 4), torch.ones(1, 2, 3, 4)
     cache.update(k, v, 5)
+    assert cache.nbytes == 2 * 1 * 2 * 3 * 4 * 4  # the first chunk is held at its own size
     keys, values = cache.update(k, v, 5)
     assert keys.shape == values.shape == (1, 2, 6, 4)
+    assert keys[:, :, :3].eq(0).all() and values.eq(1).all()
     assert cache.get_seq_length(5) == 6 and cache.get_seq_length(0) == 0
-    assert cache.nbytes == 2 * 1 * 2 * 6 * 4 * 4
+    assert cache.nbytes == 2 * 1 * 2 * (6 + 4) * 4 * 4  # grown by one block: the room counts
+
+
+def test_kv_cache_writes_decode_tokens_in_place_and_copies_once_per_block():
+    cache = KVCache(block_tokens=8)
+    cache.update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), 0)
+    buffers = set()
+    for step in range(1, 17):
+        token = torch.full((1, 2, 1, 4), float(step))
+        keys, values = cache.update(token, token.clone(), 0)
+        assert keys.shape == (1, 2, 5 + step, 4) and keys[0, 0, -1, 0] == step
+        buffers.add(cache.keys[0].data_ptr())
+    assert len(buffers) == 2  # grown to 6 + 8 = 14 positions at step 1, to 15 + 8 = 23 at step 10
+    assert cache.keys[0].shape == (1, 2, 23, 4)
+    assert cache.keys[0][0, 1, :21, 0].tolist() == [0.0] * 5 + [float(i) for i in range(1, 17)]
+    assert cache.nbytes == 2 * 2 * 23 * 4 * 4
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -1,0 +1,203 @@
+"""Batched decode on a node: steps of different sessions that meet within a short window run as
+one forward (ADR-0041).
+
+Callers are worker threads (HTTP hop calls, the entry node's own layers, hop streams). Each hands
+its step to :meth:`StepBatcher.submit` and blocks until the step has run. One waiting caller is
+the *leader*: it gathers the steps that can run together, has them run, and hands every caller
+its result. The others wait. While a batch runs, new steps queue; the next leader takes them all
+at once, so a busy node batches without waiting at all.
+
+Policy (pure data in, list of steps out; :meth:`StepBatcher._collect`):
+
+- The oldest pending step always runs in the next batch (first come, first served: no step waits
+  behind younger ones forever).
+- A decode step (one token) batches with the other pending decode steps of its *group* (same
+  shard slot, same layers, same kind of input), oldest first, one step per session, at most
+  ``max_batch`` steps. A prefill chunk (more tokens) runs alone.
+- A decode step that finds the node idle waits at most the window after it arrived (``window_s``,
+  or half the time the group's recent decode batches took to run when that is longer) for the
+  other sessions it expects: those whose last step of the group here ended within ``active_s``
+  but before this step arrived, and that have not been forgotten (:meth:`StepBatcher.forget`).
+  It stops waiting as soon as all of them are in, or ``max_batch`` is reached. With one session
+  active nobody waits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
+
+from meshnet.stats import EMA
+
+#: a leader may wait up to this share of its group's recent decode-batch compute time, when that is
+#: longer than ``window_s``: a step that joins saves a batch of its own, which costs about as much
+WINDOW_COMPUTE_SHARE = 0.5
+
+
+@dataclass(eq=False)
+class Step:
+    """One caller's unit of work: ``tokens`` positions of session ``session_id``.
+
+    Attributes:
+        group: steps batch only with steps of the same group.
+        tokens: 1 for a decode step (batches), more for a prefill chunk (runs alone).
+        work: what the runner needs to run it (opaque to the batcher).
+        arrived_s: monotonic seconds when it was submitted.
+    """
+
+    session_id: str
+    group: Hashable
+    tokens: int
+    work: object
+    arrived_s: float = field(default_factory=time.monotonic)
+    result: object = None
+    error: BaseException | None = None
+    done: bool = False
+
+    def finish(self, result: object) -> None:
+        self.result, self.done = result, True
+
+    def fail(self, error: BaseException) -> None:
+        self.error, self.done = error, True
+
+
+class StepBatcher:
+    """Gathers concurrent callers' steps into batches and runs each batch with ``run``.
+
+    Args:
+        run: ``run(steps)`` runs one batch: it calls ``finish`` or ``fail`` on every step (a step
+            it leaves unfinished fails with a RuntimeError; an exception it raises fails every
+            unfinished step of the batch).
+        window_s: longest wait for more sessions after a decode step reaches an idle node, seconds
+            (>= 0).
+        max_batch: most steps in one batch (>= 1).
+        active_s: a session that sent no step of a group for this long is no longer waited for,
+            seconds (> 0).
+        clock: monotonic seconds (tests pass their own).
+
+    Raises:
+        ValueError: a setting out of range.
+    """
+
+    def __init__(self, run: Callable[[list[Step]], None], *, window_s: float = 0.005, max_batch: int = 16,
+                 active_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if window_s < 0 or max_batch < 1 or active_s <= 0:
+            raise ValueError(f"batching needs window_s >= 0, max_batch >= 1 and active_s > 0, got {window_s}, "
+                             f"{max_batch} and {active_s}")
+        self.run, self.window_s, self.max_batch, self.active_s, self.clock = run, window_s, max_batch, active_s, clock
+        self._cond = threading.Condition()
+        self._pending: list[Step] = []
+        self._active: dict[Hashable, dict[str, float]] = {}  # group -> session id -> its last step's end (or arrival)
+        self._leading = False
+        self._compute_s: dict[Hashable, EMA] = {}  # group -> seconds a decode batch of it takes to run
+
+    def submit(self, step: Step) -> object:
+        """Queue ``step``, wait until it has run (leading a batch when no one else does) and
+        return its result.
+
+        Raises:
+            whatever the runner failed the step with.
+        """
+        with self._cond:
+            step.arrived_s = self.clock()
+            self._pending.append(step)
+            self._active.setdefault(step.group, {})[step.session_id] = step.arrived_s
+            self._cond.notify_all()
+            while not step.done:
+                if self._leading:
+                    self._cond.wait()
+                    continue
+                self._leading = True
+                try:
+                    batch = self._collect()
+                    self._cond.release()
+                    started_s = self.clock()
+                    try:
+                        self._execute(batch)
+                    finally:
+                        self._cond.acquire()
+                        finished_s = self.clock()
+                        for done in batch:
+                            self._active.setdefault(done.group, {})[done.session_id] = finished_s
+                        if batch[0].tokens == 1:
+                            self._compute_s.setdefault(batch[0].group, EMA(0.2)).update(finished_s - started_s)
+                finally:
+                    self._leading = False
+                    self._cond.notify_all()
+        if step.error is not None:
+            raise step.error
+        return step.result
+
+    def forget(self, session_id: str) -> None:
+        """``session_id`` ended here: batches no longer wait for its steps."""
+        with self._cond:
+            for sessions in self._active.values():
+                sessions.pop(session_id, None)
+
+    def window(self, group: Hashable) -> float:
+        """Longest wait, seconds, for expected sessions of ``group``: ``window_s``, or
+        :data:`WINDOW_COMPUTE_SHARE` of the group's recent decode-batch compute time when longer
+        (a slow or loaded host, where a round's steps arrive further apart)."""
+        compute = self._compute_s.get(group)
+        return max(self.window_s, WINDOW_COMPUTE_SHARE * compute.value) if compute else self.window_s
+
+    def pending(self) -> int:
+        """Steps queued and not yet taken into a batch."""
+        with self._cond:
+            return len(self._pending)
+
+    def _collect(self) -> list[Step]:
+        """The next batch, taken out of the queue (called by the leader, holding the condition)."""
+        while True:
+            head = self._pending[0]
+            batch = [head]
+            if head.tokens == 1:
+                batch = self._decode_batch(head)
+                if len(batch) >= self.max_batch:
+                    break
+                remaining = head.arrived_s + self.window(head.group) - self.clock()
+                if remaining <= 0 or not self._expecting(head):
+                    break
+                self._cond.wait(remaining)
+                continue
+            break
+        for step in batch:
+            self._pending.remove(step)
+        return batch
+
+    def _decode_batch(self, head: Step) -> list[Step]:
+        batch, sessions = [], set()
+        for step in self._pending:
+            if step.group == head.group and step.tokens == 1 and step.session_id not in sessions:
+                batch.append(step)
+                sessions.add(step.session_id)
+                if len(batch) == self.max_batch:
+                    break
+        return batch
+
+    def _expecting(self, head: Step) -> bool:
+        """Whether a session may still join ``head``'s batch: one active in its group with no step
+        queued, whose last step here was over before ``head`` arrived. A session served while
+        ``head`` waited cannot be back before its next trip round the route, far longer than the
+        window; waiting for it would only delay ``head``."""
+        now = self.clock()
+        active = self._active.get(head.group, {})
+        for session_id in [s for s, last in active.items() if now - last > self.active_s]:
+            del active[session_id]
+        queued = {step.session_id for step in self._pending}
+        return any(session_id not in queued and last <= head.arrived_s for session_id, last in active.items())
+
+    def _execute(self, batch: list[Step]) -> None:
+        try:
+            self.run(batch)
+        except BaseException as exc:
+            for step in batch:
+                if not step.done:
+                    step.fail(exc)
+            if not isinstance(exc, Exception):
+                raise
+        for step in batch:
+            if not step.done:
+                step.fail(RuntimeError(f"the batch runner left the step of session {step.session_id} unfinished"))

@@ -1,0 +1,108 @@
+"""Batched decode (meshnet.models.shard.ShardModel.forward_batch): sessions of different lengths
+run as one forward equal their solo runs, tiny seeded models, float32 (ADR-0041)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from meshnet.errors import InvalidRequest
+from meshnet.layers import LayerRange
+from meshnet.models.shard import KVCache
+
+FAMILIES = ["tiny-llama", "tiny-gpt2"]
+PROMPT_LENGTHS = [3, 11, 7, 1, 20]  # ragged on purpose: every session at its own position
+
+
+def prompts(lengths: list[int]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 512, (1, n), generator=gen) for n in lengths]
+
+
+def prefill(shard, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    return shard.forward(shard.embed_tokens(ids, 0), cache, 0)
+
+
+def greedy_solo(shard, ids: torch.Tensor, steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens of one session alone, and the hidden state of each decode step."""
+    cache = KVCache(block_tokens=4)  # small blocks: the test also crosses buffer growths
+    token = int(shard.logits(prefill(shard, ids, cache))[0, -1].argmax())
+    tokens, hiddens, position = [token], [], ids.shape[1]
+    for _ in range(steps):
+        hidden = shard.forward(shard.embed_tokens(torch.tensor([[token]]), position), cache, position)
+        hiddens.append(hidden)
+        token = int(shard.logits(hidden)[0, -1].argmax())
+        tokens.append(token)
+        position += 1
+    return tokens, hiddens
+
+
+def greedy_batched(shard, all_ids: list[torch.Tensor], steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The same sessions, each prefilled alone, then every decode step of all of them as one batch."""
+    caches = [KVCache(block_tokens=4) for _ in all_ids]
+    tokens = [[int(shard.logits(prefill(shard, ids, c))[0, -1].argmax())] for ids, c in zip(all_ids, caches)]
+    positions = [ids.shape[1] for ids in all_ids]
+    hiddens = []
+    for _ in range(steps):
+        last = [t[-1] for t in tokens]
+        embedded = shard.embed_tokens(torch.tensor(last)[:, None], positions)
+        hidden = shard.forward_batch(embedded, caches, positions)
+        hiddens.append(hidden)
+        for row, token in enumerate(shard.logits(hidden)[:, -1].argmax(-1).tolist()):
+            tokens[row].append(token)
+        positions = [p + 1 for p in positions]
+    assert [c.get_seq_length(0) for c in caches] == [n + steps for n in PROMPT_LENGTHS]
+    return tokens, hiddens
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_batched_decode_of_ragged_sessions_equals_each_solo_run(name, tiny_shard):
+    shard = tiny_shard(name, 0, 4)
+    all_ids = prompts(PROMPT_LENGTHS)
+    steps = 9
+    batched_tokens, batched_hiddens = greedy_batched(shard, all_ids, steps)
+    for row, ids in enumerate(all_ids):
+        solo_tokens, solo_hiddens = greedy_solo(shard, ids, steps)
+        assert batched_tokens[row] == solo_tokens
+        for step in range(steps):
+            assert_close(batched_hiddens[step][row:row + 1], solo_hiddens[step], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_middle_shard_batches_a_sub_range(name, tiny_shard):
+    """A hop starting inside a shard (ADR-0012) batches too: layers [2,4) of a [1,4) shard."""
+    shard = tiny_shard(name, 1, 4)
+    gen = torch.Generator().manual_seed(9)
+    caches_batch, caches_solo, positions = [], [], []
+    for n in (4, 9, 2):
+        prompt = torch.randn(1, n, 64, generator=gen)
+        for caches in (caches_batch, caches_solo):
+            caches.append(KVCache())
+            shard.forward(prompt, caches[-1], 0, LayerRange(2, 4))
+        positions.append(n)
+    step = torch.randn(3, 1, 64, generator=gen)
+    out = shard.forward_batch(step, caches_batch, positions, LayerRange(2, 4))
+    assert out.shape == (3, 1, 64)
+    for row in range(3):
+        solo = shard.forward(step[row:row + 1], caches_solo[row], positions[row], LayerRange(2, 4))
+        assert_close(out[row:row + 1], solo, rtol=1e-5, atol=1e-5)
+    assert caches_batch[0].get_seq_length(1) == 0 and caches_batch[0].get_seq_length(2) == 5
+
+
+def test_batch_of_one_is_the_solo_forward(tiny_shard):
+    shard = tiny_shard("tiny-llama", 0, 4)
+    ids = prompts([6])[0]
+    solo, batched = KVCache(), KVCache()
+    prefill(shard, ids, solo)
+    prefill(shard, ids, batched)
+    step = shard.embed_tokens(torch.tensor([[42]]), 6)
+    assert torch.equal(shard.forward_batch(step, [batched], [6]), shard.forward(step, solo, 6))
+
+
+def test_forward_batch_takes_one_token_and_one_cache_per_row(tiny_shard):
+    shard = tiny_shard("tiny-llama", 0, 4)
+    with pytest.raises(InvalidRequest, match=r"takes \[sessions, 1, hidden\].*got \[2, 3, 64\]"):
+        shard.forward_batch(torch.zeros(2, 3, 64), [KVCache(), KVCache()], [0, 0])
+    with pytest.raises(InvalidRequest, match="1 caches, 2 positions"):
+        shard.forward_batch(torch.zeros(2, 1, 64), [KVCache()], [0, 0])
