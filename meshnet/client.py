@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from meshnet.endpoints import check_endpoint
 from meshnet.errors import MeshnetError, ModelNotRoutable
 from meshnet.protocol.control import (AssignResponse, DirectiveList, FailureReport, HeartbeatRequest,
-                                      HeartbeatResponse, RegisterRequest, RegisterResponse)
+                                      HeartbeatResponse, QuarantineReport, RegisterRequest, RegisterResponse)
 from meshnet.protocol.route import Hop, Route, RouteResponse
 from meshnet.protocol.views import Coverage, CoverageList, DemandList, NodeList
 from meshnet.protocol.signing import HEADER_JOIN_TOKEN, sign_request
@@ -182,6 +182,12 @@ class TrackerClient(_Base):
         await self._call("POST", f"/v1/nodes/{node_id}/failure", "report hop failure",
                          json=FailureReport(reason=reason[:2000]).model_dump())
 
+    async def report_quarantine(self, node_id: str, report: QuarantineReport) -> None:
+        """Ask the tracker to quarantine ``node_id``, outvoted by a spot-check (ADR-0042; signed
+        by the client's auth, an entry node's :class:`NodeSigner`)."""
+        await self._call("POST", f"/v1/nodes/{node_id}/quarantine", "report a spot-check",
+                         json=report.model_dump())
+
     async def _route(self, model: str, start_layer: int, end_layer: int, exclude: frozenset[str],
                      session: str | None = None) -> RouteResponse:
         params = {"model": model, "start_layer": start_layer, "end_layer": end_layer}
@@ -263,6 +269,10 @@ class TrackerClient(_Base):
 
     async def drain(self, node_id: str) -> dict:
         return await self._call("POST", "/v1/operator/drain", "drain", json={"node_id": node_id})
+
+    async def reinstate(self, node_id: str) -> dict:
+        """Lift ``node_id``'s quarantine (operator action, ADR-0042)."""
+        return await self._call("POST", "/v1/operator/reinstate", "reinstate", json={"node_id": node_id})
 
     async def chat(self, payload: dict, timeout_s: float = 300.0) -> dict:
         return await self._call("POST", "/v1/chat/completions", "chat", json=payload, timeout=timeout_s)

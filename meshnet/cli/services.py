@@ -129,6 +129,10 @@ def node_start(
                                                   envvar="MESHNET_HOP_CONNECT_TIMEOUT",
                                                   help="Seconds to connect to a hop before failing over."),
         wallet: str = typer.Option("", "--wallet", envvar="MESHNET_WALLET", help="Wallet reported to the tracker."),
+        spot_check_rate: float = typer.Option(N.spot_check_rate, "--spot-check-rate", min=0.0, max=1.0,
+                                              envvar="MESHNET_SPOT_CHECK_RATE",
+                                              help="As an entry: share of sessions whose hops are also run on a "
+                                                   "second holder and compared (0 disables)."),
         drain_grace: float = DrainOpt,
         log_level: str = LogOpt) -> None:
     """Start a node. With --model and --shard-start/--shard-end it serves that shard (pinned); with
@@ -168,7 +172,8 @@ def node_start(
                             accepts_placement=not no_placement, torch_threads=threads,
                             session_cache_bytes=session_cache_mb * 1024 * 1024, session_ttl_s=session_ttl,
                             hop_timeout_s=hop_timeout, hop_connect_timeout_s=hop_connect_timeout, wallet=wallet,
-                            drain_grace_s=drain_grace, **_body_limit(max_body_bytes))
+                            drain_grace_s=drain_grace, spot_check_rate=spot_check_rate,
+                            **_body_limit(max_body_bytes))
     from meshnet.node.app import build_app
 
     app = build_app(settings)

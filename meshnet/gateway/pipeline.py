@@ -19,6 +19,7 @@ from typing import AsyncIterator
 from meshnet.gateway.deadlines import DeadlinePolicy
 from meshnet.gateway.entry import Activation, EntryLayers, GenerationObserver, TokenChooser, TokenLogprob
 from meshnet.gateway.hops import FailureReporter, Hop, RemoteRoute, RouteProvider
+from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.layers import LayerRange
 from meshnet.protocol.openai import SamplingParams
 
@@ -78,18 +79,22 @@ class Orchestrator:
         client: httpx client for hops; ``routes``/``report``: tracker callbacks.
         observer: counts generations started and finished (the node's metrics), or None.
         release_auth: httpx auth that signs session releases as this node (ADR-0038), or None.
+        spot_check: re-runs a share of sessions' first hop calls on other holders (ADR-0042,
+            :class:`meshnet.gateway.spotcheck.SpotChecker`), or None.
     """
 
     def __init__(self, entry: EntryLayers, *, node_id: str, endpoint: str, client,
                  routes: RouteProvider, report: FailureReporter,
                  settings: OrchestratorSettings = OrchestratorSettings(),
-                 observer: GenerationObserver | None = None, release_auth=None) -> None:
+                 observer: GenerationObserver | None = None, release_auth=None,
+                 spot_check: SpotChecker | None = None) -> None:
         self.entry = entry
         self.node_id, self.endpoint = node_id, endpoint
         self.client, self.routes, self.report = client, routes, report
         self.settings = settings
         self.observer = observer
         self.release_auth = release_auth
+        self.spot_check = spot_check
         self.model = entry.model
         self.num_layers = entry.num_layers
         self.tokenizer = entry.tokenizer
@@ -151,7 +156,7 @@ class Orchestrator:
                                  connect_timeout_s=self.settings.hop_connect_timeout_s,
                                  deadlines=self.settings.deadlines,
                                  replay_chunk_tokens=self.settings.chunk_tokens,
-                                 release_auth=self.release_auth)
+                                 release_auth=self.release_auth, spot_check=self.spot_check)
         chooser: TokenChooser = self.entry.new_chooser(params)
         local_turn, local_len = asyncio.Condition(), [0]
         if self.observer is not None:

@@ -20,7 +20,7 @@ from meshnet.node.doctor import run_doctor
 from meshnet.node.loader import load_shard
 from meshnet.protocol.control import (PROTOCOL_REVISION, CapabilityReport, Directive, DirectiveUpdate,
                                       HeartbeatRequest, HeartbeatResponse, NodeStats, RegisterResponse,
-                                      RegisterRequest, ShardInfo)
+                                      QuarantineReport, RegisterRequest, ShardInfo)
 from meshnet.protocol.signing import decode_public_key, encode_public_key
 from meshnet.protocol.route import Hop, Route
 
@@ -290,6 +290,13 @@ class TrackerAgent:
             MeshnetError: see :meth:`TrackerClient.session_route`.
         """
         return await self.client.session_route(model, layers.start, layers.end - 1, session_id, exclude)
+
+    async def report_quarantine(self, node_id: str, report: QuarantineReport) -> None:
+        """Ask the tracker to quarantine ``node_id`` (a spot-check outvoted it, ADR-0042)."""
+        try:
+            await self.client.report_quarantine(node_id, report)
+        except MeshnetError as exc:
+            log.warning("could not report %s for quarantine: %s", node_id, exc.message)
 
     async def report_failure(self, node_id: str, reason: str) -> None:
         try:

@@ -48,6 +48,7 @@ from meshnet.errors import Forbidden, InvalidRequest, MeshnetError, NotFound
 from meshnet.gateway import openai_api
 from meshnet.protocol.http import BodyLimit, http_error
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
+from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
 from meshnet.node.entry import LocalEntry
@@ -56,7 +57,7 @@ from meshnet.node.readiness import gather_facts, node_readiness
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.sessions import SessionStore
 from meshnet.node.settings import NodeSettings
-from meshnet.protocol.control import CapabilityReport, DoctorResponse
+from meshnet.protocol.control import CapabilityReport, DoctorResponse, QuarantineReport
 from meshnet.protocol.route import Route as MeshRoute
 from meshnet.protocol.signing import decode_public_key, signer_of, verify_request
 from meshnet.protocol.tickets import HEADER_TICKET, VerifiedTickets, check_hop, read_ticket
@@ -82,6 +83,7 @@ class NodeContext:
     #: the tracker's key (learned at registration): hop calls need its session tickets (None: not required)
     tracker_key: Ed25519PublicKey | None = None
     tickets: VerifiedTickets = field(default_factory=VerifiedTickets)  # hop tickets already verified
+    spot_checker: SpotChecker | None = None  # made with the first orchestrator (ADR-0042)
 
 
 def _state(request: Request) -> NodeContext:
@@ -228,13 +230,32 @@ def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | Non
         if agent is not None:
             await agent.report_failure(node_id, reason)
 
+    if node.spot_checker is None and agent is not None:
+        node.spot_checker = spot_checker_for(node, routes)
     settings = OrchestratorSettings(hop_timeout_s=node.settings.hop_timeout_s,
                                     hop_connect_timeout_s=node.settings.hop_connect_timeout_s,
                                     pipelined=True if pipelined is None else pipelined)
     entry = LocalEntry(node.runtime, slot, wire_dtype=node.settings.wire_dtype, metrics=node.metrics)
     return slot.model, Orchestrator(entry, node_id=node.settings.node_id, endpoint=node.settings.endpoint,
                                     client=node.http, routes=routes, report=report, settings=settings,
-                                    observer=node.metrics, release_auth=getattr(agent, "signer", None))
+                                    observer=node.metrics, release_auth=getattr(agent, "signer", None),
+                                    spot_check=node.spot_checker)
+
+
+def spot_checker_for(node: NodeContext, routes) -> SpotChecker:
+    """This entry's spot-checker (``spot_check_rate`` of its sessions), reporting outvoted nodes
+    to the tracker with the evidence (ADR-0042)."""
+    agent = node.agent
+
+    async def report(node_id: str, model: str, hop, witnesses: list[str], distances: dict[str, float],
+                     limit: float, session: str) -> None:
+        start, end = hop.layers.to_inclusive()
+        await agent.report_quarantine(node_id, QuarantineReport(
+            model=model, shard_start=start, shard_end=end, witnesses=witnesses, distances=distances,
+            tolerance=limit, session=session))
+
+    return SpotChecker(node.settings.spot_check_rate, client=node.http, routes=routes, report=report,
+                       timeout_s=node.settings.hop_timeout_s, release_auth=getattr(agent, "signer", None))
 
 
 async def chat_completions(request: Request) -> Response:

@@ -38,6 +38,8 @@ class NodeSettings:
             are bounded by the wire format's own limit instead.
         drain_grace_s: on SIGTERM, seconds in-flight generations and hop sessions may take to
             finish before the node leaves (ADR-0032).
+        spot_check_rate: as an entry node, the share of sessions whose first call to each hop is
+            also run on a second holder and compared (ADR-0042; 0 disables).
         drain_hop_idle_s: while draining, a hop session untouched this long counts as over
             (its entry finished without releasing it, or died), seconds.
     """
@@ -67,6 +69,7 @@ class NodeSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_grace_s: float = 30.0
     drain_hop_idle_s: float = 5.0
+    spot_check_rate: float = 0.02
 
     @property
     def endpoint(self) -> str:

@@ -286,6 +286,19 @@ class FailureReport(Payload):
     reason: str = Field(default="", max_length=2000)
 
 
+class QuarantineReport(ShardRange):
+    """Body of ``POST /v1/nodes/{id}/quarantine``: an entry node's spot-check found the node
+    outvoted over ``shard_start``..``shard_end`` of ``model`` (ADR-0042). ``witnesses`` are the
+    two other holders that ran the same input; ``distances`` the pairwise relative L2 distances
+    of the three outputs, keyed ``"a|b"`` by node ids; ``tolerance`` the agreement threshold the
+    entry used."""
+
+    witnesses: list[str] = Field(min_length=2, max_length=2)
+    distances: dict[str, float] = Field(max_length=3)
+    tolerance: float = Field(ge=0)
+    session: str = Field(default="", max_length=128)
+
+
 class DoctorResponse(Payload):
     """Body of a node's ``POST /v1/doctor``: one capability report per loaded shard."""
 

@@ -89,6 +89,10 @@ class NodeView(BaseModel):
     stats: NodeStats
     last_heartbeat_age_s: float
     benchmark_tokens_per_sec: float
+    #: set while the node is quarantined (ADR-0042): ``reported_by``, ``model``,
+    #: ``shard_start``/``shard_end``, ``witnesses``, ``distances`` (``"a|b"`` -> relative L2),
+    #: ``tolerance``, ``since`` (unix seconds)
+    quarantine: dict | None = None
 
 
 class NodeList(BaseModel):

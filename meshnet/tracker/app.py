@@ -4,6 +4,7 @@ Routes (JSON unless noted; ``shard_start``/``shard_end``/``start_layer``/``end_l
 inclusive on the wire, ADR-0002):
     POST /v1/nodes/register, POST /v1/nodes/{id}/heartbeat, POST /v1/nodes/{id}/failure
     POST /v1/nodes/{id}/drain, DELETE /v1/nodes/{id}  (a node's own drain and leave, ADR-0032)
+    POST /v1/nodes/{id}/quarantine  (an entry's spot-check verdict with its evidence, ADR-0042)
         (registration: join token when set, signed by the key it registers; every later node
         call signed by the node's bound key, ADR-0035)
     GET  /v1/route[?session=] (with a session: signed by its entry node, answered with a ticket, ADR-0038)
@@ -11,7 +12,7 @@ inclusive on the wire, ADR-0002):
          /v1/directives, /v1/demand, /v1/models, /metrics
     GET  /v1/health (liveness), /v1/ready[?model=] (readiness: 200, or 503 with reasons)
     POST /v1/chat/completions  (forwarded to an entry node; 503 model_loading when not routable)
-    POST /v1/operator/{pin,reload,doctor,drain}  (bearer operator token when configured)
+    POST /v1/operator/{pin,reload,doctor,drain,reinstate}  (bearer operator token when configured)
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.probe import probe_endpoint
 from meshnet.tracker.rebalance import rebalance_off_loop
 from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
-                                      RegisterRequest, RegisterResponse, check_revision)
+                                      QuarantineReport, RegisterRequest, RegisterResponse, check_revision)
 from meshnet.protocol.views import CoverageList, DemandList, DemandRow
 from meshnet.protocol.route import RouteResponse
 from meshnet.protocol.signing import HEADER_NODE
@@ -163,6 +164,18 @@ async def failure(request: Request) -> JSONResponse:
     svc.report_failure_from(sender, node_id, body.reason)
     probe_soon(request.app, node_id, svc.nodes[node_id].endpoint)
     return JSONResponse({"ok": True})
+
+
+async def quarantine(request: Request) -> JSONResponse:
+    """A spot-check's verdict, signed by the entry node that ran it: the tracker re-counts the vote
+    and quarantines the node (ADR-0042); 403 from a node that could not have routed through it,
+    422 ``weak_evidence`` when the evidence does not outvote it."""
+    raw = await request.body()
+    sender = _signed_by(request, raw)
+    record = _svc(request).quarantine_from(sender, request.path_params["node_id"],
+                                           validate_json(QuarantineReport, raw))
+    request.app.state.wake.set()
+    return JSONResponse({"node_id": record.node_id, "quarantine": record.to_json()})
 
 
 async def drain_node(request: Request) -> JSONResponse:
@@ -374,6 +387,7 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
               Route("/v1/nodes/{node_id}/heartbeat", heartbeat, methods=["POST"]),
               Route("/v1/nodes/{node_id}/failure", failure, methods=["POST"]),
               Route("/v1/nodes/{node_id}/drain", drain_node, methods=["POST"]),
+              Route("/v1/nodes/{node_id}/quarantine", quarantine, methods=["POST"]),
               Route("/v1/nodes/{node_id}", deregister, methods=["DELETE"]),
               Route("/v1/nodes", nodes), Route("/v1/coverage", coverage_all),
               Route("/v1/coverage/{model:path}", coverage_one), Route("/v1/route", route),

@@ -65,6 +65,9 @@ class NodeRecord:
     probed_s: float | None = None  # monotonic time of the last probe's answer
     #: the heartbeat interval last announced to this node, seconds (its dropout timeout follows it, ADR-0037)
     interval_s: float = 0.0
+    #: set while a spot-check's outvote keeps the node out of routes and placement (ADR-0042;
+    #: a :class:`meshnet.tracker.quarantine.Quarantine`)
+    quarantine: object | None = None
 
     @property
     def quantization(self) -> str:
@@ -72,10 +75,10 @@ class NodeRecord:
 
     def admitted(self, shard: ShardRecord) -> bool:
         """A shard counts (coverage, routes) only with a present, passed and fresh report, on a
-        node the tracker can reach."""
+        node the tracker can reach that is not quarantined."""
         report = shard.report
         return bool(report is not None and report.passed and not self.is_stale(report) and not self.draining
-                    and self.reachable)
+                    and self.reachable and self.quarantine is None)
 
     def is_stale(self, report: CapabilityReport | None) -> bool:
         return report is not None and report.timestamp in self.stale_reports

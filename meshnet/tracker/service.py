@@ -21,7 +21,9 @@ from meshnet.tracker import placement, readiness, routing
 from meshnet.protocol.views import Coverage, CoverageSegment
 from meshnet.tracker.cadence import TIMEOUT_FACTOR, Cadence, heartbeat_cadence
 from meshnet.protocol.control import (OPEN_STATUSES, CapabilityReport, Directive, HeartbeatRequest,
-                                      RegisterRequest)
+                                      QuarantineReport, RegisterRequest)
+from meshnet.protocol.evidence import tolerance
+from meshnet.tracker.quarantine import Quarantine, judge
 from meshnet.tracker.registry import NodeRecord, ShardRecord
 from meshnet.tracker.store import TrackerStore
 from meshnet.tracker.tickets import TicketIssuer, load_tracker_key
@@ -133,6 +135,8 @@ class TrackerService:
         self.dirty = True  # a join/leave happened: rebalance soon
         self.last_join_s = 0.0
         self.plan_reasons: Mapping[str, str] = {}  # node id -> why it did or did not get a range
+        #: node id -> why it is quarantined (ADR-0042); kept across its re-registrations
+        self.quarantined: dict[str, Quarantine] = {}
         self.tickets = TicketIssuer(load_tracker_key(settings.db_path), settings.ticket_ttl_s)
         for name in settings.models:
             self.store.add_model(canonical_model_name(name))
@@ -200,6 +204,7 @@ class TrackerService:
             record.stale_reports, record.draining = old.stale_reports, old.draining
             if old.endpoint == record.endpoint:
                 record.reachable, record.reach_error, record.probed_s = old.reachable, old.reach_error, old.probed_s
+        record.quarantine = self.quarantined.get(node_id)
         self.nodes[node_id] = record
         self.dirty = True
         if old is None:
@@ -416,6 +421,60 @@ class TrackerService:
             log.warning("refused a failure report of %s from %s: %s", node_id, sender, why)
             raise Forbidden(f"{sender} may not report a failure of {node_id}: {why}", code="not_on_route")
         self.report_failure(node_id, f"{reason} (reported by {sender})")
+
+    def quarantine_from(self, sender: str, node_id: str, report: QuarantineReport) -> Quarantine:
+        """Quarantine ``node_id`` on a spot-check's evidence reported by entry node ``sender`` (whose
+        signature the caller checked): never routed or placed, its open directives cancelled,
+        until :meth:`reinstate` (ADR-0042). A node already quarantined keeps its first evidence.
+
+        Raises:
+            NotFound: ``node_id`` is not registered.
+            Forbidden (403 ``not_on_route``): the sender could not have had it on a route.
+            InvalidRequest (422 ``weak_evidence``): the evidence does not outvote it (see
+                :func:`meshnet.tracker.quarantine.judge`); nothing changes.
+        """
+        accused = self.get(node_id)
+        why = may_report_failure(self.nodes.get(sender), accused)
+        if why:
+            raise Forbidden(f"{sender} may not report {node_id}: {why}", code="not_on_route")
+        if node_id in self.quarantined:
+            return self.quarantined[node_id]
+        layers = report.layers
+        model = canonical_model_name(report.model)
+        holders = {n.node_id: s.quantization for n, s in self.admitted_shards(model)
+                   if s.layers.start <= layers.start and layers.end <= s.layers.end}
+        why = judge(sender, node_id, report, holders)
+        if why:
+            log.warning("refused a quarantine report of %s from %s: %s", node_id, sender, why)
+            raise InvalidRequest(f"the spot-check evidence does not quarantine {node_id}: {why}",
+                                 code="weak_evidence", status=422)
+        limit = tolerance(*(holders[n] for n in [node_id, *report.witnesses]))
+        record = Quarantine(node_id=node_id, reported_by=sender, model=model, shard_start=report.shard_start,
+                            shard_end=report.shard_end, witnesses=tuple(report.witnesses),
+                            distances=dict(report.distances), tolerance=limit)
+        self.quarantined[node_id] = accused.quarantine = record
+        self.store.fail_open(node_id, "node quarantined: outvoted by a spot-check")
+        self.dirty = True
+        log.warning("node %s quarantined: outvoted over %s layers %d-%d by %s (distances %s)", node_id, model,
+                    report.shard_start, report.shard_end, ", ".join(report.witnesses), report.distances)
+        return record
+
+    def reinstate(self, node_id: str) -> bool:
+        """Lift ``node_id``'s quarantine (operator action); returns whether it was quarantined. Its
+        shards count again as soon as their reports do.
+
+        Raises:
+            NotFound: neither registered nor quarantined.
+        """
+        if node_id not in self.nodes and node_id not in self.quarantined:
+            self.get(node_id)
+        was = self.quarantined.pop(node_id, None) is not None
+        if node_id in self.nodes:
+            self.nodes[node_id].quarantine = None
+        if was:
+            self.dirty = True
+            log.info("node %s reinstated by the operator", node_id)
+        return was
 
     def report_failure(self, node_id: str, reason: str) -> None:
         """Record a failure of ``node_id`` (routes avoid it a while); the tracker's own proxy calls it."""
