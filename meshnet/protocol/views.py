@@ -61,6 +61,10 @@ class ShardView(BaseModel):
     weight_bytes: int = Field(ge=0)
     admitted: bool
     capability: CapabilityView
+    #: the tracker's check of the shard (ADR-0042): ``state`` (``pending``, ``verified``,
+    #: ``unverified``, ``rejected``) and ``reason``; after a challenge also ``references``,
+    #: ``distances`` (``"candidate|reference"`` -> relative L2) and ``tolerance``
+    verification: dict | None = None
 
 
 class NodeView(BaseModel):

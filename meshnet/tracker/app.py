@@ -39,6 +39,7 @@ from meshnet.protocol.openai import read_chat_request
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name, default_model, model_aliases
 from meshnet.tracker import operator, proxy, views
+from meshnet.tracker.admission import Challenge, run_challenge
 from meshnet.tracker.auth import NodeAuth, exposure_problem
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.probe import probe_endpoint
@@ -81,8 +82,27 @@ async def probe(app: Starlette, node_id: str, endpoint: str) -> None:
     svc: TrackerService = app.state.service
     error = await probe_endpoint(app.state.http, endpoint, node_id, svc.settings.probe_timeout_s)
     svc.set_reachability(node_id, endpoint, error)
+    start_challenges(app)
     if svc.dirty:
         app.state.wake.set()
+
+
+async def admit(app: Starlette, challenge: Challenge) -> None:
+    """Run one admission challenge and record its verdict (ADR-0042, :mod:`meshnet.tracker.admission`)."""
+    svc: TrackerService = app.state.service
+    verdict, outvoted = await run_challenge(app.state.http, svc.tickets.key, challenge,
+                                            svc.settings.challenge_timeout_s)
+    svc.record_challenge(challenge, verdict, outvoted)
+    app.state.wake.set()
+
+
+def start_challenges(app: Starlette) -> None:
+    """Start the admission challenges the service decided on, in the background."""
+    running: set[asyncio.Task] = app.state.challenging
+    for challenge in app.state.service.take_challenges():
+        task = asyncio.create_task(admit(app, challenge))
+        running.add(task)
+        task.add_done_callback(running.discard)
 
 
 def probe_soon(app: Starlette, node_id: str, endpoint: str) -> None:
@@ -145,6 +165,7 @@ async def heartbeat(request: Request) -> JSONResponse:
     body = await request.body()
     _signed_by(request, body, as_node=node_id)
     directives = svc.heartbeat(node_id, validate_json(HeartbeatRequest, body))
+    start_challenges(request.app)
     if svc.dirty:
         request.app.state.wake.set()
     node = svc.get(node_id)
@@ -328,6 +349,7 @@ async def control_loop(app: Starlette) -> None:
             pass
         app.state.wake.clear()
         try:
+            start_challenges(app)
             for node in svc.to_probe():
                 probe_soon(app, node.node_id, node.endpoint)
             svc.check_dropouts()
@@ -371,13 +393,14 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
         app.state.service.metrics = TrackerMetrics()
         app.state.wake = asyncio.Event()
         app.state.probing = {}
+        app.state.challenging = set()
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), transport=transport) as http:
             app.state.http = http
             task = asyncio.create_task(control_loop(app)) if run_loop else None
             try:
                 yield
             finally:
-                for pending in [task, *app.state.probing.values()]:
+                for pending in [task, *app.state.probing.values(), *app.state.challenging]:
                     if pending is not None:
                         pending.cancel()
                         with contextlib.suppress(asyncio.CancelledError):

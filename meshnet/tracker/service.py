@@ -23,6 +23,7 @@ from meshnet.tracker.cadence import TIMEOUT_FACTOR, Cadence, heartbeat_cadence
 from meshnet.protocol.control import (OPEN_STATUSES, CapabilityReport, Directive, HeartbeatRequest,
                                       QuarantineReport, RegisterRequest)
 from meshnet.protocol.evidence import tolerance
+from meshnet.tracker.admission import ADMITTING, Challenge, Holder, Verdict, decide, digest_key
 from meshnet.tracker.quarantine import Quarantine, judge
 from meshnet.tracker.registry import NodeRecord, ShardRecord
 from meshnet.tracker.store import TrackerStore
@@ -60,6 +61,10 @@ class TrackerSettings:
             that signs them lives next to ``db_path``.
         directive_retention_s: finished (done/failed) directives are deleted this long after
             their last update, seconds (ADR-0037; default one day).
+        admission_challenges: challenge each new shard against an admitted holder of its layers
+            before it is routed (ADR-0042); off, every passed shard is admitted unverified
+            (after the weights-digest check).
+        challenge_timeout_s: how long one challenge call may take, seconds.
     """
 
     host: str = "127.0.0.1"
@@ -81,6 +86,8 @@ class TrackerSettings:
     drain_grace_s: float = 30.0
     ticket_ttl_s: float = 600.0
     directive_retention_s: float = 86_400.0
+    admission_challenges: bool = True
+    challenge_timeout_s: float = 30.0
 
 
 def may_report_failure(sender: NodeRecord | None, reported: NodeRecord) -> str:
@@ -137,6 +144,12 @@ class TrackerService:
         self.plan_reasons: Mapping[str, str] = {}  # node id -> why it did or did not get a range
         #: node id -> why it is quarantined (ADR-0042); kept across its re-registrations
         self.quarantined: dict[str, Quarantine] = {}
+        #: (node id, model, start, end, report timestamp) -> the shard's verification (ADR-0042)
+        self.verdicts: dict[tuple, Verdict] = {}
+        #: weights digest known per model, exact range and recipe (:func:`admission.digest_key`)
+        self.digests: dict[tuple, str] = {}
+        #: challenges decided but not started yet (the app starts them: :meth:`take_challenges`)
+        self.challenges: list[Challenge] = []
         self.tickets = TicketIssuer(load_tracker_key(settings.db_path), settings.ticket_ttl_s)
         for name in settings.models:
             self.store.add_model(canonical_model_name(name))
@@ -206,6 +219,7 @@ class TrackerService:
                 record.reachable, record.reach_error, record.probed_s = old.reachable, old.reach_error, old.probed_s
         record.quarantine = self.quarantined.get(node_id)
         self.nodes[node_id] = record
+        self.verify_shards(record)
         self.dirty = True
         if old is None:
             self.last_join_s = time.monotonic()
@@ -313,6 +327,7 @@ class TrackerService:
         by_range = {(r.model, r.layers): r for r in reports}
         for shard in node.shards:
             shard.report = by_range.get((shard.model, shard.layers), shard.report)
+        self.verify_shards(node)
         self.dirty = True
         return [r.reason for r in reports if not r.passed]
 
@@ -359,6 +374,7 @@ class TrackerService:
         node.shards = [ShardRecord.from_payload(s) for s in payload.shards]
         for s in payload.shards:
             self.ensure_model(s.model, s.num_layers)
+        self.verify_shards(node)
         if before != {(s.model, s.layers) for s in node.shards if node.admitted(s)}:
             self.dirty = True
         if any(u.status in ("done", "failed") for u in payload.directive_updates):
@@ -387,6 +403,7 @@ class TrackerService:
         elif not reachable and error != node.reach_error:  # a node registers before it listens: often once
             log.info("node %s not reachable (yet): %s", node_id, error)
         node.reachable, node.reach_error = reachable, error
+        self.verify_shards(node)
 
     def to_probe(self, now: float | None = None) -> list[NodeRecord]:
         """Unreachable nodes whose last probe is ``probe_interval_s`` old or more."""
@@ -506,7 +523,85 @@ class TrackerService:
 
     def _forget(self, node_id: str, why: str) -> None:
         del self.nodes[node_id]
+        self.verdicts = {k: v for k, v in self.verdicts.items() if k[0] != node_id}
         self.store.fail_open(node_id, why)
+        self.dirty = True
+
+    # ---- admission by evidence (ADR-0042) ---------------------------------------------
+
+    @staticmethod
+    def _verdict_key(node: NodeRecord, shard: ShardRecord) -> tuple:
+        return (node.node_id, shard.model, shard.layers.start, shard.layers.end, shard.report.timestamp)
+
+    @staticmethod
+    def _holder(node: NodeRecord, shard: ShardRecord) -> Holder:
+        return Holder(node.node_id, node.endpoint, shard.layers, shard.quantization,
+                      shard.report.recipe.compute_dtype if shard.report is not None else "")
+
+    def _digest_key(self, shard: ShardRecord) -> tuple:
+        return digest_key(shard.model, shard.layers, shard.quantization, shard.report.recipe.compute_dtype) + (
+            shard.entry,)
+
+    def verify_shards(self, node: NodeRecord) -> None:
+        """Give each passed shard of a reachable ``node`` its verification: a known one, or a new
+        decision (:func:`meshnet.tracker.admission.decide`), which may queue a challenge (the
+        shard is ``pending`` meanwhile). Forgets the verdicts of reports the node no longer has."""
+        current = set()
+        for shard in node.shards:
+            report = shard.report
+            if report is None or not report.passed:
+                continue
+            key = self._verdict_key(node, shard)
+            current.add(key)
+            verdict = self.verdicts.get(key)
+            if verdict is None and node.reachable:
+                verdict = self.verdicts[key] = self._decide(node, shard, key)
+            shard.verdict = verdict
+        self.verdicts = {k: v for k, v in self.verdicts.items() if k[0] != node.node_id or k in current}
+
+    def _decide(self, node: NodeRecord, shard: ShardRecord, key: tuple) -> Verdict:
+        preset = find_preset(shard.model)
+        hidden = preset.hidden_size if preset is not None and self.settings.admission_challenges else None
+        holders = [self._holder(n, s) for n, s in self.admitted_shards(shard.model) if n.node_id != node.node_id]
+        digest = shard.report.weights_digest
+        out = decide(self._holder(node, shard), digest, self.digests.get(self._digest_key(shard)), holders, hidden)
+        if isinstance(out, Verdict):
+            if out.state in ADMITTING and digest:
+                self.digests.setdefault(self._digest_key(shard), digest)
+            log.log(logging.WARNING if out.state == "rejected" else logging.INFO, "shard %s %s on %s: %s (%s)",
+                    shard.model, shard.layers, node.node_id, out.state, out.reason)
+            return out
+        self.challenges.append(Challenge(shard.model, shard.layers, self._holder(node, shard), out, hidden, key))
+        return Verdict("pending", f"a challenge against {', '.join(h.node_id for h in out)} is running")
+
+    def take_challenges(self) -> list[Challenge]:
+        """The challenges decided since the last call (the app runs them)."""
+        out, self.challenges = self.challenges, []
+        return out
+
+    def record_challenge(self, challenge: Challenge, verdict: Verdict, outvoted: str | None = None) -> None:
+        """Store a challenge's verdict on the candidate's shard (when that report is still current);
+        a reference that the vote outvoted is quarantined on the tracker's own evidence."""
+        if challenge.key in self.verdicts:
+            self.verdicts[challenge.key] = verdict
+        node = self.nodes.get(challenge.candidate.node_id)
+        for shard in node.shards if node is not None else []:
+            if shard.report is not None and self._verdict_key(node, shard) == challenge.key:
+                shard.verdict = verdict
+                if verdict.state == "verified" and shard.report.weights_digest:
+                    self.digests.setdefault(self._digest_key(shard), shard.report.weights_digest)
+        log.log(logging.WARNING if verdict.state == "rejected" else logging.INFO, "challenge of %s on %s layers %s: %s (%s)",
+                challenge.candidate.node_id, challenge.model, challenge.layers, verdict.state, verdict.reason)
+        if outvoted is not None and outvoted in self.nodes and outvoted not in self.quarantined:
+            start, end = challenge.layers.to_inclusive()
+            record = Quarantine(node_id=outvoted, reported_by="tracker (admission challenge)", model=challenge.model,
+                                shard_start=start, shard_end=end,
+                                witnesses=tuple(n for n in (challenge.candidate.node_id, *verdict.references)
+                                                if n != outvoted),
+                                distances=dict(verdict.distances), tolerance=verdict.tolerance or 0.0)
+            self.quarantined[outvoted] = self.nodes[outvoted].quarantine = record
+            self.store.fail_open(outvoted, "node quarantined: outvoted by an admission challenge")
+            log.warning("node %s quarantined: outvoted by an admission challenge (%s)", outvoted, verdict.distances)
         self.dirty = True
 
     # ---- coverage and routes ----------------------------------------------------------

@@ -29,7 +29,8 @@ def node_json(service, node, models) -> NodeView:
             timestamp=report.timestamp, stale=node.is_stale(report))
         shards.append(ShardView(model=s.model, shard_start=start, shard_end=end, tier=s.tier,
                                 quantization=s.quantization, entry=s.entry, weight_bytes=s.weight_bytes,
-                                admitted=node.admitted(s), capability=capability))
+                                admitted=node.admitted(s), capability=capability,
+                                verification=None if s.verdict is None else s.verdict.to_json()))
     return NodeView(node_id=node.node_id, endpoint=node.endpoint, device=node.device, wallet=node.wallet,
                     vram_bytes=node.vram_bytes, memory_budget_bytes=budget, ram_bytes=node.ram_bytes,
                     quantization=node.quantization, max_assignable_layers=max_layers,
