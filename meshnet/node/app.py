@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -51,6 +51,7 @@ from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
 from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
+from meshnet.node.corrupt import Corruption
 from meshnet.node.entry import LocalEntry
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.readiness import gather_facts, node_readiness
@@ -84,6 +85,8 @@ class NodeContext:
     tracker_key: Ed25519PublicKey | None = None
     tickets: VerifiedTickets = field(default_factory=VerifiedTickets)  # hop tickets already verified
     spot_checker: SpotChecker | None = None  # made with the first orchestrator (ADR-0042)
+    #: test-only dishonesty (:mod:`meshnet.node.corrupt`, from the environment); None normally
+    corruption: Corruption | None = field(default_factory=Corruption.from_env)
 
 
 def _state(request: Request) -> NodeContext:
@@ -122,6 +125,8 @@ async def forward(request: Request) -> Response:
     if position == 0:  # a new session (or a replay): a draining node takes none, the entry fails over
         node.drain.refuse_new("new hop sessions")
     node.last_forward_s = time.monotonic()
+    if node.corruption is not None:
+        node.corruption.on_hop_call(node.runtime)
     body = await request.body()
     hidden = await wire.decode_async(body)
     t0 = time.perf_counter()
@@ -191,7 +196,8 @@ async def health(request: Request) -> JSONResponse:
                          "shards": [s.model_dump(exclude={"report"}) for s in rt.describe()], "slots_total": rt.max_loaded_shards,
                          "sessions": len(rt.sessions), "cache_bytes_left": rt.sessions.bytes_left,
                          "session_cache_bytes": rt.sessions.max_bytes, "session_ttl_s": rt.sessions.ttl_s,
-                         "compute_dtype": rt.compute_dtype, "rss_bytes": hardware.rss_bytes(), "uptime_s": round(time.time() - node.started_at, 1)})
+                         "compute_dtype": rt.compute_dtype, "rss_bytes": hardware.rss_bytes(), "uptime_s": round(time.time() - node.started_at, 1),
+                         "spot_checks": None if node.spot_checker is None else asdict(node.spot_checker.stats)})
 
 
 async def ready(request: Request) -> JSONResponse:

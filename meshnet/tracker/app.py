@@ -249,7 +249,8 @@ async def route(request: Request) -> JSONResponse:
     exclude = frozenset(x for x in request.query_params.get("exclude", "").split(",") if x)
     hops = svc.route(info.name, LayerRange.from_inclusive(start, end), exclude)
     ticket = svc.session_ticket(entry, session, info.name, hops) if entry is not None else None
-    body = RouteResponse(model=info.name, hops=[h.to_json() for h in hops], ticket=ticket)
+    body = RouteResponse(model=info.name, hops=[h.to_json() for h in hops], ticket=ticket,
+                         unverified=svc.unverified_hops(info.name, hops))
     return JSONResponse(body.model_dump(exclude_none=True))
 
 

@@ -665,6 +665,14 @@ class TrackerService:
             full.coverage = self.coverage(model).model_dump()
             raise full from None
 
+    def unverified_hops(self, model: str, hops: list[routing.Hop]) -> list[str]:
+        """Node ids of ``hops`` whose layers no other admitted holder covers (nothing can
+        spot-check them, ADR-0042)."""
+        shards = self.admitted_shards(model)
+        return [h.node_id for h in hops
+                if not any(n.node_id != h.node_id and s.layers.start <= h.layers.start and h.layers.end <= s.layers.end
+                           for n, s in shards)]
+
     def session_ticket(self, entry: str, session: str, model: str, hops: list[routing.Hop]) -> str:
         """A ticket for ``hops`` of ``model`` in ``session``, driven by node ``entry`` (whose signature
         the caller checked).
