@@ -292,7 +292,8 @@ class RemoteRoute:
             HopFailed: the hop was outvoted (and reported for quarantine).
         """
         loser = await self.spot_check.check(model=self.model, hop=state.hop, frame=frame, output=output,
-                                            last_only=last_only, codec=self.codec, session_id=self.session_id)
+                                            last_only=last_only, codec=self.codec, session_id=self.session_id,
+                                            exclude=frozenset(self.failed))
         if loser == state.hop.node_id:
             raise HopFailed(f"{_describe(state.hop)} was outvoted by a spot-check and quarantined",
                             node_id=state.hop.node_id)

@@ -47,7 +47,7 @@ class SpotCheckStats:
     checks: int = 0
     unverified: int = 0
     disputes: int = 0
-    quarantined: list[str] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)  # the latest 100 outvoted nodes
     #: every distance measured between two holders (newest last, at most 1,000)
     distances: list[float] = field(default_factory=list)
 
@@ -76,6 +76,8 @@ class SpotChecker:
         self.timeout_s, self.release_auth = timeout_s, release_auth
         self.rng = rng or random.Random()
         self.stats = SpotCheckStats()
+        #: nodes this checker found outvoted: never asked to witness again (the tracker also stops routing them)
+        self.outvoted: frozenset[str] = frozenset()
 
     def draw(self) -> bool:
         """Whether to check the session starting now (probability ``rate``)."""
@@ -112,15 +114,17 @@ class SpotChecker:
         return d
 
     async def check(self, *, model: str, hop: Hop, frame: bytes, output: bytes, last_only: bool,
-                    codec: ActivationCodec, session_id: str = "") -> str | None:
-        """Check ``hop``'s ``output`` for input ``frame`` (a position-0 call) against other holders.
+                    codec: ActivationCodec, session_id: str = "", exclude: frozenset[str] = frozenset()) -> str | None:
+        """Check ``hop``'s ``output`` for input ``frame`` (a position-0 call) against other holders,
+        none of them in ``exclude`` (the session's failed nodes) or outvoted by this checker before.
 
         Returns:
             The node id the vote quarantined (``hop.node_id`` when the checked hop lost, a
             witness's id when it did), or None (agreement, no witness, or no majority).
         """
         self.stats.checks += 1
-        second = await self._witness(model, hop, frozenset({hop.node_id}), frame, last_only, codec)
+        exclude = exclude | self.outvoted | {hop.node_id}
+        second = await self._witness(model, hop, exclude, frame, last_only, codec)
         if second is None:
             self.stats.unverified += 1
             return None
@@ -130,7 +134,7 @@ class SpotChecker:
             return None
         log.warning("spot-check: %s and %s disagree on layers %s (distance %.4f > %.4f)", hop.node_id, second_id,
                     hop.layers, d12, self.limit)
-        third = await self._witness(model, hop, frozenset({hop.node_id, second_id}), frame, last_only, codec)
+        third = await self._witness(model, hop, exclude | {second_id}, frame, last_only, codec)
         if third is None:
             self.stats.disputes += 1
             log.warning("spot-check: no third holder of layers %s to settle %s against %s", hop.layers,
@@ -147,7 +151,8 @@ class SpotChecker:
         witnesses = [n for n in (hop.node_id, second_id, third_id) if n != loser]
         evidence = {f"{a}|{b}": round(d, 6) for (a, b), d in distances.items()}
         log.warning("spot-check: %s outvoted over layers %s by %s: %s", loser, hop.layers, witnesses, evidence)
-        self.stats.quarantined.append(loser)
+        self.stats.quarantined = (self.stats.quarantined + [loser])[-100:]
+        self.outvoted = self.outvoted | {loser}
         try:
             await self.report(loser, model, hop, witnesses, evidence, self.limit, session_id)
         except Exception:  # noqa: BLE001 - a lost report must not fail the generation
