@@ -92,6 +92,9 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
           heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", help="Seconds between heartbeats."),
           drain_grace: float = typer.Option(30.0, "--drain-grace", min=0.0,
                                             help="On stop, seconds chats in flight get to finish."),
+          spot_check_rate: float = typer.Option(0.02, "--spot-check-rate", min=0.0, max=1.0,
+                                                help="Share of sessions whose hops the entry also runs on a second "
+                                                     "holder and compares (ADR-0042; 0 disables)."),
           exit_when_ready: bool = typer.Option(False, "--exit-when-ready", help="Stop everything once ready (smoke test).")) -> None:
     """Start a tracker and N local nodes that split the model evenly; Ctrl-C stops them all."""
     from meshnet.models.sources import cache_dir, resolve
@@ -126,7 +129,7 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
             start, end = layers.to_inclusive()
             mesh.start_node(f"node-{i}", "--model", preset.name, "--shard-start", str(start), "--shard-end", str(end),
                             "--dtype", dtype, "--wire-dtype", wire_dtype, "--drain-grace", str(drain_grace),
-                            "--memory", str(memory_mb), threads=threads)
+                            "--memory", str(memory_mb), "--spot-check-rate", str(spot_check_rate), threads=threads)
         console.print(f"started tracker and {nodes} node(s), {threads} torch thread(s) and {memory_mb} MB each; "
                       f"logs in {logs}")
         with console.status(f"loading {preset.name} across {nodes} node(s)"):

@@ -60,6 +60,10 @@ def tracker_start(
         directive_retention: float = typer.Option(T.directive_retention_s, "--directive-retention", min=0.0,
                                                   envvar="MESHNET_DIRECTIVE_RETENTION",
                                                   help="Seconds finished (done/failed) directives are kept."),
+        challenges: bool = typer.Option(T.admission_challenges, "--challenges/--no-challenges",
+                                        envvar="MESHNET_ADMISSION_CHALLENGES",
+                                        help="Challenge each new shard against an admitted holder of its layers "
+                                             "before routing it (off: digest check only, shards admitted unverified)."),
         log_level: str = LogOpt) -> None:
     """Start a tracker that keeps the given models covered. Beyond loopback it needs --join-token
     and --operator-token (or --insecure)."""
@@ -89,7 +93,7 @@ def tracker_start(
                                operator_token=operator_token, join_token=join_token, insecure=insecure,
                                join_settle_s=join_settle,
                                probe_timeout_s=probe_timeout, drain_grace_s=drain_grace,
-                               directive_retention_s=directive_retention,
+                               directive_retention_s=directive_retention, admission_challenges=challenges,
                                **_body_limit(max_body_bytes))
     _serve(build_app(settings), host, port)
 
