@@ -189,10 +189,12 @@ class TrackerClient(_Base):
                          json=report.model_dump())
 
     async def _route(self, model: str, start_layer: int, end_layer: int, exclude: frozenset[str],
-                     session: str | None = None) -> RouteResponse:
+                     session: str | None = None, like: str | None = None) -> RouteResponse:
         params = {"model": model, "start_layer": start_layer, "end_layer": end_layer}
         if session is not None:
             params["session"] = session
+        if like is not None:
+            params["like"] = like
         if exclude:
             params["exclude"] = ",".join(sorted(exclude))
         return _parse(RouteResponse, await self._call("GET", "/v1/route", "route lookup", params=params),
@@ -204,17 +206,18 @@ class TrackerClient(_Base):
         return (await self._route(model, start_layer, end_layer, exclude)).to_hops()
 
     async def session_route(self, model: str, start_layer: int, end_layer: int, session: str,
-                            exclude: frozenset[str] = frozenset()) -> Route:
+                            exclude: frozenset[str] = frozenset(), like: str | None = None) -> Route:
         """Hops serving layers ``start_layer..end_layer`` (inclusive) of ``model`` for ``session``,
         with the session's ticket (ADR-0038). The call is signed by the client's auth (an entry
-        node's :class:`NodeSigner`).
+        node's :class:`NodeSigner`). ``like``: only holders of the same recipe as that node's
+        shard over these layers (a spot-check's witnesses, ADR-0042).
 
         Raises:
             MeshnetError: 401 (unsigned or unknown signer), 403 (not an entry node of the model, or
                 the session belongs to another entry), 503 ``model_loading`` (no route), or the
                 tracker unreachable; 502 ``bad_response`` when the answer carries no ticket.
         """
-        route = (await self._route(model, start_layer, end_layer, exclude, session)).to_route()
+        route = (await self._route(model, start_layer, end_layer, exclude, session, like)).to_route()
         if not route.ticket:
             raise MeshnetError("route lookup: the tracker sent no session ticket", code="bad_response", status=502,
                                hint="tracker and node versions may differ")

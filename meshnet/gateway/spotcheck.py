@@ -2,7 +2,7 @@
 
 With probability ``rate`` per session, the first prefill call of a hop (position 0, so a fresh
 session elsewhere computes exactly the same thing) is also sent to a second holder of the
-same layers, under a fresh session id and its own ticket. The two output frames are compared
+same layers and recipe, under a fresh session id and its own ticket. The two output frames are compared
 (:func:`meshnet.protocol.evidence.frame_distance`). Within ``limit`` they agree and the
 generation goes on. Otherwise a third holder (neither of the first two) runs the same input
 and the majority decides (:func:`meshnet.protocol.evidence.outvoted`): the outvoted node is
@@ -27,12 +27,16 @@ from typing import Awaitable, Callable
 import httpx
 
 from meshnet.gateway.entry import ActivationCodec
-from meshnet.gateway.hops import RouteProvider, post_forward, release_soon
+from meshnet.gateway.hops import post_forward, release_soon
+from meshnet.layers import LayerRange
 from meshnet.protocol.evidence import frame_distance, outvoted, tolerance
 from meshnet.protocol.route import Hop, Route
 
 log = logging.getLogger(__name__)
 
+#: async (model, layers, exclude node ids, session id, like node id) -> a route over ``layers`` through
+#: shards of the same recipe as node ``like``'s, with its ticket (``GET /v1/route?like=``)
+WitnessRoutes = Callable[[str, LayerRange, frozenset[str], str, str], Awaitable[Route]]
 #: async (node id, model, the checked hop, witnesses, distances keyed "a|b", limit, session) -> None:
 #: asks the tracker to quarantine the node (``POST /v1/nodes/{id}/quarantine``)
 QuarantineReporter = Callable[[str, str, Hop, list[str], dict[str, float], float, str], Awaitable[None]]
@@ -58,15 +62,15 @@ class SpotChecker:
     Args:
         rate: probability that one session is checked (0 disables; default 0.02).
         client: httpx client for the extra hop calls; ``timeout_s`` bounds each.
-        routes: the orchestrator's route provider (asked with a fresh session id, so each
-            witness gets its own ticket).
+        routes: finds witnesses (:data:`WitnessRoutes`): holders of the checked hop's layers
+            with its recipe, asked with a fresh session id, so each witness gets its own ticket.
         report: tells the tracker whom to quarantine (:data:`QuarantineReporter`).
         limit: agreement threshold, relative L2 (default: the bfloat16 tolerance).
         release_auth: signs the witnesses' session releases as this entry (None: unsigned).
         rng: the source of the draws (tests pass a seeded one).
     """
 
-    def __init__(self, rate: float, *, client: httpx.AsyncClient, routes: RouteProvider,
+    def __init__(self, rate: float, *, client: httpx.AsyncClient, routes: WitnessRoutes,
                  report: QuarantineReporter, limit: float | None = None, timeout_s: float = 60.0,
                  release_auth: httpx.Auth | None = None, rng: random.Random | None = None) -> None:
         if not 0.0 <= rate <= 1.0:
@@ -89,7 +93,7 @@ class SpotChecker:
         a fresh session; ``(node id, output frame)``, or None when there is none or it failed."""
         session = uuid.uuid4().hex
         try:
-            route: Route = await self.routes(model, hop.layers, exclude, session)
+            route: Route = await self.routes(model, hop.layers, exclude, session, hop.node_id)
         except Exception as exc:  # noqa: BLE001 - no other holder (NoRoute), tracker down: unverified
             log.debug("no witness for %s layers %s: %s", hop.node_id, hop.layers, exc)
             return None

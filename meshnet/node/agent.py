@@ -283,13 +283,14 @@ class TrackerAgent:
         """Hops over ``layers`` of ``model`` without ``exclude`` (no ticket: readiness checks)."""
         return await self.client.route(model, layers.start, layers.end - 1, exclude)
 
-    async def session_route(self, model: str, layers: LayerRange, exclude: frozenset[str], session_id: str) -> Route:
+    async def session_route(self, model: str, layers: LayerRange, exclude: frozenset[str], session_id: str,
+                            like: str | None = None) -> Route:
         """Hops over ``layers`` of ``model`` for ``session_id``, with its ticket (ADR-0038).
 
         Raises:
             MeshnetError: see :meth:`TrackerClient.session_route`.
         """
-        return await self.client.session_route(model, layers.start, layers.end - 1, session_id, exclude)
+        return await self.client.session_route(model, layers.start, layers.end - 1, session_id, exclude, like)
 
     async def report_quarantine(self, node_id: str, report: QuarantineReport) -> None:
         """Ask the tracker to quarantine ``node_id`` (a spot-check outvoted it, ADR-0042)."""

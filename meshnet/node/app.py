@@ -237,7 +237,7 @@ def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | Non
             await agent.report_failure(node_id, reason)
 
     if node.spot_checker is None and agent is not None:
-        node.spot_checker = spot_checker_for(node, routes)
+        node.spot_checker = spot_checker_for(node)
     settings = OrchestratorSettings(hop_timeout_s=node.settings.hop_timeout_s,
                                     hop_connect_timeout_s=node.settings.hop_connect_timeout_s,
                                     pipelined=True if pipelined is None else pipelined)
@@ -248,10 +248,13 @@ def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | Non
                                     spot_check=node.spot_checker)
 
 
-def spot_checker_for(node: NodeContext, routes) -> SpotChecker:
-    """This entry's spot-checker (``spot_check_rate`` of its sessions), reporting outvoted nodes
-    to the tracker with the evidence (ADR-0042)."""
+def spot_checker_for(node: NodeContext) -> SpotChecker:
+    """This entry's spot-checker (``spot_check_rate`` of its sessions): witnesses of the checked
+    hop's recipe from the tracker, outvoted nodes reported to it with the evidence (ADR-0042)."""
     agent = node.agent
+
+    async def routes(name, layers, exclude, session_id, like) -> MeshRoute:
+        return await agent.session_route(name, layers, exclude, session_id, like)
 
     async def report(node_id: str, model: str, hop, witnesses: list[str], distances: dict[str, float],
                      limit: float, session: str) -> None:

@@ -109,16 +109,18 @@ def decide(candidate: Holder, digest: str, known_digest: str | None, holders: li
 
     Returns:
         A final :class:`Verdict` (``rejected`` or ``unverified``), or up to two references: admitted
-        holders whose shard covers the candidate's layers, same quantization first.
+        holders whose shard covers the candidate's layers with the same recipe (quantization and
+        compute dtype: holders of other recipes differ honestly by more than one tolerance, ADR-0042).
     """
     if known_digest and digest and digest != known_digest:
         return Verdict("rejected", f"weights digest {digest} differs from {known_digest}, which the tracker "
                                    "knows for this model, range and recipe")
-    covering = [h for h in holders
-                if h.layers.start <= candidate.layers.start and candidate.layers.end <= h.layers.end]
-    covering.sort(key=lambda h: (h.quantization != candidate.quantization, h.node_id))
+    covering = sorted((h for h in holders
+                       if h.layers.start <= candidate.layers.start and candidate.layers.end <= h.layers.end
+                       and (h.quantization, h.compute_dtype) == (candidate.quantization, candidate.compute_dtype)),
+                      key=lambda h: h.node_id)
     if not covering or not hidden_size:
-        why = ("no other admitted holder covers these layers" if hidden_size
+        why = ("no other admitted holder of this recipe covers these layers" if hidden_size
                else "the model's activation width is unknown")
         return Verdict("unverified", f"admitted without a challenge: {why}")
     return tuple(covering[:2])

@@ -231,7 +231,8 @@ async def coverage_all(request: Request) -> JSONResponse:
 
 async def route(request: Request) -> JSONResponse:
     """Hops over the asked layers. With ``session=<id>`` the call must be signed by an entry node of
-    the model and the answer carries the session's ticket naming the hops (ADR-0038)."""
+    the model and the answer carries the session's ticket naming the hops (ADR-0038); with
+    ``like=<node id>`` only shards of that node's recipe are used (spot-check witnesses, ADR-0042)."""
     svc = _svc(request)
     model = request.query_params.get("model")
     if not model:
@@ -247,7 +248,7 @@ async def route(request: Request) -> JSONResponse:
     if end < start:
         raise InvalidRequest("end_layer must be >= start_layer", code="invalid_field", status=422)
     exclude = frozenset(x for x in request.query_params.get("exclude", "").split(",") if x)
-    hops = svc.route(info.name, LayerRange.from_inclusive(start, end), exclude)
+    hops = svc.route(info.name, LayerRange.from_inclusive(start, end), exclude, request.query_params.get("like"))
     ticket = svc.session_ticket(entry, session, info.name, hops) if entry is not None else None
     body = RouteResponse(model=info.name, hops=[h.to_json() for h in hops], ticket=ticket,
                          unverified=svc.unverified_hops(info.name, hops))

@@ -3,8 +3,8 @@
 An entry node that found a node outvoted (:mod:`meshnet.gateway.spotcheck`) reports it with
 the evidence: the two witnesses and the three pairwise distances. The tracker does not take
 the entry's word for the verdict: :func:`judge` checks that the sender may report on that node
-at all, that the witnesses are other admitted holders of the same layers, and re-counts the vote
-with its own tolerance for the three holders' recipes. A quarantine is kept by node id (a
+at all, that the witnesses are other admitted holders of the same layers and recipe, and
+re-counts the vote with its own tolerance for that recipe. A quarantine is kept by node id (a
 re-registration keeps it), shown in ``GET /v1/nodes`` with its evidence, and lifted only by
 ``POST /v1/operator/reinstate``.
 """
@@ -51,7 +51,7 @@ def _pairs(distances: dict[str, float]) -> dict[tuple[str, str], float]:
     return out
 
 
-def judge(sender: str, accused: str, report: QuarantineReport, holder_recipes: dict[str, str]) -> str:
+def judge(sender: str, accused: str, report: QuarantineReport, holder_recipes: dict[str, tuple[str, str]]) -> str:
     """Why the report does not quarantine ``accused`` ("" when it does).
 
     Args:
@@ -59,8 +59,8 @@ def judge(sender: str, accused: str, report: QuarantineReport, holder_recipes: d
             ``accused``, as for a failure report).
         accused: the node the report names.
         report: the evidence.
-        holder_recipes: node id -> quantization of every node holding an admitted shard of
-            ``report.model`` that covers the reported layers (the accused included).
+        holder_recipes: node id -> recipe (quantization, compute dtype) of every node holding an
+            admitted shard of ``report.model`` that covers the reported layers (the accused included).
     """
     witnesses = list(report.witnesses)
     if accused in witnesses or len(set(witnesses)) != 2:
@@ -70,7 +70,10 @@ def judge(sender: str, accused: str, report: QuarantineReport, holder_recipes: d
     missing = [n for n in [accused, *witnesses] if n not in holder_recipes]
     if missing:
         return f"{', '.join(missing)} hold(s) no admitted shard covering layers {report.shard_start}-{report.shard_end}"
-    limit = tolerance(*(holder_recipes[n] for n in [accused, *witnesses]))
+    recipes = {holder_recipes[n] for n in [accused, *witnesses]}
+    if len(recipes) != 1:
+        return "the three holders do not share one recipe (quantization and compute dtype)"
+    limit = tolerance(*next(iter(recipes)))
     loser = outvoted(accused, witnesses[0], witnesses[1], _pairs(report.distances), limit)
     if loser != accused:
         return f"the distances do not outvote {accused} at tolerance {limit}"

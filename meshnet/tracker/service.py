@@ -458,14 +458,14 @@ class TrackerService:
             return self.quarantined[node_id]
         layers = report.layers
         model = canonical_model_name(report.model)
-        holders = {n.node_id: s.quantization for n, s in self.admitted_shards(model)
+        holders = {n.node_id: (s.quantization, s.report.recipe.compute_dtype) for n, s in self.admitted_shards(model)
                    if s.layers.start <= layers.start and layers.end <= s.layers.end}
         why = judge(sender, node_id, report, holders)
         if why:
             log.warning("refused a quarantine report of %s from %s: %s", node_id, sender, why)
             raise InvalidRequest(f"the spot-check evidence does not quarantine {node_id}: {why}",
                                  code="weak_evidence", status=422)
-        limit = tolerance(*(holders[n] for n in [node_id, *report.witnesses]))
+        limit = tolerance(*holders[node_id])
         record = Quarantine(node_id=node_id, reported_by=sender, model=model, shard_start=report.shard_start,
                             shard_end=report.shard_end, witnesses=tuple(report.witnesses),
                             distances=dict(report.distances), tolerance=limit)
@@ -647,8 +647,19 @@ class TrackerService:
                                               0.0, node.stats.sessions, age))
         return out
 
-    def route(self, model: str, layers: LayerRange, exclude: frozenset[str] = frozenset()) -> list[routing.Hop]:
-        """Hops covering exactly ``layers`` of ``model``.
+    def recipe_of(self, node_id: str, model: str, layers: LayerRange) -> tuple[str, str] | None:
+        """``(quantization, compute dtype)`` of ``node_id``'s admitted shard of ``model`` covering
+        ``layers`` (None: it holds none)."""
+        for n, s in self.admitted_shards(model):
+            if n.node_id == node_id and s.layers.start <= layers.start and layers.end <= s.layers.end:
+                return s.quantization, s.report.recipe.compute_dtype
+        return None
+
+    def route(self, model: str, layers: LayerRange, exclude: frozenset[str] = frozenset(),
+              like: str | None = None) -> list[routing.Hop]:
+        """Hops covering exactly ``layers`` of ``model``; with ``like``, only through shards of the same
+        recipe (quantization and compute dtype) as that node's over ``layers`` (ADR-0042: spot-check
+        witnesses compute what the checked hop computes, so one tolerance fits).
 
         Raises:
             NoRoute (503 model_loading): some layer has no usable admitted shard.
@@ -658,8 +669,13 @@ class TrackerService:
             raise InvalidRequest(f"layers {layers} beyond {model}'s {info.num_layers} layers",
                                  code="invalid_field", status=422)
         try:
-            return routing.choose_route(layers.end, self.candidates(model, layers.end), start_layer=layers.start,
-                                        exclude=exclude)
+            candidates = self.candidates(model, layers.end)
+            if like is not None:
+                recipe = self.recipe_of(like, model, layers)
+                same = {(n.node_id, s.layers) for n, s in self.admitted_shards(model)
+                        if recipe is not None and (s.quantization, s.report.recipe.compute_dtype) == recipe}
+                candidates = [c for c in candidates if (c.node_id, c.layers) in same]
+            return routing.choose_route(layers.end, candidates, start_layer=layers.start, exclude=exclude)
         except routing.NoRoute as exc:
             full = routing.NoRoute(exc.gap_start, info.num_layers)
             full.coverage = self.coverage(model).model_dump()

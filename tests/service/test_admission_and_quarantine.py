@@ -51,9 +51,11 @@ class ComputingNodes(httpx.AsyncBaseTransport):
         return httpx.Response(200, json={"released": True})
 
 
-def node(node_id: str, start: int, end: int, *, digest: str = "d1", entry: bool | None = None) -> dict:
+def node(node_id: str, start: int, end: int, *, digest: str = "d1", entry: bool | None = None,
+         compute_dtype: str = "float32") -> dict:
     report = capability_report(MODEL, start, end)
     report["weights_digest"] = digest
+    report["recipe"]["compute_dtype"] = compute_dtype
     shard = {"model": MODEL, "shard_start": start, "shard_end": end, "entry": start == 0 if entry is None else entry,
              "tier": "pinned", "quantization": "bfloat16", "report": report}
     return registration(node_id, f"http://{node_id}.test:8000", vram_bytes=2 * 1024**3, shards=[shard])
@@ -197,3 +199,27 @@ async def test_hops_whose_range_has_no_second_holder_are_unverified_in_the_route
     await verification(mesh, "h2")
     route = (await mesh.get("/v1/route", params={"model": MODEL})).json()
     assert route["unverified"] == ["entry"]
+
+
+async def test_holders_of_another_recipe_neither_challenge_nor_witness_each_other(mesh):
+    """A bfloat16-compute holder differs honestly from a float32 one by more than the bfloat16
+    tolerance (bench/spotcheck.py): it is admitted unverified, not challenged against it, and a
+    witness route (``like=``) keeps to the checked node's recipe."""
+    await mesh.post("/v1/nodes/register", json=node("entry", 0, 1))
+    await mesh.post("/v1/nodes/register", json=node("h1", 2, 3))
+    await verification(mesh, "h1")
+    await mesh.post("/v1/nodes/register", json=node("h2", 2, 3, digest="d2", compute_dtype="bfloat16"))
+    got = await verification(mesh, "h2")
+    assert got["state"] == "unverified" and "of this recipe" in got["reason"]
+    await mesh.post("/v1/nodes/register", json=node("h3", 2, 3))
+    assert (await verification(mesh, "h3"))["references"] == ["h1"]
+    like = {"model": MODEL, "start_layer": 2, "end_layer": 3}
+    for _ in range(3):
+        hops = (await mesh.get("/v1/route", params={**like, "exclude": "h1", "like": "h1"})).json()["hops"]
+        assert [h["node_id"] for h in hops] == ["h3"]
+    assert (await mesh.get("/v1/route", params={**like, "exclude": "h2", "like": "h2"})).status_code == 503
+    path = "/v1/nodes/h1/quarantine"
+    raw = json.dumps(report(["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.8, "h2|h3": 0.0})).encode()
+    resp = await mesh.post(path, content=raw, headers={**signed("entry", "POST", path, raw),
+                                                        "Content-Type": "application/json"})
+    assert resp.status_code == 422 and "recipe" in resp.json()["error"]["message"]

@@ -53,7 +53,7 @@ async def mesh(tiny_model_path):
 
 def holders(*names: str):
     """Route provider: the first of ``names`` not excluded; none left is a NotFound (no route)."""
-    async def routes(model, layers, exclude, session_id):
+    async def routes(model, layers, exclude, session_id, like=None):
         for name in names:
             if name not in exclude:
                 return MeshRoute([Hop(name, f"http://{name}", layers)])
