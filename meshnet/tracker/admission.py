@@ -8,6 +8,8 @@ the shard a **verification**:
   and recipe, or its output on a challenge differed from the reference holders' beyond the
   recipes' tolerance. Never admitted; the evidence is shown in ``GET /v1/nodes``.
 - ``pending``: a challenge is running. Not admitted yet (a fraction of a second on a 16-token probe).
+- ``failed``: the candidate's challenge call failed (refused, timed out, an error status): not
+  admitted; the next heartbeat brings a new challenge.
 - ``verified``: its output on a challenge it could not predict (hidden states from a random seed,
   sent through the ordinary ``POST /v1/forward`` under a fresh session, so it cannot tell a
   challenge from a user's prefill) agreed with an admitted holder of the same layers.
@@ -165,8 +167,9 @@ async def run_challenge(http: httpx.AsyncClient, key: Ed25519PrivateKey, challen
 
     Returns:
         ``(verdict of the candidate, node id of a reference the vote outvoted or None)``. A
-        candidate that does not answer is ``rejected``; a reference that does not answer leaves
-        the candidate ``unverified`` (nothing to compare with).
+        candidate whose call fails (refused, timed out, an error status, no frame) is ``failed``:
+        not admitted, and challenged again at its next heartbeat; a reference that does not
+        answer leaves the candidate ``unverified`` (nothing to compare with).
     """
     c = challenge.candidate
     frame = challenge_frame(secrets.randbits(63), CHALLENGE_TOKENS, challenge.hidden_size)
@@ -174,7 +177,7 @@ async def run_challenge(http: httpx.AsyncClient, key: Ed25519PrivateKey, challen
         out = await _run_on(http, key, c, challenge.model, challenge.layers, frame, timeout_s)
         read_frame(out)
     except Exception as exc:  # noqa: BLE001 - refused, timed out, an error answer, not a frame: no evidence of working
-        return Verdict("rejected", f"the challenge on {c.node_id} failed: {type(exc).__name__}: {exc}"[:500]), None
+        return Verdict("failed", f"the challenge on {c.node_id} failed: {type(exc).__name__}: {exc}"[:500]), None
     distances: dict[str, float] = {}
     answered: list[tuple[Holder, bytes]] = []
     for ref in challenge.references:

@@ -584,6 +584,8 @@ class TrackerService:
         a reference that the vote outvoted is quarantined on the tracker's own evidence."""
         if challenge.key in self.verdicts:
             self.verdicts[challenge.key] = verdict
+            if verdict.state == "failed":  # no evidence either way: decide again at the next heartbeat
+                del self.verdicts[challenge.key]
         node = self.nodes.get(challenge.candidate.node_id)
         for shard in node.shards if node is not None else []:
             if shard.report is not None and self._verdict_key(node, shard) == challenge.key:

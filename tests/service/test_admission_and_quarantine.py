@@ -36,6 +36,7 @@ class ComputingNodes(httpx.AsyncBaseTransport):
 
     def __init__(self) -> None:
         self.dishonest: set[str] = set()
+        self.failing: set[str] = set()  # hosts whose forward answers 500
         self.forwards: list[str] = []
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -44,6 +45,8 @@ class ComputingNodes(httpx.AsyncBaseTransport):
             return httpx.Response(200, json={"status": "ok"})
         if request.url.path == "/v1/forward":
             self.forwards.append(host)
+            if host in self.failing:
+                return httpx.Response(500, json={"error": {"message": "boom", "code": "forward_failed"}})
             out = np.tanh(read_frame(await request.aread()))
             if host in self.dishonest:
                 out = out + np.random.default_rng(0).standard_normal(out.shape).astype(np.float32)
@@ -223,3 +226,18 @@ async def test_holders_of_another_recipe_neither_challenge_nor_witness_each_othe
     resp = await mesh.post(path, content=raw, headers={**signed("entry", "POST", path, raw),
                                                         "Content-Type": "application/json"})
     assert resp.status_code == 422 and "recipe" in resp.json()["error"]["message"]
+
+
+async def test_a_challenge_call_that_fails_is_no_verdict_and_the_next_heartbeat_tries_again(mesh):
+    await mesh.post("/v1/nodes/register", json=node("a", 0, 3))
+    await verification(mesh, "a")
+    mesh.nodes.failing.add("b.test")
+    payload = node("b", 0, 3)
+    await mesh.post("/v1/nodes/register", json=payload)
+    got = await verification(mesh, "b")
+    assert got["state"] == "failed" and got["admitted"] is False and "500" in got["reason"]
+    mesh.nodes.failing.clear()
+    resp = await mesh.post("/v1/nodes/b/heartbeat", json={"shards": payload["shards"]})
+    assert resp.status_code == 200, resp.text
+    got = await verification(mesh, "b")
+    assert got["state"] == "verified" and got["admitted"] is True
