@@ -197,6 +197,7 @@ async def health(request: Request) -> JSONResponse:
                          "sessions": len(rt.sessions), "cache_bytes_left": rt.sessions.bytes_left,
                          "session_cache_bytes": rt.sessions.max_bytes, "session_ttl_s": rt.sessions.ttl_s,
                          "compute_dtype": rt.compute_dtype, "rss_bytes": hardware.rss_bytes(), "uptime_s": round(time.time() - node.started_at, 1),
+                         # what this entry's spot-checks found (ADR-0042); None before its first chat
                          "spot_checks": None if node.spot_checker is None else asdict(node.spot_checker.stats)})
 
 

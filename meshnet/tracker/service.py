@@ -592,8 +592,9 @@ class TrackerService:
                 shard.verdict = verdict
                 if verdict.state == "verified" and shard.report.weights_digest:
                     self.digests.setdefault(self._digest_key(shard), shard.report.weights_digest)
-        log.log(logging.WARNING if verdict.state == "rejected" else logging.INFO, "challenge of %s on %s layers %s: %s (%s)",
-                challenge.candidate.node_id, challenge.model, challenge.layers, verdict.state, verdict.reason)
+        log.log(logging.WARNING if verdict.state in ("rejected", "failed") else logging.INFO,
+                "challenge of %s on %s layers %s: %s (%s)", challenge.candidate.node_id, challenge.model,
+                challenge.layers, verdict.state, verdict.reason)
         if outvoted is not None and outvoted in self.nodes and outvoted not in self.quarantined:
             start, end = challenge.layers.to_inclusive()
             record = Quarantine(node_id=outvoted, reported_by="tracker (admission challenge)", model=challenge.model,
