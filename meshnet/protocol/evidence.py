@@ -104,11 +104,16 @@ def outvoted(checked: str, second: str, third: str, distances: dict[tuple[str, s
 
     Returns:
         The node id whose output the two others agree against (they agree with each other and
-        both disagree with it), else None.
+        both disagree with it), else None (also when a pairwise distance is missing).
     """
+    def distance(a: str, b: str) -> float | None:
+        return distances.get((a, b), distances.get((b, a)))
+
+    if any(distance(a, b) is None for a, b in ((checked, second), (checked, third), (second, third))):
+        return None  # a vote needs all three measurements
+
     def agree(a: str, b: str) -> bool:
-        d = distances.get((a, b), distances.get((b, a)))
-        return d is not None and d <= limit
+        return distance(a, b) <= limit
 
     for loser, (x, y) in ((checked, (second, third)), (second, (checked, third)), (third, (checked, second))):
         if agree(x, y) and not agree(loser, x) and not agree(loser, y):
