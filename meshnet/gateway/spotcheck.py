@@ -52,7 +52,7 @@ class SpotCheckStats:
     unverified: int = 0
     disputes: int = 0
     quarantined: list[str] = field(default_factory=list)  # the latest 100 outvoted nodes
-    #: every distance measured between two holders (newest last, at most 1,000)
+    #: the latest distances measured between two holders (newest last, at most 100: health shows them)
     distances: list[float] = field(default_factory=list)
 
 
@@ -114,7 +114,7 @@ class SpotChecker:
 
     def _measure(self, a: bytes, b: bytes) -> float:
         d = frame_distance(a, b)
-        self.stats.distances = (self.stats.distances + [d])[-1000:]
+        self.stats.distances = (self.stats.distances + [d])[-100:]
         return d
 
     async def check(self, *, model: str, hop: Hop, frame: bytes, output: bytes, last_only: bool,
