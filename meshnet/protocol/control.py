@@ -44,8 +44,10 @@ MAX_LAYERS = 1024
 #: (426). Revision 1 had no field for it (a registration without ``protocol`` is revision 1);
 #: revision 2 adds node keys and signed node calls (ADR-0035); revision 3 session tickets on hop
 #: calls (ADR-0038: a revision-2 entry sends none, so its hops would refuse it) and the heartbeat
-#: interval in heartbeat responses (ADR-0037: a revision-2 node would refuse the unknown field).
-PROTOCOL_REVISION = 3
+#: interval in heartbeat responses (ADR-0037: a revision-2 node would refuse the unknown field);
+#: revision 4 the ``unverified`` hops of a route (a revision-3 node would refuse the unknown field),
+#: witness routes (``like``) and quarantine reports (ADR-0042).
+PROTOCOL_REVISION = 4
 
 
 class Payload(BaseModel):
