@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from meshnet.endpoints import check_endpoints
 from meshnet.errors import MeshnetError, ModelNotRoutable
 from meshnet.protocol.control import (AssignResponse, DirectiveList, FailureReport, HeartbeatRequest,
-                                      HeartbeatResponse, RegisterRequest, RegisterResponse)
+                                      HeartbeatResponse, QuarantineReport, RegisterRequest, RegisterResponse)
 from meshnet.protocol.route import Hop, Route, RouteResponse
 from meshnet.protocol.traffic import MeshTraffic
 from meshnet.protocol.views import Coverage, CoverageList, DemandList, NodeList
@@ -215,11 +215,19 @@ class TrackerClient(_Base):
         await self._call("POST", f"/v1/nodes/{node_id}/failure", "report hop failure",
                          json=FailureReport(reason=reason[:2000]).model_dump())
 
+    async def report_quarantine(self, node_id: str, report: QuarantineReport) -> None:
+        """Ask the tracker to quarantine ``node_id``, outvoted by a spot-check (ADR-0042; signed
+        by the client's auth, an entry node's :class:`NodeSigner`)."""
+        await self._call("POST", f"/v1/nodes/{node_id}/quarantine", "report a spot-check",
+                         json=report.model_dump())
+
     async def _route(self, model: str, start_layer: int, end_layer: int, exclude: frozenset[str],
-                     session: str | None = None) -> RouteResponse:
+                     session: str | None = None, like: str | None = None) -> RouteResponse:
         params = {"model": model, "start_layer": start_layer, "end_layer": end_layer}
         if session is not None:
             params["session"] = session
+        if like is not None:
+            params["like"] = like
         if exclude:
             params["exclude"] = ",".join(sorted(exclude))
         return _parse(RouteResponse, await self._call("GET", "/v1/route", "route lookup", params=params),
@@ -231,17 +239,18 @@ class TrackerClient(_Base):
         return (await self._route(model, start_layer, end_layer, exclude)).to_hops()
 
     async def session_route(self, model: str, start_layer: int, end_layer: int, session: str,
-                            exclude: frozenset[str] = frozenset()) -> Route:
+                            exclude: frozenset[str] = frozenset(), like: str | None = None) -> Route:
         """Hops serving layers ``start_layer..end_layer`` (inclusive) of ``model`` for ``session``,
         with the session's ticket (ADR-0038). The call is signed by the client's auth (an entry
-        node's :class:`NodeSigner`).
+        node's :class:`NodeSigner`). ``like``: only holders of the same recipe as that node's
+        shard over these layers (a spot-check's witnesses, ADR-0042).
 
         Raises:
             MeshnetError: 401 (unsigned or unknown signer), 403 (not an entry node of the model, or
                 the session belongs to another entry), 503 ``model_loading`` (no route), or the
                 tracker unreachable; 502 ``bad_response`` when the answer carries no ticket.
         """
-        route = (await self._route(model, start_layer, end_layer, exclude, session)).to_route()
+        route = (await self._route(model, start_layer, end_layer, exclude, session, like)).to_route()
         if not route.ticket:
             raise MeshnetError("route lookup: the tracker sent no session ticket", code="bad_response", status=502,
                                hint="tracker and node versions may differ")
@@ -317,6 +326,10 @@ class TrackerClient(_Base):
 
     async def drain(self, node_id: str) -> dict:
         return await self._call("POST", "/v1/operator/drain", "drain", json={"node_id": node_id})
+
+    async def reinstate(self, node_id: str) -> dict:
+        """Lift ``node_id``'s quarantine (operator action, ADR-0042)."""
+        return await self._call("POST", "/v1/operator/reinstate", "reinstate", json={"node_id": node_id})
 
     async def chat(self, payload: dict, timeout_s: float = 300.0) -> dict:
         return await self._call("POST", "/v1/chat/completions", "chat", json=payload, timeout=timeout_s)

@@ -73,12 +73,15 @@ def memory_used_bytes(node: dict) -> int:
 def capability_summary(node: dict, now: float) -> tuple[str, float | None]:
     """``(status, age_s)`` over a node's shards.
 
-    status: ``draining`` | ``none`` (no shard or no report) | ``failed`` | ``stale`` | ``ok``;
+    status: ``quarantined`` (a spot-check outvoted it, ADR-0042) | ``draining`` | ``none`` (no shard
+    or no report) | ``failed`` | ``stale`` | ``ok``;
     age is that of the oldest report (``now`` is wall-clock seconds, like report timestamps).
     """
     caps = [s.get("capability") or {} for s in node.get("shards", [])]
     stamps = [c["timestamp"] for c in caps if c.get("timestamp")]
     age = now - min(stamps) if stamps else None
+    if node.get("quarantine"):
+        return "quarantined", age
     if node.get("draining"):
         return "draining", age
     if not caps or any(c.get("passed") is None for c in caps):

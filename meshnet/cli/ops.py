@@ -137,10 +137,14 @@ def nodes(url: str = UrlOpt, as_json: bool = JsonOpt) -> None:
     def human(rows):
         table = Table("node", "endpoint", "budget", "max layers", "slots", "shards (tier)", "tok/s", "hb age", "reason")
         for n in rows:
-            shards = ", ".join(f"{s['model']} {s['shard_start']}-{s['shard_end']} ({s['tier']}"
-                               f"{'' if s['admitted'] else ', not admitted'})" for s in n["shards"]) or "-"
             maxl = ", ".join(f"{k}: {v}" for k, v in n["max_assignable_layers"].items())
             name = n["node_id"] + (" (draining)" if n.get("draining") else "")
+            if n.get("quarantine"):
+                name += " [red](quarantined)[/]"
+            shards = ", ".join(f"{s['model']} {s['shard_start']}-{s['shard_end']} ({s['tier']}"
+                               f"{'' if s['admitted'] else ', not admitted'}"
+                               f"{', ' + s['verification']['state'] if s.get('verification') else ''})"
+                               for s in n["shards"]) or "-"
             endpoint = n["endpoint"] if n.get("reachable", True) else \
                 f"{n['endpoint']} [red]unreachable: {n.get('reach_error', '')}[/]"
             table.add_row(name, endpoint, human_bytes(n["memory_budget_bytes"]), maxl,
@@ -148,6 +152,17 @@ def nodes(url: str = UrlOpt, as_json: bool = JsonOpt) -> None:
                           f"{(n['stats'] or {}).get('tokens_per_s', 0):.1f}", f"{n['last_heartbeat_age_s']} s",
                           n["reason"] or "")
         console.print(table)
+        for n in rows:
+            q = n.get("quarantine")
+            if q:
+                console.print(f"[red]{n['node_id']} quarantined[/] over {q['model']} {q['shard_start']}-{q['shard_end']}"
+                              f" (reported by {q['reported_by']}; witnesses {', '.join(q['witnesses'])}; distances "
+                              f"{q['distances']}; tolerance {q['tolerance']}): `meshnet reinstate {n['node_id']}` lifts it")
+            for s in n["shards"]:
+                v = s.get("verification") or {}
+                if v.get("state") == "rejected":
+                    console.print(f"[yellow]{n['node_id']} {s['model']} {s['shard_start']}-{s['shard_end']} "
+                                  f"rejected[/]: {v['reason']}")
 
     emit(data, as_json, human)
 
@@ -259,6 +274,14 @@ def drain(node: str = typer.Argument(..., help="Node id."), url: str = UrlOpt, t
     emit(data, as_json, lambda d: console.print(f"{node} draining"))
 
 
+def reinstate(node: str = typer.Argument(..., help="Node id."), url: str = UrlOpt, token: str = TokenOpt,
+              as_json: bool = JsonOpt) -> None:
+    """Lift a node's quarantine (a spot-check outvoted it; `meshnet nodes` shows the evidence)."""
+    data = run(_call(url, "reinstate", node, token=token))
+    emit(data, as_json, lambda d: console.print(f"{node} reinstated" if d["reinstated"]
+                                                else f"{node} was not quarantined"))
+
+
 def ready(url: str = UrlOpt,
           node: str = typer.Option(None, "--node", help="Ask the node at this URL instead of the tracker."),
           model: str = typer.Option(None, "--model", "-m", help="Tracker: ask about this model only."),
@@ -288,4 +311,5 @@ def ready(url: str = UrlOpt,
 
 
 COMMANDS = {"chat": chat, "coverage": coverage, "nodes": nodes, "directives": directives, "demand": demand,
-            "pin": pin, "unpin": unpin, "reload": reload, "doctor": doctor, "drain": drain, "ready": ready}
+            "pin": pin, "unpin": unpin, "reload": reload, "doctor": doctor, "drain": drain, "reinstate": reinstate,
+            "ready": ready}

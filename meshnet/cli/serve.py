@@ -92,6 +92,9 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
           heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", help="Seconds between heartbeats."),
           drain_grace: float = typer.Option(30.0, "--drain-grace", min=0.0,
                                             help="On stop, seconds chats in flight get to finish."),
+          spot_check_rate: float = typer.Option(0.02, "--spot-check-rate", min=0.0, max=1.0,
+                                                help="Share of sessions whose hops the entry also runs on a second "
+                                                     "holder and compares (ADR-0042; 0 disables)."),
           exit_when_ready: bool = typer.Option(False, "--exit-when-ready", help="Stop everything once ready (smoke test).")) -> None:
     """Start a tracker serving the first layers and node processes serving the rest, the model split
     evenly into --nodes shards; Ctrl-C stops them all."""
@@ -134,15 +137,16 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
                      join_token=secrets.token_urlsafe(32), operator_token=operator_token)
     url = mesh.url
     drain = ["--drain-grace", str(drain_grace)]
+    spot = ["--spot-check-rate", str(spot_check_rate)]
     compute = ["--dtype", choice.compute_dtype, "--wire-dtype", wire_dtype, "--memory", str(memory_mb)]
     try:
-        own = ["--serve-layers", str(ranges[0]), "--threads", str(choice.threads), *compute] if tracker_layers else []
+        own = ["--serve-layers", str(ranges[0]), "--threads", str(choice.threads), *compute, *spot] if tracker_layers else []
         mesh.start_tracker(preset.name, node_timeout_s=25.0, rebalance_s=30.0,
                            db=cache_dir() / f"serve-tracker-{port}.db", extra=[*drain, *own])
         for i, layers in enumerate(ranges[1:] if tracker_layers else ranges, start=1 if tracker_layers else 0):
             start, end = layers.to_inclusive()
             mesh.start_node(f"node-{i}", "--model", preset.name, "--shard-start", str(start), "--shard-end", str(end),
-                            *compute, *drain, threads=choice.threads)
+                            *compute, *drain, *spot, threads=choice.threads)
         who = (f"a tracker serving layers {ranges[0]} and {shards - 1} node(s)" if tracker_layers
                else f"a tracker and {shards} node(s)")
         console.print(f"started {who}, {choice.threads} torch thread(s) and {memory_mb} MB each; logs in {logs}")

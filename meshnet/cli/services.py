@@ -100,6 +100,15 @@ def tracker_start(
         state_dir: Path = typer.Option(None, "--state-dir", envvar="MESHNET_STATE_DIR",
                                        help="With --serve-layers: where its node keeps its key "
                                             "(default: <cache>/nodes/<node id>)."),
+        challenges: bool = typer.Option(T.admission_challenges, "--challenges/--no-challenges",
+                                        envvar="MESHNET_ADMISSION_CHALLENGES",
+                                        help="Challenge each new shard against an admitted holder of its layers "
+                                             "before routing it (off: digest check only, shards admitted unverified)."),
+        spot_check_rate: float = typer.Option(N.spot_check_rate, "--spot-check-rate", min=0.0, max=1.0,
+                                              envvar="MESHNET_SPOT_CHECK_RATE",
+                                              help="With --serve-layers from layer 0, as the entry: share of sessions "
+                                                   "whose hops are also run on a second holder and compared "
+                                                   "(ADR-0042; 0 disables)."),
         log_level: str = LogOpt) -> None:
     """Start a tracker that keeps the given models covered. Beyond loopback it needs --join-token
     and --operator-token (or --insecure). With --serve-layers it also serves those layers itself."""
@@ -133,7 +142,7 @@ def tracker_start(
                                operator_token=operator_token, join_token=join_token, insecure=insecure,
                                join_settle_s=join_settle,
                                probe_timeout_s=probe_timeout, drain_grace_s=drain_grace,
-                               directive_retention_s=directive_retention,
+                               directive_retention_s=directive_retention, admission_challenges=challenges,
                                **_body_limit(max_body_bytes))
     try:
         service = TrackerService(settings)  # opens the database now: an unreachable one fails here, clearly
@@ -146,7 +155,7 @@ def tracker_start(
 
     node = _tracker_node_settings(settings, names[0], serve_layers, node_id=node_id, public_url=public_url,
                                   memory=memory, dtype=dtype, wire_dtype=wire_dtype, threads=threads,
-                                  state_dir=state_dir)
+                                  state_dir=state_dir, spot_check_rate=spot_check_rate)
     app = trackernode.build_app(settings, node, service=service)
     print(f"meshnet tracker at {trackernode.local_tracker_url(host, port)} serving {names[0]} layers "
           f"{serve_layers} as node {node.node_id} at {node.endpoint}", flush=True)
@@ -155,7 +164,7 @@ def tracker_start(
 
 def _tracker_node_settings(tracker, model: str, serve_layers: str, *, node_id: str, public_url: str | None,
                            memory: int | None, dtype: str, wire_dtype: str, threads: int | None,
-                           state_dir: Path | None):
+                           state_dir: Path | None, spot_check_rate: float = N.spot_check_rate):
     """The settings of the node a tracker runs for ``--serve-layers`` (ADR-0044); exits on a bad
     range or URL. Sets torch's thread count to the one chosen."""
     from meshnet.node.calibration import usable_cores
@@ -189,7 +198,7 @@ def _tracker_node_settings(tracker, model: str, serve_layers: str, *, node_id: s
                         model=model, shard=layers, memory_bytes=None if memory is None else memory * 1024 * 1024,
                         compute_dtype=choice.compute_dtype, wire_dtype=wire_dtype,
                         heartbeat_interval_s=tracker.heartbeat_interval_s, torch_threads=choice.threads,
-                        drain_grace_s=tracker.drain_grace_s)
+                        drain_grace_s=tracker.drain_grace_s, spot_check_rate=spot_check_rate)
 
 
 @node_app.command("start")
@@ -235,6 +244,10 @@ def node_start(
                                                    "a batch's compute time on a slow host)."),
         max_batch: int = typer.Option(N.max_batch_size, "--max-batch", min=1, envvar="MESHNET_MAX_BATCH",
                                       help="Most sessions' steps in one batched forward."),
+        spot_check_rate: float = typer.Option(N.spot_check_rate, "--spot-check-rate", min=0.0, max=1.0,
+                                              envvar="MESHNET_SPOT_CHECK_RATE",
+                                              help="As an entry: share of sessions whose hops are also run on a "
+                                                   "second holder and compared (0 disables)."),
         drain_grace: float = DrainOpt,
         relay: bool = typer.Option(False, "--relay", envvar="MESHNET_RELAY",
                                    help="Serve only through a relay (behind NAT or a firewall): keep one outbound "
@@ -294,7 +307,7 @@ def node_start(
                             hop_timeout_s=hop_timeout, hop_connect_timeout_s=hop_connect_timeout, wallet=wallet,
                             drain_grace_s=drain_grace, relay=relay or relay_url is not None, relay_url=relay_url,
                             batch_window_s=batch_window_ms / 1000, max_batch_size=max_batch,
-                            auto_relay=not no_auto_relay, offer_relay=offer_relay, **_body_limit(max_body_bytes))
+                            auto_relay=not no_auto_relay, offer_relay=offer_relay, spot_check_rate=spot_check_rate, **_body_limit(max_body_bytes))
     from meshnet.node.app import build_app
 
     app = build_app(settings)

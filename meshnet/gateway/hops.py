@@ -210,15 +210,19 @@ class RemoteRoute:
         replay_chunk_tokens: tokens per replay call to a replacement (the prefill chunk, 128).
         release_auth: signs session releases as the entry node (its key; None: unsigned).
         on_failover: told of each hop replaced, once its replacement has taken the replay (or None).
+        spot_check: checks this session's first call to each hop against other holders when its
+            draw says so (ADR-0042, :mod:`meshnet.gateway.spotcheck`; None: never).
     """
 
     def __init__(self, client: httpx.AsyncClient, *, model: str, session_id: str, route: Route,
                  routes: RouteProvider, report: FailureReporter, codec: ActivationCodec,
                  timeout_s: float = 60.0, connect_timeout_s: float = 5.0, max_failovers: int = 3,
                  deadlines: DeadlinePolicy = DeadlinePolicy(), replay_chunk_tokens: int = 128,
-                 release_auth: httpx.Auth | None = None, on_failover: FailoverListener | None = None) -> None:
+                 release_auth: httpx.Auth | None = None, on_failover: FailoverListener | None = None,
+                 spot_check=None) -> None:
         self.client, self.model, self.session_id = client, model, session_id
         self.on_failover = on_failover
+        self.spot_check = spot_check if spot_check is not None and spot_check.draw() else None
         self.deadlines = deadlines
         self.release_auth = release_auth
         hops = route.hops
@@ -258,12 +262,14 @@ class RemoteRoute:
             return False
 
     async def _send(self, state: HopState, frame: bytes, position: int, seq_len: int,
-                    last_only: bool) -> tuple[bytes, Activation]:
+                    last_only: bool, check: bool = False) -> tuple[bytes, Activation]:
         """One forward call under the hop's deadline (see :meth:`_await_in_time`); records its time.
+        With ``check``, a position-0 call of a session drawn for a spot-check is checked before
+        it counts (:meth:`_spot_check`).
 
         Raises:
             HopBusy, HopFailed: as :func:`post_forward`, or the hop froze (missed its deadline and
-                did not answer the liveness probe).
+                did not answer the liveness probe), or a spot-check outvoted it.
         """
         shape = None if self.hidden_size is None else (1, 1 if last_only else seq_len, self.hidden_size)
         self._touched[state.hop.node_id] = (state.hop.endpoint, state.ticket)
@@ -277,9 +283,25 @@ class RemoteRoute:
         finally:
             _settle(call)
         state.times.observe(seq_len, time.perf_counter() - t0)
+        if check and position == 0 and self.spot_check is not None:
+            await self._spot_check(state, frame, out[0], last_only)
         state.history.append((position, frame, seq_len))
         state.length = position + seq_len
         return out
+
+    async def _spot_check(self, state: HopState, frame: bytes, output: bytes, last_only: bool) -> None:
+        """Check the hop's first output against other holders; when the vote outvotes the hop it
+        is failed over like a failed hop (its call does not count, its replacement replays).
+
+        Raises:
+            HopFailed: the hop was outvoted (and reported for quarantine).
+        """
+        loser = await self.spot_check.check(model=self.model, hop=state.hop, frame=frame, output=output,
+                                            last_only=last_only, codec=self.codec, session_id=self.session_id,
+                                            exclude=frozenset(self.failed))
+        if loser == state.hop.node_id:
+            raise HopFailed(f"{_describe(state.hop)} was outvoted by a spot-check and quarantined",
+                            node_id=state.hop.node_id)
 
     async def _await_in_time(self, state: HopState, call: asyncio.Future, seq_len: int, t0: float):
         """The call's result. Each time it runs past the hop's deadline the hop is probed: a live
@@ -325,7 +347,7 @@ class RemoteRoute:
                 state = self._state_at(layer)
             is_final = state.hop.layers.end == self.end_layer
             try:
-                out, tensor = await self._send(state, frame, position, seq_len, last_only and is_final)
+                out, tensor = await self._send(state, frame, position, seq_len, last_only and is_final, check=True)
                 async with self._turn:
                     self._turn.notify_all()
                 return out, tensor, state.hop.layers.end

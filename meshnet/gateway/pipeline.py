@@ -20,6 +20,7 @@ from meshnet.gateway.deadlines import DeadlinePolicy
 from meshnet.gateway.entry import Activation, EntryLayers, GenerationObserver, TokenChooser, TokenLogprob
 from meshnet.gateway.hops import FailureReporter, Hop, RemoteRoute, RouteProvider
 from meshnet.gateway.traffic import TrafficLog
+from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.layers import LayerRange
 from meshnet.protocol.openai import SamplingParams
 
@@ -80,13 +81,17 @@ class Orchestrator:
         observer: counts generations started and finished (the node's metrics), or None.
         release_auth: httpx auth that signs session releases as this node (ADR-0038), or None.
         traffic: the node's log of sessions in flight and failovers (ADR-0046), or None.
+        spot_check: re-runs a share of sessions' first hop calls on other holders (ADR-0042,
+            :class:`meshnet.gateway.spotcheck.SpotChecker`), or None.
     """
 
     def __init__(self, entry: EntryLayers, *, node_id: str, endpoint: str, client,
                  routes: RouteProvider, report: FailureReporter,
                  settings: OrchestratorSettings = OrchestratorSettings(),
                  observer: GenerationObserver | None = None, release_auth=None,
-                 traffic: TrafficLog | None = None) -> None:
+                 traffic: TrafficLog | None = None,
+
+spot_check: SpotChecker | None = None) -> None:
         self.entry = entry
         self.node_id, self.endpoint = node_id, endpoint
         self.client, self.routes, self.report = client, routes, report
@@ -94,6 +99,7 @@ class Orchestrator:
         self.observer = observer
         self.release_auth = release_auth
         self.traffic = traffic
+        self.spot_check = spot_check
         self.model = entry.model
         self.num_layers = entry.num_layers
         self.tokenizer = entry.tokenizer
@@ -157,7 +163,8 @@ class Orchestrator:
                                  replay_chunk_tokens=self.settings.chunk_tokens,
                                  release_auth=self.release_auth,
                                  on_failover=None if self.traffic is None else
-                                 lambda old, new, why: self.traffic.failover(session_id, old, new, why))
+                                 lambda old, new, why: self.traffic.failover(session_id, old, new, why),
+                                 spot_check=self.spot_check)
         chooser: TokenChooser = self.entry.new_chooser(params)
         local_turn, local_len = asyncio.Condition(), [0]
         if self.observer is not None:

@@ -29,7 +29,7 @@ from meshnet.node.doctor import run_doctor
 from meshnet.node.loader import load_shard
 from meshnet.protocol.control import (PROTOCOL_REVISION, CapabilityReport, Directive, DirectiveUpdate,
                                       HeartbeatRequest, HeartbeatResponse, NodeStats, RegisterResponse,
-                                      RegisterRequest, ShardInfo)
+                                      QuarantineReport, RegisterRequest, ShardInfo)
 from meshnet.protocol.signing import decode_public_key, encode_public_key
 from meshnet.protocol.route import Hop, Route
 from meshnet.relay.backoff import Backoff
@@ -440,13 +440,21 @@ class TrackerAgent:
         """Hops over ``layers`` of ``model`` without ``exclude`` (no ticket: readiness checks)."""
         return await self.client.route(model, layers.start, layers.end - 1, exclude)
 
-    async def session_route(self, model: str, layers: LayerRange, exclude: frozenset[str], session_id: str) -> Route:
+    async def session_route(self, model: str, layers: LayerRange, exclude: frozenset[str], session_id: str,
+                            like: str | None = None) -> Route:
         """Hops over ``layers`` of ``model`` for ``session_id``, with its ticket (ADR-0038).
 
         Raises:
             MeshnetError: see :meth:`TrackerClient.session_route`.
         """
-        return await self.client.session_route(model, layers.start, layers.end - 1, session_id, exclude)
+        return await self.client.session_route(model, layers.start, layers.end - 1, session_id, exclude, like)
+
+    async def report_quarantine(self, node_id: str, report: QuarantineReport) -> None:
+        """Ask the tracker to quarantine ``node_id`` (a spot-check outvoted it, ADR-0042)."""
+        try:
+            await self.client.report_quarantine(node_id, report)
+        except MeshnetError as exc:
+            log.warning("could not report %s for quarantine: %s", node_id, exc.message)
 
     async def report_failure(self, node_id: str, reason: str) -> None:
         try:

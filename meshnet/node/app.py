@@ -34,7 +34,7 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -52,15 +52,17 @@ from meshnet.gateway import openai_api
 from meshnet.protocol.http import BodyLimit, http_error
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
 from meshnet.gateway.traffic import TrafficLog
+from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
+from meshnet.node.corrupt import Corruption
 from meshnet.node.entry import LocalEntry
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.readiness import gather_facts, node_readiness
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.sessions import SessionStore
 from meshnet.node.settings import NodeSettings
-from meshnet.protocol.control import CapabilityReport, DoctorResponse
+from meshnet.protocol.control import CapabilityReport, DoctorResponse, QuarantineReport
 from meshnet.protocol.route import Route as MeshRoute
 from meshnet.protocol.signing import decode_public_key, signer_of, verify_request
 from meshnet.protocol.tickets import HEADER_TICKET, VerifiedTickets, check_hop, read_ticket
@@ -87,6 +89,9 @@ class NodeContext:
     #: the tracker's key (learned at registration): hop calls need its session tickets (None: not required)
     tracker_key: Ed25519PublicKey | None = None
     tickets: VerifiedTickets = field(default_factory=VerifiedTickets)  # hop tickets already verified
+    spot_checker: SpotChecker | None = None  # made with the first orchestrator (ADR-0042)
+    #: test-only dishonesty (:mod:`meshnet.node.corrupt`, from the environment); None normally
+    corruption: Corruption | None = field(default_factory=Corruption.from_env)
     traffic: TrafficLog = field(init=False)  # sessions in flight as entry, failovers (ADR-0046)
 
     def __post_init__(self) -> None:
@@ -129,6 +134,8 @@ async def forward(request: Request) -> Response:
     if position == 0:  # a new session (or a replay): a draining node takes none, the entry fails over
         node.drain.refuse_new("new hop sessions")
     node.last_forward_s = time.monotonic()
+    if node.corruption is not None:
+        node.corruption.on_hop_call(node.runtime)
     body = await request.body()
     hidden = await wire.decode_async(body)
     t0 = time.perf_counter()
@@ -217,7 +224,9 @@ async def health(request: Request) -> JSONResponse:
                          "shards": [s.model_dump(exclude={"report"}) for s in rt.describe()], "slots_total": rt.max_loaded_shards,
                          "sessions": len(rt.sessions), "cache_bytes_left": rt.sessions.bytes_left,
                          "session_cache_bytes": rt.sessions.max_bytes, "session_ttl_s": rt.sessions.ttl_s,
-                         "compute_dtype": rt.compute_dtype, "rss_bytes": hardware.rss_bytes(), "uptime_s": round(time.time() - node.started_at, 1)})
+                         "compute_dtype": rt.compute_dtype, "rss_bytes": hardware.rss_bytes(), "uptime_s": round(time.time() - node.started_at, 1),
+                         # what this entry's spot-checks found (ADR-0042); None before its first chat
+                         "spot_checks": None if node.spot_checker is None else asdict(node.spot_checker.stats)})
 
 
 async def ready(request: Request) -> JSONResponse:
@@ -256,6 +265,8 @@ def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | Non
         if agent is not None:
             await agent.report_failure(node_id, reason)
 
+    if node.spot_checker is None and agent is not None:
+        node.spot_checker = spot_checker_for(node)
     settings = OrchestratorSettings(hop_timeout_s=node.settings.hop_timeout_s,
                                     hop_connect_timeout_s=node.settings.hop_connect_timeout_s,
                                     pipelined=True if pipelined is None else pipelined)
@@ -264,7 +275,26 @@ def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | Non
     return slot.model, Orchestrator(entry, node_id=node.settings.node_id, endpoint=advertised,
                                     client=node.http, routes=routes, report=report, settings=settings,
                                     observer=node.metrics, release_auth=getattr(agent, "signer", None),
-                                    traffic=node.traffic)
+                                    traffic=node.traffic, spot_check=node.spot_checker)
+
+
+def spot_checker_for(node: NodeContext) -> SpotChecker:
+    """This entry's spot-checker (``spot_check_rate`` of its sessions): witnesses of the checked
+    hop's recipe from the tracker, outvoted nodes reported to it with the evidence (ADR-0042)."""
+    agent = node.agent
+
+    async def routes(name, layers, exclude, session_id, like) -> MeshRoute:
+        return await agent.session_route(name, layers, exclude, session_id, like)
+
+    async def report(node_id: str, model: str, hop, witnesses: list[str], distances: dict[str, float],
+                     limit: float, session: str) -> None:
+        start, end = hop.layers.to_inclusive()
+        await agent.report_quarantine(node_id, QuarantineReport(
+            model=model, shard_start=start, shard_end=end, witnesses=witnesses, distances=distances,
+            tolerance=limit, session=session))
+
+    return SpotChecker(node.settings.spot_check_rate, client=node.http, routes=routes, report=report,
+                       timeout_s=node.settings.hop_timeout_s, release_auth=getattr(agent, "signer", None))
 
 
 async def chat_completions(request: Request) -> Response:

@@ -42,6 +42,8 @@ class NodeSettings:
             idle node (none when only one session is active; stretched to half a batch's recent
             compute time when that is longer); ``max_batch_size``: most steps in one batched
             forward (ADR-0041).
+        spot_check_rate: as an entry node, the share of sessions whose first call to each hop is
+            also run on a second holder and compared (ADR-0042; 0 disables).
         drain_hop_idle_s: while draining, a hop session untouched this long counts as over
             (its entry finished without releasing it, or died), seconds.
         relay: reach this node only through a relay, from the start (ADR-0045).
@@ -87,6 +89,7 @@ class NodeSettings:
         """Worker threads of the node's event loop: enough for every caller of a full batch to wait
         in one while the batch runs, plus the codec and LM-head calls around them."""
         return max(32, 4 * self.max_batch_size)
+    spot_check_rate: float = 0.02
 
     @property
     def endpoint(self) -> str:

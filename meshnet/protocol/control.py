@@ -44,8 +44,10 @@ MAX_LAYERS = 1024
 #: (426). Revision 1 had no field for it (a registration without ``protocol`` is revision 1);
 #: revision 2 adds node keys and signed node calls (ADR-0035); revision 3 session tickets on hop
 #: calls (ADR-0038: a revision-2 entry sends none, so its hops would refuse it) and the heartbeat
-#: interval in heartbeat responses (ADR-0037: a revision-2 node would refuse the unknown field).
-PROTOCOL_REVISION = 3
+#: interval in heartbeat responses (ADR-0037: a revision-2 node would refuse the unknown field);
+#: revision 4 the ``unverified`` hops of a route (a revision-3 node would refuse the unknown field),
+#: witness routes (``like``) and quarantine reports (ADR-0042).
+PROTOCOL_REVISION = 4
 
 
 class Payload(BaseModel):
@@ -291,6 +293,19 @@ class FailureReport(Payload):
     """Body of ``POST /v1/nodes/{id}/failure``: why a hop failed."""
 
     reason: str = Field(default="", max_length=2000)
+
+
+class QuarantineReport(ShardRange):
+    """Body of ``POST /v1/nodes/{id}/quarantine``: an entry node's spot-check found the node
+    outvoted over ``shard_start``..``shard_end`` of ``model`` (ADR-0042). ``witnesses`` are the
+    two other holders that ran the same input; ``distances`` the pairwise relative L2 distances
+    of the three outputs, keyed ``"a|b"`` by node ids; ``tolerance`` the agreement threshold the
+    entry used."""
+
+    witnesses: list[str] = Field(min_length=2, max_length=2)
+    distances: dict[str, float] = Field(max_length=3)
+    tolerance: float = Field(ge=0)
+    session: str = Field(default="", max_length=128)
 
 
 class DoctorResponse(Payload):

@@ -65,13 +65,17 @@ class Route:
 
 
 class RouteResponse(BaseModel):
-    """Body of ``GET /v1/route``: the hops serving the asked layers of ``model``, in order, and
-    (when the route was asked for a ``session``) the session's ticket."""
+    """Body of ``GET /v1/route``: the hops serving the asked layers of ``model``, in order,
+    (when the route was asked for a ``session``) the session's ticket, and the hops that no
+    second holder could check (``unverified``)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str
     hops: list[HopJSON]
     ticket: str | None = None
+    #: node ids of hops whose layers no other admitted holder covers: nothing can spot-check
+    #: them (ADR-0042)
+    unverified: list[str] = Field(default_factory=list)
 
     def to_hops(self) -> list[Hop]:
         """The hops as :class:`Hop` (half-open layers)."""

@@ -61,6 +61,10 @@ class ShardView(BaseModel):
     weight_bytes: int = Field(ge=0)
     admitted: bool
     capability: CapabilityView
+    #: the tracker's check of the shard (ADR-0042): ``state`` (``pending``, ``verified``,
+    #: ``unverified``, ``rejected``) and ``reason``; after a challenge also ``references``,
+    #: ``distances`` (``"candidate|reference"`` -> relative L2) and ``tolerance``
+    verification: dict | None = None
 
 
 class NodeView(BaseModel):
@@ -89,6 +93,10 @@ class NodeView(BaseModel):
     stats: NodeStats
     last_heartbeat_age_s: float
     benchmark_tokens_per_sec: float
+    #: set while the node is quarantined (ADR-0042): ``reported_by``, ``model``,
+    #: ``shard_start``/``shard_end``, ``witnesses``, ``distances`` (``"a|b"`` -> relative L2),
+    #: ``tolerance``, ``since`` (unix seconds)
+    quarantine: dict | None = None
 
 
 class NodeList(BaseModel):

@@ -4,6 +4,7 @@ Routes (JSON unless noted; ``shard_start``/``shard_end``/``start_layer``/``end_l
 inclusive on the wire, ADR-0002):
     POST /v1/nodes/register, POST /v1/nodes/{id}/heartbeat, POST /v1/nodes/{id}/failure
     POST /v1/nodes/{id}/drain, DELETE /v1/nodes/{id}  (a node's own drain and leave, ADR-0032)
+    POST /v1/nodes/{id}/quarantine  (an entry's spot-check verdict with its evidence, ADR-0042)
         (registration: join token when set, signed by the key it registers; every later node
         call signed by the node's bound key, ADR-0035)
     GET  /v1/route[?session=] (with a session: signed by its entry node, answered with a ticket, ADR-0038)
@@ -14,7 +15,7 @@ inclusive on the wire, ADR-0002):
          /v1/ready[?model=] (readiness: 200, or 503 with reasons)
     POST /v1/chat/completions  (forwarded to an entry node, or answered by the tracker's own entry node
         in-process when it serves the first layers, ADR-0044; 503 model_loading when not routable)
-    POST /v1/operator/{pin,reload,doctor,drain}  (bearer operator token when configured)
+    POST /v1/operator/{pin,reload,doctor,drain,reinstate}  (bearer operator token when configured)
     GET  /v1/nodes/{id}/key  (the public key bound to a node id: relays on nodes check attaches with it)
     WS   /v1/tunnel/{id}  (a relayed node's tunnel, signed by its key), and
     *    /v1/relay/{id}/...  (HTTP and WebSocket to that node through its tunnel, ADR-0045)
@@ -45,13 +46,14 @@ from meshnet.protocol.openai import read_chat_request
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name, default_model, model_aliases
 from meshnet.tracker import operator, proxy, views
+from meshnet.tracker.admission import Challenge, run_challenge
 from meshnet.tracker.auth import NodeAuth, exposure_problem
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.probe import probe_endpoint
 from meshnet.tracker.rebalance import rebalance_off_loop
 from meshnet.tracker.sharing import Sharing
 from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRequest, HeartbeatResponse,
-                                      RegisterRequest, RegisterResponse, check_revision)
+                                      QuarantineReport, RegisterRequest, RegisterResponse, check_revision)
 from meshnet.protocol.traffic import BUCKET_COUNT
 from meshnet.protocol.views import CoverageList, DemandList, DemandRow
 from meshnet.protocol.route import RouteResponse
@@ -91,8 +93,27 @@ async def probe(app: Starlette, node_id: str, endpoint: str) -> None:
     svc: TrackerService = app.state.service
     error = await probe_endpoint(app.state.http, endpoint, node_id, svc.settings.probe_timeout_s)
     svc.set_reachability(node_id, endpoint, error)
+    start_challenges(app)
     if svc.dirty:
         app.state.wake.set()
+
+
+async def admit(app: Starlette, challenge: Challenge) -> None:
+    """Run one admission challenge and record its verdict (ADR-0042, :mod:`meshnet.tracker.admission`)."""
+    svc: TrackerService = app.state.service
+    verdict, outvoted = await run_challenge(app.state.http, svc.tickets.key, challenge,
+                                            svc.settings.challenge_timeout_s)
+    svc.record_challenge(challenge, verdict, outvoted)
+    app.state.wake.set()
+
+
+def start_challenges(app: Starlette) -> None:
+    """Start the admission challenges the service decided on, in the background."""
+    running: set[asyncio.Task] = app.state.challenging
+    for challenge in app.state.service.take_challenges():
+        task = asyncio.create_task(admit(app, challenge))
+        running.add(task)
+        task.add_done_callback(running.discard)
 
 
 def probe_soon(app: Starlette, node_id: str, endpoint: str) -> None:
@@ -155,6 +176,7 @@ async def heartbeat(request: Request) -> JSONResponse:
     body = await request.body()
     _signed_by(request, body, as_node=node_id)
     directives = svc.heartbeat(node_id, validate_json(HeartbeatRequest, body))
+    start_challenges(request.app)
     if svc.dirty:
         request.app.state.wake.set()
     node = svc.get(node_id)
@@ -174,6 +196,18 @@ async def failure(request: Request) -> JSONResponse:
     svc.report_failure_from(sender, node_id, body.reason)
     probe_soon(request.app, node_id, svc.nodes[node_id].endpoint)
     return JSONResponse({"ok": True})
+
+
+async def quarantine(request: Request) -> JSONResponse:
+    """A spot-check's verdict, signed by the entry node that ran it: the tracker re-counts the vote
+    and quarantines the node (ADR-0042); 403 from a node that could not have routed through it,
+    422 ``weak_evidence`` when the evidence does not outvote it."""
+    raw = await request.body()
+    sender = _signed_by(request, raw)
+    record = _svc(request).quarantine_from(sender, request.path_params["node_id"],
+                                           validate_json(QuarantineReport, raw))
+    request.app.state.wake.set()
+    return JSONResponse({"node_id": record.node_id, "quarantine": record.to_json()})
 
 
 async def drain_node(request: Request) -> JSONResponse:
@@ -258,7 +292,8 @@ async def coverage_all(request: Request) -> JSONResponse:
 
 async def route(request: Request) -> JSONResponse:
     """Hops over the asked layers. With ``session=<id>`` the call must be signed by an entry node of
-    the model and the answer carries the session's ticket naming the hops (ADR-0038)."""
+    the model and the answer carries the session's ticket naming the hops (ADR-0038); with
+    ``like=<node id>`` only shards of that node's recipe are used (spot-check witnesses, ADR-0042)."""
     svc = _svc(request)
     model = request.query_params.get("model")
     if not model:
@@ -274,9 +309,10 @@ async def route(request: Request) -> JSONResponse:
     if end < start:
         raise InvalidRequest("end_layer must be >= start_layer", code="invalid_field", status=422)
     exclude = frozenset(x for x in request.query_params.get("exclude", "").split(",") if x)
-    hops = svc.route(info.name, LayerRange.from_inclusive(start, end), exclude)
+    hops = svc.route(info.name, LayerRange.from_inclusive(start, end), exclude, request.query_params.get("like"))
     ticket = svc.session_ticket(entry, session, info.name, hops) if entry is not None else None
-    body = RouteResponse(model=info.name, hops=[h.to_json() for h in hops], ticket=ticket)
+    body = RouteResponse(model=info.name, hops=[h.to_json() for h in hops], ticket=ticket,
+                         unverified=svc.unverified_hops(info.name, hops))
     return JSONResponse(body.model_dump(exclude_none=True))
 
 
@@ -398,6 +434,7 @@ async def control_loop(app: Starlette) -> None:
         app.state.wake.clear()
         try:
             leading = await sharing.sync_round()
+            start_challenges(app)
             for node in svc.to_probe():
                 probe_soon(app, node.node_id, node.endpoint)
             svc.check_dropouts()
@@ -446,13 +483,14 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
         app.state.service.metrics = TrackerMetrics()
         app.state.wake = asyncio.Event()
         app.state.probing = {}
+        app.state.challenging = set()
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), transport=transport) as http:
             app.state.http = http
             task = asyncio.create_task(control_loop(app)) if run_loop else None
             try:
                 yield
             finally:
-                for pending in [task, *app.state.probing.values()]:
+                for pending in [task, *app.state.probing.values(), *app.state.challenging]:
                     if pending is not None:
                         pending.cancel()
                         with contextlib.suppress(asyncio.CancelledError):
@@ -463,6 +501,7 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
               Route("/v1/nodes/{node_id}/heartbeat", heartbeat, methods=["POST"]),
               Route("/v1/nodes/{node_id}/failure", failure, methods=["POST"]),
               Route("/v1/nodes/{node_id}/drain", drain_node, methods=["POST"]),
+              Route("/v1/nodes/{node_id}/quarantine", quarantine, methods=["POST"]),
               Route("/v1/nodes/{node_id}", deregister, methods=["DELETE"]),
               Route("/v1/nodes/{node_id}/key", node_key),
               Route("/v1/nodes", nodes), Route("/v1/traffic", traffic), Route("/v1/coverage", coverage_all),

@@ -1,4 +1,4 @@
-"""Operator actions: pin, unpin, reload, doctor, drain (``POST /v1/operator/...``).
+"""Operator actions: pin, unpin, reload, doctor, drain, reinstate (``POST /v1/operator/...``).
 
 Protected by a bearer token when the tracker has one (``--operator-token`` /
 ``MESHNET_OPERATOR_TOKEN``). Pins are stored in the tracker's database and survive restarts; pinned
@@ -101,7 +101,18 @@ async def drain(request: Request) -> JSONResponse:
     return JSONResponse({"node_id": node.node_id, "draining": True})
 
 
+async def reinstate(request: Request) -> JSONResponse:
+    """Lift a node's quarantine (ADR-0042): its shards count again once their reports do."""
+    _authorize(request)
+    svc = request.app.state.service
+    node_id = validate_json(NodeRequest, await request.body()).node_id
+    was = svc.reinstate(node_id)
+    request.app.state.wake.set()
+    return JSONResponse({"node_id": node_id, "reinstated": was})
+
+
 def routes() -> list[Route]:
     return [Route("/v1/operator/pin", pin, methods=["POST"]),
             Route("/v1/operator/unpin", unpin, methods=["POST"]), Route("/v1/operator/reload", reload, methods=["POST"]),
-            Route("/v1/operator/doctor", doctor, methods=["POST"]), Route("/v1/operator/drain", drain, methods=["POST"])]
+            Route("/v1/operator/doctor", doctor, methods=["POST"]), Route("/v1/operator/drain", drain, methods=["POST"]),
+            Route("/v1/operator/reinstate", reinstate, methods=["POST"])]

@@ -74,7 +74,7 @@ def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState]
         assignments = tuple(a for a in _assignments(node, open_by_node.get(node.node_id, []))
                             if a.model in known)
         speed = max((node.tokens_per_s(s) for s in node.shards), default=node.benchmark_tokens_per_sec or 1.0)
-        accepts = (node.accepts_placement and not node.draining and node.reachable
+        accepts = (node.accepts_placement and not node.draining and node.reachable and node.quarantine is None
                    and node.node_id not in failed_recently)
         nodes.append(placement.NodeState(node.node_id, node.vram_bytes, node.quantization, speed,
                                          node.max_loaded_shards, assignments, accepts,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name
 from meshnet.protocol.control import CapabilityReport, NodeStats, ShardInfo
+from meshnet.tracker.admission import ADMITTING
 
 
 @dataclass
@@ -27,6 +28,9 @@ class ShardRecord:
     entry: bool
     weight_bytes: int
     report: CapabilityReport | None
+    #: the tracker's verification of this report (:class:`meshnet.tracker.admission.Verdict`;
+    #: None: not decided yet, e.g. the node is not reachable yet), ADR-0042
+    verdict: object | None = None
 
     @classmethod
     def from_payload(cls, p: ShardInfo) -> "ShardRecord":
@@ -81,17 +85,22 @@ class NodeRecord:
     #: the relay tunnel's round trip the node measured at registration, seconds (added to each of its
     #: hops' cost; the latest heartbeat's ``stats.relay_rtt_s`` supersedes it once measured)
     relay_rtt_s: float = 0.0
+    #: set while a spot-check's outvote keeps the node out of routes and placement (ADR-0042;
+    #: a :class:`meshnet.tracker.quarantine.Quarantine`)
+    quarantine: object | None = None
 
     @property
     def quantization(self) -> str:
         return self.quantizations[0]
 
     def admitted(self, shard: ShardRecord) -> bool:
-        """A shard counts (coverage, routes) only with a present, passed and fresh report, on a
-        node the tracker can reach."""
+        """A shard counts (coverage, routes) only with a present, passed and fresh report that the
+        tracker verified (or admitted unverified, ADR-0042), on a node the tracker can reach that is
+        not quarantined."""
         report = shard.report
         return bool(report is not None and report.passed and not self.is_stale(report) and not self.draining
-                    and self.reachable)
+                    and self.reachable and self.quarantine is None
+                    and shard.verdict is not None and shard.verdict.state in ADMITTING)
 
     def is_stale(self, report: CapabilityReport | None) -> bool:
         return report is not None and report.timestamp in self.stale_reports

@@ -23,10 +23,13 @@ from meshnet.protocol.views import Coverage, CoverageSegment
 from meshnet.tracker.cadence import TIMEOUT_FACTOR, Cadence, heartbeat_cadence
 from meshnet.protocol.control import (OPEN_STATUSES, CapabilityReport, Directive, HeartbeatRequest,
                                       RegisterRequest)
+from meshnet.tracker.admission import Challenge, Verdict
+from meshnet.tracker.quarantine import Quarantine
 from meshnet.tracker.registry import NodeRecord, ShardRecord, record_from_json, record_to_json
 from meshnet.tracker.backends import open_store
 from meshnet.tracker.store import DemandEvent, NodeRow, TrackerStore
 from meshnet.tracker.tickets import TicketIssuer
+from meshnet.tracker.trust import TrustMixin, may_report_failure
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,10 @@ class TrackerSettings:
             that signs them lives next to ``db_path``.
         directive_retention_s: finished (done/failed) directives are deleted this long after
             their last update, seconds (ADR-0037; default one day).
+        admission_challenges: challenge each new shard against an admitted holder of its layers
+            before it is routed (ADR-0042); off, every passed shard is admitted unverified
+            (after the weights-digest check).
+        challenge_timeout_s: how long one challenge call may take, seconds.
     """
 
     host: str = "127.0.0.1"
@@ -82,23 +89,8 @@ class TrackerSettings:
     drain_grace_s: float = 30.0
     ticket_ttl_s: float = 600.0
     directive_retention_s: float = 86_400.0
-
-
-def may_report_failure(sender: NodeRecord | None, reported: NodeRecord) -> str:
-    """Why ``sender`` may not report a hop failure of ``reported`` ("" when it may).
-
-    Hop failures are reported by entry nodes, which drive routes. So a report counts only from a
-    registered node other than the reported one that holds an entry shard of a model the reported
-    node serves: one that could have had it on a route.
-    """
-    if sender is None:
-        return "the sender is not a registered node"
-    if sender.node_id == reported.node_id:
-        return "a node does not report itself"
-    models = {s.model for s in reported.shards}
-    if not any(s.entry and s.model in models for s in sender.shards):
-        return "the sender holds no entry shard of a model the reported node serves"
-    return ""
+    admission_challenges: bool = True
+    challenge_timeout_s: float = 30.0
 
 
 def may_enter(sender: NodeRecord | None, model: str) -> str:
@@ -119,7 +111,7 @@ class ModelInfo:
     hf_repo: str = ""
 
 
-class TrackerService:
+class TrackerService(TrustMixin):
     """All tracker state. Not thread-safe: call it from the event loop only. The rebalance runs its
     plan and its store write on worker threads, but those touch only a frozen snapshot and the
     store (whose lock serialises it); every read and change of this object stays on the loop
@@ -144,6 +136,14 @@ class TrackerService:
         self.dirty = True  # a join/leave happened: rebalance soon
         self.last_join_s = 0.0
         self.plan_reasons: Mapping[str, str] = {}  # node id -> why it did or did not get a range
+        #: node id -> why it is quarantined (ADR-0042); kept across its re-registrations
+        self.quarantined: dict[str, Quarantine] = {}
+        #: (node id, model, start, end, report timestamp) -> the shard's verification (ADR-0042)
+        self.verdicts: dict[tuple, Verdict] = {}
+        #: weights digest known per model, exact range and recipe (:func:`admission.digest_key`)
+        self.digests: dict[tuple, str] = {}
+        #: challenges decided but not started yet (the app starts them: :meth:`take_challenges`)
+        self.challenges: list[Challenge] = []
         self.tickets = TicketIssuer(self.store.tracker_key(), settings.ticket_ttl_s)
         #: this tracker process, as demand events name it (ADR-0043)
         self.origin = uuid.uuid4().hex[:16]
@@ -224,7 +224,9 @@ class TrackerService:
             record.stale_reports, record.draining = old.stale_reports, old.draining
             if old.endpoint == record.endpoint:
                 record.reachable, record.reach_error, record.probed_s = old.reachable, old.reach_error, old.probed_s
+        record.quarantine = self.quarantined.get(node_id)
         self.nodes[node_id] = record
+        self.verify_shards(record)
         self.dirty = True
         if old is None:
             self.last_join_s = time.monotonic()
@@ -336,6 +338,7 @@ class TrackerService:
         by_range = {(r.model, r.layers): r for r in reports}
         for shard in node.shards:
             shard.report = by_range.get((shard.model, shard.layers), shard.report)
+        self.verify_shards(node)
         self.dirty = True
         self.save(node)
         return [r.reason for r in reports if not r.passed]
@@ -385,6 +388,7 @@ class TrackerService:
         node.shards = [ShardRecord.from_payload(s) for s in payload.shards]
         for s in payload.shards:
             self.ensure_model(s.model, s.num_layers)
+        self.verify_shards(node)
         if before != {(s.model, s.layers) for s in node.shards if node.admitted(s)}:
             self.dirty = True
         if any(u.status in ("done", "failed") for u in payload.directive_updates):
@@ -446,6 +450,7 @@ class TrackerService:
             log.info("node %s not reachable (yet): %s", node_id, error)
         changed = (reachable, error) != (node.reachable, node.reach_error)
         node.reachable, node.reach_error = reachable, error
+        self.verify_shards(node)
         if changed:
             self.save(node)
 
@@ -524,6 +529,7 @@ class TrackerService:
         only forgets it, since the leader decides dropouts (ADR-0043)."""
         del self.nodes[node_id]
         self._heartbeats.pop(node_id, None)
+        self.verdicts = {k: v for k, v in self.verdicts.items() if k[0] != node_id}
         if self.leader or final:
             self.store.fail_open(node_id, why)
             if self.store.shared:
@@ -638,8 +644,19 @@ class TrackerService:
                                               node.stats.sessions, age))
         return out
 
-    def route(self, model: str, layers: LayerRange, exclude: frozenset[str] = frozenset()) -> list[routing.Hop]:
-        """Hops covering exactly ``layers`` of ``model``.
+    def recipe_of(self, node_id: str, model: str, layers: LayerRange) -> tuple[str, str] | None:
+        """``(quantization, compute dtype)`` of ``node_id``'s admitted shard of ``model`` covering
+        ``layers`` (None: it holds none)."""
+        for n, s in self.admitted_shards(model):
+            if n.node_id == node_id and s.layers.start <= layers.start and layers.end <= s.layers.end:
+                return s.quantization, s.report.recipe.compute_dtype
+        return None
+
+    def route(self, model: str, layers: LayerRange, exclude: frozenset[str] = frozenset(),
+              like: str | None = None) -> list[routing.Hop]:
+        """Hops covering exactly ``layers`` of ``model``; with ``like``, only through shards of the same
+        recipe (quantization and compute dtype) as that node's over ``layers`` (ADR-0042: spot-check
+        witnesses compute what the checked hop computes, so one tolerance fits).
 
         Raises:
             NoRoute (503 model_loading): some layer has no usable admitted shard.
@@ -649,12 +666,25 @@ class TrackerService:
             raise InvalidRequest(f"layers {layers} beyond {model}'s {info.num_layers} layers",
                                  code="invalid_field", status=422)
         try:
-            return routing.choose_route(layers.end, self.candidates(model, layers.end), start_layer=layers.start,
-                                        exclude=exclude)
+            candidates = self.candidates(model, layers.end)
+            if like is not None:
+                recipe = self.recipe_of(like, model, layers)
+                same = {(n.node_id, s.layers) for n, s in self.admitted_shards(model)
+                        if recipe is not None and (s.quantization, s.report.recipe.compute_dtype) == recipe}
+                candidates = [c for c in candidates if (c.node_id, c.layers) in same]
+            return routing.choose_route(layers.end, candidates, start_layer=layers.start, exclude=exclude)
         except routing.NoRoute as exc:
             full = routing.NoRoute(exc.gap_start, info.num_layers)
             full.coverage = self.coverage(model).model_dump()
             raise full from None
+
+    def unverified_hops(self, model: str, hops: list[routing.Hop]) -> list[str]:
+        """Node ids of ``hops`` whose layers no other admitted holder covers (nothing can
+        spot-check them, ADR-0042)."""
+        shards = self.admitted_shards(model)
+        return [h.node_id for h in hops
+                if not any(n.node_id != h.node_id and s.layers.start <= h.layers.start and h.layers.end <= s.layers.end
+                           for n, s in shards)]
 
     def session_ticket(self, entry: str, session: str, model: str, hops: list[routing.Hop]) -> str:
         """A ticket for ``hops`` of ``model`` in ``session``, driven by node ``entry`` (whose signature

@@ -29,7 +29,8 @@ def node_json(service, node, models) -> NodeView:
             timestamp=report.timestamp, stale=node.is_stale(report))
         shards.append(ShardView(model=s.model, shard_start=start, shard_end=end, tier=s.tier,
                                 quantization=s.quantization, entry=s.entry, weight_bytes=s.weight_bytes,
-                                admitted=node.admitted(s), capability=capability))
+                                admitted=node.admitted(s), capability=capability,
+                                verification=None if s.verdict is None else s.verdict.to_json()))
     return NodeView(node_id=node.node_id, endpoint=node.endpoint, device=node.device, wallet=node.wallet,
                     vram_bytes=node.vram_bytes, memory_budget_bytes=budget, ram_bytes=node.ram_bytes,
                     quantization=node.quantization, max_assignable_layers=max_layers,
@@ -38,7 +39,8 @@ def node_json(service, node, models) -> NodeView:
                     reachable=node.reachable, reach_error=node.reach_error,
                     reason=node.reason or service.plan_reasons.get(node.node_id, ""),
                     stats=node.stats, last_heartbeat_age_s=round(now - node.last_heartbeat_s, 1),
-                    benchmark_tokens_per_sec=node.benchmark_tokens_per_sec)
+                    benchmark_tokens_per_sec=node.benchmark_tokens_per_sec,
+                    quarantine=None if node.quarantine is None else node.quarantine.to_json())
 
 
 def nodes_view(service) -> NodeList:

@@ -41,8 +41,9 @@ def node(node_id: str, *shards: dict) -> dict:
 
 @pytest.fixture
 def tracker_app():
-    return build_tracker(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False,
-                         transport=HealthyNodes())
+    # these fake nodes compute nothing: admission challenges off (ADR-0042)
+    return build_tracker(TrackerSettings(models=(MODEL,), db_path=":memory:", admission_challenges=False),
+                         run_loop=False, transport=HealthyNodes())
 
 
 @pytest.fixture

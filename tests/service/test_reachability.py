@@ -35,6 +35,7 @@ def node(node_id: str, endpoint: str | None = None, last_layer: int = 3) -> dict
 def make_tracker(asgi_client):
     """``make(transport=None, run_loop=False, **settings) -> (app, client)``; None: the real network."""
     async def make(transport=None, run_loop: bool = False, **settings):
+        settings.setdefault("admission_challenges", False)  # these fake nodes compute nothing
         app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", **settings), run_loop=run_loop,
                         transport=transport)
         return app, await asgi_client(app, "http://tracker", auth=SignAsNodes())

@@ -126,9 +126,11 @@ def test_directive_trails_record_transitions():
     ([{"passed": True, "timestamp": 90}, {"passed": False, "timestamp": 80}], False, "failed"),
     ([{"passed": None}], False, "none"),
     ([{"passed": True, "timestamp": 90}], True, "draining"),
+    ([{"passed": True, "timestamp": 90}], "quarantined", "quarantined"),  # over draining and ok (ADR-0042)
 ])
 def test_capability_summary(caps, draining, status):
-    node = {"draining": draining, "shards": [{"capability": c} for c in caps]}
+    quarantine = {"witnesses": ["b", "c"]} if draining == "quarantined" else None
+    node = {"draining": draining is True, "quarantine": quarantine, "shards": [{"capability": c} for c in caps]}
     got, age = capability_summary(node, now=100.0)
     assert got == status
     stamps = [c["timestamp"] for c in caps if c.get("timestamp")]

@@ -24,12 +24,13 @@ from tui.widgets.palette import Palette
 COLUMNS = (("node", "node"), ("endpoint", "endpoint"), ("device", "device"), ("memory", "memory"),
            ("slots", "slots"), ("capability", "capability"), ("tps", "tokens/s"), ("rpm", "rpm"),
            ("heartbeat", "last hb"), ("ranges", "layers (tier)"))
-CAPABILITY_STYLE = {"ok": "ok", "failed": "bad", "stale": "warn", "none": "muted", "draining": "warn"}
+CAPABILITY_STYLE = {"ok": "ok", "failed": "bad", "stale": "warn", "none": "muted", "draining": "warn",
+                    "quarantined": "bad"}
 
 
 def capability_text(node: dict, now: float, palette: Palette) -> Text:
     status, age = capability_summary(node, now)
-    mark = {"ok": "✓", "failed": "✕", "stale": "⚠", "none": "·", "draining": "⏸"}[status]
+    mark = {"ok": "✓", "failed": "✕", "stale": "⚠", "none": "·", "draining": "⏸", "quarantined": "⛔"}[status]
     text = Text()
     text.append(f"{mark} {status}", style=getattr(palette, CAPABILITY_STYLE[status]))
     if age is not None:
@@ -88,6 +89,12 @@ def detail_text(node: dict, now: float, palette: Palette, num_layers: dict[str, 
         text.append("  no placement", style=palette.warn)
     if not node.get("reachable", True):
         text.append(f"\nunreachable: {node.get('reach_error', '')}", style=f"bold {palette.bad}")
+    quarantine = node.get("quarantine")
+    if quarantine:
+        text.append(f"\nquarantined: outvoted over {quarantine['model']} {quarantine['shard_start']}-"
+                    f"{quarantine['shard_end']} by {', '.join(quarantine['witnesses'])} (reported by "
+                    f"{quarantine['reported_by']}; distances {quarantine['distances']}, tolerance "
+                    f"{quarantine['tolerance']}); `meshnet reinstate` lifts it", style=f"bold {palette.bad}")
     for shard in node.get("shards", []):
         cap = shard.get("capability") or {}
         ok = cap.get("passed") and not cap.get("stale") and shard.get("admitted")
@@ -98,6 +105,10 @@ def detail_text(node: dict, now: float, palette: Palette, num_layers: dict[str, 
         state = "stale" if cap.get("stale") else "passed" if cap.get("passed") else \
             "no report" if cap.get("passed") is None else "failed"
         text.append(f"  {state}{age}: {cap.get('reason') or ''}", style=palette.muted)
+        verification = shard.get("verification") or {}
+        if verification.get("state") in ("pending", "rejected"):  # admission by evidence (ADR-0042)
+            text.append(f"; {verification['state']}: {verification.get('reason', '')}",
+                        style=palette.bad if verification["state"] == "rejected" else palette.muted)
     max_layers = node.get("max_assignable_layers") or {}
     if max_layers:
         fits = []

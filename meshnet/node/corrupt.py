@@ -1,0 +1,61 @@
+"""Test-only: make this node a dishonest holder, to prove that admission and spot-checks catch it.
+
+Set by environment only (never a CLI flag), read once at start:
+
+    MESHNET_TEST_CORRUPT_LAYER=L      add noise to layer L's MLP down-projection (absolute index)
+    MESHNET_TEST_CORRUPT_AFTER=N      ... from the (N+1)-th hop call on (default 0: from the first);
+                                      N=1 passes one admission challenge, then turns bad
+    MESHNET_TEST_CORRUPT_SCALE=S      noise std relative to that weight's std (default 0.5)
+
+The noise is seeded (0) and added in place to the loaded weights; the capability report and
+its weights digest stay those of the honest load (a dishonest node would lie about them too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Corruption:
+    """When and where to corrupt; ``calls`` counts hop calls seen, ``done`` once applied."""
+
+    layer: int
+    after_calls: int = 0
+    scale: float = 0.5
+    calls: int = 0
+    done: bool = False
+
+    @classmethod
+    def from_env(cls) -> "Corruption | None":
+        """The corruption the environment asks for, or None (the normal case)."""
+        layer = os.environ.get("MESHNET_TEST_CORRUPT_LAYER")
+        if not layer:
+            return None
+        return cls(int(layer), int(os.environ.get("MESHNET_TEST_CORRUPT_AFTER", "0")),
+                   float(os.environ.get("MESHNET_TEST_CORRUPT_SCALE", "0.5")))
+
+    def on_hop_call(self, runtime) -> None:
+        """Count one hop call; corrupt every loaded shard holding ``layer`` once the count passes
+        ``after_calls`` (call before the forward runs)."""
+        self.calls += 1
+        if self.done or self.calls <= self.after_calls:
+            return
+        for slot in list(runtime.slots.values()):
+            block = slot.shard.blocks[str(self.layer)] if str(self.layer) in slot.shard.blocks else None
+            if block is None:
+                continue
+            weight = block.mlp.down_proj.weight
+            with torch.no_grad(), runtime.lock:
+                gen = torch.Generator().manual_seed(0)
+                noise = torch.randn(weight.shape, generator=gen) * float(weight.float().std()) * self.scale
+                weight.add_(noise.to(weight.dtype))
+            log.warning("TEST: corrupted layer %d of %s (noise %.2f x std) after %d hop call(s)", self.layer,
+                        slot.key, self.scale, self.after_calls)
+            self.done = True

@@ -1,0 +1,207 @@
+"""Admission by evidence: a shard is routed only after the tracker has checked it (ADR-0042).
+
+A node's capability report says its shard works; it no longer decides alone. For each passed
+report (a new doctor run gives a new report, so a reload is checked again) the tracker gives
+the shard a **verification**:
+
+- ``rejected``: its weights digest differs from the one the tracker knows for that model, range
+  and recipe, or its output on a challenge differed from the reference holders' beyond the
+  recipes' tolerance. Never admitted; the evidence is shown in ``GET /v1/nodes``.
+- ``pending``: a challenge is running. Not admitted yet (a fraction of a second on a 16-token probe).
+- ``failed``: the candidate's challenge call failed (refused, timed out, an error status): not
+  admitted; the next heartbeat brings a new challenge.
+- ``verified``: its output on a challenge it could not predict (hidden states from a random seed,
+  sent through the ordinary ``POST /v1/forward`` under a fresh session, so it cannot tell a
+  challenge from a user's prefill) agreed with an admitted holder of the same layers.
+- ``unverified``: there is nothing to compare it with (the first holder of a range, a model
+  without a known width): admitted, so a fresh mesh becomes ready at once, and marked so in
+  routes; its digest becomes the one later holders must match.
+
+When a candidate disagrees with its reference and another admitted holder exists, that one
+runs the challenge too and the majority decides; an outvoted reference is quarantined on the
+tracker's own evidence. :func:`decide` is the pure decision; :func:`run_challenge` the calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from meshnet.layers import LayerRange
+from meshnet.protocol.evidence import challenge_frame, frame_distance, read_frame, tolerance
+from meshnet.protocol.route import Hop
+from meshnet.protocol.signing import encode_public_key, sign_request
+from meshnet.protocol.tickets import HEADER_TICKET, TicketClaims, issue_ticket
+
+__all__ = ["ADMITTING", "CHALLENGE_TOKENS", "TRACKER_ENTRY", "Challenge", "Verdict", "decide", "run_challenge"]
+
+#: verifications that count toward coverage and routes
+ADMITTING = ("verified", "unverified")
+#: tokens in a challenge's hidden states
+CHALLENGE_TOKENS = 16
+#: the entry a challenge's ticket names (the tracker itself; never a node id, which has no "@")
+TRACKER_ENTRY = "@tracker"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One shard's verification: ``state`` (``pending``/``verified``/``unverified``/``rejected``),
+    why, and the evidence (reference node ids, distances, tolerance) when a challenge ran."""
+
+    state: str
+    reason: str = ""
+    references: tuple[str, ...] = ()
+    distances: dict[str, float] = field(default_factory=dict)
+    tolerance: float | None = None
+    at: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict:
+        out = {"state": self.state, "reason": self.reason}
+        if self.references:
+            out.update(references=list(self.references), distances=dict(self.distances), tolerance=self.tolerance)
+        return out
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A node holding a shard, as admission sees it: ``recipe`` is quantization/compute dtype."""
+
+    node_id: str
+    endpoint: str
+    layers: LayerRange
+    quantization: str
+    compute_dtype: str
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """A challenge to run: ``candidate`` against ``references`` (in order; the second only on a
+    disagreement) over ``layers`` of ``model``, with hidden states of width ``hidden_size``."""
+
+    model: str
+    layers: LayerRange
+    candidate: Holder
+    references: tuple[Holder, ...]
+    hidden_size: int
+    key: tuple = ()
+
+
+def digest_key(model: str, layers: LayerRange, quantization: str, compute_dtype: str) -> tuple:
+    """What a weights digest is known for: one model, one exact range, one recipe."""
+    return (model, layers.start, layers.end, quantization, compute_dtype)
+
+
+def decide(candidate: Holder, digest: str, known_digest: str | None, holders: list[Holder],
+           hidden_size: int | None) -> Verdict | tuple[Holder, ...]:
+    """The verification of a candidate shard without a network call, or the references to
+    challenge it against.
+
+    Args:
+        candidate: the node and shard to admit; ``digest`` its reported weights digest.
+        known_digest: the digest the tracker knows for the same model, range and recipe (None: none yet).
+        holders: admitted holders of the model (verified or unverified, not quarantined, the
+            candidate excluded).
+        hidden_size: the model's activation width (None: unknown, no challenge possible).
+
+    Returns:
+        A final :class:`Verdict` (``rejected`` or ``unverified``), or up to two references: admitted
+        holders whose shard covers the candidate's layers with the same recipe (quantization and
+        compute dtype: holders of other recipes differ honestly by more than one tolerance, ADR-0042).
+    """
+    if known_digest and digest and digest != known_digest:
+        return Verdict("rejected", f"weights digest {digest} differs from {known_digest}, which the tracker "
+                                   "knows for this model, range and recipe")
+    covering = sorted((h for h in holders
+                       if h.layers.start <= candidate.layers.start and candidate.layers.end <= h.layers.end
+                       and (h.quantization, h.compute_dtype) == (candidate.quantization, candidate.compute_dtype)),
+                      key=lambda h: h.node_id)
+    if not covering or not hidden_size:
+        why = ("no other admitted holder of this recipe covers these layers" if hidden_size
+               else "the model's activation width is unknown")
+        return Verdict("unverified", f"admitted without a challenge: {why}")
+    return tuple(covering[:2])
+
+
+def _ticket(key: Ed25519PrivateKey, session: str, model: str, hop: Hop, ttl_s: float) -> str:
+    claims = TicketClaims.for_route(session=session, model=model, entry=TRACKER_ENTRY,
+                                    entry_key=encode_public_key(key.public_key()), hops=[hop], ttl_s=ttl_s)
+    return issue_ticket(key, claims)
+
+
+async def _run_on(http: httpx.AsyncClient, key: Ed25519PrivateKey, holder: Holder, model: str, layers: LayerRange,
+                  frame: bytes, timeout_s: float) -> bytes:
+    """The challenge on one holder: one forward call under a fresh session (ticket signed by the
+    tracker), then its release signed by the tracker's key. Raises on any failure."""
+    session = uuid.uuid4().hex
+    hop = Hop(holder.node_id, holder.endpoint, layers)
+    ticket = _ticket(key, session, model, hop, ttl_s=max(60.0, 4 * timeout_s))
+    start, end = layers.to_inclusive()
+    headers = {"X-Meshnet-Model": model, "X-Meshnet-Session": session, "X-Meshnet-Start-Layer": str(start),
+               "X-Meshnet-End-Layer": str(end), "X-Meshnet-Position": "0", HEADER_TICKET: ticket,
+               "Content-Type": "application/octet-stream"}
+    try:
+        async with asyncio.timeout(timeout_s):
+            resp = await http.post(f"{holder.endpoint}/v1/forward", content=frame, headers=headers, timeout=timeout_s)
+        resp.raise_for_status()
+        return resp.content
+    finally:
+        path = f"/v1/sessions/{session}"
+        signed = sign_request(key, TRACKER_ENTRY, "DELETE", path, b"")
+        try:
+            async with asyncio.timeout(5.0):
+                await http.delete(f"{holder.endpoint}{path}", headers={HEADER_TICKET: ticket, **signed}, timeout=5.0)
+        except Exception:  # noqa: BLE001 - best effort: the session expires by its TTL
+            pass
+
+
+async def run_challenge(http: httpx.AsyncClient, key: Ed25519PrivateKey, challenge: Challenge,
+                        timeout_s: float = 30.0) -> tuple[Verdict, str | None]:
+    """Run ``challenge``: random hidden states through the candidate and its first reference; on a
+    disagreement, through the second reference too, and the majority decides.
+
+    Returns:
+        ``(verdict of the candidate, node id of a reference the vote outvoted or None)``. A
+        candidate whose call fails (refused, timed out, an error status, no frame) is ``failed``:
+        not admitted, and challenged again at its next heartbeat; a reference that does not
+        answer leaves the candidate ``unverified`` (nothing to compare with).
+    """
+    c = challenge.candidate
+    frame = challenge_frame(secrets.randbits(63), CHALLENGE_TOKENS, challenge.hidden_size)
+    try:
+        out = await _run_on(http, key, c, challenge.model, challenge.layers, frame, timeout_s)
+        read_frame(out)
+    except Exception as exc:  # noqa: BLE001 - refused, timed out, an error answer, not a frame: no evidence of working
+        return Verdict("failed", f"the challenge on {c.node_id} failed: {type(exc).__name__}: {exc}"[:500]), None
+    distances: dict[str, float] = {}
+    answered: list[tuple[Holder, bytes]] = []
+    for ref in challenge.references:
+        try:
+            ref_out = await _run_on(http, key, ref, challenge.model, challenge.layers, frame, timeout_s)
+            read_frame(ref_out)
+        except Exception:  # noqa: BLE001 - the reference failed or sent no frame: try the next
+            continue
+        limit = tolerance(c.quantization, c.compute_dtype, ref.quantization, ref.compute_dtype)
+        distances[f"{c.node_id}|{ref.node_id}"] = round(frame_distance(out, ref_out), 6)
+        answered.append((ref, ref_out))
+        refs = tuple(r.node_id for r, _ in answered)
+        if distances[f"{c.node_id}|{ref.node_id}"] <= limit:
+            outvoted = None
+            if len(answered) == 2:  # the first reference disagreed: outvoted when it disagrees with this one too
+                (first, first_out), _ = answered
+                between = frame_distance(first_out, ref_out)
+                distances[f"{first.node_id}|{ref.node_id}"] = round(between, 6)
+                outvoted = first.node_id if between > limit else None
+            return Verdict("verified", f"challenge output within {limit} of {ref.node_id}'s", refs, distances,
+                           limit), outvoted
+    if not answered:
+        return Verdict("unverified", "admitted without a challenge: no reference holder answered"), None
+    refs = tuple(r.node_id for r, _ in answered)
+    limit = tolerance(c.quantization, c.compute_dtype, *(r.quantization for r, _ in answered))
+    return Verdict("rejected", f"challenge output differs from {' and '.join(refs)}'s beyond {limit}", refs,
+                   distances, limit), None

@@ -1,0 +1,181 @@
+"""The tracker's trust decisions over its node records (ADR-0042), part of :class:`TrackerService`.
+
+Admission by evidence (each passed capability report gets a verification: the pure decision
+is :func:`meshnet.tracker.admission.decide`, the calls :func:`meshnet.tracker.admission.run_challenge`)
+and quarantine (a spot-check's verdict re-counted by :func:`meshnet.tracker.quarantine.judge`).
+Kept apart from the service's registry, coverage and routing so that each file reads as one
+concept; the state lives on the service (``verdicts``, ``digests``, ``challenges``, ``quarantined``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from meshnet.errors import Forbidden, InvalidRequest
+from meshnet.presets import canonical_model_name, find_preset
+from meshnet.protocol.control import QuarantineReport
+from meshnet.protocol.evidence import tolerance
+from meshnet.tracker.admission import ADMITTING, Challenge, Holder, Verdict, decide, digest_key
+from meshnet.tracker.quarantine import Quarantine, judge
+from meshnet.tracker.registry import NodeRecord, ShardRecord
+
+log = logging.getLogger(__name__)
+
+
+def may_report_failure(sender: NodeRecord | None, reported: NodeRecord) -> str:
+    """Why ``sender`` may not report a hop failure (or a spot-check verdict) of ``reported``
+    ("" when it may).
+
+    Hop failures are reported by entry nodes, which drive routes. So a report counts only from a
+    registered node other than the reported one that holds an entry shard of a model the reported
+    node serves: one that could have had it on a route.
+    """
+    if sender is None:
+        return "the sender is not a registered node"
+    if sender.node_id == reported.node_id:
+        return "a node does not report itself"
+    models = {s.model for s in reported.shards}
+    if not any(s.entry and s.model in models for s in sender.shards):
+        return "the sender holds no entry shard of a model the reported node serves"
+    return ""
+
+
+class TrustMixin:
+    """Admission verdicts and quarantines of :class:`meshnet.tracker.service.TrackerService`
+    (which provides ``nodes``, ``store``, ``settings``, ``admitted_shards``, ``get`` and ``dirty``)."""
+
+    @staticmethod
+    def _verdict_key(node: NodeRecord, shard: ShardRecord) -> tuple:
+        return (node.node_id, shard.model, shard.layers.start, shard.layers.end, shard.report.timestamp)
+
+    @staticmethod
+    def _holder(node: NodeRecord, shard: ShardRecord) -> Holder:
+        return Holder(node.node_id, node.endpoint, shard.layers, shard.quantization,
+                      shard.report.recipe.compute_dtype if shard.report is not None else "")
+
+    def _digest_key(self, shard: ShardRecord) -> tuple:
+        return digest_key(shard.model, shard.layers, shard.quantization, shard.report.recipe.compute_dtype) + (
+            shard.entry,)
+
+    def verify_shards(self, node: NodeRecord) -> None:
+        """Give each passed shard of a reachable ``node`` its verification: a known one, or a new
+        decision (:func:`meshnet.tracker.admission.decide`), which may queue a challenge (the
+        shard is ``pending`` meanwhile). Forgets the verdicts of reports the node no longer has."""
+        current = set()
+        for shard in node.shards:
+            report = shard.report
+            if report is None or not report.passed:
+                continue
+            key = self._verdict_key(node, shard)
+            current.add(key)
+            verdict = self.verdicts.get(key)
+            if verdict is None and node.reachable:
+                verdict = self.verdicts[key] = self._decide(node, shard, key)
+            shard.verdict = verdict
+        self.verdicts = {k: v for k, v in self.verdicts.items() if k[0] != node.node_id or k in current}
+
+    def _decide(self, node: NodeRecord, shard: ShardRecord, key: tuple) -> Verdict:
+        preset = find_preset(shard.model)
+        hidden = preset.hidden_size if preset is not None and self.settings.admission_challenges else None
+        holders = [self._holder(n, s) for n, s in self.admitted_shards(shard.model) if n.node_id != node.node_id]
+        digest = shard.report.weights_digest
+        out = decide(self._holder(node, shard), digest, self.digests.get(self._digest_key(shard)), holders, hidden)
+        if isinstance(out, Verdict):
+            if out.state in ADMITTING and digest:
+                self.digests.setdefault(self._digest_key(shard), digest)
+            log.log(logging.WARNING if out.state == "rejected" else logging.INFO, "shard %s %s on %s: %s (%s)",
+                    shard.model, shard.layers, node.node_id, out.state, out.reason)
+            return out
+        self.challenges.append(Challenge(shard.model, shard.layers, self._holder(node, shard), out, hidden, key))
+        return Verdict("pending", f"a challenge against {', '.join(h.node_id for h in out)} is running")
+
+    def take_challenges(self) -> list[Challenge]:
+        """The challenges decided since the last call (the app runs them)."""
+        out, self.challenges = self.challenges, []
+        return out
+
+    def record_challenge(self, challenge: Challenge, verdict: Verdict, outvoted: str | None = None) -> None:
+        """Store a challenge's verdict on the candidate's shard (when that report is still current);
+        a reference that the vote outvoted is quarantined on the tracker's own evidence."""
+        if challenge.key in self.verdicts:
+            self.verdicts[challenge.key] = verdict
+            if verdict.state == "failed":  # no evidence either way: decide again at the next heartbeat
+                del self.verdicts[challenge.key]
+        node = self.nodes.get(challenge.candidate.node_id)
+        for shard in node.shards if node is not None else []:
+            if shard.report is not None and self._verdict_key(node, shard) == challenge.key:
+                shard.verdict = verdict
+                if verdict.state == "verified" and shard.report.weights_digest:
+                    self.digests.setdefault(self._digest_key(shard), shard.report.weights_digest)
+        log.log(logging.WARNING if verdict.state in ("rejected", "failed") else logging.INFO,
+                "challenge of %s on %s layers %s: %s (%s)", challenge.candidate.node_id, challenge.model,
+                challenge.layers, verdict.state, verdict.reason)
+        if outvoted is not None and outvoted in self.nodes and outvoted not in self.quarantined:
+            start, end = challenge.layers.to_inclusive()
+            record = Quarantine(node_id=outvoted, reported_by="tracker (admission challenge)", model=challenge.model,
+                                shard_start=start, shard_end=end,
+                                witnesses=tuple(n for n in (challenge.candidate.node_id, *verdict.references)
+                                                if n != outvoted),
+                                distances=dict(verdict.distances), tolerance=verdict.tolerance or 0.0)
+            self.quarantined[outvoted] = self.nodes[outvoted].quarantine = record
+            self.store.fail_open(outvoted, "node quarantined: outvoted by an admission challenge")
+            log.warning("node %s quarantined: outvoted by an admission challenge (%s)", outvoted, verdict.distances)
+        self.dirty = True
+
+
+    # ---- quarantine (ADR-0042) ------------------------------------------------------
+
+    def quarantine_from(self, sender: str, node_id: str, report: QuarantineReport) -> Quarantine:
+        """Quarantine ``node_id`` on a spot-check's evidence reported by entry node ``sender`` (whose
+        signature the caller checked): never routed or placed, its open directives cancelled,
+        until :meth:`reinstate` (ADR-0042). A node already quarantined keeps its first evidence.
+
+        Raises:
+            NotFound: ``node_id`` is not registered.
+            Forbidden (403 ``not_on_route``): the sender could not have had it on a route.
+            InvalidRequest (422 ``weak_evidence``): the evidence does not outvote it (see
+                :func:`meshnet.tracker.quarantine.judge`); nothing changes.
+        """
+        accused = self.get(node_id)
+        why = may_report_failure(self.nodes.get(sender), accused)
+        if why:
+            raise Forbidden(f"{sender} may not report {node_id}: {why}", code="not_on_route")
+        if node_id in self.quarantined:
+            return self.quarantined[node_id]
+        layers = report.layers
+        model = canonical_model_name(report.model)
+        holders = {n.node_id: (s.quantization, s.report.recipe.compute_dtype) for n, s in self.admitted_shards(model)
+                   if s.layers.start <= layers.start and layers.end <= s.layers.end}
+        why = judge(sender, node_id, report, holders)
+        if why:
+            log.warning("refused a quarantine report of %s from %s: %s", node_id, sender, why)
+            raise InvalidRequest(f"the spot-check evidence does not quarantine {node_id}: {why}",
+                                 code="weak_evidence", status=422)
+        limit = tolerance(*holders[node_id])
+        record = Quarantine(node_id=node_id, reported_by=sender, model=model, shard_start=report.shard_start,
+                            shard_end=report.shard_end, witnesses=tuple(report.witnesses),
+                            distances=dict(report.distances), tolerance=limit)
+        self.quarantined[node_id] = accused.quarantine = record
+        self.store.fail_open(node_id, "node quarantined: outvoted by a spot-check")
+        self.dirty = True
+        log.warning("node %s quarantined: outvoted over %s layers %d-%d by %s (distances %s)", node_id, model,
+                    report.shard_start, report.shard_end, ", ".join(report.witnesses), report.distances)
+        return record
+
+    def reinstate(self, node_id: str) -> bool:
+        """Lift ``node_id``'s quarantine (operator action); returns whether it was quarantined. Its
+        shards count again as soon as their reports do.
+
+        Raises:
+            NotFound: neither registered nor quarantined.
+        """
+        if node_id not in self.nodes and node_id not in self.quarantined:
+            self.get(node_id)
+        was = self.quarantined.pop(node_id, None) is not None
+        if node_id in self.nodes:
+            self.nodes[node_id].quarantine = None
+        if was:
+            self.dirty = True
+            log.info("node %s reinstated by the operator", node_id)
+        return was
+

@@ -1,0 +1,243 @@
+"""Admission by evidence and quarantine (ADR-0042), tracker in-process.
+
+Fake nodes answer hop calls with a fixed function of their input (``tanh``), so honest
+holders agree exactly; a dishonest one adds noise. The tracker challenges a second holder of
+a range against the first, takes spot-check reports from entry nodes only on evidence that
+outvotes the accused, keeps a quarantined node out of routes, and lets an operator reinstate it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+
+import httpx
+import numpy as np
+import pytest
+
+from meshnet.protocol.evidence import read_frame
+from meshnet.tracker.app import build_app
+from meshnet.tracker.service import TrackerSettings
+from tests.payloads import SignAsNodes, capability_report, registration, signed
+
+MODEL = "tiny-llama"  # a preset with hidden_size 64: challenges run
+
+
+def frame(array: np.ndarray) -> bytes:
+    """A float32 activation frame (ADR-0001) of ``array``."""
+    header = struct.pack("<4sBBBB", b"MSHN", 1, 2, array.ndim, 0) + struct.pack(f"<{array.ndim}I", *array.shape)
+    return header + array.astype("<f4").tobytes()
+
+
+class ComputingNodes(httpx.AsyncBaseTransport):
+    """Fake nodes: health answers; ``/v1/forward`` returns ``tanh(input)`` (plus noise on hosts in
+    ``dishonest``); releases answer 200. Records every forward call's host."""
+
+    def __init__(self) -> None:
+        self.dishonest: set[str] = set()
+        self.failing: set[str] = set()  # hosts whose forward answers 500
+        self.forwards: list[str] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.url.path == "/v1/health":
+            return httpx.Response(200, json={"status": "ok"})
+        if request.url.path == "/v1/forward":
+            self.forwards.append(host)
+            if host in self.failing:
+                return httpx.Response(500, json={"error": {"message": "boom", "code": "forward_failed"}})
+            out = np.tanh(read_frame(await request.aread()))
+            if host in self.dishonest:
+                out = out + np.random.default_rng(0).standard_normal(out.shape).astype(np.float32)
+            return httpx.Response(200, content=frame(out))
+        return httpx.Response(200, json={"released": True})
+
+
+def node(node_id: str, start: int, end: int, *, digest: str = "d1", entry: bool | None = None,
+         compute_dtype: str = "float32") -> dict:
+    report = capability_report(MODEL, start, end)
+    report["weights_digest"] = digest
+    report["recipe"]["compute_dtype"] = compute_dtype
+    shard = {"model": MODEL, "shard_start": start, "shard_end": end, "entry": start == 0 if entry is None else entry,
+             "tier": "pinned", "quantization": "bfloat16", "report": report}
+    return registration(node_id, f"http://{node_id}.test:8000", vram_bytes=2 * 1024**3, shards=[shard])
+
+
+@pytest.fixture
+async def mesh(asgi_client):
+    nodes = ComputingNodes()
+    app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", operator_token="op"), run_loop=False,
+                    transport=nodes)
+    client = await asgi_client(app, "http://tracker", auth=SignAsNodes())
+    client.nodes = nodes
+    return client
+
+
+async def verification(client, node_id: str, timeout_s: float = 5.0) -> dict:
+    """The node's shard verification once it is no longer pending (bounded wait)."""
+    for _ in range(int(timeout_s / 0.02)):
+        view = next(n for n in (await client.get("/v1/nodes")).json()["nodes"] if n["node_id"] == node_id)
+        state = view["shards"][0]["verification"]
+        if state is not None and state["state"] != "pending":
+            return {**state, "admitted": view["shards"][0]["admitted"]}
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{node_id} still pending after {timeout_s} s")
+
+
+async def test_the_first_holder_is_unverified_and_a_second_is_challenged_against_it(mesh):
+    assert (await mesh.post("/v1/nodes/register", json=node("a", 0, 3))).status_code == 200
+    first = await verification(mesh, "a")
+    assert first["state"] == "unverified" and first["admitted"] is True
+    assert "no other admitted holder" in first["reason"]
+    assert mesh.nodes.forwards == []  # nothing to compare with: no challenge
+    await mesh.post("/v1/nodes/register", json=node("b", 0, 3))
+    second = await verification(mesh, "b")
+    assert second["state"] == "verified" and second["admitted"] is True
+    assert second["references"] == ["a"] and second["distances"] == {"b|a": 0.0}
+    assert sorted(mesh.nodes.forwards) == ["a.test", "b.test"]  # one challenge call each
+
+
+async def test_a_holder_that_answers_the_challenge_wrongly_is_rejected_with_the_evidence(mesh):
+    await mesh.post("/v1/nodes/register", json=node("a", 0, 3))
+    await verification(mesh, "a")
+    mesh.nodes.dishonest.add("bad.test")
+    await mesh.post("/v1/nodes/register", json=node("bad", 0, 3))
+    got = await verification(mesh, "bad")
+    assert got["state"] == "rejected" and got["admitted"] is False
+    assert got["references"] == ["a"] and got["distances"]["bad|a"] > 0.5 and got["tolerance"] == 0.05
+    route = (await mesh.get("/v1/route", params={"model": MODEL, "exclude": "a"}))
+    assert route.status_code == 503  # the rejected holder is never routed
+
+
+async def test_a_weights_digest_other_than_the_known_one_is_rejected_without_a_challenge(mesh):
+    await mesh.post("/v1/nodes/register", json=node("a", 0, 3, digest="d1"))
+    await verification(mesh, "a")
+    await mesh.post("/v1/nodes/register", json=node("b", 0, 3, digest="other"))
+    got = await verification(mesh, "b")
+    assert got["state"] == "rejected" and "weights digest other differs from d1" in got["reason"]
+    assert mesh.nodes.forwards == []
+
+
+async def test_a_reference_that_turned_dishonest_is_outvoted_by_a_third_holder_and_quarantined(mesh):
+    await mesh.post("/v1/nodes/register", json=node("a", 0, 3))
+    await verification(mesh, "a")
+    await mesh.post("/v1/nodes/register", json=node("b", 0, 3))
+    assert (await verification(mesh, "b"))["state"] == "verified"
+    mesh.nodes.dishonest.add("a.test")  # a turns bad after its own admission
+    await mesh.post("/v1/nodes/register", json=node("c", 0, 3))
+    got = await verification(mesh, "c")
+    assert got["state"] == "verified" and got["references"] == ["a", "b"]
+    assert got["distances"]["c|a"] > 0.5 and got["distances"]["c|b"] == 0.0 and got["distances"]["a|b"] > 0.5
+    view = next(n for n in (await mesh.get("/v1/nodes")).json()["nodes"] if n["node_id"] == "a")
+    assert view["quarantine"]["reported_by"] == "tracker (admission challenge)"
+    assert view["quarantine"]["witnesses"] == ["c", "b"]
+    assert view["shards"][0]["admitted"] is False
+
+
+async def entry_and_three_holders(mesh) -> None:
+    await mesh.post("/v1/nodes/register", json=node("entry", 0, 1))
+    for name in ("h1", "h2", "h3"):
+        await mesh.post("/v1/nodes/register", json=node(name, 2, 3))
+        await verification(mesh, name)
+
+
+def report(witnesses: list[str], distances: dict[str, float], tolerance: float = 0.05) -> dict:
+    return {"model": MODEL, "shard_start": 2, "shard_end": 3, "witnesses": witnesses, "distances": distances,
+            "tolerance": tolerance, "session": "s1"}
+
+
+async def test_an_entrys_spot_check_quarantines_the_outvoted_node_until_the_operator_reinstates_it(mesh):
+    await entry_and_three_holders(mesh)
+    body = report(["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.8, "h2|h3": 0.0})
+    path = "/v1/nodes/h1/quarantine"
+    raw = json.dumps(body).encode()
+    resp = await mesh.post(path, content=raw, headers={**signed("entry", "POST", path, raw),
+                                                        "Content-Type": "application/json"})
+    assert resp.status_code == 200, resp.text
+    view = next(n for n in (await mesh.get("/v1/nodes")).json()["nodes"] if n["node_id"] == "h1")
+    assert view["quarantine"]["reported_by"] == "entry" and view["quarantine"]["witnesses"] == ["h2", "h3"]
+    assert view["quarantine"]["distances"] == {"h1|h2": 0.9, "h1|h3": 0.8, "h2|h3": 0.0}
+    assert [s["admitted"] for s in view["shards"]] == [False]
+    for _ in range(5):
+        hops = (await mesh.get("/v1/route", params={"model": MODEL, "start_layer": 2, "end_layer": 3,
+                                                    "exclude": "h2"})).json()["hops"]
+        assert [h["node_id"] for h in hops] == ["h3"]
+    # a re-registration keeps the quarantine
+    await mesh.post("/v1/nodes/register", json=node("h1", 2, 3))
+    view = next(n for n in (await mesh.get("/v1/nodes")).json()["nodes"] if n["node_id"] == "h1")
+    assert view["quarantine"] is not None
+    assert (await mesh.post("/v1/operator/reinstate", json={"node_id": "h1"})).status_code == 401
+    resp = await mesh.post("/v1/operator/reinstate", json={"node_id": "h1"}, headers={"Authorization": "Bearer op"})
+    assert resp.json() == {"node_id": "h1", "reinstated": True}
+    assert (await verification(mesh, "h1"))["admitted"] is True
+
+
+@pytest.mark.parametrize("sender, witnesses, distances, status, code", [
+    ("h2", ["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.8, "h2|h3": 0.0}, 403, "not_on_route"),   # not an entry
+    ("entry", ["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.01, "h2|h3": 0.0}, 422, "weak_evidence"),  # h3 agrees with h1
+    ("entry", ["h2", "h2"], {"h1|h2": 0.9}, 422, "weak_evidence"),                           # one witness twice
+    ("entry", ["h2", "ghost"], {"h1|h2": 0.9, "h1|ghost": 0.9, "h2|ghost": 0.0}, 422, "weak_evidence"),
+])
+async def test_a_quarantine_report_without_standing_or_evidence_changes_nothing(mesh, sender, witnesses, distances,
+                                                                               status, code):
+    await entry_and_three_holders(mesh)
+    path = "/v1/nodes/h1/quarantine"
+    raw = json.dumps(report(witnesses, distances)).encode()
+    resp = await mesh.post(path, content=raw, headers={**signed(sender, "POST", path, raw),
+                                                        "Content-Type": "application/json"})
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["code"] == code
+    view = next(n for n in (await mesh.get("/v1/nodes")).json()["nodes"] if n["node_id"] == "h1")
+    assert view["quarantine"] is None and view["shards"][0]["admitted"] is True
+
+
+async def test_hops_whose_range_has_no_second_holder_are_unverified_in_the_route(mesh):
+    await mesh.post("/v1/nodes/register", json=node("entry", 0, 1))
+    await mesh.post("/v1/nodes/register", json=node("h1", 2, 3))
+    await verification(mesh, "h1")
+    route = (await mesh.get("/v1/route", params={"model": MODEL})).json()
+    assert route["unverified"] == ["entry", "h1"]
+    await mesh.post("/v1/nodes/register", json=node("h2", 2, 3))
+    await verification(mesh, "h2")
+    route = (await mesh.get("/v1/route", params={"model": MODEL})).json()
+    assert route["unverified"] == ["entry"]
+
+
+async def test_holders_of_another_recipe_neither_challenge_nor_witness_each_other(mesh):
+    """A bfloat16-compute holder differs honestly from a float32 one by more than the bfloat16
+    tolerance (bench/spotcheck.py): it is admitted unverified, not challenged against it, and a
+    witness route (``like=``) keeps to the checked node's recipe."""
+    await mesh.post("/v1/nodes/register", json=node("entry", 0, 1))
+    await mesh.post("/v1/nodes/register", json=node("h1", 2, 3))
+    await verification(mesh, "h1")
+    await mesh.post("/v1/nodes/register", json=node("h2", 2, 3, digest="d2", compute_dtype="bfloat16"))
+    got = await verification(mesh, "h2")
+    assert got["state"] == "unverified" and "of this recipe" in got["reason"]
+    await mesh.post("/v1/nodes/register", json=node("h3", 2, 3))
+    assert (await verification(mesh, "h3"))["references"] == ["h1"]
+    like = {"model": MODEL, "start_layer": 2, "end_layer": 3}
+    for _ in range(3):
+        hops = (await mesh.get("/v1/route", params={**like, "exclude": "h1", "like": "h1"})).json()["hops"]
+        assert [h["node_id"] for h in hops] == ["h3"]
+    assert (await mesh.get("/v1/route", params={**like, "exclude": "h2", "like": "h2"})).status_code == 503
+    path = "/v1/nodes/h1/quarantine"
+    raw = json.dumps(report(["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.8, "h2|h3": 0.0})).encode()
+    resp = await mesh.post(path, content=raw, headers={**signed("entry", "POST", path, raw),
+                                                        "Content-Type": "application/json"})
+    assert resp.status_code == 422 and "recipe" in resp.json()["error"]["message"]
+
+
+async def test_a_challenge_call_that_fails_is_no_verdict_and_the_next_heartbeat_tries_again(mesh):
+    await mesh.post("/v1/nodes/register", json=node("a", 0, 3))
+    await verification(mesh, "a")
+    mesh.nodes.failing.add("b.test")
+    payload = node("b", 0, 3)
+    await mesh.post("/v1/nodes/register", json=payload)
+    got = await verification(mesh, "b")
+    assert got["state"] == "failed" and got["admitted"] is False and "500" in got["reason"]
+    mesh.nodes.failing.clear()
+    resp = await mesh.post("/v1/nodes/b/heartbeat", json={"shards": payload["shards"]})
+    assert resp.status_code == 200, resp.text
+    got = await verification(mesh, "b")
+    assert got["state"] == "verified" and got["admitted"] is True

@@ -1,0 +1,62 @@
+"""Admission and quarantine decisions as pure functions (ADR-0042)."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshnet.layers import LayerRange
+from meshnet.protocol.control import QuarantineReport
+from meshnet.tracker.admission import Holder, Verdict, decide
+from meshnet.tracker.quarantine import judge
+
+BF16 = ("bfloat16", "bfloat16")
+
+
+def holder(node_id: str, start: int, end: int, recipe: tuple[str, str] = BF16) -> Holder:
+    return Holder(node_id, f"http://{node_id}", LayerRange(start, end), *recipe)
+
+
+CANDIDATE = holder("c", 10, 20)
+
+
+@pytest.mark.parametrize("digest, known, holders, hidden, expected", [
+    ("d1", None, [], 576, "unverified"),                                    # the first holder
+    ("d1", "d1", [holder("a", 10, 20)], 576, ("a",)),                      # digest matches: challenge
+    ("d2", "d1", [holder("a", 10, 20)], 576, "rejected"),                  # another digest: no challenge
+    ("", "d1", [holder("a", 10, 20)], 576, ("a",)),                        # no digest reported: challenge decides
+    ("d1", None, [holder("a", 0, 15), holder("b", 15, 30)], 576, "unverified"),  # only pieces cover it
+    ("d1", None, [holder("z", 0, 30), holder("a", 10, 20), holder("b", 5, 25)], 576, ("a", "b")),  # two, by id
+    ("d1", None, [holder("a", 10, 20, ("bfloat16", "float32"))], 576, "unverified"),  # another compute dtype
+    ("d1", None, [holder("a", 10, 20, ("int8", "bfloat16"))], 576, "unverified"),     # another quantization
+    ("d1", None, [holder("a", 10, 20)], None, "unverified"),               # width unknown: no challenge
+])
+def test_decide(digest, known, holders, hidden, expected):
+    out = decide(CANDIDATE, digest, known, holders, hidden)
+    if isinstance(expected, str):
+        assert isinstance(out, Verdict) and out.state == expected
+    else:
+        assert tuple(h.node_id for h in out) == expected
+
+
+def report(witnesses, distances) -> QuarantineReport:
+    return QuarantineReport(model="m", shard_start=10, shard_end=19, witnesses=witnesses, distances=distances,
+                            tolerance=0.05)
+
+
+HOLDERS = {"x": BF16, "y": BF16, "z": BF16}
+OUTVOTED = {"x|y": 0.3, "x|z": 0.2, "y|z": 0.0}
+
+
+@pytest.mark.parametrize("sender, witnesses, distances, holders, why", [
+    ("e", ["y", "z"], OUTVOTED, HOLDERS, ""),
+    ("e", ["y", "z"], {"x|y": 0.3, "x|z": 0.04, "y|z": 0.0}, HOLDERS, "do not outvote"),
+    ("e", ["x", "z"], OUTVOTED, HOLDERS, "other than the accused"),
+    ("y", ["y", "z"], OUTVOTED, HOLDERS, "cannot witness its own report"),
+    ("e", ["y", "w"], {"x|y": 0.3, "x|w": 0.2, "y|w": 0.0}, HOLDERS, "w hold(s) no admitted shard"),
+    ("e", ["y", "z"], OUTVOTED, {**HOLDERS, "z": ("bfloat16", "float32")}, "one recipe"),
+    ("e", ["y", "z"], {"x|y": 0.3, "y|z": 0.0}, HOLDERS, "do not outvote"),    # a distance missing
+    ("e", ["y", "z"], {"x~y": 0.3, "x|z": 0.2, "y|z": 0.0}, HOLDERS, "do not outvote"),  # a malformed key
+])
+def test_judge(sender, witnesses, distances, holders, why):
+    got = judge(sender, "x", report(witnesses, distances), holders)
+    assert (why in got) if why else got == ""
