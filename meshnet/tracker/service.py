@@ -576,7 +576,9 @@ class TrackerService(TrustMixin):
             else:
                 record.last_failure_s, record.last_move_s = old.last_failure_s, old.last_move_s
                 record.last_heartbeat_s = max(record.last_heartbeat_s, old.last_heartbeat_s)
+            record.quarantine = self.quarantined.get(row.node_id)  # quarantines are this tracker's (ADR-0042)
             self.nodes[row.node_id] = record
+            self.verify_shards(record)  # the verdicts this tracker holds for its reports (ADR-0042)
             changed += 1
         if changed:
             self.dirty = True
