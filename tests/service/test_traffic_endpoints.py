@@ -125,7 +125,7 @@ async def test_the_tracker_gathers_every_nodes_traffic_and_caches_it(asgi_client
     n1 = build_app(NodeSettings(node_id="n1", port=1, wire_dtype="float32"), runtime=full_runtime)
     network = NodeNetwork(n1)
     async with LifespanManager(n1):
-        app = build_tracker(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False,
+        app = build_tracker(TrackerSettings(models=(MODEL,), db_path=":memory:", admission_challenges=False), run_loop=False,
                             transport=HealthyNodes(network))
         tracker = await asgi_client(app, "http://tracker", auth=SignAsNodes())
         shard = {"model": MODEL, "shard_start": 0, "shard_end": 3, "entry": True,
