@@ -128,6 +128,9 @@ def node_start(
         hop_connect_timeout: float = typer.Option(N.hop_connect_timeout_s, "--hop-connect-timeout", min=0.1,
                                                   envvar="MESHNET_HOP_CONNECT_TIMEOUT",
                                                   help="Seconds to connect to a hop before failing over."),
+        hop_streams: bool = typer.Option(N.hop_streams, "--hop-streams/--no-hop-streams", envvar="MESHNET_HOP_STREAMS",
+                                         help="Entry nodes drive generations as a chain of hop streams "
+                                              "(off: one HTTP call per hop per step)."),
         wallet: str = typer.Option("", "--wallet", envvar="MESHNET_WALLET", help="Wallet reported to the tracker."),
         drain_grace: float = DrainOpt,
         log_level: str = LogOpt) -> None:
@@ -168,6 +171,7 @@ def node_start(
                             accepts_placement=not no_placement, torch_threads=threads,
                             session_cache_bytes=session_cache_mb * 1024 * 1024, session_ttl_s=session_ttl,
                             hop_timeout_s=hop_timeout, hop_connect_timeout_s=hop_connect_timeout, wallet=wallet,
+                            hop_streams=hop_streams,
                             drain_grace_s=drain_grace, **_body_limit(max_body_bytes))
     from meshnet.node.app import build_app
 
