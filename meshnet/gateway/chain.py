@@ -38,6 +38,8 @@ from meshnet.protocol.stream import FLAG_LAST_ONLY, FLAG_NO_RESULT, ChainError, 
 
 log = logging.getLogger(__name__)
 
+_reports: set[asyncio.Task] = set()  # failure reports in flight (kept referenced until they end)
+
 #: error codes after which the hop stays eligible (it lost the session or its ticket ran out; healthy)
 HEALTHY_CODES = ("session_conflict", "ticket_expired")
 
@@ -284,17 +286,23 @@ class ChainRoute:
 
     # ---- failover ---------------------------------------------------------------------
 
-    async def _exclude(self, exc: HopFailed) -> None:
-        """Keep the failed hop out of new routes and report it (not when it was busy or healthy)."""
+    def _exclude(self, exc: HopFailed) -> None:
+        """Keep the failed hop out of new routes and report it in the background, so the new
+        route is asked for at once (not when it was busy or healthy)."""
         if exc.node_id is None or exc.code in HEALTHY_CODES:
             return
         self.failed.add(exc.node_id)
         if isinstance(exc, HopBusy):
             return
+        task = asyncio.get_running_loop().create_task(self._report(exc.node_id, exc.message))
+        _reports.add(task)
+        task.add_done_callback(_reports.discard)
+
+    async def _report(self, node_id: str, reason: str) -> None:
         try:
-            await self.report(exc.node_id, exc.message)
+            await self.report(node_id, reason)
         except Exception:  # noqa: BLE001 - a lost report must not fail the generation
-            log.warning("could not report the failure of %s", exc.node_id, exc_info=True)
+            log.warning("could not report the failure of %s", node_id, exc_info=True)
 
     async def _failover(self, epoch: int, exc: HopFailed, also: list[str] = (), frozen: bool = False) -> None:
         """Replace the chain of ``epoch`` (once, however many steps saw it fail): exclude and
@@ -311,10 +319,10 @@ class ChainRoute:
                 return
             self.deadline_misses += frozen
             for node_id in also:
-                await self._exclude(HopFailed(f"hop {node_id} is silent", node_id=node_id))
+                self._exclude(HopFailed(f"hop {node_id} is silent", node_id=node_id))
             for _ in range(self.max_failovers):
                 log.warning("%s; failing the chain over", exc.message)
-                await self._exclude(exc)
+                self._exclude(exc)
                 self._release(abandoned=True)
                 chain_id = new_chain_id()
                 try:

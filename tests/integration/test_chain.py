@@ -95,7 +95,7 @@ def test_a_three_hop_chain_gives_transformers_greedy_tokens_over_streams(mesh, r
     generate(mesh, 40)
     per_token = (stream_bytes_in(mesh, "tail") - long_before - short) / 32
     print(f"bytes into the tail per decode token (float32 frames): {per_token:.0f}")
-    assert per_token <= 4 * HIDDEN + 44
+    assert abs(per_token - (4 * HIDDEN + 44)) < 1  # the OPENs of the two runs may differ by a digit or two
 
 
 def test_a_client_that_disconnects_mid_stream_leaves_no_session_on_any_hop(mesh):
