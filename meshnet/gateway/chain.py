@@ -115,6 +115,8 @@ class ChainRoute:
         self._dead: HopFailed | None = None
         self._closed = False
         self._opened = False
+        self.chain_id: str | None = None
+        self.epoch = -1  # +1 with every chain installed: a failure is failed over once per chain
         self._install(route, chain_id)
 
     # ---- chain lifecycle --------------------------------------------------------------
@@ -124,11 +126,10 @@ class ChainRoute:
         if not route.hops or route.hops[0].layers.start != self.layers.start or \
                 route.hops[-1].layers.end != self.layers.end:
             raise HopFailed(f"the route {[str(h.layers) for h in route.hops]} does not cover layers {self.layers}")
-        old = getattr(self, "chain_id", None)
-        if old is not None:
-            self.inbox.unregister(old)
+        if self.chain_id is not None:
+            self.inbox.unregister(self.chain_id)
         self.hops, self.ticket, self.chain_id = list(route.hops), route.ticket, chain_id
-        self.epoch = getattr(self, "epoch", -1) + 1
+        self.epoch += 1
         self.broken: asyncio.Future = asyncio.get_running_loop().create_future()
         self.inbox.register(chain_id, self)
         self._opened = False

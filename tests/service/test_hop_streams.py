@@ -203,3 +203,40 @@ async def test_a_frozen_last_hop_misses_the_deadline_and_the_session_moves(nodes
     assert stats.deadline_misses == 1 and stats.failovers == 1 and reported == ["c"]
     assert [h.node_id for h in stats.route] == ["entry", "b", "c2"]
     assert elapsed < 10
+
+
+def ticketed(nodes, *chains: list[str], issuer, bad_for: str | None = None):
+    """Route provider with the tracker's tickets (``bad_for``: in the first route, the ticket names
+    that node for other layers, so it must refuse the chain)."""
+    from tests.payloads import public_key
+
+    async def routes(model, layers, exclude, session_id):
+        for names in chains:
+            if not set(names) & exclude:
+                hops = [Hop(n, nodes[n][0], LayerRange(*LAYERS[n])) for n in names]
+                named = [Hop(h.node_id, h.endpoint, LayerRange(0, 1)) if h.node_id == bad_for else h for h in hops]
+                ticket = issuer.issue(session=session_id, model=model, entry="entry", entry_key=public_key("entry"),
+                                      hops=named)
+                return Route(hops, ticket)
+        raise NotFound(f"no route over layers {layers}", code="model_loading")
+    return routes
+
+
+async def test_a_hop_checks_its_ticket_at_open_and_one_that_does_not_cover_it_is_routed_around(nodes, tiny_hf_model):
+    from meshnet.client import NodeSigner
+    from meshnet.tracker.tickets import TicketIssuer
+    from tests.payloads import node_key
+
+    tracker = node_key("tracker")
+    for name in ("b", "c", "c2"):
+        nodes[name][1].tracker_key = tracker.public_key()
+    reported = []
+    orch = orchestrator(nodes, ticketed(nodes, ["b", "c"], ["b", "c2"], issuer=TicketIssuer(tracker), bad_for="c"),
+                        reported)
+    orch.release_auth = NodeSigner("entry", node_key("entry"))
+    got, stats = await generate(orch)
+    assert got == monolithic(tiny_hf_model)
+    assert reported == ["c"] and stats.failovers == 1  # c answered 403 ticket_scope at OPEN
+    assert nodes["c"][1].runtime.tokens_processed == 0  # before any KV cache was touched
+    assert [h.node_id for h in stats.route] == ["entry", "b", "c2"]
+    assert await sessions_left(nodes, ["b", "c2"]) == {"b": 0, "c2": 0}  # releases signed by the entry

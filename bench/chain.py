@@ -1,0 +1,203 @@
+"""Chain benchmark: SmolLM2 across 3 real node processes driven as a chain of hop streams
+(ADR-0040), against monolithic transformers ``generate`` in the same run.
+
+For each compute dtype (float32 and bfloat16, the wire in the same dtype, the same torch threads
+per process everywhere) it prints medians of --runs runs, every timing taken from the client:
+  * decode tokens/s over --decode-tokens tokens: (tokens - 1) / (last - first content chunk);
+    monolithic from a ``generate`` streamer; and the ratio;
+  * time to first token of a 256-token prompt and of a 1,024-token prompt (request sent → first
+    content chunk) against the monolithic prefill of the same prompt (logits of the last
+    position only, as the entry computes); and the ratios;
+  * bytes on the wire per decode token per hop: the growth of the stream bytes received by the
+    middle and the tail node (their ``/metrics``) between an 8- and a 40-token generation, over
+    the 32 extra tokens;
+  * the stall when the middle node holding the session is frozen (SIGSTOP after token 10): the
+    longest gap between tokens after it, with the tokens compared to an undisturbed run.
+
+Actual token counts are printed beside every figure. Usage:
+  .venv/bin/python bench/chain.py [--runs 3] [--threads 1] [--decode-tokens 48] [--stall-runs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.pipeline import MODEL, chat_ids, cpu_bfloat16_capability, monolithic, prompt_of, timed_stream  # noqa: E402
+from meshnet.localmesh import LocalMesh  # noqa: E402
+
+STORY = [{"role": "user", "content": "Tell me about the sea."}]
+LONG_STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
+
+
+def node_endpoint(mesh: LocalMesh, name: str) -> str:
+    return next(n for n in mesh.get("/v1/nodes")["nodes"] if n["node_id"] == name)["endpoint"]
+
+
+def stream_bytes_in(mesh: LocalMesh, name: str) -> float:
+    text = httpx.get(f"{node_endpoint(mesh, name)}/metrics", timeout=10).text
+    match = re.search(r'^meshnet_stream_bytes_total\{direction="in"\} (\S+)$', text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def streamed_tokens(url: str, messages, max_tokens: int, on_token=None) -> tuple[list[int], list[float]]:
+    """A greedy streamed chat: the completion token ids and the client time of each content chunk."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    times, ids = [], []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                times.append(time.monotonic())
+                if on_token is not None:
+                    on_token(len(times))
+            if event.get("meshnet"):
+                ids = event["meshnet"]["completion_token_ids"]
+    return ids, times
+
+
+def middles(mesh: LocalMesh) -> list[str]:
+    return sorted(n for n in mesh.procs if n.startswith("mid-"))
+
+
+def start_middle(mesh: LocalMesh, name: str, dtype: str, threads: int) -> None:
+    mesh.start_node(name, "--model", MODEL, "--shard-start", "10", "--shard-end", "19", "--dtype", dtype,
+                    "--wire-dtype", dtype, threads=threads)
+
+
+def wait_two_middles(mesh: LocalMesh) -> None:
+    mesh.wait(lambda: next(s for s in mesh.get(f"/v1/coverage/{MODEL}")["segments"]
+                           if s["start_layer"] <= 10 <= s["end_layer"])["node_count"] >= 2
+              and mesh.get(f"/v1/coverage/{MODEL}")["routable"], 300, "two middles and a route", interval_s=0.5)
+
+
+def sigstop_stall(mesh: LocalMesh, dtype: str, threads: int, serial: list[int]) -> tuple[float, bool, int]:
+    """``(longest gap between tokens after the stop, s; tokens identical; tokens)`` for one SIGSTOP
+    of the middle node holding the session after token 10. The stopped node is resumed and killed
+    (by PID) afterwards, and a fresh middle started in its place."""
+    expected, _ = streamed_tokens(mesh.url, LONG_STORY, 48)
+    stopped: list[str] = []
+
+    def on_token(count: int) -> None:
+        if count == 10 and not stopped:
+            for name in middles(mesh):
+                if httpx.get(f"{node_endpoint(mesh, name)}/v1/health", timeout=5).json()["sessions"] > 0:
+                    mesh.signal(name, signal.SIGSTOP)
+                    stopped.append(name)
+                    return
+
+    try:
+        got, times = streamed_tokens(mesh.url, LONG_STORY, 48, on_token)
+    finally:
+        for name in stopped:
+            mesh.signal(name, signal.SIGCONT)
+            mesh.kill(name)
+    if not stopped:
+        return float("nan"), False, 0
+    serial[0] += 1
+    start_middle(mesh, f"mid-{serial[0]}", dtype, threads)
+    wait_two_middles(mesh)
+    return max(b - a for a, b in zip(times[9:], times[10:])), got == expected, len(got)
+
+
+def run_mesh(dtype: str, args, prompts: dict) -> dict:
+    mesh = LocalMesh(Path(tempfile.mkdtemp(prefix="meshnet-chain-bench-")), heartbeat_s=1.0)
+    out: dict = {}
+    try:
+        mesh.start_tracker(MODEL, node_timeout_s=5.0)
+        flags = ("--dtype", dtype, "--wire-dtype", dtype)
+        mesh.start_node("entry", "--model", MODEL, "--shard-start", "0", "--shard-end", "9", *flags,
+                        threads=args.threads)
+        mesh.start_node("tail", "--model", MODEL, "--shard-start", "20", "--shard-end", "29", *flags,
+                        threads=args.threads)
+        for name in ("mid-a", "mid-b"):
+            start_middle(mesh, name, dtype, args.threads)
+        wait_two_middles(mesh)
+        timed_stream(mesh.url, STORY, 4)  # warm-up: connections, first forwards
+        decode = [timed_stream(mesh.url, STORY, args.decode_tokens) for _ in range(args.runs)]
+        out["decode_tokens_per_s"] = statistics.median(d["decode_tokens_per_s"] for d in decode)
+        out["decode_tokens"] = [d["tokens"] for d in decode]
+        for n, msgs in prompts.items():
+            out[f"ttft_{n}_s"] = statistics.median(timed_stream(mesh.url, msgs, 1)["ttft_s"] for _ in range(args.runs))
+        hops = ["tail"] + middles(mesh)
+        before = {h: stream_bytes_in(mesh, h) for h in hops}
+        short_run = timed_stream(mesh.url, LONG_STORY, 8)
+        short = {h: stream_bytes_in(mesh, h) - before[h] for h in hops}
+        before = {h: stream_bytes_in(mesh, h) for h in hops}
+        long_run = timed_stream(mesh.url, LONG_STORY, 40)
+        extra = long_run["tokens"] - short_run["tokens"]
+        growth = {h: stream_bytes_in(mesh, h) - before[h] - short[h] for h in hops}
+        mid = max(middles(mesh), key=lambda h: growth[h])  # the middle that served both runs
+        out["bytes_per_token"] = {"middle": growth[mid] / extra, "tail": growth["tail"] / extra}
+        out["bytes_tokens"] = extra
+        serial = [0]
+        stalls = [sigstop_stall(mesh, dtype, args.threads, serial) for _ in range(args.stall_runs)]
+        out["stalls"] = stalls
+    finally:
+        mesh.stop()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (nodes and monolithic)")
+    ap.add_argument("--decode-tokens", type=int, default=48)
+    ap.add_argument("--stall-runs", type=int, default=2)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from meshnet.models.sources import resolve
+
+    path = resolve(MODEL)
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = {256: prompt_of(tok, 256), 1024: prompt_of(tok, 1024)}
+    lengths = {n: len(chat_ids(tok, msgs)) for n, msgs in prompts.items()}
+    results = {}
+    for dtype in args.dtypes.split(","):
+        chain = run_mesh(dtype, args, prompts)
+        mono = monolithic(path, args.threads, args.runs, args.decode_tokens, prompts, dtype)
+        results[dtype] = (chain, mono)
+
+    print(f"\nmeshnet chain benchmark — {MODEL}, 3 hops (entry 0-9, middle 10-19, tail 20-29), "
+          f"{args.threads} torch thread(s) per process, median of {args.runs}; provisional: a shared, loaded machine")
+    print(cpu_bfloat16_capability())
+    print("prompt lengths (tokens, chat template applied): " + ", ".join(f"'{n}' = {lengths[n]}" for n in prompts))
+    for dtype, (chain, mono) in results.items():
+        print(f"\n[{dtype} compute and wire]")
+        print(f"{'metric':46} {'chain':>9} {'monolithic':>11} {'ratio':>7}")
+        d = chain["decode_tokens_per_s"], mono["decode_tokens_per_s"]
+        print(f"{'decode tokens/s':46} {d[0]:9.2f} {d[1]:11.2f} {d[0] / d[1]:7.2f}  "
+              f"(chain tokens per run {chain['decode_tokens']}, monolithic {args.decode_tokens})")
+        for n in prompts:
+            c, m = chain[f"ttft_{n}_s"], mono[f"prefill_{n}_s"]
+            print(f"{f'time to first token, {lengths[n]}-token prompt (s)':46} {c:9.3f} {m:11.3f} {c / m:7.2f}")
+        b = chain["bytes_per_token"]
+        print(f"bytes on the wire per decode token per hop: middle {b['middle']:.0f}, tail {b['tail']:.0f} "
+              f"(over {chain['bytes_tokens']} extra tokens; budget 2 x 576 + 64 = 1216 for bfloat16)")
+        for stall, same, tokens in chain["stalls"]:
+            print(f"SIGSTOP of the middle after token 10: longest gap {stall:.2f} s, tokens identical: {same} "
+                  f"({tokens} tokens)")
+        if chain["stalls"]:
+            print(f"median SIGSTOP stall: {statistics.median(s for s, _, _ in chain['stalls']):.2f} s")
+
+
+if __name__ == "__main__":
+    main()
