@@ -9,13 +9,16 @@ per process everywhere) it prints medians of --runs runs, every timing taken fro
     content chunk) against the monolithic prefill of the same prompt (logits of the last
     position only, as the entry computes); and the ratios;
   * bytes on the wire per decode token per hop: the growth of the stream bytes received by the
-    middle and the tail node (their ``/metrics``) between an 8- and a 40-token generation, over
-    the 32 extra tokens;
+    middle nodes (summed: either may serve a run) and by the tail (their ``/metrics``) from an
+    8- to a 40-token generation of the same prompt, over the extra tokens;
   * the stall when the middle node holding the session is frozen (SIGSTOP after token 10): the
     longest gap between tokens after it, with the tokens compared to an undisturbed run.
 
-Actual token counts are printed beside every figure. Usage:
-  .venv/bin/python bench/chain.py [--runs 3] [--threads 1] [--decode-tokens 48] [--stall-runs 2]
+Beside the chain, the same mesh shape with every node started ``--no-hop-streams`` (the entry
+calls each hop over HTTP in turn: the fallback path) gives decode tokens/s and time to first
+token in the same run (``--no-star`` skips it). Actual token counts are printed beside every
+figure. Usage:
+  .venv/bin/python bench/chain.py [--runs 3] [--threads 1] [--decode-tokens 48] [--stall-runs 2] [--no-star]
 """
 
 from __future__ import annotations
@@ -115,8 +118,11 @@ def sigstop_stall(mesh: LocalMesh, dtype: str, threads: int, serial: list[int]) 
     return max(b - a for a, b in zip(times[9:], times[10:])), got == expected, len(got)
 
 
-def run_mesh(dtype: str, args, prompts: dict) -> dict:
-    mesh = LocalMesh(Path(tempfile.mkdtemp(prefix="meshnet-chain-bench-")), heartbeat_s=1.0)
+def run_mesh(dtype: str, args, prompts: dict, streams: bool = True) -> dict:
+    """The chain's figures on a fresh mesh; with ``streams`` off the same mesh shape with every node
+    started ``--no-hop-streams`` (the per-hop HTTP star), decode and time to first token only."""
+    env = None if streams else {"MESHNET_HOP_STREAMS": "0"}
+    mesh = LocalMesh(Path(tempfile.mkdtemp(prefix="meshnet-chain-bench-")), heartbeat_s=1.0, env=env)
     out: dict = {}
     try:
         mesh.start_tracker(MODEL, node_timeout_s=5.0)
@@ -134,6 +140,8 @@ def run_mesh(dtype: str, args, prompts: dict) -> dict:
         out["decode_tokens"] = [d["tokens"] for d in decode]
         for n, msgs in prompts.items():
             out[f"ttft_{n}_s"] = statistics.median(timed_stream(mesh.url, msgs, 1)["ttft_s"] for _ in range(args.runs))
+        if not streams:
+            return out
         hops = ["tail"] + middles(mesh)
         before = {h: stream_bytes_in(mesh, h) for h in hops}
         short_run = timed_stream(mesh.url, LONG_STORY, 8)
@@ -142,8 +150,9 @@ def run_mesh(dtype: str, args, prompts: dict) -> dict:
         long_run = timed_stream(mesh.url, LONG_STORY, 40)
         extra = long_run["tokens"] - short_run["tokens"]
         growth = {h: stream_bytes_in(mesh, h) - before[h] - short[h] for h in hops}
-        mid = max(middles(mesh), key=lambda h: growth[h])  # the middle that served both runs
-        out["bytes_per_token"] = {"middle": growth[mid] / extra, "tail": growth["tail"] / extra}
+        # either middle may serve either run: their sum received each run's steps into layer 10 once
+        middle = sum(growth[h] for h in middles(mesh))
+        out["bytes_per_token"] = {"middle": middle / extra, "tail": growth["tail"] / extra}
         out["bytes_tokens"] = extra
         serial = [0]
         stalls = [sigstop_stall(mesh, dtype, args.threads, serial) for _ in range(args.stall_runs)]
@@ -160,6 +169,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--stall-runs", type=int, default=2)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--no-star", action="store_true", help="skip the per-hop HTTP star (--no-hop-streams) beside the chain")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -173,22 +183,29 @@ def main() -> None:
     results = {}
     for dtype in args.dtypes.split(","):
         chain = run_mesh(dtype, args, prompts)
+        star = None if args.no_star else run_mesh(dtype, args, prompts, streams=False)
         mono = monolithic(path, args.threads, args.runs, args.decode_tokens, prompts, dtype)
-        results[dtype] = (chain, mono)
+        results[dtype] = (chain, star, mono)
 
     print(f"\nmeshnet chain benchmark — {MODEL}, 3 hops (entry 0-9, middle 10-19, tail 20-29), "
           f"{args.threads} torch thread(s) per process, median of {args.runs}; provisional: a shared, loaded machine")
     print(cpu_bfloat16_capability())
     print("prompt lengths (tokens, chat template applied): " + ", ".join(f"'{n}' = {lengths[n]}" for n in prompts))
-    for dtype, (chain, mono) in results.items():
+    for dtype, (chain, star, mono) in results.items():
         print(f"\n[{dtype} compute and wire]")
-        print(f"{'metric':46} {'chain':>9} {'monolithic':>11} {'ratio':>7}")
-        d = chain["decode_tokens_per_s"], mono["decode_tokens_per_s"]
-        print(f"{'decode tokens/s':46} {d[0]:9.2f} {d[1]:11.2f} {d[0] / d[1]:7.2f}  "
-              f"(chain tokens per run {chain['decode_tokens']}, monolithic {args.decode_tokens})")
+        print(f"{'metric':46} {'chain':>9} {'monolithic':>11} {'ratio':>7} {'star':>9} {'ratio':>7}")
+
+        def row(name: str, c: float, m: float, s: float | None, fmt: str, note: str = "") -> None:
+            tail = f" {s:9{fmt}} {s / m:7.2f}" if s is not None else ""
+            print(f"{name:46} {c:9{fmt}} {m:11{fmt}} {c / m:7.2f}{tail}{note}")
+
+        row("decode tokens/s", chain["decode_tokens_per_s"], mono["decode_tokens_per_s"],
+            star and star["decode_tokens_per_s"], ".2f",
+            f"  (tokens per run: chain {chain['decode_tokens']}, star {star and star['decode_tokens']}, "
+            f"monolithic {args.decode_tokens})")
         for n in prompts:
-            c, m = chain[f"ttft_{n}_s"], mono[f"prefill_{n}_s"]
-            print(f"{f'time to first token, {lengths[n]}-token prompt (s)':46} {c:9.3f} {m:11.3f} {c / m:7.2f}")
+            row(f"time to first token, {lengths[n]}-token prompt (s)", chain[f"ttft_{n}_s"], mono[f"prefill_{n}_s"],
+                star and star[f"ttft_{n}_s"], ".3f")
         b = chain["bytes_per_token"]
         print(f"bytes on the wire per decode token per hop: middle {b['middle']:.0f}, tail {b['tail']:.0f} "
               f"(over {chain['bytes_tokens']} extra tokens; budget 2 x 576 + 64 = 1216 for bfloat16)")
