@@ -14,9 +14,9 @@ per process everywhere) it prints medians of --runs runs, every timing taken fro
   * the stall when the middle node holding the session is frozen (SIGSTOP after token 10): the
     longest gap between tokens after it, with the tokens compared to an undisturbed run.
 
-Beside the chain, the same mesh shape with every node started ``--no-hop-streams`` (the entry
-calls each hop over HTTP in turn: the fallback path) gives decode tokens/s and time to first
-token in the same run (``--no-star`` skips it). Actual token counts are printed beside every
+Beside the chain, a second entry node started ``--no-hop-streams`` (it calls each hop over HTTP
+in turn: the fallback path) serves the same middle and tail nodes; its runs alternate with the
+chain's, so both see the same load (``--no-star`` leaves it out). Actual token counts are printed beside every
 figure. Usage:
   .venv/bin/python bench/chain.py [--runs 3] [--threads 1] [--decode-tokens 48] [--stall-runs 2] [--no-star]
 """
@@ -89,11 +89,11 @@ def wait_two_middles(mesh: LocalMesh) -> None:
               and mesh.get(f"/v1/coverage/{MODEL}")["routable"], 300, "two middles and a route", interval_s=0.5)
 
 
-def sigstop_stall(mesh: LocalMesh, dtype: str, threads: int, serial: list[int]) -> tuple[float, bool, int]:
+def sigstop_stall(mesh: LocalMesh, url: str, dtype: str, threads: int, serial: list[int]) -> tuple[float, bool, int]:
     """``(longest gap between tokens after the stop, s; tokens identical; tokens)`` for one SIGSTOP
     of the middle node holding the session after token 10. The stopped node is resumed and killed
     (by PID) afterwards, and a fresh middle started in its place."""
-    expected, _ = streamed_tokens(mesh.url, LONG_STORY, 48)
+    expected, _ = streamed_tokens(url, LONG_STORY, 48)
     stopped: list[str] = []
 
     def on_token(count: int) -> None:
@@ -105,7 +105,7 @@ def sigstop_stall(mesh: LocalMesh, dtype: str, threads: int, serial: list[int]) 
                     return
 
     try:
-        got, times = streamed_tokens(mesh.url, LONG_STORY, 48, on_token)
+        got, times = streamed_tokens(url, LONG_STORY, 48, on_token)
     finally:
         for name in stopped:
             mesh.signal(name, signal.SIGCONT)
@@ -118,36 +118,52 @@ def sigstop_stall(mesh: LocalMesh, dtype: str, threads: int, serial: list[int]) 
     return max(b - a for a, b in zip(times[9:], times[10:])), got == expected, len(got)
 
 
-def run_mesh(dtype: str, args, prompts: dict, streams: bool = True) -> dict:
-    """The chain's figures on a fresh mesh; with ``streams`` off the same mesh shape with every node
-    started ``--no-hop-streams`` (the per-hop HTTP star), decode and time to first token only."""
-    env = None if streams else {"MESHNET_HOP_STREAMS": "0"}
-    mesh = LocalMesh(Path(tempfile.mkdtemp(prefix="meshnet-chain-bench-")), heartbeat_s=1.0, env=env)
+def run_mesh(dtype: str, args, prompts: dict) -> tuple[dict, dict | None]:
+    """``(chain figures, star figures or None)`` from one mesh: entry ``entry`` drives chains,
+    entry ``entry-star`` (started ``--no-hop-streams``) the per-hop HTTP star over the same middle
+    and tail nodes; their runs alternate, so both see the same load. Chats go to each entry directly."""
+    mesh = LocalMesh(Path(tempfile.mkdtemp(prefix="meshnet-chain-bench-")), heartbeat_s=1.0)
     out: dict = {}
+    star: dict | None = None if args.no_star else {}
     try:
         mesh.start_tracker(MODEL, node_timeout_s=5.0)
         flags = ("--dtype", dtype, "--wire-dtype", dtype)
-        mesh.start_node("entry", "--model", MODEL, "--shard-start", "0", "--shard-end", "9", *flags,
-                        threads=args.threads)
+        entry_args = ("--model", MODEL, "--shard-start", "0", "--shard-end", "9", *flags)
+        mesh.start_node("entry", *entry_args, threads=args.threads)
+        if star is not None:
+            mesh.start_node("entry-star", *entry_args, threads=args.threads, env={"MESHNET_HOP_STREAMS": "0"})
         mesh.start_node("tail", "--model", MODEL, "--shard-start", "20", "--shard-end", "29", *flags,
                         threads=args.threads)
         for name in ("mid-a", "mid-b"):
             start_middle(mesh, name, dtype, args.threads)
         wait_two_middles(mesh)
-        timed_stream(mesh.url, STORY, 4)  # warm-up: connections, first forwards
-        decode = [timed_stream(mesh.url, STORY, args.decode_tokens) for _ in range(args.runs)]
-        out["decode_tokens_per_s"] = statistics.median(d["decode_tokens_per_s"] for d in decode)
-        out["decode_tokens"] = [d["tokens"] for d in decode]
-        for n, msgs in prompts.items():
-            out[f"ttft_{n}_s"] = statistics.median(timed_stream(mesh.url, msgs, 1)["ttft_s"] for _ in range(args.runs))
-        if not streams:
-            return out
+        entries = {"chain": node_endpoint(mesh, "entry")}
+        if star is not None:
+            mesh.wait(lambda: mesh.get(f"/v1/coverage/{MODEL}")["segments"][0]["node_count"] >= 2, 300,
+                      "both entries serving layers 0-9", interval_s=0.5)
+            entries["star"] = node_endpoint(mesh, "entry-star")
+        figures = {"chain": out, "star": star}
+        runs: dict = {k: {"decode": [], **{n: [] for n in prompts}} for k in entries}
+        for url in entries.values():
+            timed_stream(url, STORY, 4)  # warm-up: connections, first forwards
+        for _ in range(args.runs):
+            for kind, url in entries.items():  # alternating: the same load for both
+                runs[kind]["decode"].append(timed_stream(url, STORY, args.decode_tokens))
+                for n, msgs in prompts.items():
+                    runs[kind][n].append(timed_stream(url, msgs, 1)["ttft_s"])
+        for kind in entries:
+            fig = figures[kind]
+            fig["decode_tokens_per_s"] = statistics.median(d["decode_tokens_per_s"] for d in runs[kind]["decode"])
+            fig["decode_tokens"] = [d["tokens"] for d in runs[kind]["decode"]]
+            for n in prompts:
+                fig[f"ttft_{n}_s"] = statistics.median(runs[kind][n])
+        url = entries["chain"]
         hops = ["tail"] + middles(mesh)
         before = {h: stream_bytes_in(mesh, h) for h in hops}
-        short_run = timed_stream(mesh.url, LONG_STORY, 8)
+        short_run = timed_stream(url, LONG_STORY, 8)
         short = {h: stream_bytes_in(mesh, h) - before[h] for h in hops}
         before = {h: stream_bytes_in(mesh, h) for h in hops}
-        long_run = timed_stream(mesh.url, LONG_STORY, 40)
+        long_run = timed_stream(url, LONG_STORY, 40)
         extra = long_run["tokens"] - short_run["tokens"]
         growth = {h: stream_bytes_in(mesh, h) - before[h] - short[h] for h in hops}
         # either middle may serve either run: their sum received each run's steps into layer 10 once
@@ -155,11 +171,10 @@ def run_mesh(dtype: str, args, prompts: dict, streams: bool = True) -> dict:
         out["bytes_per_token"] = {"middle": middle / extra, "tail": growth["tail"] / extra}
         out["bytes_tokens"] = extra
         serial = [0]
-        stalls = [sigstop_stall(mesh, dtype, args.threads, serial) for _ in range(args.stall_runs)]
-        out["stalls"] = stalls
+        out["stalls"] = [sigstop_stall(mesh, url, dtype, args.threads, serial) for _ in range(args.stall_runs)]
     finally:
         mesh.stop()
-    return out
+    return out, star
 
 
 def main() -> None:
@@ -182,8 +197,7 @@ def main() -> None:
     lengths = {n: len(chat_ids(tok, msgs)) for n, msgs in prompts.items()}
     results = {}
     for dtype in args.dtypes.split(","):
-        chain = run_mesh(dtype, args, prompts)
-        star = None if args.no_star else run_mesh(dtype, args, prompts, streams=False)
+        chain, star = run_mesh(dtype, args, prompts)
         mono = monolithic(path, args.threads, args.runs, args.decode_tokens, prompts, dtype)
         results[dtype] = (chain, star, mono)
 
