@@ -84,9 +84,14 @@ def start_middle(mesh: LocalMesh, name: str, dtype: str, threads: int) -> None:
 
 
 def wait_two_middles(mesh: LocalMesh) -> None:
-    mesh.wait(lambda: next(s for s in mesh.get(f"/v1/coverage/{MODEL}")["segments"]
-                           if s["start_layer"] <= 10 <= s["end_layer"])["node_count"] >= 2
-              and mesh.get(f"/v1/coverage/{MODEL}")["routable"], 300, "two middles and a route", interval_s=0.5)
+    """Wait until the tracker routes layers 10-29 without any one of the running middles."""
+    names = middles(mesh)
+
+    def each_replaceable() -> bool:
+        return all(httpx.get(f"{mesh.url}/v1/route", timeout=10, params={
+            "model": MODEL, "start_layer": 10, "end_layer": 29, "exclude": name}).status_code == 200 for name in names)
+
+    mesh.wait(each_replaceable, 300, f"a route without each of {names}", interval_s=0.5)
 
 
 def sigstop_stall(mesh: LocalMesh, url: str, dtype: str, threads: int, serial: list[int]) -> tuple[float, bool, int]:

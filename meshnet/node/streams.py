@@ -51,8 +51,10 @@ class HopChain:
     hop: Hop
     model: str | None
     expires_at: float | None    # unix seconds when the ticket runs out (None: no ticket needed)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # (STEP, its frame being decoded)
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # (STEP, its output) to encode and send
     worker: asyncio.Task | None = None
+    sender: asyncio.Task | None = None
 
     @property
     def next_hop(self) -> Hop | None:
@@ -100,7 +102,8 @@ class ChainHost:
             if chain is None:  # released, expired, refused, or never opened here: the entry's deadline sees it
                 log.debug("step of unknown chain %s at %d dropped", message.chain_id, message.position)
                 return
-            chain.queue.put_nowait(message)
+            # decoding starts now, so a chunk's frame is decoded while the step before it computes
+            chain.queue.put_nowait((message, asyncio.ensure_future(wire.decode_async(message.body))))
         elif not self.node.inbox.deliver(message):
             log.debug("%s of unknown chain %s dropped", message.kind.name, message.chain_id)
 
@@ -142,8 +145,13 @@ class ChainHost:
     def drop(self, chain_id: str) -> None:
         """Forget a chain and stop its worker (its KV cache is the runtime's to release)."""
         chain = self.chains.pop(chain_id, None)
-        if chain is not None and chain.worker is not None:
-            chain.worker.cancel()
+        if chain is None:
+            return
+        for task in (chain.worker, chain.sender):
+            if task is not None:
+                task.cancel()
+        while not chain.queue.empty():  # frames decoded for nothing: mark their outcome as seen
+            _settle(chain.queue.get_nowait()[1])
 
     async def close(self) -> None:
         for chain_id in list(self.chains):
@@ -153,47 +161,63 @@ class ChainHost:
 
     async def _work(self, chain: HopChain) -> None:
         """Pass the OPEN on, then run the chain's steps in order until it is dropped, idle for the
-        session TTL, or a step failed (its ERROR went to the entry)."""
+        session TTL, or a step failed (its ERROR went to the entry). Outputs go to the chain's
+        sender, which encodes and sends them in order while the next step computes."""
         node = self.node
         try:
             nxt = chain.next_hop
             if nxt is not None and not await self._push(chain, nxt, pack(
                     Kind.OPEN, chain.chain_id, hop_index=chain.index + 1, body=chain.body)):
                 return
+            chain.sender = asyncio.get_running_loop().create_task(self._send_outputs(chain))
             while True:
                 try:
-                    message = await asyncio.wait_for(chain.queue.get(), timeout=node.settings.session_ttl_s)
+                    message, decoding = await asyncio.wait_for(chain.queue.get(), timeout=node.settings.session_ttl_s)
                 except TimeoutError:
                     return
-                if not await self._step(chain, message):
+                if not await self._step(chain, message, decoding):
                     return
         finally:
             if self.chains.get(chain.chain_id) is chain:
                 del self.chains[chain.chain_id]
+            chain.outbox.put_nowait(None)  # the sender ends once what is queued has gone
 
-    async def _step(self, chain: HopChain, message: Message) -> bool:
-        """Run one STEP and push its output on; False when it failed (the entry was told)."""
+    async def _step(self, chain: HopChain, message: Message, decoding: asyncio.Future) -> bool:
+        """Run one STEP and hand its output to the sender; False when it failed (the entry was told)."""
         node = self.node
         node.last_forward_s = time.monotonic()
         try:
+            hidden = await decoding
             if chain.expires_at is not None and time.time() >= chain.expires_at:
                 raise Unauthorized(f"session ticket of {chain.chain_id} expired", code="ticket_expired",
                                    hint="the entry asks the tracker for a new route and ticket")
-            hidden = await wire.decode_async(message.body)
             t0 = time.perf_counter()
             out = await asyncio.to_thread(node.runtime.forward, model=chain.model, session_id=chain.chain_id,
                                           layers=chain.hop.layers, position=message.position, hidden=hidden)
             node.metrics.observe_forward(hidden.shape[1], time.perf_counter() - t0, message.position)
-            nxt = chain.next_hop
-            if nxt is None:
-                if message.no_result:
-                    return True
-                if message.last_only:
-                    out = out[:, -1:]
-            frame = await wire.encode_async(out, dtype=hidden.dtype)
         except MeshnetError as exc:
             await self._report(chain.opened.entry_endpoint, chain.chain_id, message.position, node.settings.node_id, exc)
             return False
+        if chain.next_hop is None:
+            if message.no_result:
+                return True
+            if message.last_only:
+                out = out[:, -1:]
+        chain.outbox.put_nowait((message, out, hidden.dtype))
+        return True
+
+    async def _send_outputs(self, chain: HopChain) -> None:
+        """Encode and send the chain's outputs in order; on a failure the chain ends (the entry was told)."""
+        while (item := await chain.outbox.get()) is not None:
+            message, out, dtype = item
+            if not await self._send_output(chain, message, await wire.encode_async(out, dtype=dtype)):
+                self.drop(chain.chain_id)
+                return
+
+    async def _send_output(self, chain: HopChain, message: Message, frame: bytes) -> bool:
+        """The RESULT to the entry (last hop) or the STEP to the next hop; False when it could not go."""
+        node = self.node
+        nxt = chain.next_hop
         if nxt is None:
             try:
                 await node.streams.send(chain.opened.entry_endpoint, pack(
@@ -232,6 +256,14 @@ class ChainHost:
 
 
 _background: set[asyncio.Task] = set()
+
+
+def _settle(future: asyncio.Future) -> None:
+    """Cancel a pending decode, or mark a finished one's outcome (an error included) as seen."""
+    if not future.done():
+        future.cancel()
+    elif not future.cancelled():
+        future.exception()
 
 
 async def stream_endpoint(websocket: WebSocket) -> None:
