@@ -236,6 +236,9 @@ def node_start(
         hop_connect_timeout: float = typer.Option(N.hop_connect_timeout_s, "--hop-connect-timeout", min=0.1,
                                                   envvar="MESHNET_HOP_CONNECT_TIMEOUT",
                                                   help="Seconds to connect to a hop before failing over."),
+        hop_streams: bool = typer.Option(N.hop_streams, "--hop-streams/--no-hop-streams", envvar="MESHNET_HOP_STREAMS",
+                                         help="Entry nodes drive generations as a chain of hop streams "
+                                              "(off: one HTTP call per hop per step)."),
         wallet: str = typer.Option("", "--wallet", envvar="MESHNET_WALLET", help="Wallet reported to the tracker."),
         batch_window_ms: float = typer.Option(N.batch_window_s * 1000, "--batch-window-ms", min=0.0,
                                               envvar="MESHNET_BATCH_WINDOW_MS",
@@ -305,7 +308,7 @@ def node_start(
                             accepts_placement=not no_placement, torch_threads=threads,
                             session_cache_bytes=session_cache_mb * 1024 * 1024, session_ttl_s=session_ttl,
                             hop_timeout_s=hop_timeout, hop_connect_timeout_s=hop_connect_timeout, wallet=wallet,
-                            drain_grace_s=drain_grace, relay=relay or relay_url is not None, relay_url=relay_url,
+                            hop_streams=hop_streams, drain_grace_s=drain_grace, relay=relay or relay_url is not None, relay_url=relay_url,
                             batch_window_s=batch_window_ms / 1000, max_batch_size=max_batch,
                             auto_relay=not no_auto_relay, offer_relay=offer_relay, spot_check_rate=spot_check_rate, **_body_limit(max_body_bytes))
     from meshnet.node.app import build_app

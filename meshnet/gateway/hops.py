@@ -210,8 +210,9 @@ class RemoteRoute:
         replay_chunk_tokens: tokens per replay call to a replacement (the prefill chunk, 128).
         release_auth: signs session releases as the entry node (its key; None: unsigned).
         on_failover: told of each hop replaced, once its replacement has taken the replay (or None).
-        spot_check: checks this session's first call to each hop against other holders when its
-            draw says so (ADR-0042, :mod:`meshnet.gateway.spotcheck`; None: never).
+        spot_check: checks this session's first call to each hop against other holders; given only
+            for a session the caller drew for checking (ADR-0042, :mod:`meshnet.gateway.spotcheck`;
+            None: not checked).
     """
 
     def __init__(self, client: httpx.AsyncClient, *, model: str, session_id: str, route: Route,
@@ -222,7 +223,7 @@ class RemoteRoute:
                  spot_check=None) -> None:
         self.client, self.model, self.session_id = client, model, session_id
         self.on_failover = on_failover
-        self.spot_check = spot_check if spot_check is not None and spot_check.draw() else None
+        self.spot_check = spot_check  # this session was drawn for a spot-check (the caller draws)
         self.deadlines = deadlines
         self.release_auth = release_auth
         hops = route.hops

@@ -5,6 +5,11 @@ layers → each remote hop → final norm + LM head on the last position → sam
 ``pipelined`` prefill, chunk i enters hop k while chunk i+1 runs on the layers before it
 (ordering per hop is kept by the KV-cache position, see :mod:`meshnet.gateway.hops`).
 Decode then sends one token's hidden state per hop per step.
+
+The remote hops are driven as a chain of hop streams (:class:`meshnet.gateway.chain.ChainRoute`,
+ADR-0040: each hop pushes its output to the next, the last one back to the entry) when the node
+gives the orchestrator its stream pool; otherwise, or with ``chain`` off, the entry calls each
+hop in turn over HTTP (:class:`meshnet.gateway.hops.RemoteRoute`, the fallback path).
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from meshnet.gateway.chain import ChainInbox, ChainRoute
 from meshnet.gateway.deadlines import DeadlinePolicy
 from meshnet.gateway.entry import Activation, EntryLayers, GenerationObserver, TokenChooser, TokenLogprob
 from meshnet.gateway.hops import FailureReporter, Hop, RemoteRoute, RouteProvider
 from meshnet.gateway.traffic import TrafficLog
 from meshnet.gateway.spotcheck import SpotChecker
+from meshnet.gateway.streams import StreamPool
 from meshnet.layers import LayerRange
 from meshnet.protocol.openai import SamplingParams
 
@@ -62,13 +69,14 @@ class GenerationStats:
 class OrchestratorSettings:
     """Chunk length of prefill and of a failover's replay (tokens), hop timeouts (seconds; the
     ceiling for a slow but live hop), hop deadlines (when a hop is probed and, if silent, failed
-    over: ADR-0036), pipelined prefill on or off."""
+    over: ADR-0036), pipelined prefill on or off, the chain of hop streams on or off (ADR-0040)."""
 
     chunk_tokens: int = CHUNK_TOKENS
     hop_timeout_s: float = 60.0
     hop_connect_timeout_s: float = 5.0
     pipelined: bool = True
     deadlines: DeadlinePolicy = DeadlinePolicy()
+    chain: bool = True
 
 
 class Orchestrator:
@@ -83,15 +91,16 @@ class Orchestrator:
         traffic: the node's log of sessions in flight and failovers (ADR-0046), or None.
         spot_check: re-runs a share of sessions' first hop calls on other holders (ADR-0042,
             :class:`meshnet.gateway.spotcheck.SpotChecker`), or None.
+        streams, inbox: the node's hop stream pool and the inbox its stream endpoint delivers
+            results to; with both (and ``settings.chain``) the remote hops run as a chain.
     """
 
     def __init__(self, entry: EntryLayers, *, node_id: str, endpoint: str, client,
                  routes: RouteProvider, report: FailureReporter,
                  settings: OrchestratorSettings = OrchestratorSettings(),
                  observer: GenerationObserver | None = None, release_auth=None,
-                 traffic: TrafficLog | None = None,
-
-spot_check: SpotChecker | None = None) -> None:
+                 traffic: TrafficLog | None = None, spot_check: SpotChecker | None = None,
+                 streams: StreamPool | None = None, inbox: ChainInbox | None = None) -> None:
         self.entry = entry
         self.node_id, self.endpoint = node_id, endpoint
         self.client, self.routes, self.report = client, routes, report
@@ -100,6 +109,7 @@ spot_check: SpotChecker | None = None) -> None:
         self.release_auth = release_auth
         self.traffic = traffic
         self.spot_check = spot_check
+        self.streams, self.inbox = streams, inbox
         self.model = entry.model
         self.num_layers = entry.num_layers
         self.tokenizer = entry.tokenizer
@@ -110,7 +120,28 @@ spot_check: SpotChecker | None = None) -> None:
         """Token ids of ``messages`` under the model's chat template (generation prompt added)."""
         return self.entry.encode_chat(messages)
 
-    async def _step(self, session_id: str, remote: RemoteRoute | None, ids: list[int], position: int,
+    def _remote(self, session_id: str, layers: LayerRange, route) -> RemoteRoute | ChainRoute:
+        """The remote hops of one session: a chain of hop streams when the node has them, else HTTP
+        calls. A session drawn for a spot-check (ADR-0042) goes hop by hop over HTTP: the check
+        needs each hop's input and output, which a chain keeps inside the mesh."""
+        s = self.settings
+        checked = self.spot_check is not None and self.spot_check.draw()
+        on_failover = None if self.traffic is None else \
+            (lambda old, new, why: self.traffic.failover(session_id, old, new, why))
+        if s.chain and self.streams is not None and self.inbox is not None and not checked:
+            return ChainRoute(pool=self.streams, inbox=self.inbox, client=self.client, model=self.model,
+                              entry_id=self.node_id, entry_endpoint=self.endpoint, route=route, layers=layers,
+                              chain_id=session_id, routes=self.routes, report=self.report, codec=self.entry.codec,
+                              timeout_s=s.hop_timeout_s, deadlines=s.deadlines, replay_chunk_tokens=s.chunk_tokens,
+                              release_auth=self.release_auth, on_failover=on_failover)
+        return RemoteRoute(self.client, model=self.model, session_id=session_id, route=route,
+                           routes=self.routes, report=self.report, codec=self.entry.codec,
+                           timeout_s=s.hop_timeout_s, connect_timeout_s=s.hop_connect_timeout_s,
+                           deadlines=s.deadlines, replay_chunk_tokens=s.chunk_tokens,
+                           release_auth=self.release_auth, on_failover=on_failover,
+                           spot_check=self.spot_check if checked else None)
+
+    async def _step(self, session_id: str, remote: RemoteRoute | ChainRoute | None, ids: list[int], position: int,
                     local_turn: asyncio.Condition, local_len: list[int]) -> Activation:
         async with local_turn:
             await local_turn.wait_for(lambda: local_len[0] == position)
@@ -122,7 +153,7 @@ spot_check: SpotChecker | None = None) -> None:
             hidden = await remote.forward(hidden, position, last_only=True)
         return self.entry.codec.last(hidden)
 
-    async def _prefill(self, session_id: str, remote: RemoteRoute | None, prompt: list[int],
+    async def _prefill(self, session_id: str, remote: RemoteRoute | ChainRoute | None, prompt: list[int],
                        local_turn: asyncio.Condition, local_len: list[int]) -> Activation:
         size = self.settings.chunk_tokens
         chunks = [(p, prompt[p:p + size]) for p in range(0, len(prompt), size)]
@@ -154,17 +185,9 @@ spot_check: SpotChecker | None = None) -> None:
         entry_hop = Hop(self.node_id, self.endpoint, LayerRange(0, local_end))
         remote = None
         if local_end < self.num_layers:
-            route = await self.routes(self.model, LayerRange(local_end, self.num_layers), frozenset(), session_id)
-            remote = RemoteRoute(self.client, model=self.model, session_id=session_id, route=route,
-                                 routes=self.routes, report=self.report, codec=self.entry.codec,
-                                 timeout_s=self.settings.hop_timeout_s,
-                                 connect_timeout_s=self.settings.hop_connect_timeout_s,
-                                 deadlines=self.settings.deadlines,
-                                 replay_chunk_tokens=self.settings.chunk_tokens,
-                                 release_auth=self.release_auth,
-                                 on_failover=None if self.traffic is None else
-                                 lambda old, new, why: self.traffic.failover(session_id, old, new, why),
-                                 spot_check=self.spot_check)
+            layers = LayerRange(local_end, self.num_layers)
+            route = await self.routes(self.model, layers, frozenset(), session_id)
+            remote = self._remote(session_id, layers, route)
         chooser: TokenChooser = self.entry.new_chooser(params)
         local_turn, local_len = asyncio.Condition(), [0]
         if self.observer is not None:

@@ -2,6 +2,7 @@
 
 Routes:
     POST   /v1/forward              activation frame in, activation frame out (headers below)
+    WS     /v1/stream               hop streams: chains of sessions pushed node to node (ADR-0040)
     DELETE /v1/sessions/{id}        release a session's KV caches
     GET    /v1/health               liveness: node id, endpoint, relay tunnel, shard slots, sessions, cache bytes left, draining
     GET    /v1/ready                readiness: 200 {"ready": true} or 503 {"ready": false, "reasons"} (ADR-0032)
@@ -43,12 +44,14 @@ from starlette.middleware import Middleware
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from meshnet import wire
 from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import Forbidden, InvalidRequest, MeshnetError, NotFound, Unauthorized
 from meshnet.gateway import openai_api
+from meshnet.gateway.chain import ChainInbox
+from meshnet.gateway.streams import StreamPool
 from meshnet.protocol.http import BodyLimit, http_error
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
 from meshnet.gateway.traffic import TrafficLog
@@ -62,6 +65,7 @@ from meshnet.node.readiness import gather_facts, node_readiness
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.sessions import SessionStore
 from meshnet.node.settings import NodeSettings
+from meshnet.node.streams import ChainHost, stream_endpoint, verify_hop_ticket
 from meshnet.protocol.control import CapabilityReport, DoctorResponse, QuarantineReport
 from meshnet.protocol.route import Route as MeshRoute
 from meshnet.protocol.signing import decode_public_key, signer_of, verify_request
@@ -89,6 +93,10 @@ class NodeContext:
     #: the tracker's key (learned at registration): hop calls need its session tickets (None: not required)
     tracker_key: Ed25519PublicKey | None = None
     tickets: VerifiedTickets = field(default_factory=VerifiedTickets)  # hop tickets already verified
+    #: outbound hop streams (ADR-0040; None until the lifespan opens them, or with a test transport)
+    streams: StreamPool | None = None
+    chains: ChainHost | None = None  # this node's hop of every chain through it
+    inbox: ChainInbox = field(default_factory=ChainInbox)  # chains this node drives as entry
     spot_checker: SpotChecker | None = None  # made with the first orchestrator (ADR-0042)
     #: test-only dishonesty (:mod:`meshnet.node.corrupt`, from the environment); None normally
     corruption: Corruption | None = field(default_factory=Corruption.from_env)
@@ -156,11 +164,7 @@ def check_ticket(node: NodeContext, request: Request, session: str, layers: Laye
         Unauthorized (401): the ticket is missing, invalid or expired.
         Forbidden (403 ``ticket_scope``): it does not cover this call.
     """
-    if node.tracker_key is None:
-        return
-    claims = node.tickets.read(request.headers.get(HEADER_TICKET), node.tracker_key)
-    check_hop(claims, node_id=node.settings.node_id, session=session, layers=layers,
-              model=None if model is None else canonical_model_name(model))
+    verify_hop_ticket(node, request.headers.get(HEADER_TICKET), session, layers, model)
 
 
 def check_release(node: NodeContext, request: Request, session: str) -> None:
@@ -209,6 +213,8 @@ async def release_session(request: Request) -> JSONResponse:
     node = _state(request)
     session = request.path_params["session_id"]
     check_release(node, request, session)
+    if node.chains is not None:
+        node.chains.drop(session)
     dropped = await asyncio.to_thread(node.runtime.end_session, session)
     return JSONResponse({"released": dropped})
 
@@ -269,13 +275,15 @@ def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | Non
         node.spot_checker = spot_checker_for(node)
     settings = OrchestratorSettings(hop_timeout_s=node.settings.hop_timeout_s,
                                     hop_connect_timeout_s=node.settings.hop_connect_timeout_s,
-                                    pipelined=True if pipelined is None else pipelined)
+                                    pipelined=True if pipelined is None else pipelined,
+                                    chain=node.settings.hop_streams)
     entry = LocalEntry(node.runtime, slot, wire_dtype=node.settings.wire_dtype, metrics=node.metrics)
     advertised = getattr(agent, "endpoint", None) or node.settings.endpoint  # relayed: the relay's URL (ADR-0045)
     return slot.model, Orchestrator(entry, node_id=node.settings.node_id, endpoint=advertised,
                                     client=node.http, routes=routes, report=report, settings=settings,
                                     observer=node.metrics, release_auth=getattr(agent, "signer", None),
-                                    traffic=node.traffic, spot_check=node.spot_checker)
+                                    traffic=node.traffic, spot_check=node.spot_checker,
+                                    streams=node.streams, inbox=node.inbox)
 
 
 def spot_checker_for(node: NodeContext) -> SpotChecker:
@@ -336,7 +344,7 @@ async def traffic(request: Request) -> JSONResponse:
 
 async def metrics(request: Request) -> Response:
     node = _state(request)
-    node.metrics.update_gauges(node.runtime)
+    node.metrics.update_gauges(node.runtime, len(node.chains) if node.chains is not None else 0)
     body, content_type = node.metrics.render()
     return Response(body, media_type=content_type)
 
@@ -379,6 +387,11 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
                                      limits=httpx.Limits(max_keepalive_connections=32), transport=transport) as http:
             node = NodeContext(settings=settings, runtime=rt, http=http, drain=drain, transport=transport)
             rt.on_batch = node.metrics.observe_batch
+            node.chains = ChainHost(node)
+            if transport is None:  # hop streams need real sockets; a test transport keeps hops on HTTP
+                node.streams = StreamPool(node.chains.dispatch, on_traffic=node.metrics.observe_stream,
+                                          connect_timeout_s=settings.hop_connect_timeout_s,
+                                          send_timeout_s=settings.hop_timeout_s)
             app.state.node = node
             drain.idle = lambda: hop_sessions_idle(node)
             agent_task = None
@@ -398,13 +411,16 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
             try:
                 yield
             finally:
+                await node.chains.close()
+                if node.streams is not None:
+                    await node.streams.close()
                 if agent_task is not None:  # the agent this lifespan started (tests may set their own)
                     agent_task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await agent_task
                     await node.agent.close()
 
-    routes = [Route("/v1/forward", forward, methods=["POST"]),
+    routes = [Route("/v1/forward", forward, methods=["POST"]), WebSocketRoute("/v1/stream", stream_endpoint),
               Route("/v1/sessions/{session_id}", release_session, methods=["DELETE"]),
               Route("/v1/health", health), Route("/v1/ready", ready), Route("/v1/traffic", traffic), Route("/v1/doctor", doctor, methods=["POST"]),
               Route("/v1/models", list_models), Route("/v1/chat/completions", chat_completions, methods=["POST"]),

@@ -47,6 +47,11 @@ class NodeMetrics:
                                     buckets=_BATCH_BUCKETS, registry=r)
         self.sessions = Gauge("meshnet_sessions", "live KV-cache sessions", registry=r)
         self.cache_bytes_left = Gauge("meshnet_cache_left_bytes", "KV-cache space left", registry=r)
+        self.stream_messages = Counter("meshnet_stream_messages", "hop stream messages (ADR-0040) by direction",
+                                       ["direction"], registry=r)
+        self.stream_bytes = Counter("meshnet_stream_bytes", "hop stream message bytes (headers and frames) by direction",
+                                    ["direction"], registry=r)
+        self.chains = Gauge("meshnet_chains", "chains whose hop runs on this node now", registry=r)
         #: decode throughput of this node's layers (single-token forwards only), tokens/s
         self.tokens_per_s = PerformanceEMA(alpha=0.1)
         #: seconds of one single-token forward call on this node
@@ -73,6 +78,11 @@ class NodeMetrics:
     def observe_batch(self, steps: int) -> None:
         """One forward run of ``steps`` sessions' steps (thread-safe: called from the compute thread)."""
         self.batch_size.observe(steps)
+
+    def observe_stream(self, direction: str, nbytes: int) -> None:
+        """One hop stream message of ``nbytes`` bytes, ``direction`` ``"in"`` or ``"out"``."""
+        self.stream_messages.labels(direction).inc()
+        self.stream_bytes.labels(direction).inc(nbytes)
 
     def generation_started(self) -> None:
         self.requests_total += 1
@@ -120,8 +130,9 @@ class NodeMetrics:
                 forwards=batch.count))
         return rows
 
-    def update_gauges(self, runtime) -> None:
+    def update_gauges(self, runtime, chains: int = 0) -> None:
         self.sessions.set(len(runtime.sessions))
+        self.chains.set(chains)
         self.cache_bytes_left.set(runtime.sessions.bytes_left)
 
     def heartbeat_stats(self, runtime, rss_bytes: int = 0) -> NodeStats:

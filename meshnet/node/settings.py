@@ -31,6 +31,8 @@ class NodeSettings:
             the cap in bytes above which new sessions are refused (live ones are never evicted).
         hop_timeout_s: seconds one hop call may take in all; ``hop_connect_timeout_s`` to connect
             (short, so an unreachable hop fails over in seconds, not after ``hop_timeout_s``).
+        hop_streams: drive generations as a chain of hop streams (ADR-0040); off: one
+            ``POST /v1/forward`` per hop per step from the entry (the fallback path).
         accepts_placement: let the tracker assign shards (managed placement).
         torch_threads: intra-op threads (None: torch default).
         max_body_bytes: largest JSON request body (413 above; see
@@ -71,6 +73,7 @@ class NodeSettings:
     session_cache_bytes: int = 1 << 30
     hop_timeout_s: float = 60.0
     hop_connect_timeout_s: float = 5.0
+    hop_streams: bool = True
     accepts_placement: bool = True
     wallet: str = ""
     torch_threads: int | None = None

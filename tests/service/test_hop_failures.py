@@ -182,7 +182,8 @@ async def entry_app(asgi_client, mesh):
     entry, client = mesh
 
     async def make(*names: str):
-        app = build_app(NodeSettings(node_id="entry", port=1, wire_dtype="float32"), runtime=entry)
+        # the hops are mounted apps reached over HTTP: the entry uses the per-hop HTTP path, not streams
+        app = build_app(NodeSettings(node_id="entry", port=1, wire_dtype="float32", hop_streams=False), runtime=entry)
         http = await asgi_client(app, "http://entry")
         app.state.node.http, app.state.node.agent = client, FakeAgent(routes_via(*names))
         return http, app.state.node.agent

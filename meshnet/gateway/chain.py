@@ -1,0 +1,382 @@
+"""One session's remote layers as a chain of hop streams, with deadlines and failover (ADR-0040).
+
+The entry sends OPEN (route, tickets, its own endpoint) and then one STEP per prefill chunk or
+decode step to the first remote hop; each hop runs its layers and pushes its output to the
+next hop; the last hop sends the RESULT straight back to the entry (its stream endpoint, not
+back along the chain). Messages are :mod:`meshnet.protocol.stream`; connections come from the
+node's :class:`meshnet.gateway.streams.StreamPool` and are shared with other sessions.
+
+A step's deadline is derived from the chain's own observed step times (floor 0.5 s,
+:mod:`meshnet.gateway.deadlines`, ADR-0036). When it passes, every hop is probed
+(``GET /v1/health``); a silent hop is frozen. A hop's ERROR message (it failed, or it could
+not reach its next hop and names that one) fails the chain at once. Either way the entry
+excludes the hop, reports it (not when it was only busy), releases the old chain on every hop
+in the background, asks the tracker for a new route over all the remote layers without it,
+and replays everything sent so far as chunked prefill (:func:`meshnet.gateway.replay.rechunk`)
+down the new chain under a fresh chain id, then resends the steps still in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+
+from meshnet.errors import HopBusy, HopFailed, MeshnetError
+from meshnet.gateway.deadlines import DeadlinePolicy, StepTimes, deadline_s
+from meshnet.gateway.entry import Activation, ActivationCodec
+from meshnet.gateway.hops import ABANDONED_RELEASE_TIMEOUT_S, RELEASE_TIMEOUT_S, FailoverListener, FailureReporter, \
+    RouteProvider, release_soon
+from meshnet.gateway.replay import rechunk
+from meshnet.gateway.streams import StreamPool
+from meshnet.layers import LayerRange
+from meshnet.protocol.route import Hop, Route
+from meshnet.protocol.stream import FLAG_LAST_ONLY, FLAG_NO_RESULT, ChainError, ChainOpen, Kind, Message, \
+    new_chain_id, pack
+
+log = logging.getLogger(__name__)
+
+_reports: set[asyncio.Task] = set()  # failure reports in flight (kept referenced until they end)
+
+#: error codes after which the hop stays eligible (it lost the session or its ticket ran out; healthy)
+HEALTHY_CODES = ("session_conflict", "ticket_expired")
+
+
+class ChainInbox:
+    """Where RESULT and ERROR messages reaching this node find their chain (by chain id)."""
+
+    def __init__(self) -> None:
+        self._chains: dict[str, "ChainRoute"] = {}
+
+    def register(self, chain_id: str, chain: "ChainRoute") -> None:
+        self._chains[chain_id] = chain
+
+    def unregister(self, chain_id: str) -> None:
+        self._chains.pop(chain_id, None)
+
+    def deliver(self, message: Message) -> bool:
+        """Hand ``message`` to its chain; False when no chain here has its id (a late message)."""
+        chain = self._chains.get(message.chain_id)
+        if chain is None:
+            return False
+        chain.deliver(message)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._chains)
+
+
+def _describe(hop: Hop) -> str:
+    return f"hop {hop.node_id} at {hop.endpoint} (layers {hop.layers})"
+
+
+class ChainRoute:
+    """The remote part of one session's route, driven as a chain of hop streams.
+
+    Args:
+        pool: the node's outbound streams; ``inbox``: where this node's stream endpoint hands
+            RESULT and ERROR messages.
+        client: httpx client for liveness probes and session releases.
+        model: the model's name; ``entry_id``/``entry_endpoint``: this node (results come back there).
+        route: the first route over ``layers`` (its ticket for ``chain_id``).
+        chain_id: the session id the hops use for the first chain (32 hex characters).
+        routes, report: tracker callbacks (new routes, failure reports).
+        codec: activations to and from frames.
+        timeout_s: the longest a step may take while every hop answers probes, seconds.
+        max_failovers: chain replacements per step before giving up.
+        deadlines: when a step is late enough to probe the hops (:class:`DeadlinePolicy`).
+        replay_chunk_tokens: tokens per replay chunk (the prefill chunk, 128).
+        release_auth: signs session releases as this node (ADR-0038; None: unsigned).
+        on_failover: told of the failed hop and the new chain's hops over its layers after each
+            chain replacement (the traffic log, ADR-0046; None: nobody).
+    """
+
+    def __init__(self, *, pool: StreamPool, inbox: ChainInbox, client: httpx.AsyncClient, model: str,
+                 entry_id: str, entry_endpoint: str, route: Route, layers: LayerRange, chain_id: str,
+                 routes: RouteProvider, report: FailureReporter, codec: ActivationCodec,
+                 timeout_s: float = 60.0, max_failovers: int = 3, deadlines: DeadlinePolicy = DeadlinePolicy(),
+                 replay_chunk_tokens: int = 128, release_auth: httpx.Auth | None = None,
+                 on_failover: FailoverListener | None = None) -> None:
+        self.pool, self.inbox, self.client = pool, inbox, client
+        self.on_failover = on_failover
+        self.model, self.entry_id, self.entry_endpoint = model, entry_id, entry_endpoint
+        self.layers = layers
+        self.routes, self.report, self.codec = routes, report, codec
+        self.timeout_s, self.max_failovers, self.deadlines = timeout_s, max_failovers, deadlines
+        self.replay_chunk_tokens, self.release_auth = replay_chunk_tokens, release_auth
+        self.times = StepTimes(deadlines.ema_alpha)
+        #: everything sent so far, contiguous from position 0: ``(position, frame, tokens, flags)``
+        self.history: list[tuple[int, bytes, int, int]] = []
+        self.sent_len = 0
+        self.failed: set[str] = set()
+        self.failovers = 0
+        self.deadline_misses = 0
+        self.replayed_tokens = 0
+        self._futures: dict[int, asyncio.Future] = {}
+        self._cond = asyncio.Condition()
+        self._dead: HopFailed | None = None
+        self._closed = False
+        self._opened = False
+        self.chain_id: str | None = None
+        self.epoch = -1  # +1 with every chain installed: a failure is failed over once per chain
+        self._install(route, chain_id)
+
+    # ---- chain lifecycle --------------------------------------------------------------
+
+    def _install(self, route: Route, chain_id: str) -> None:
+        """Make ``route`` under ``chain_id`` the current chain (nothing sent yet)."""
+        if not route.hops or route.hops[0].layers.start != self.layers.start or \
+                route.hops[-1].layers.end != self.layers.end:
+            raise HopFailed(f"the route {[str(h.layers) for h in route.hops]} does not cover layers {self.layers}")
+        if self.chain_id is not None:
+            self.inbox.unregister(self.chain_id)
+        self.hops, self.ticket, self.chain_id = list(route.hops), route.ticket, chain_id
+        self.epoch += 1
+        self.broken: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.inbox.register(chain_id, self)
+        self._opened = False
+
+    def _release(self, abandoned: bool) -> None:
+        """Release the current chain's session on each of its hops, in the background."""
+        touched = [(h.endpoint, self.ticket) for h in self.hops]
+        timeout = ABANDONED_RELEASE_TIMEOUT_S if abandoned else RELEASE_TIMEOUT_S
+        release_soon(self.client, touched, self.chain_id, timeout, self.release_auth)
+
+    def close(self) -> None:
+        """End the session on every hop at once: the releases go out in the background (returns
+        at once, never raises; safe while the generation is being cancelled)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.inbox.unregister(self.chain_id)
+        for fut in self._futures.values():
+            if not fut.done():
+                fut.cancel()
+        if self._opened:
+            try:
+                self._release(abandoned=False)
+            except RuntimeError:  # no running loop (interpreter shutdown): the hops' TTL frees them
+                pass
+
+    # ---- messages in ------------------------------------------------------------------
+
+    def deliver(self, message: Message) -> None:
+        """A RESULT or ERROR of this chain (called by :class:`ChainInbox`; never blocks)."""
+        if message.chain_id != self.chain_id:
+            return
+        if message.kind == Kind.RESULT:
+            fut = self._futures.get(message.position)
+            if fut is not None and not fut.done():
+                fut.set_result(message.body)
+        elif message.kind == Kind.ERROR and not self.broken.done():
+            self.broken.set_result(self._error_of(message))
+
+    def _error_of(self, message: Message) -> HopFailed:
+        try:
+            err = ChainError.from_body(message.body)
+        except MeshnetError as exc:
+            return HopFailed(f"the chain sent an unreadable error: {exc.message}", node_id=None)
+        where = next((_describe(h) for h in self.hops if h.node_id == err.node_id), f"hop {err.node_id}")
+        text = f"{where} failed: {err.status} {err.code}: {err.message}"
+        if err.status == 503:
+            return HopBusy(text, node_id=err.node_id)
+        return HopFailed(text, node_id=err.node_id, code=err.code if err.code in HEALTHY_CODES else None)
+
+    # ---- messages out -----------------------------------------------------------------
+
+    async def _send(self, kind: Kind, position: int = 0, flags: int = 0, body: bytes = b"") -> None:
+        """One message to the first hop of the current chain; a failure breaks the chain."""
+        first = self.hops[0]
+        try:
+            await self.pool.send(first.endpoint, pack(kind, self.chain_id, position=position, flags=flags, body=body))
+        except MeshnetError as exc:
+            if not self.broken.done():
+                self.broken.set_result(HopFailed(f"{_describe(first)} is unreachable: {exc.message}",
+                                                 node_id=first.node_id))
+
+    async def _open(self) -> None:
+        opened = ChainOpen(model=self.model, entry=self.entry_id, entry_endpoint=self.entry_endpoint,
+                           hops=[h.to_json() for h in self.hops], tickets=[self.ticket] * len(self.hops))
+        self._opened = True
+        await self._send(Kind.OPEN, body=opened.to_body())
+
+    async def forward(self, hidden: Activation, position: int, *, last_only: bool) -> Activation:
+        """Run ``hidden`` ``[1, seq, hidden]`` at ``position`` down the chain; the last hop's output
+        (only its last position with ``last_only``). Calls may overlap (pipelined prefill): they
+        are sent in position order and each waits for its own result.
+
+        Raises:
+            HopBusy, HopFailed: no replacement chain, or ``max_failovers`` replacements failed.
+        """
+        shape = self.codec.shape(hidden)
+        frame = await self.codec.encode(hidden)
+        flags = FLAG_LAST_ONLY if last_only else 0
+        fut = asyncio.get_running_loop().create_future()
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.sent_len == position or self._dead is not None)
+            if self._dead is not None:
+                raise self._dead
+            self._futures[position] = fut
+            self.history.append((position, frame, shape[1], flags))
+            self.sent_len = position + shape[1]
+            if not self._opened:
+                await self._open()
+            await self._send(Kind.STEP, position, flags, frame)
+            self._cond.notify_all()
+        try:
+            body = await self._result(position, fut, shape[1])
+        finally:
+            self._futures.pop(position, None)
+        out = await self.codec.decode(body)
+        want = (1, 1 if last_only else shape[1], shape[-1])
+        if tuple(self.codec.shape(out)) != want:
+            raise HopFailed(f"{_describe(self.hops[-1])} sent shape {list(self.codec.shape(out))}, expected {list(want)}",
+                            node_id=self.hops[-1].node_id)
+        return out
+
+    async def _result(self, position: int, fut: asyncio.Future, tokens: int) -> bytes:
+        """The result frame of the step at ``position``, failing the chain over as often as needed.
+
+        Raises:
+            HopBusy, HopFailed: see :meth:`forward`; or the chain, alive, took over ``timeout_s``.
+        """
+        t0 = time.perf_counter()
+        start_epoch = self.epoch
+        while True:
+            epoch, broken = self.epoch, self.broken
+            extra = self.replayed_tokens if epoch != start_epoch else 0
+            deadline = deadline_s(self.deadlines, self.times, tokens + extra)
+            await asyncio.wait({fut, broken}, timeout=deadline, return_when=asyncio.FIRST_COMPLETED)
+            if fut.done():
+                if self.epoch == start_epoch:
+                    self.times.observe(tokens, time.perf_counter() - t0)
+                return fut.result()
+            if self._dead is not None:
+                raise self._dead
+            if broken.done():
+                await self._failover(epoch, broken.result())
+                continue
+            silent = await self._probe()
+            if fut.done():
+                continue
+            if silent:
+                exc = HopFailed(f"{_describe(silent[0])} missed the chain's {deadline:.2f} s deadline on {tokens} "
+                                f"token(s) and did not answer a liveness probe within "
+                                f"{self.deadlines.probe_timeout_s:.2f} s (frozen)", node_id=silent[0].node_id)
+                await self._failover(epoch, exc, also=[h.node_id for h in silent[1:]], frozen=True)
+                continue
+            if time.perf_counter() - t0 > self.timeout_s:
+                raise HopFailed(f"the chain over layers {self.layers} took over {self.timeout_s:.0f} s on "
+                                f"{tokens} token(s) while every hop answered its probe")
+            log.info("chain %s is slow but alive (%.2f s on %d token(s), deadline %.2f s)",
+                     self.chain_id, time.perf_counter() - t0, tokens, deadline)
+
+    async def _probe(self) -> list[Hop]:
+        """The current chain's hops that do not answer ``GET /v1/health`` within the probe timeout."""
+        limit = self.deadlines.probe_timeout_s
+
+        async def alive(hop: Hop) -> bool:
+            try:
+                async with asyncio.timeout(limit):
+                    await self.client.get(f"{hop.endpoint}/v1/health", timeout=limit)
+                return True
+            except Exception:  # noqa: BLE001 - no answer in time, refused, reset: not alive
+                return False
+
+        hops = list(self.hops)
+        answers = await asyncio.gather(*(alive(h) for h in hops))
+        return [h for h, ok in zip(hops, answers) if not ok]
+
+    # ---- failover ---------------------------------------------------------------------
+
+    def _exclude(self, exc: HopFailed) -> None:
+        """Keep the failed hop out of new routes and report it in the background, so the new
+        route is asked for at once (not when it was busy or healthy)."""
+        if exc.node_id is None or exc.code in HEALTHY_CODES:
+            return
+        self.failed.add(exc.node_id)
+        if isinstance(exc, HopBusy):
+            return
+        task = asyncio.get_running_loop().create_task(self._report(exc.node_id, exc.message))
+        _reports.add(task)
+        task.add_done_callback(_reports.discard)
+
+    async def _report(self, node_id: str, reason: str) -> None:
+        try:
+            await self.report(node_id, reason)
+        except Exception:  # noqa: BLE001 - a lost report must not fail the generation
+            log.warning("could not report the failure of %s", node_id, exc_info=True)
+
+    async def _failover(self, epoch: int, exc: HopFailed, also: list[str] = (), frozen: bool = False) -> None:
+        """Replace the chain of ``epoch`` (once, however many steps saw it fail): exclude and
+        report the failed hop(s), release the old chain, replay the history down a new one.
+        ``frozen``: the chain missed its deadline and a hop did not answer the probe (counted once).
+
+        Raises:
+            HopBusy, HopFailed: no route without the failed hops, or ``max_failovers`` chains failed.
+        """
+        async with self._cond:
+            if self._dead is not None:
+                raise self._dead
+            if self.epoch != epoch:
+                return
+            self.deadline_misses += frozen
+            for node_id in also:
+                self._exclude(HopFailed(f"hop {node_id} is silent", node_id=node_id))
+            old_hops = list(self.hops)
+            for _ in range(self.max_failovers):
+                log.warning("%s; failing the chain over", exc.message)
+                self._exclude(exc)
+                self._release(abandoned=True)
+                chain_id = new_chain_id()
+                try:
+                    route = await self.routes(self.model, self.layers, frozenset(self.failed), chain_id)
+                    self._install(route, chain_id)
+                except Exception as route_exc:  # noqa: BLE001 - no route, tracker down, bad answer
+                    why = getattr(route_exc, "message", None) or f"{type(route_exc).__name__}: {route_exc}"
+                    cls = HopBusy if isinstance(exc, HopBusy) else HopFailed
+                    self._die(cls(f"{exc.message}; no other route over layers {self.layers}: {why}",
+                                  node_id=exc.node_id, code=exc.code))
+                await self._replay()
+                if not self.broken.done():
+                    self.failovers += 1
+                    self._tell_failover(old_hops, exc)
+                    self._cond.notify_all()
+                    return
+                exc = self.broken.result()
+            self._die(HopFailed(f"{exc.message}; {self.max_failovers} replacement chains over layers "
+                                f"{self.layers} failed", node_id=exc.node_id))
+
+    def _tell_failover(self, old_hops: list[Hop], exc: HopFailed) -> None:
+        """Tell ``on_failover`` of the hop that failed and the new chain's hops over its layers."""
+        if self.on_failover is None:
+            return
+        failed = next((h for h in old_hops if h.node_id == exc.node_id), old_hops[0] if old_hops else None)
+        if failed is None:
+            return
+        replacement = [h for h in self.hops if h.layers.start <= failed.layers.end - 1
+                       and failed.layers.start <= h.layers.end - 1]
+        try:
+            self.on_failover(failed, replacement, exc.message)
+        except Exception:  # noqa: BLE001 - bookkeeping must not fail the generation
+            log.warning("failover listener failed", exc_info=True)
+
+    def _die(self, exc: HopFailed) -> None:
+        self._dead = exc
+        self._cond.notify_all()
+        raise exc
+
+    async def _replay(self) -> None:
+        """OPEN the new chain, send the history of finished steps as prefill chunks (no results
+        wanted), then resend the steps still in flight as they were."""
+        await self._open()
+        pending = min(self._futures) if self._futures else self.sent_len
+        done = [(p, frame, t) for p, frame, t, _ in self.history if p < pending]
+        async for position, frame, tokens in rechunk(done, self.codec, self.replay_chunk_tokens):
+            await self._send(Kind.STEP, position, FLAG_NO_RESULT, frame)
+        for position, frame, _, flags in self.history:
+            if position >= pending:
+                await self._send(Kind.STEP, position, flags, frame)
+        self.replayed_tokens = self.sent_len

@@ -1,0 +1,146 @@
+"""Outbound hop streams of one node: one WebSocket per peer, shared by every session (ADR-0040).
+
+A node sends every stream message (:mod:`meshnet.protocol.stream`) to a peer over one
+persistent WebSocket to ``<peer endpoint>/v1/stream``, opened on first use and kept for all
+later sessions: a session costs no connection set-up once its peers have been reached. The
+messages of many sessions are multiplexed on it (each carries its chain id), in the order they
+were sent. A reader task per connection hands whatever the peer sends back to the same
+``on_message`` callback the node's own stream endpoint uses, so a connection works both ways.
+
+A send that fails on a connection opened earlier (the peer restarted, an idle timeout) is tried
+once more on a fresh connection; a peer that cannot be reached raises :class:`PeerUnreachable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Awaitable, Callable
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import WebSocketException
+
+from meshnet.errors import MeshnetError
+from meshnet.protocol.stream import stream_url
+
+log = logging.getLogger(__name__)
+
+#: the largest stream message accepted, bytes: a 128-token chunk of a wide model in float32 plus headers
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+OnMessage = Callable[[bytes], Awaitable[None]]
+#: ``(direction "in" | "out", message bytes)``: counts stream messages (the node's metrics)
+OnTraffic = Callable[[str, int], None]
+
+
+class PeerUnreachable(MeshnetError):
+    """A peer's stream could not be opened or written to within the timeouts (HTTP 502)."""
+
+    status = 502
+    code = "hop_unreachable"
+
+
+class StreamPool:
+    """One node's outbound streams, keyed by the peer's stream URL.
+
+    Args:
+        on_message: called with every message a peer sends back on a connection opened here.
+        on_traffic: called with ``("out", bytes)`` for each message sent and ``("in", bytes)`` for
+            each received on these connections (None: not counted).
+        connect_timeout_s: to open a stream (TCP and the WebSocket handshake), seconds.
+        send_timeout_s: to hand one message to the socket, seconds (a peer that stopped reading
+            fills the buffers; the send then fails instead of waiting for ever).
+    """
+
+    def __init__(self, on_message: OnMessage | None = None, *, on_traffic: OnTraffic | None = None,
+                 connect_timeout_s: float = 5.0, send_timeout_s: float = 30.0) -> None:
+        self.on_message, self.on_traffic = on_message, on_traffic
+        self.connect_timeout_s, self.send_timeout_s = connect_timeout_s, send_timeout_s
+        self._conns: dict[str, ClientConnection] = {}
+        self._opening: dict[str, asyncio.Lock] = {}
+        self._readers: set[asyncio.Task] = set()
+        self.opened = 0  # connections opened since start (a test checks that sessions reuse them)
+
+    def __len__(self) -> int:
+        return len(self._conns)
+
+    async def send(self, endpoint: str, data: bytes) -> None:
+        """Send one message to the node at ``endpoint`` (its base URL, which may carry a path prefix).
+
+        Raises:
+            PeerUnreachable: no stream could be opened, or the message could not be written on a
+                fresh one, within the timeouts.
+        """
+        url = stream_url(endpoint)
+        for attempt in (0, 1):
+            conn, fresh = await self._connection(url)
+            try:
+                async with asyncio.timeout(self.send_timeout_s):
+                    await conn.send(data)
+            except (WebSocketException, OSError, TimeoutError) as exc:
+                self._forget(url, conn)
+                if fresh or attempt:
+                    raise PeerUnreachable(f"could not send on the stream to {url}: {type(exc).__name__}: {exc}",
+                                          hint="the node stopped or its endpoint is unreachable") from exc
+                continue
+            if self.on_traffic is not None:
+                self.on_traffic("out", len(data))
+            return
+
+    async def _connection(self, url: str) -> tuple[ClientConnection, bool]:
+        """The open stream to ``url`` and whether it was opened by this call."""
+        conn = self._conns.get(url)
+        if conn is not None:
+            return conn, False
+        lock = self._opening.setdefault(url, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(url)
+            if conn is not None:
+                return conn, False
+            try:
+                conn = await connect(url, open_timeout=self.connect_timeout_s, compression=None, proxy=None,
+                                     max_size=MAX_MESSAGE_BYTES, max_queue=None, ping_interval=20, ping_timeout=20)
+            except (WebSocketException, OSError, TimeoutError) as exc:
+                raise PeerUnreachable(f"could not open a stream to {url}: {type(exc).__name__}: {exc}",
+                                      hint="the node stopped, or its endpoint is wrong or unreachable") from exc
+            self._conns[url] = conn
+            self.opened += 1
+            task = asyncio.get_running_loop().create_task(self._read(url, conn))
+            self._readers.add(task)
+            task.add_done_callback(self._readers.discard)
+            return conn, True
+
+    async def _read(self, url: str, conn: ClientConnection) -> None:
+        """Hand every message the peer sends on ``conn`` to ``on_message`` until it closes."""
+        try:
+            async for data in conn:
+                if not isinstance(data, bytes):
+                    continue
+                if self.on_traffic is not None:
+                    self.on_traffic("in", len(data))
+                if self.on_message is not None:
+                    try:
+                        await self.on_message(data)
+                    except Exception:  # noqa: BLE001 - one bad message must not close a shared stream
+                        log.warning("stream message from %s not handled", url, exc_info=True)
+        except WebSocketException:
+            pass
+        finally:
+            self._forget(url, conn)
+
+    def _forget(self, url: str, conn: ClientConnection) -> None:
+        if self._conns.get(url) is conn:
+            del self._conns[url]
+
+    async def close(self) -> None:
+        """Close every stream and stop its reader (waits at most a second for each close)."""
+        conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await conn.close()
+        for task in list(self._readers):
+            task.cancel()
+        if self._readers:
+            await asyncio.wait(list(self._readers), timeout=1.0)

@@ -1,0 +1,279 @@
+"""The node's side of hop streams (ADR-0040): the ``/v1/stream`` WebSocket endpoint, and its hop
+of every chain that passes through it.
+
+Every message that reaches the node, on a stream a peer opened (:func:`stream_endpoint`) or
+on one the node opened itself (:class:`meshnet.gateway.streams.StreamPool`), goes to
+:meth:`ChainHost.dispatch`:
+
+- OPEN: the node checks that the route names it at the message's hop index and, when it knows
+  the tracker's key, that the session ticket covers exactly that hop (ADR-0038), before any KV
+  cache exists; then it keeps the chain's state and starts the chain's worker, which first
+  passes the OPEN on to the next hop.
+- STEP: queued to the chain's worker. The worker runs a chain's steps one at a time, in order,
+  each through :meth:`NodeRuntime.forward` in a worker thread (several chains' steps may run at
+  once), and pushes the output to the next hop, or, on the last hop, the RESULT to the entry.
+- RESULT, ERROR: for a chain this node drives as entry (:class:`meshnet.gateway.chain.ChainInbox`).
+
+Any failure becomes one ERROR to the entry naming the hop at fault: this node (its forward
+failed, its ticket does not cover the call, it drains) or the next hop (unreachable). A chain's
+state goes when its entry releases the session (``DELETE /v1/sessions/{id}``), when its worker
+has been idle for the session TTL, or after its first error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from meshnet import wire
+from meshnet.errors import Forbidden, MeshnetError, Unauthorized
+from meshnet.layers import LayerRange
+from meshnet.presets import canonical_model_name
+from meshnet.protocol.route import Hop
+from meshnet.protocol.stream import ChainError, ChainOpen, Kind, Message, pack, unpack
+from meshnet.protocol.tickets import check_hop
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HopChain:
+    """This node's hop of one chain: where it sits, where outputs go, its queued steps."""
+
+    chain_id: str
+    opened: ChainOpen
+    body: bytes                 # the OPEN body, passed on unchanged
+    index: int
+    hop: Hop
+    model: str | None
+    expires_at: float | None    # unix seconds when the ticket runs out (None: no ticket needed)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # (STEP, its frame being decoded)
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # (STEP, its output) to encode and send
+    worker: asyncio.Task | None = None
+    sender: asyncio.Task | None = None
+
+    @property
+    def next_hop(self) -> Hop | None:
+        hops = self.opened.hops
+        return Hop.from_json(hops[self.index + 1]) if self.index + 1 < len(hops) else None
+
+
+def verify_hop_ticket(node, token: str | None, session: str, layers: LayerRange, model: str | None):
+    """The verified claims of a hop's ``token`` when the node has a tracker key (None otherwise).
+
+    Raises:
+        Unauthorized (401): the ticket is missing, invalid or expired.
+        Forbidden (403 ``ticket_scope``): it does not name this node for exactly ``layers`` of ``session``.
+    """
+    if node.tracker_key is None:
+        return None
+    claims = node.tickets.read(token, node.tracker_key)
+    check_hop(claims, node_id=node.settings.node_id, session=session, layers=layers,
+              model=None if model is None else canonical_model_name(model))
+    return claims
+
+
+class ChainHost:
+    """The chains passing through one node. ``node`` is its :class:`meshnet.node.app.NodeContext`
+    (runtime, settings, metrics, drain, tracker key, verified tickets, ``streams`` pool, ``inbox``)."""
+
+    def __init__(self, node) -> None:
+        self.node = node
+        self.chains: dict[str, HopChain] = {}
+
+    def __len__(self) -> int:
+        return len(self.chains)
+
+    async def dispatch(self, data: bytes) -> None:
+        """Handle one received message (never blocks on compute or on a peer)."""
+        try:
+            message = unpack(data)
+        except MeshnetError as exc:
+            log.warning("dropped a stream message: %s", exc.message)
+            return
+        if message.kind == Kind.OPEN:
+            self._open(message)
+        elif message.kind == Kind.STEP:
+            chain = self.chains.get(message.chain_id)
+            if chain is None:  # released, expired, refused, or never opened here: the entry's deadline sees it
+                log.debug("step of unknown chain %s at %d dropped", message.chain_id, message.position)
+                return
+            # decoding starts now, so a chunk's frame is decoded while the step before it computes
+            chain.queue.put_nowait((message, asyncio.ensure_future(wire.decode_async(message.body))))
+        elif not self.node.inbox.deliver(message):
+            log.debug("%s of unknown chain %s dropped", message.kind.name, message.chain_id)
+
+    def _open(self, message: Message) -> None:
+        try:
+            opened = ChainOpen.from_body(message.body)
+        except MeshnetError as exc:
+            log.warning("bad chain OPEN for %s: %s", message.chain_id, exc.message)
+            return
+        try:
+            chain = self._admit(message, opened)
+        except MeshnetError as exc:
+            self._report_soon(opened.entry_endpoint, message.chain_id, message.position,
+                              self.node.settings.node_id, exc)
+            return
+        self.drop(message.chain_id)
+        self.chains[chain.chain_id] = chain
+        chain.worker = asyncio.get_running_loop().create_task(self._work(chain))
+
+    def _admit(self, message: Message, opened: ChainOpen) -> HopChain:
+        """The chain's state when this node may serve its hop.
+
+        Raises:
+            Forbidden: the route does not name this node at the message's hop index.
+            Unauthorized, Forbidden: the ticket (:func:`verify_hop_ticket`).
+            Draining: the node takes no new sessions.
+        """
+        me = self.node.settings.node_id
+        if message.hop_index >= len(opened.hops) or opened.hops[message.hop_index].node_id != me:
+            raise Forbidden(f"chain {message.chain_id} does not name {me} as hop {message.hop_index}",
+                            code="not_this_hop")
+        hop = Hop.from_json(opened.hops[message.hop_index])
+        claims = verify_hop_ticket(self.node, opened.tickets[message.hop_index], message.chain_id, hop.layers,
+                                   opened.model)
+        self.node.drain.refuse_new("new hop sessions")
+        return HopChain(message.chain_id, opened, message.body, message.hop_index, hop, opened.model,
+                        None if claims is None else claims.expires_at)
+
+    def drop(self, chain_id: str) -> None:
+        """Forget a chain and stop its worker (its KV cache is the runtime's to release)."""
+        chain = self.chains.pop(chain_id, None)
+        if chain is None:
+            return
+        for task in (chain.worker, chain.sender):
+            if task is not None:
+                task.cancel()
+        while not chain.queue.empty():  # frames decoded for nothing: mark their outcome as seen
+            _settle(chain.queue.get_nowait()[1])
+
+    async def close(self) -> None:
+        for chain_id in list(self.chains):
+            self.drop(chain_id)
+
+    # ---- the chain's worker -----------------------------------------------------------
+
+    async def _work(self, chain: HopChain) -> None:
+        """Pass the OPEN on, then run the chain's steps in order until it is dropped, idle for the
+        session TTL, or a step failed (its ERROR went to the entry). Outputs go to the chain's
+        sender, which encodes and sends them in order while the next step computes."""
+        node = self.node
+        try:
+            nxt = chain.next_hop
+            if nxt is not None and not await self._push(chain, nxt, pack(
+                    Kind.OPEN, chain.chain_id, hop_index=chain.index + 1, body=chain.body)):
+                return
+            chain.sender = asyncio.get_running_loop().create_task(self._send_outputs(chain))
+            while True:
+                try:
+                    message, decoding = await asyncio.wait_for(chain.queue.get(), timeout=node.settings.session_ttl_s)
+                except TimeoutError:
+                    return
+                if not await self._step(chain, message, decoding):
+                    return
+        finally:
+            if self.chains.get(chain.chain_id) is chain:
+                del self.chains[chain.chain_id]
+            chain.outbox.put_nowait(None)  # the sender ends once what is queued has gone
+
+    async def _step(self, chain: HopChain, message: Message, decoding: asyncio.Future) -> bool:
+        """Run one STEP and hand its output to the sender; False when it failed (the entry was told)."""
+        node = self.node
+        node.last_forward_s = time.monotonic()
+        try:
+            hidden = await decoding
+            if chain.expires_at is not None and time.time() >= chain.expires_at:
+                raise Unauthorized(f"session ticket of {chain.chain_id} expired", code="ticket_expired",
+                                   hint="the entry asks the tracker for a new route and ticket")
+            t0 = time.perf_counter()
+            out = await asyncio.to_thread(node.runtime.forward, model=chain.model, session_id=chain.chain_id,
+                                          layers=chain.hop.layers, position=message.position, hidden=hidden)
+            node.metrics.observe_forward(hidden.shape[1], time.perf_counter() - t0, message.position)
+        except MeshnetError as exc:
+            await self._report(chain.opened.entry_endpoint, chain.chain_id, message.position, node.settings.node_id, exc)
+            return False
+        if chain.next_hop is None:
+            if message.no_result:
+                return True
+            if message.last_only:
+                out = out[:, -1:]
+        chain.outbox.put_nowait((message, out, hidden.dtype))
+        return True
+
+    async def _send_outputs(self, chain: HopChain) -> None:
+        """Encode and send the chain's outputs in order; on a failure the chain ends (the entry was told)."""
+        while (item := await chain.outbox.get()) is not None:
+            message, out, dtype = item
+            if not await self._send_output(chain, message, await wire.encode_async(out, dtype=dtype)):
+                self.drop(chain.chain_id)
+                return
+
+    async def _send_output(self, chain: HopChain, message: Message, frame: bytes) -> bool:
+        """The RESULT to the entry (last hop) or the STEP to the next hop; False when it could not go."""
+        node = self.node
+        nxt = chain.next_hop
+        if nxt is None:
+            try:
+                await node.streams.send(chain.opened.entry_endpoint, pack(
+                    Kind.RESULT, chain.chain_id, position=message.position, body=frame))
+            except MeshnetError as exc:  # the entry is gone or unreachable: nobody waits for this chain
+                log.warning("could not return chain %s's result to its entry: %s", chain.chain_id, exc.message)
+                return False
+            return True
+        return await self._push(chain, nxt, pack(Kind.STEP, chain.chain_id, position=message.position,
+                                                 hop_index=chain.index + 1, flags=message.flags, body=frame))
+
+    async def _push(self, chain: HopChain, nxt: Hop, data: bytes) -> bool:
+        """Send ``data`` to the next hop; when it cannot be reached tell the entry, naming it."""
+        try:
+            await self.node.streams.send(nxt.endpoint, data)
+            return True
+        except MeshnetError as exc:
+            exc.message = f"{self.node.settings.node_id} could not reach its next hop: {exc.message}"
+            await self._report(chain.opened.entry_endpoint, chain.chain_id, 0, nxt.node_id, exc)
+            return False
+
+    async def _report(self, entry_endpoint: str, chain_id: str, position: int, node_id: str,
+                      exc: MeshnetError) -> None:
+        """Send the entry one ERROR naming ``node_id`` (best effort: the entry's deadline covers a loss)."""
+        body = ChainError(node_id=node_id, code=exc.code, message=exc.message, status=exc.status).to_body()
+        try:
+            await self.node.streams.send(entry_endpoint, pack(Kind.ERROR, chain_id, position=position, body=body))
+        except MeshnetError as send_exc:
+            log.warning("could not tell the entry of chain %s about %s: %s", chain_id, exc.message, send_exc.message)
+
+    def _report_soon(self, entry_endpoint: str, chain_id: str, position: int, node_id: str,
+                     exc: MeshnetError) -> None:
+        task = asyncio.get_running_loop().create_task(self._report(entry_endpoint, chain_id, position, node_id, exc))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+
+
+_background: set[asyncio.Task] = set()
+
+
+def _settle(future: asyncio.Future) -> None:
+    """Cancel a pending decode, or mark a finished one's outcome (an error included) as seen."""
+    if not future.done():
+        future.cancel()
+    elif not future.cancelled():
+        future.exception()
+
+
+async def stream_endpoint(websocket: WebSocket) -> None:
+    """``/v1/stream``: accept a peer's hop stream and dispatch every binary message it sends."""
+    node = websocket.app.state.node
+    await websocket.accept()
+    try:
+        while True:
+            data = await websocket.receive_bytes()
+            node.metrics.observe_stream("in", len(data))
+            await node.chains.dispatch(data)
+    except (WebSocketDisconnect, RuntimeError, KeyError):
+        return  # the peer closed, or sent text (receive_bytes refuses it): the stream ends

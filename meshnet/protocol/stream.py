@@ -1,0 +1,187 @@
+"""Hop stream messages: what travels on the WebSocket streams between nodes (ADR-0040).
+
+Every message is one binary WebSocket message: a fixed 24-byte header, then a body::
+
+    offset size  field
+    0      1     kind (1 OPEN, 2 STEP, 3 RESULT, 4 ERROR)
+    1      1     version (1)
+    2      1     hop index: the receiver's place in the route (OPEN, STEP); 0 otherwise
+    3      1     flags (bit 0 LAST_ONLY: the last hop returns only the last position;
+                         bit 1 NO_RESULT: it returns nothing, e.g. a failover's replay chunks)
+    4      16    chain id: the session id of this chain on every hop, as 16 raw bytes (a uuid)
+    20     4     position, uint32 little-endian (the first token's place in the session)
+
+The body of STEP and RESULT is one activation frame (ADR-0001) passed on as it is; the body
+of OPEN is :class:`ChainOpen` and that of ERROR :class:`ChainError`, both JSON. A decode step
+thus costs 24 bytes plus the frame (a 20-byte frame header and the hidden state) on each hop.
+
+Torch-free and service-free: the entry and every hop parse and build messages here.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import uuid
+from dataclasses import dataclass
+
+from pydantic import Field, ValidationError
+
+from meshnet.errors import InvalidRequest
+from meshnet.protocol.control import Payload
+from meshnet.protocol.route import HopJSON
+
+__all__ = ["FLAG_LAST_ONLY", "FLAG_NO_RESULT", "HEADER_BYTES", "ChainError", "ChainOpen", "Kind", "Message",
+           "STREAM_PATH", "new_chain_id", "pack", "stream_url", "unpack"]
+
+#: the node route that accepts hop streams; appended to a hop's endpoint (which may carry a path prefix)
+STREAM_PATH = "/v1/stream"
+VERSION = 1
+#: the last hop sends back only the last position ``[1, 1, hidden]`` (prefill chunks, decode)
+FLAG_LAST_ONLY = 1
+#: the last hop sends nothing back (a failover's replay chunks: only the KV caches matter)
+FLAG_NO_RESULT = 2
+_HEADER = struct.Struct("<BBBB16sI")
+HEADER_BYTES = _HEADER.size  # 24
+
+
+class Kind(enum.IntEnum):
+    """What a message does."""
+
+    OPEN = 1    #: entry → hop 1 → … → last hop: the route, tickets and return address of a chain
+    STEP = 2    #: hop k → hop k+1: the activations of one prefill chunk or decode step
+    RESULT = 3  #: last hop → entry: the chain's output for one step
+    ERROR = 4   #: any hop → entry: a step (or the chain) failed, naming the hop at fault
+
+
+@dataclass(frozen=True)
+class Message:
+    """One stream message. ``chain_id`` is a 32-character hex session id; ``body`` the raw body."""
+
+    kind: Kind
+    chain_id: str
+    position: int = 0
+    hop_index: int = 0
+    flags: int = 0
+    body: bytes = b""
+
+    @property
+    def last_only(self) -> bool:
+        return bool(self.flags & FLAG_LAST_ONLY)
+
+    @property
+    def no_result(self) -> bool:
+        return bool(self.flags & FLAG_NO_RESULT)
+
+
+def stream_url(endpoint: str) -> str:
+    """The hop-stream URL of a node at ``endpoint``: ``http`` becomes ``ws``, ``https`` ``wss``, and
+    :data:`STREAM_PATH` is appended to whatever path the endpoint has (a relay's prefix stays).
+
+    Raises:
+        InvalidRequest: the endpoint is not an http(s) URL.
+    """
+    base = endpoint.rstrip("/")
+    for scheme, ws in (("http://", "ws://"), ("https://", "wss://")):
+        if base[:len(scheme)].lower() == scheme:
+            return ws + base[len(scheme):] + STREAM_PATH
+    raise InvalidRequest(f"hop endpoint {endpoint!r} is not an http:// or https:// URL", code="invalid_field")
+
+
+def new_chain_id() -> str:
+    """A fresh chain id (32 lowercase hex characters: a uuid4)."""
+    return uuid.uuid4().hex
+
+
+def pack(kind: Kind, chain_id: str, *, position: int = 0, hop_index: int = 0, flags: int = 0,
+         body: bytes = b"") -> bytes:
+    """One message's bytes (header + ``body``).
+
+    Raises:
+        InvalidRequest: ``chain_id`` is not 32 hex characters, or a field is out of its range
+            (``hop_index`` and ``flags`` 0..255, ``position`` 0..2**32-1).
+    """
+    try:
+        raw_id = uuid.UUID(hex=chain_id).bytes
+    except (ValueError, TypeError, AttributeError):
+        raise InvalidRequest(f"chain id must be 32 hex characters, got {chain_id!r}", code="invalid_field") from None
+    try:
+        return _HEADER.pack(int(kind), VERSION, hop_index, flags, raw_id, position) + body
+    except struct.error as exc:
+        raise InvalidRequest(f"stream message field out of range: {exc}", code="invalid_field") from None
+
+
+def unpack(data: bytes) -> Message:
+    """Parse one message (the body is a view-free copy of the bytes after the header).
+
+    Raises:
+        InvalidRequest: shorter than the header, an unknown kind or version.
+    """
+    if len(data) < HEADER_BYTES:
+        raise InvalidRequest(f"stream message of {len(data)} bytes is shorter than its {HEADER_BYTES}-byte header",
+                             code="invalid_stream_message")
+    kind, version, hop_index, flags, raw_id, position = _HEADER.unpack_from(data)
+    if version != VERSION:
+        raise InvalidRequest(f"unsupported stream message version {version}", code="invalid_stream_message")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise InvalidRequest(f"unknown stream message kind {kind}", code="invalid_stream_message") from None
+    return Message(kind, uuid.UUID(bytes=raw_id).hex, position, hop_index, flags, bytes(data[HEADER_BYTES:]))
+
+
+class ChainOpen(Payload):
+    """Body of OPEN: everything a hop needs to serve its part of a chain.
+
+    ``hops`` are the remote hops in order (inclusive layers, ADR-0002); ``tickets[i]`` is the
+    session ticket naming ``hops[i]`` (ADR-0038; None on a mesh without tickets); ``entry`` and
+    ``entry_endpoint`` are where the last hop sends results and any hop sends errors.
+    """
+
+    model: str | None = None
+    entry: str = Field(min_length=1)
+    entry_endpoint: str = Field(min_length=1)
+    hops: list[HopJSON] = Field(min_length=1, max_length=64)
+    tickets: list[str | None]
+
+    def to_body(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_body(cls, body: bytes) -> "ChainOpen":
+        """Raises: InvalidRequest naming the field (bad JSON, missing field, tickets not one per hop)."""
+        try:
+            opened = cls.model_validate_json(body)
+        except ValidationError as exc:
+            raise InvalidRequest(f"bad chain OPEN: {_first_error(exc)}", code="invalid_stream_message") from None
+        if len(opened.tickets) != len(opened.hops):
+            raise InvalidRequest(f"chain OPEN has {len(opened.tickets)} tickets for {len(opened.hops)} hops",
+                                 code="invalid_stream_message")
+        return opened
+
+
+class ChainError(Payload):
+    """Body of ERROR: ``node_id`` is the hop at fault (the sender itself, or the next hop it could
+    not reach), ``code`` the error code (``hop_unreachable``, ``session_conflict``, ...)."""
+
+    node_id: str
+    code: str
+    message: str
+    status: int = 502
+
+    def to_body(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_body(cls, body: bytes) -> "ChainError":
+        """Raises: InvalidRequest naming the field."""
+        try:
+            return cls.model_validate_json(body)
+        except ValidationError as exc:
+            raise InvalidRequest(f"bad chain ERROR: {_first_error(exc)}", code="invalid_stream_message") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ())) or "body"
+    return f"{where}: {err.get('msg')}"

@@ -1,0 +1,242 @@
+"""Chains of hop streams between real node apps (ADR-0040), tiny seeded model, float32.
+
+Each node app runs under uvicorn in this test's event loop on a free 127.0.0.1 port (streams
+are WebSockets, which need real sockets): the entry holds layers [0, 2), ``b`` [2, 3), ``c``
+and ``c2`` [3, 4). The orchestrator drives the entry node's own runtime and stream pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from meshnet.endpoints import free_port
+from meshnet.errors import NotFound
+from meshnet.gateway.hops import settle_releases
+from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
+from meshnet.layers import LayerRange
+from meshnet.node.app import build_app
+from meshnet.node.entry import LocalEntry
+from meshnet.node.runtime import NodeRuntime
+from meshnet.node.settings import NodeSettings
+from meshnet.protocol.openai import SamplingParams
+from meshnet.protocol.route import Hop, Route
+
+MODEL = "tiny-llama"
+PROMPT = list(range(3, 40))
+SHARDS = {"entry": (0, 2), "b": (2, 3), "c": (3, 4), "c2": (3, 4)}
+
+
+@contextlib.asynccontextmanager
+async def serving(app, port: int):
+    """``app`` under uvicorn on 127.0.0.1:``port`` in this loop until the block ends (start bounded to 10 s)."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    try:
+        for _ in range(1000):
+            if server.started or task.done():
+                break
+            await asyncio.sleep(0.01)
+        assert server.started, "uvicorn did not start within 10 s"
+        yield
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, timeout=10)
+
+
+@pytest.fixture
+async def nodes(tiny_model_path):
+    """``{name: (endpoint, node context)}`` of four running node apps."""
+    path = tiny_model_path(MODEL)
+    async with contextlib.AsyncExitStack() as stack:
+        out = {}
+        for name, (a, b) in SHARDS.items():
+            rt = NodeRuntime(compute_dtype="float32")
+            rt.load(MODEL, path, LayerRange(a, b))
+            port = free_port()
+            app = build_app(NodeSettings(node_id=name, port=port, wire_dtype="float32"), runtime=rt)
+            await stack.enter_async_context(serving(app, port))
+            out[name] = (f"http://127.0.0.1:{port}", app.state.node)
+        yield out
+
+
+#: layers of every name a route may use: the running nodes plus ghosts at ports nobody listens on
+LAYERS = {**SHARDS, "b0": (2, 3), "ghost": (3, 4)}
+
+
+def routes_over(nodes, *chains: list[str], calls: list | None = None):
+    """Route provider: the first chain of node names with none excluded (a ghost's endpoint is a
+    free port: nothing listens there)."""
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    async def routes(model, layers, exclude, session_id):
+        if calls is not None:
+            calls.append(set(exclude))
+        for names in chains:
+            if not set(names) & exclude:
+                return Route([Hop(n, nodes[n][0] if n in nodes else dead, LayerRange(*LAYERS[n])) for n in names])
+        raise NotFound(f"no route over layers {layers}", code="model_loading")
+    return routes
+
+
+def orchestrator(nodes, routes, reported: list | None = None, chain: bool = True,
+                 client: httpx.AsyncClient | None = None) -> Orchestrator:
+    endpoint, node = nodes["entry"]
+
+    async def report(node_id, reason):
+        if reported is not None:
+            reported.append(node_id)
+
+    slot = next(iter(node.runtime.slots.values()))
+    return Orchestrator(LocalEntry(node.runtime, slot, wire_dtype="float32"), node_id="entry", endpoint=endpoint,
+                        client=client or node.http, routes=routes, report=report,
+                        settings=OrchestratorSettings(chunk_tokens=8, chain=chain),
+                        streams=node.streams, inbox=node.inbox)
+
+
+async def generate(orch, max_tokens: int = 6) -> tuple[list[int], GenerationStats]:
+    stats = GenerationStats()
+    tokens = [t async for t in orch.generate(PROMPT, SamplingParams(max_tokens=max_tokens), stats)]
+    return tokens, stats
+
+
+def monolithic(tiny_hf_model, max_tokens: int = 6) -> list[int]:
+    model = tiny_hf_model(MODEL)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(PROMPT):].tolist()
+
+
+async def sessions_left(nodes, names) -> dict[str, int]:
+    await settle_releases(5.0)
+    return {n: len(nodes[n][1].runtime.sessions) + len(nodes[n][1].chains) for n in names}
+
+
+async def test_a_chain_of_hop_streams_gives_the_monolithic_greedy_tokens_and_reuses_its_connections(
+        nodes, tiny_hf_model):
+    orch = orchestrator(nodes, routes_over(nodes, ["b", "c"]))
+    got, stats = await generate(orch)
+    assert got == monolithic(tiny_hf_model)
+    assert [h.node_id for h in stats.route] == ["entry", "b", "c"] and stats.failovers == 0
+    pools = {n: nodes[n][1].streams.opened for n in ("entry", "b", "c")}
+    assert pools == {"entry": 1, "b": 1, "c": 1}  # entry → b, b → c, c → entry (the direct return)
+    again, _ = await generate(orch)
+    assert again == got
+    assert {n: nodes[n][1].streams.opened for n in ("entry", "b", "c")} == pools  # the second session reused them
+    assert await sessions_left(nodes, ["entry", "b", "c"]) == {"entry": 0, "b": 0, "c": 0}
+    assert len(nodes["entry"][1].inbox) == 0
+
+
+async def test_the_chain_equals_the_http_fallback(nodes):
+    routes = routes_over(nodes, ["b", "c"])
+    chained, _ = await generate(orchestrator(nodes, routes), 8)
+    star, _ = await generate(orchestrator(nodes, routes, chain=False), 8)
+    assert chained == star and len(chained) == 8
+
+
+async def test_an_unreachable_first_hop_is_reported_and_the_chain_replaced(nodes, tiny_hf_model):
+    reported, calls = [], []
+    got, stats = await generate(orchestrator(nodes, routes_over(nodes, ["b0", "c"], ["b", "c"], calls=calls),
+                                             reported))
+    assert got == monolithic(tiny_hf_model)
+    assert reported == ["b0"] and calls == [set(), {"b0"}] and stats.failovers == 1
+    assert [h.node_id for h in stats.route] == ["entry", "b", "c"]
+
+
+async def test_a_hop_that_cannot_reach_its_next_hop_names_it_and_the_chain_goes_around_it(nodes, tiny_hf_model):
+    reported, calls = [], []
+    routes = routes_over(nodes, ["b", "ghost"], ["b", "c2"], calls=calls)
+    got, stats = await generate(orchestrator(nodes, routes, reported))
+    assert got == monolithic(tiny_hf_model)
+    assert reported == ["ghost"]  # b told the entry which hop it could not reach
+    assert calls == [set(), {"ghost"}]
+    assert [h.node_id for h in stats.route] == ["entry", "b", "c2"] and stats.failovers == 1
+    assert await sessions_left(nodes, ["b", "c2"]) == {"b": 0, "c2": 0}
+
+
+class SilentHealth(httpx.AsyncBaseTransport):
+    """The network, except that ``GET /v1/health`` of ``port`` never answers (a stopped process)."""
+
+    def __init__(self, port: int) -> None:
+        self.inner, self.port = httpx.AsyncHTTPTransport(), port
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.port == self.port and request.url.path == "/v1/health":
+            await asyncio.sleep(30)
+        return await self.inner.handle_async_request(request)
+
+
+async def test_a_frozen_last_hop_misses_the_deadline_and_the_session_moves(nodes, tiny_hf_model):
+    """``c`` stops computing at its fourth step and its health stops answering (as under SIGSTOP):
+    the entry's deadline passes, the probe gets no answer, the chain is rebuilt through ``c2``
+    with the history replayed as chunks; the tokens are unchanged."""
+    c = nodes["c"][1]
+    real_forward, steps, release = c.runtime.forward, [], asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def freezing(**kw):
+        steps.append(kw["position"])
+        if len(steps) > 3:
+            asyncio.run_coroutine_threadsafe(release.wait(), loop).result(timeout=30)
+        return real_forward(**kw)
+
+    c.runtime.forward = freezing
+    reported = []
+    port = int(nodes["c"][0].rsplit(":", 1)[1])
+    try:
+        async with httpx.AsyncClient(transport=SilentHealth(port)) as client:
+            orch = orchestrator(nodes, routes_over(nodes, ["b", "c"], ["b", "c2"]), reported, client=client)
+            t0 = time.perf_counter()
+            got, stats = await asyncio.wait_for(generate(orch, 8), timeout=60)
+            elapsed = time.perf_counter() - t0
+    finally:
+        release.set()
+        c.runtime.forward = real_forward
+    assert got == monolithic(tiny_hf_model, 8)
+    assert stats.deadline_misses == 1 and stats.failovers == 1 and reported == ["c"]
+    assert [h.node_id for h in stats.route] == ["entry", "b", "c2"]
+    assert elapsed < 10
+
+
+def ticketed(nodes, *chains: list[str], issuer, bad_for: str | None = None):
+    """Route provider with the tracker's tickets (``bad_for``: in the first route, the ticket names
+    that node for other layers, so it must refuse the chain)."""
+    from tests.payloads import public_key
+
+    async def routes(model, layers, exclude, session_id):
+        for names in chains:
+            if not set(names) & exclude:
+                hops = [Hop(n, nodes[n][0], LayerRange(*LAYERS[n])) for n in names]
+                named = [Hop(h.node_id, h.endpoint, LayerRange(0, 1)) if h.node_id == bad_for else h for h in hops]
+                ticket = issuer.issue(session=session_id, model=model, entry="entry", entry_key=public_key("entry"),
+                                      hops=named)
+                return Route(hops, ticket)
+        raise NotFound(f"no route over layers {layers}", code="model_loading")
+    return routes
+
+
+async def test_a_hop_checks_its_ticket_at_open_and_one_that_does_not_cover_it_is_routed_around(nodes, tiny_hf_model):
+    from meshnet.client import NodeSigner
+    from meshnet.tracker.tickets import TicketIssuer
+    from tests.payloads import node_key
+
+    tracker = node_key("tracker")
+    for name in ("b", "c", "c2"):
+        nodes[name][1].tracker_key = tracker.public_key()
+    reported = []
+    orch = orchestrator(nodes, ticketed(nodes, ["b", "c"], ["b", "c2"], issuer=TicketIssuer(tracker), bad_for="c"),
+                        reported)
+    orch.release_auth = NodeSigner("entry", node_key("entry"))
+    got, stats = await generate(orch)
+    assert got == monolithic(tiny_hf_model)
+    assert reported == ["c"] and stats.failovers == 1  # c answered 403 ticket_scope at OPEN
+    assert nodes["c"][1].runtime.tokens_processed == 0  # before any KV cache was touched
+    assert [h.node_id for h in stats.route] == ["entry", "b", "c2"]
+    assert await sessions_left(nodes, ["b", "c2"]) == {"b": 0, "c2": 0}  # releases signed by the entry
