@@ -36,6 +36,13 @@ bench: model
 	$(PY) bench/placement.py
 	$(PY) bench/failover.py
 	$(PY) bench/wire_exactness.py
+	$(PY) bench/chain.py
+	$(PY) bench/batching.py
+	$(PY) bench/heartbeats.py
+	$(PY) bench/spotcheck.py
+	$(PY) bench/relay.py
+	$(PY) bench/tracker_entry.py
+	$(PY) bench/traffic.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
