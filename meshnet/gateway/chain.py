@@ -28,7 +28,7 @@ from meshnet.errors import HopBusy, HopFailed, MeshnetError
 from meshnet.gateway.deadlines import DeadlinePolicy, StepTimes, deadline_s
 from meshnet.gateway.entry import Activation, ActivationCodec
 from meshnet.gateway.hops import ABANDONED_RELEASE_TIMEOUT_S, RELEASE_TIMEOUT_S, FailoverListener, FailureReporter, \
-    RouteProvider, release_soon
+    RouteProvider, hop_alive, release_soon
 from meshnet.gateway.replay import rechunk
 from meshnet.gateway.streams import StreamPool
 from meshnet.layers import LayerRange
@@ -275,18 +275,8 @@ class ChainRoute:
 
     async def _probe(self) -> list[Hop]:
         """The current chain's hops that do not answer ``GET /v1/health`` within the probe timeout."""
-        limit = self.deadlines.probe_timeout_s
-
-        async def alive(hop: Hop) -> bool:
-            try:
-                async with asyncio.timeout(limit):
-                    await self.client.get(f"{hop.endpoint}/v1/health", timeout=limit)
-                return True
-            except Exception:  # noqa: BLE001 - no answer in time, refused, reset: not alive
-                return False
-
         hops = list(self.hops)
-        answers = await asyncio.gather(*(alive(h) for h in hops))
+        answers = await asyncio.gather(*(hop_alive(self.client, h, self.deadlines.probe_timeout_s) for h in hops))
         return [h for h, ok in zip(hops, answers) if not ok]
 
     # ---- failover ---------------------------------------------------------------------

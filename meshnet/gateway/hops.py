@@ -193,6 +193,17 @@ def _settle(call: asyncio.Future) -> None:
         call.exception()
 
 
+async def hop_alive(client: httpx.AsyncClient, hop: Hop, limit_s: float) -> bool:
+    """Whether the hop's node answers ``GET /v1/health`` (any status) within ``limit_s`` seconds
+    (the liveness probe of a hop that missed its deadline, ADR-0036)."""
+    try:
+        async with asyncio.timeout(limit_s):
+            await client.get(f"{hop.endpoint}/v1/health", timeout=limit_s)
+        return True
+    except Exception:  # noqa: BLE001 - no answer in time, refused, reset: not alive
+        return False
+
+
 class RemoteRoute:
     """The remote part of one session's route, with deadlines and failover.
 
@@ -253,14 +264,7 @@ class RemoteRoute:
         return next(s for s in self.states if s.hop.layers.start == layer)
 
     async def _alive(self, hop: Hop) -> bool:
-        """Whether the hop's node answers ``GET /v1/health`` (any status) within the probe timeout."""
-        limit = self.deadlines.probe_timeout_s
-        try:
-            async with asyncio.timeout(limit):
-                await self.client.get(f"{hop.endpoint}/v1/health", timeout=limit)
-            return True
-        except Exception:  # noqa: BLE001 - no answer in time, refused, reset: not alive
-            return False
+        return await hop_alive(self.client, hop, self.deadlines.probe_timeout_s)
 
     async def _send(self, state: HopState, frame: bytes, position: int, seq_len: int,
                     last_only: bool, check: bool = False) -> tuple[bytes, Activation]:

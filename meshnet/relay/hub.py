@@ -54,6 +54,20 @@ RETRY_AFTER_S = 2
 Authorize = Callable[[str, Mapping[str, str], str, str], Awaitable[None]]
 
 
+async def until_one_ends(*coros: Awaitable[None]) -> None:
+    """Run the pumps ``coros`` (the two directions of a tunnelled WebSocket) until one returns or
+    raises, then cancel the others and wait for them (their errors are dropped: the channel ends)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+
 def relay_prefix(relay_url: str, node_id: str) -> str:
     """The endpoint a relayed node advertises: ``{relay_url}/v1/relay/{node_id}``."""
     return f"{relay_url.rstrip('/')}/v1/relay/{node_id}"
@@ -331,15 +345,9 @@ async def _pump_ws(ws: WebSocket, tunnel: Tunnel, channel: int, queue: asyncio.Q
                     await ws.close(code=int(info.get("code", 1011)), reason=str(info.get("reason", ""))[:120])
                 return
 
-    tasks = [asyncio.create_task(upstream()), asyncio.create_task(downstream())]
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        await until_one_ends(upstream(), downstream())
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
         tunnel.close_channel(channel)
 
 

@@ -26,7 +26,7 @@ from meshnet.errors import MeshnetError
 from meshnet.protocol.signing import sign_request
 from meshnet.relay.backoff import Backoff
 from meshnet.relay.frames import MAX_CHUNK_BYTES, MAX_FRAME_BYTES, Frame, Kind, decode_frame, encode_frame, json_frame
-from meshnet.relay.hub import TUNNEL_PATH, forwardable, relay_prefix
+from meshnet.relay.hub import TUNNEL_PATH, forwardable, relay_prefix, until_one_ends
 
 log = logging.getLogger(__name__)
 
@@ -255,12 +255,4 @@ async def _pump(inner: ClientConnection, queue: asyncio.Queue[Frame], send, chan
         await send(json_frame(Kind.CLOSE, channel, {"code": 1000 if code == 1005 else code,
                                                     "reason": inner.close_reason or ""}))
 
-    tasks = [asyncio.create_task(to_local()), asyncio.create_task(to_caller())]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
+    await until_one_ends(to_local(), to_caller())
