@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from meshnet.layers import LayerRange, check_inclusive_end
 
 
+#: the path under which a relay exposes the nodes it relays (ADR-0045)
+RELAY_PATH = "/v1/relay/"
+
+
 @dataclass(frozen=True)
 class Hop:
     """One step of a route: ``node_id`` at ``endpoint`` runs ``layers`` (half-open)."""
@@ -23,6 +27,12 @@ class Hop:
     node_id: str
     endpoint: str
     layers: LayerRange
+
+    @property
+    def relayed(self) -> bool:
+        """Whether the hop is reached through a relay's tunnel (its endpoint is
+        ``{relay}`` + :data:`RELAY_PATH` + ``{node_id}``, ADR-0045)."""
+        return RELAY_PATH in self.endpoint
 
     def to_json(self) -> dict:
         """The public JSON form: ``{node_id, endpoint, start_layer, end_layer}`` (inclusive)."""

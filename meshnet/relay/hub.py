@@ -30,6 +30,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound, PayloadTooLarge, Unavailable
 from meshnet.protocol.http import error_response
+from meshnet.protocol.route import RELAY_PATH
 from meshnet.relay.frames import MAX_CHUNK_BYTES, Frame, Kind, decode_frame, encode_frame, json_frame
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ async def until_one_ends(*coros: Awaitable[None]) -> None:
 
 def relay_prefix(relay_url: str, node_id: str) -> str:
     """The endpoint a relayed node advertises: ``{relay_url}/v1/relay/{node_id}``."""
-    return f"{relay_url.rstrip('/')}/v1/relay/{node_id}"
+    return f"{relay_url.rstrip('/')}{RELAY_PATH}{node_id}"
 
 
 def forwardable(headers: Mapping[str, str] | list[tuple[str, str]]) -> list[list[str]]:

@@ -20,7 +20,8 @@ from tests.integration.mesh import Mesh
 
 pytestmark = pytest.mark.slow
 STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
-FLOAT32 = ("--dtype", "float32", "--wire-dtype", "float32")
+#: float32 compute and wire; no spot-checks (a checked session runs hop by hop over HTTP, ADR-0042)
+FLOAT32 = ("--dtype", "float32", "--wire-dtype", "float32", "--spot-check-rate", "0")
 HIDDEN = 576
 
 
@@ -29,13 +30,16 @@ def start_middle(mesh: Mesh, name: str) -> None:
 
 
 def middles_up(mesh: Mesh) -> None:
-    """Wait until the tracker routes layers 10-29 without any one of the running middles: whichever
-    holds the session, another can take it over (counted in coverage is not enough: admission may lag)."""
+    """Wait until the tracker routes layers 10-29 through each running middle alone (every other
+    middle it knows excluded, a dead one it has not dropped yet included): whichever holds the
+    session, another can take it over (counted in coverage is not enough: admission may lag)."""
     names = [n for n in mesh.procs if n.startswith("mid-")]
 
     def each_replaceable() -> bool:
+        known = {n["node_id"] for n in mesh.get("/v1/nodes")["nodes"] if n["node_id"].startswith("mid-")}
         return all(httpx.get(f"{mesh.url}/v1/route", timeout=5, params={
-            "model": REAL, "start_layer": 10, "end_layer": 29, "exclude": name}).status_code == 200 for name in names)
+            "model": REAL, "start_layer": 10, "end_layer": 29,
+            "exclude": ",".join(sorted(known - {name}))}).status_code == 200 for name in names)
 
     mesh.wait(each_replaceable, 240, f"a route without each of {names}", interval_s=0.5)
 
@@ -50,6 +54,7 @@ def mesh(real_model_path, tmp_path_factory):
         for name in ("mid-a", "mid-b"):
             start_middle(m, name)
         middles_up(m)
+        m.wait_routable(REAL, 240)  # the entry's shard admitted too
         yield m
     finally:
         m.stop()

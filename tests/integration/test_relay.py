@@ -86,15 +86,18 @@ def chat_until_served(mesh: Mesh, timeout_s: float) -> tuple[dict, float]:
                          + "\n" + mesh.tail("tracker", 30))
 
 
-def direct_tokens(mesh: Mesh) -> list[int]:
+def direct_tokens(mesh: Mesh, host: str = "127.0.0.1") -> list[int]:
     """The answer through a directly reachable middle node (``node-1d``), which then stops: the
-    relayed ``node-1`` started next is the only holder of layers 10-19."""
-    mesh.start_node("node-0", *shard_args("node-0"))
-    mesh.start_node("node-2", *shard_args("node-2"))
-    mesh.start_node("node-1d", *shard_args("node-1"))
+    relayed ``node-1`` started next is the only holder of layers 10-19. The nodes listen on
+    ``host``: a relayed node pushes its chain steps to the next hop and the entry itself (ADR-0040),
+    so they must be reachable from where it runs, as public nodes are."""
+    listen = ["--host", host]
+    mesh.start_node("node-0", *shard_args("node-0"), *listen)
+    mesh.start_node("node-2", *shard_args("node-2"), *listen)
+    mesh.start_node("node-1d", *shard_args("node-1"), *listen)
     wait_middle(mesh, "node-1d", 240)
     data = chat(mesh)
-    assert middle(data)["endpoint"].startswith("http://127.0.0.1:") and "/v1/relay/" not in middle(data)["endpoint"]
+    assert middle(data)["endpoint"].startswith(f"http://{host}:") and "/v1/relay/" not in middle(data)["endpoint"]
     assert [h["endpoint"].count("/v1/relay/") for h in data["meshnet"]["route"]] == [0, 0, 0]
     mesh.kill("node-1d")
     return data["meshnet"]["completion_token_ids"]
@@ -171,7 +174,7 @@ def test_unreachable_node_in_a_namespace_serves_through_the_relay_and_heals(real
     mesh.url = f"http://{netns.outer_ip}:{mesh.port}"  # beyond loopback: tokens required (ADR-0035)
     try:
         mesh.start_tracker(REAL, extra=["--host", netns.outer_ip])
-        direct = direct_tokens(mesh)
+        direct = direct_tokens(mesh, netns.outer_ip)
         # listens on the namespace's loopback only: the address it advertises takes no connection
         port = free_port()
         mesh.start_node("node-1", *shard_args("node-1"), "--host", "127.0.0.1", "--port", str(port),
