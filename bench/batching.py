@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import json
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.pipeline import timed_stream  # noqa: E402
 from meshnet.localmesh import LocalMesh  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -143,22 +143,9 @@ def parity(path: Path, threads: int, runs: int, steps: int, context: int) -> lis
 # ---- aggregate decode over the mesh ------------------------------------------------------
 
 
-def timed_stream(url: str, topic: str, max_tokens: int) -> dict:
-    """One greedy streamed chat: perf_counter time of every content chunk and the token count."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Write a long story about {topic}."}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    times, usage = [], {}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
-                times.append(time.perf_counter())
-    return {"times": times, "tokens": usage.get("completion_tokens", len(times))}
+def story_stream(url: str, topic: str, max_tokens: int) -> dict:
+    """One greedy streamed chat about ``topic`` (:func:`bench.pipeline.timed_stream`: chunk times, tokens)."""
+    return timed_stream(url, [{"role": "user", "content": f"Write a long story about {topic}."}], max_tokens)
 
 
 def aggregate_rate(streams: list[dict]) -> tuple[float, int]:
@@ -179,13 +166,13 @@ def mesh_rates(dtype: str, threads: int, runs: int, max_tokens: int, sessions: i
                             "--dtype", dtype, "--wire-dtype", dtype, "--batch-window-ms", str(window_ms),
                             threads=threads)
         mesh.wait_routable(MODEL, 300)
-        timed_stream(mesh.url, "warm-up", 4)
+        story_stream(mesh.url, "warm-up", 4)
         for _ in range(runs):
-            rate, tokens = aggregate_rate([timed_stream(mesh.url, TOPICS[0], max_tokens)])
+            rate, tokens = aggregate_rate([story_stream(mesh.url, TOPICS[0], max_tokens)])
             out["one"].append(rate)
             out["one_tokens"].append(tokens)
             with cf.ThreadPoolExecutor(sessions) as pool:
-                streams = list(pool.map(lambda t: timed_stream(mesh.url, t, max_tokens), TOPICS[:sessions]))
+                streams = list(pool.map(lambda t: story_stream(mesh.url, t, max_tokens), TOPICS[:sessions]))
             rate, tokens = aggregate_rate(streams)
             out["many"].append(rate)
             out["many_tokens"].append(tokens)

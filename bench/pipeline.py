@@ -66,8 +66,9 @@ def chat(url: str, messages, max_tokens: int, **extra) -> dict:
 def timed_stream(url: str, messages, max_tokens: int, **extra) -> dict:
     """One streamed chat, timed from the client.
 
-    Returns ``{"ttft_s", "decode_tokens_per_s", "tokens"}``: request sent → first content chunk,
-    and (completion tokens - 1) / (last content chunk - first content chunk).
+    Returns ``{"ttft_s", "decode_tokens_per_s", "tokens", "times"}``: request sent → first content
+    chunk, (completion tokens - 1) / (last content chunk - first content chunk), and the
+    ``perf_counter`` time of every content chunk.
     """
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             **extra}
@@ -86,7 +87,7 @@ def timed_stream(url: str, messages, max_tokens: int, **extra) -> dict:
     tokens = usage.get("completion_tokens", len(times))
     span = times[-1] - times[0] if len(times) > 1 else 0.0
     return {"ttft_s": times[0] - t0 if times else float("nan"), "tokens": tokens,
-            "decode_tokens_per_s": (tokens - 1) / span if span > 0 else float("nan")}
+            "decode_tokens_per_s": (tokens - 1) / span if span > 0 else float("nan"), "times": times}
 
 
 class TokenClock:

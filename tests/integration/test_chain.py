@@ -156,7 +156,7 @@ def test_freezing_the_middle_node_costs_under_two_seconds_and_keeps_the_tokens(m
         print(f"SIGSTOP of {stopped[0]}: longest gap between tokens after it {stall_s:.2f} s, "
               f"deadline misses {meta['deadline_misses']}, failovers {meta['failovers']}")
         assert got == expected
-        assert meta["failovers"] >= 1 and meta["deadline_misses"] >= 1
+        assert (meta["failovers"], meta["deadline_misses"]) == (1, 1)  # one frozen hop: one chain replaced
         assert stopped[0] not in [h["node_id"] for h in meta["route"]]
         assert stall_s < 2.0
         mesh.signal(stopped[0], signal.SIGCONT)  # its release waited in the socket: the session goes at once
@@ -188,5 +188,5 @@ def test_killing_the_middle_node_keeps_the_tokens(mesh):
     stall_s = max(b - a for a, b in zip(times[9:], times[10:]))
     print(f"SIGKILL of {killed[0]}: longest gap between tokens after it {stall_s:.2f} s")
     assert got == expected
-    assert meta["failovers"] >= 1
+    assert meta["failovers"] == 1  # one killed hop: one chain replaced
     assert killed[0] not in [h["node_id"] for h in meta["route"]]
