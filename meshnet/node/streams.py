@@ -26,6 +26,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -56,8 +57,10 @@ class HopChain:
     worker: asyncio.Task | None = None
     sender: asyncio.Task | None = None
 
-    @property
+    @cached_property
     def next_hop(self) -> Hop | None:
+        """The hop this one pushes to (None: the last, which returns to the entry); parsed once
+        from the OPEN, not on every step."""
         hops = self.opened.hops
         return Hop.from_json(hops[self.index + 1]) if self.index + 1 < len(hops) else None
 
