@@ -84,7 +84,10 @@ class LocalEntry:
         tensor = torch.tensor([ids], dtype=torch.long)
         layers = LayerRange(0, self.local_end)
         t0 = time.perf_counter()
-        out = await asyncio.to_thread(self.runtime.run_entry, self.slot, session_id, tensor, position, layers)
+        args = (self.slot, session_id, tensor, position, layers)
+        out = self.runtime.run_entry_now(*args)  # a lone decode step: no thread hand-off (ADR-0041)
+        if out is None:
+            out = await asyncio.to_thread(self.runtime.run_entry, *args)
         if self.metrics is not None:
             self.metrics.observe_forward(len(ids), time.perf_counter() - t0, position)
         return out
@@ -95,8 +98,13 @@ class LocalEntry:
 
     async def choose(self, hidden: Activation, chooser: TokenPicker) -> tuple[int, TokenLogprob | None]:
         """LM head on the last position and the token choice, in one worker-thread call."""
+        generation, last = f"head-{id(chooser):x}", hidden[:, -1:]
+        logits = self.runtime.logits_now(self.slot, generation, last)  # alone: no thread hand-off
+        if logits is not None:
+            return chooser.pick(logits[0, -1])
+
         def run():  # the LM head batches with other generations' (ADR-0041); the choice is per generation
-            return chooser.pick(self.runtime.logits(self.slot, f"head-{id(chooser):x}", hidden[:, -1:])[0, -1])
+            return chooser.pick(self.runtime.logits(self.slot, generation, last)[0, -1])
         return await asyncio.to_thread(run)
 
     def release(self, session_id: str) -> None:

@@ -221,19 +221,58 @@ class NodeRuntime:
             NotFound, SessionConflict, SessionCacheFull, InvalidRequest; MeshnetError
             ``forward_failed`` (the session was dropped).
         """
+        return self.batcher.submit(self._hidden_step(model, session_id, layers, position, hidden))
+
+    def forward_now(self, *, model: str | None, session_id: str, layers: LayerRange, position: int,
+                    hidden: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`forward` on the calling thread (an event loop's), when it can run at once and
+        alone: a decode step, the compute lock free, no batch running or queued and no other
+        session expected to join (:meth:`StepBatcher.try_now`). None when it cannot: the caller
+        runs :meth:`forward` in a worker thread. Same results and errors as :meth:`forward`;
+        blocks for one decode step's compute at most, never for another caller's."""
+        return self._now(self._hidden_step(model, session_id, layers, position, hidden))
+
+    def _hidden_step(self, model: str | None, session_id: str, layers: LayerRange, position: int,
+                     hidden: torch.Tensor) -> Step:
         slot = self.find_slot(model, layers)
         size = slot.shard.config.hidden_size
         if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] < 1 or hidden.shape[-1] != size:
             raise InvalidRequest(f"activation shape {list(hidden.shape)} does not match [1, seq >= 1, {size}]")
-        return self.batcher.submit(Step(session_id, (slot.key, layers, HIDDEN), hidden.shape[1],
-                                        _Work(slot, layers, position, hidden)))
+        return Step(session_id, (slot.key, layers, HIDDEN), hidden.shape[1], _Work(slot, layers, position, hidden))
+
+    def _now(self, step: Step) -> torch.Tensor | None:
+        """Run ``step`` on the calling thread if it can run at once and alone (see :meth:`forward_now`)."""
+        if step.tokens != 1 or not self.lock.acquire(blocking=False):
+            return None
+        try:
+            ran = self.batcher.try_now(step, self._run_locked)
+        finally:
+            self.lock.release()
+        if not ran:
+            return None
+        if step.error is not None:
+            raise step.error
+        if step.work.kind != HEAD and self.on_batch is not None:
+            self.on_batch(1)
+        return step.result
 
     def run_entry(self, slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
                   layers: LayerRange) -> torch.Tensor:
         """Embed ``input_ids`` ``[1, seq]`` and run this node's entry ``layers`` (thread-safe,
         batched like :meth:`forward`)."""
-        return self.batcher.submit(Step(session_id, (slot.key, layers, TOKENS), input_ids.shape[1],
-                                        _Work(slot, layers, position, input_ids, TOKENS)))
+        return self.batcher.submit(self._entry_step(slot, session_id, input_ids, position, layers))
+
+    def run_entry_now(self, slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
+                      layers: LayerRange) -> torch.Tensor | None:
+        """:meth:`run_entry` on the calling thread when it can run at once and alone (see
+        :meth:`forward_now`); None when the caller must run :meth:`run_entry` in a worker thread."""
+        return self._now(self._entry_step(slot, session_id, input_ids, position, layers))
+
+    @staticmethod
+    def _entry_step(slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
+                    layers: LayerRange) -> Step:
+        return Step(session_id, (slot.key, layers, TOKENS), input_ids.shape[1],
+                    _Work(slot, layers, position, input_ids, TOKENS))
 
     def logits(self, slot: ShardSlot, generation: str, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head of entry ``slot`` on the last hidden state ``hidden`` ``[1, 1,
@@ -244,15 +283,32 @@ class NodeRuntime:
         Raises:
             InvalidRequest: ``slot`` holds no LM head, or ``hidden`` is not one position.
         """
+        return self.batcher.submit(self._head_step(slot, generation, hidden))
+
+    def logits_now(self, slot: ShardSlot, generation: str, hidden: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`logits` on the calling thread when it can run at once and alone (see
+        :meth:`forward_now`); None when the caller must run :meth:`logits` in a worker thread."""
+        return self._now(self._head_step(slot, generation, hidden))
+
+    @staticmethod
+    def _head_step(slot: ShardSlot, generation: str, hidden: torch.Tensor) -> Step:
         if slot.shard.lm_head is None:
             raise InvalidRequest(f"{slot.key} holds no LM head (not an entry shard)")
         if hidden.dim() != 3 or hidden.shape[:2] != (1, 1):
             raise InvalidRequest(f"the LM head takes one position [1, 1, hidden], got {list(hidden.shape)}")
-        return self.batcher.submit(Step(generation, (slot.key, HEAD), 1,
-                                        _Work(slot, slot.layers, 0, hidden.to(slot.shard.dtype), HEAD)))
+        return Step(generation, (slot.key, HEAD), 1, _Work(slot, slot.layers, 0, hidden.to(slot.shard.dtype), HEAD))
 
     def _run_batch(self, steps: list[Step]) -> None:
-        """Admit, run and commit one batch of steps of one group, under the compute lock.
+        """Run one batch of steps of one group under the compute lock (:meth:`_run_locked`), then
+        tell ``on_batch`` its size (forwards through layers only)."""
+        with self.lock:
+            size = self._run_locked(steps)
+        if size and self.on_batch is not None:
+            self.on_batch(size)
+
+    def _run_locked(self, steps: list[Step]) -> int:
+        """Admit, run and commit one batch of steps of one group; the caller holds the compute lock.
+        Returns how many steps ran through layers (0 for LM-head steps and refused batches).
 
         A step whose session is refused (:meth:`SessionStore.acquire`) fails alone; the others
         run. An unexpected compute error drops every session of the batch (their caches may be
@@ -260,53 +316,50 @@ class NodeRuntime:
         """
         if steps[0].work.kind == HEAD:
             self._run_heads(steps)
-            return
-        with self.lock:
-            admitted: list[tuple[Step, Session]] = []
-            for step in steps:
-                try:
-                    admitted.append((step, self.sessions.acquire(step.session_id, step.work.slot.key,
-                                                                 step.work.position)))
-                except MeshnetError as exc:
-                    step.fail(exc)
-            if not admitted:
-                return
+            return 0
+        admitted: list[tuple[Step, Session]] = []
+        for step in steps:
             try:
-                outs = _compute([step.work for step, _ in admitted], [session for _, session in admitted])
+                admitted.append((step, self.sessions.acquire(step.session_id, step.work.slot.key,
+                                                             step.work.position)))
             except MeshnetError as exc:
-                for step, _ in admitted:
-                    step.fail(exc)
-                return
-            except Exception as exc:
-                key = admitted[0][0].work.slot.key
-                log.exception("forward failed on %s (batch of %d)", key, len(admitted))
-                for step, _ in admitted:
-                    self.sessions.release(step.session_id)
-                    step.fail(MeshnetError(f"forward failed on {key}: {type(exc).__name__}: {exc}",
-                                           code="forward_failed",
-                                           hint="the session was dropped; replay it from position 0"))
-                return
-            for (step, session), out in zip(admitted, outs):
-                self.sessions.commit(session, step.tokens)
-                self.tokens_processed += step.tokens
-                step.finish(out)
-            self.batch_sizes.append((time.monotonic(), len(admitted)))
-        if self.on_batch is not None:
-            self.on_batch(len(admitted))
+                step.fail(exc)
+        if not admitted:
+            return 0
+        try:
+            outs = _compute([step.work for step, _ in admitted], [session for _, session in admitted])
+        except MeshnetError as exc:
+            for step, _ in admitted:
+                step.fail(exc)
+            return 0
+        except Exception as exc:
+            key = admitted[0][0].work.slot.key
+            log.exception("forward failed on %s (batch of %d)", key, len(admitted))
+            for step, _ in admitted:
+                self.sessions.release(step.session_id)
+                step.fail(MeshnetError(f"forward failed on {key}: {type(exc).__name__}: {exc}",
+                                       code="forward_failed",
+                                       hint="the session was dropped; replay it from position 0"))
+            return 0
+        for (step, session), out in zip(admitted, outs):
+            self.sessions.commit(session, step.tokens)
+            self.tokens_processed += step.tokens
+            step.finish(out)
+        self.batch_sizes.append((time.monotonic(), len(admitted)))
+        return len(admitted)
 
     def _run_heads(self, steps: list[Step]) -> None:
-        """LM-head steps: one matmul for all, under the compute lock, no session touched (not counted
-        in :attr:`batch_sizes`, which counts forwards through layers)."""
-        with self.lock:
-            try:
-                outs = _compute([step.work for step in steps], [])
-            except Exception as exc:
-                key = steps[0].work.slot.key
-                log.exception("LM head failed on %s (batch of %d)", key, len(steps))
-                for step in steps:
-                    step.fail(MeshnetError(f"LM head failed on {key}: {type(exc).__name__}: {exc}",
-                                           code="forward_failed"))
-                return
+        """LM-head steps: one matmul for all, no session touched (not counted in
+        :attr:`batch_sizes`, which counts forwards through layers); the caller holds the compute lock."""
+        try:
+            outs = _compute([step.work for step in steps], [])
+        except Exception as exc:
+            key = steps[0].work.slot.key
+            log.exception("LM head failed on %s (batch of %d)", key, len(steps))
+            for step in steps:
+                step.fail(MeshnetError(f"LM head failed on {key}: {type(exc).__name__}: {exc}",
+                                       code="forward_failed"))
+            return
         for step, out in zip(steps, outs):
             step.finish(out)
 

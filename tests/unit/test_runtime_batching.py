@@ -187,3 +187,27 @@ def test_the_lm_head_needs_an_entry_slot_and_one_position(shard_path):
     entry = runtime_of(shard_path, LayerRange(0, 4))
     with pytest.raises(MeshnetError, match=r"takes one position \[1, 1, hidden\], got \[1, 3, 64\]"):
         entry.logits(next(iter(entry.slots.values())), "g", prompt(3, 0))
+
+
+def test_forward_now_runs_a_lone_decode_step_and_equals_forward(shard_path):
+    layers = LayerRange(2, 4)
+    now, queued = runtime_of(shard_path, layers), runtime_of(shard_path, layers)
+    hidden = prompt(5, 7)
+    for runtime in (now, queued):
+        runtime.forward(model=MODEL, session_id="s", layers=layers, position=0, hidden=hidden)
+    step = prompt(1, 8)
+    out = now.forward_now(model=MODEL, session_id="s", layers=layers, position=5, hidden=step)
+    assert_close(out, queued.forward(model=MODEL, session_id="s", layers=layers, position=5, hidden=step),
+                 rtol=0, atol=0)
+    assert [sess.length for sess in now.sessions._sessions.values()] == [6]
+    assert now.forward_now(model=MODEL, session_id="s", layers=layers, position=6, hidden=prompt(2, 9)) is None
+
+
+def test_forward_now_declines_while_the_compute_lock_is_held_and_raises_what_forward_raises(shard_path):
+    layers = LayerRange(2, 4)
+    runtime = runtime_of(shard_path, layers)
+    runtime.forward(model=MODEL, session_id="s", layers=layers, position=0, hidden=prompt(3, 1))
+    with runtime.lock:  # a doctor run, say: the event loop must not block behind it
+        assert runtime.forward_now(model=MODEL, session_id="s", layers=layers, position=3, hidden=prompt(1, 2)) is None
+    with pytest.raises(SessionConflict):
+        runtime.forward_now(model=MODEL, session_id="s", layers=layers, position=7, hidden=prompt(1, 2))
