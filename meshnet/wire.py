@@ -136,9 +136,29 @@ async def encode_async(tensor: torch.Tensor, **kw) -> bytes:
     return encode(tensor, **kw)
 
 
+def _off_loop(body: bytes) -> bool:
+    """Whether ``body`` is decoded in a worker thread: over :data:`OFF_LOOP_BYTES`, or compressed
+    (a small zstd body may expand to ``max_bytes``)."""
+    return len(body) > OFF_LOOP_BYTES or body[:4] == ZSTD_MAGIC
+
+
 async def decode_async(body: bytes, **kw) -> torch.Tensor:
-    """:func:`decode` for async callers: in a worker thread when the body is over
-    :data:`OFF_LOOP_BYTES` or compressed (a small zstd body may expand to ``max_bytes``)."""
-    if len(body) > OFF_LOOP_BYTES or body[:4] == ZSTD_MAGIC:
+    """:func:`decode` for async callers: in a worker thread when the body is big or compressed."""
+    if _off_loop(body):
         return await asyncio.to_thread(decode, body, **kw)
     return decode(body, **kw)
+
+
+def decode_soon(body: bytes, **kw) -> asyncio.Future:
+    """Start decoding ``body`` on the running loop and return the future of its tensor (or of its
+    :class:`WireError`). A small frame is decoded at once, its future already done (no task,
+    no thread: a one-token decode step); a big or compressed one in a worker thread."""
+    loop = asyncio.get_running_loop()
+    if _off_loop(body):
+        return asyncio.ensure_future(asyncio.to_thread(decode, body, **kw))
+    future = loop.create_future()
+    try:
+        future.set_result(decode(body, **kw))
+    except Exception as exc:  # noqa: BLE001 - the awaiting step reports it
+        future.set_exception(exc)
+    return future

@@ -56,6 +56,7 @@ class HopChain:
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # (STEP, its output) to encode and send
     worker: asyncio.Task | None = None
     sender: asyncio.Task | None = None
+    sending: bool = False       # the sender holds an output it has not sent yet
 
     @cached_property
     def next_hop(self) -> Hop | None:
@@ -106,7 +107,7 @@ class ChainHost:
                 log.debug("step of unknown chain %s at %d dropped", message.chain_id, message.position)
                 return
             # decoding starts now, so a chunk's frame is decoded while the step before it computes
-            chain.queue.put_nowait((message, asyncio.ensure_future(wire.decode_async(message.body))))
+            chain.queue.put_nowait((message, wire.decode_soon(message.body)))
         elif not self.node.inbox.deliver(message):
             log.debug("%s of unknown chain %s dropped", message.kind.name, message.chain_id)
 
@@ -175,7 +176,8 @@ class ChainHost:
             chain.sender = asyncio.get_running_loop().create_task(self._send_outputs(chain))
             while True:
                 try:
-                    message, decoding = await asyncio.wait_for(chain.queue.get(), timeout=node.settings.session_ttl_s)
+                    async with asyncio.timeout(node.settings.session_ttl_s):  # no task per step, unlike wait_for
+                        message, decoding = await chain.queue.get()
                 except TimeoutError:
                     return
                 if not await self._step(chain, message, decoding):
@@ -209,6 +211,13 @@ class ChainHost:
                 return True
             if message.last_only:
                 out = out[:, -1:]
+        if out.shape[1] == 1 and chain.outbox.empty() and not chain.sending:
+            # a decode step with nothing ahead of it: sent at once, without a hand-off to the sender
+            # (no next step can arrive before its output has gone round the route)
+            if not await self._send_output(chain, message, wire.encode(out, dtype=hidden.dtype)):
+                self.drop(chain.chain_id)
+                return False
+            return True
         chain.outbox.put_nowait((message, out, hidden.dtype))
         return True
 
@@ -216,7 +225,12 @@ class ChainHost:
         """Encode and send the chain's outputs in order; on a failure the chain ends (the entry was told)."""
         while (item := await chain.outbox.get()) is not None:
             message, out, dtype = item
-            if not await self._send_output(chain, message, await wire.encode_async(out, dtype=dtype)):
+            chain.sending = True
+            try:
+                sent = await self._send_output(chain, message, await wire.encode_async(out, dtype=dtype))
+            finally:
+                chain.sending = False
+            if not sent:
                 self.drop(chain.chain_id)
                 return
 
