@@ -4,7 +4,9 @@
 For each compute dtype (float32 and bfloat16, the wire in the same dtype, the same torch threads
 per process everywhere) it prints medians of --runs runs, every timing taken from the client:
   * decode tokens/s over --decode-tokens tokens: (tokens - 1) / (last - first content chunk);
-    monolithic from a ``generate`` streamer; and the ratio;
+    monolithic from a ``generate`` streamer, its runs interleaved with the mesh's (the model
+    loaded in this process while the mesh idles between requests); the ratio of the medians,
+    and each chain run's ratio to the monolithic run beside it;
   * time to first token of a 256-token prompt and of a 1,024-token prompt (request sent → first
     content chunk) against the monolithic prefill of the same prompt (logits of the last
     position only, as the entry computes); and the ratios;
@@ -38,7 +40,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.pipeline import MODEL, chat_ids, cpu_bfloat16_capability, monolithic, prompt_of, timed_stream  # noqa: E402
+from bench.pipeline import MODEL, Monolithic, chat_ids, cpu_bfloat16_capability, prompt_of, timed_stream  # noqa: E402
 from meshnet.localmesh import LocalMesh  # noqa: E402
 
 STORY = [{"role": "user", "content": "Tell me about the sea."}]
@@ -123,10 +125,11 @@ def sigstop_stall(mesh: LocalMesh, url: str, dtype: str, threads: int, serial: l
     return max(b - a for a, b in zip(times[9:], times[10:])), got == expected, len(got)
 
 
-def run_mesh(dtype: str, args, prompts: dict) -> tuple[dict, dict | None]:
-    """``(chain figures, star figures or None)`` from one mesh: entry ``entry`` drives chains,
-    entry ``entry-star`` (started ``--no-hop-streams``) the per-hop HTTP star over the same middle
-    and tail nodes; their runs alternate, so both see the same load. Chats go to each entry directly."""
+def run_mesh(dtype: str, args, prompts: dict, mono: Monolithic) -> tuple[dict, dict | None, dict]:
+    """``(chain figures, star figures or None, monolithic figures)`` from one mesh: entry ``entry``
+    drives chains, entry ``entry-star`` (started ``--no-hop-streams``) the per-hop HTTP star over
+    the same middle and tail nodes, and ``mono`` runs the whole model in this process; their runs
+    alternate, so all see the same load. Chats go to each entry directly."""
     mesh = LocalMesh(Path(tempfile.mkdtemp(prefix="meshnet-chain-bench-")), heartbeat_s=1.0)
     out: dict = {}
     star: dict | None = None if args.no_star else {}
@@ -142,6 +145,8 @@ def run_mesh(dtype: str, args, prompts: dict) -> tuple[dict, dict | None]:
         for name in ("mid-a", "mid-b"):
             start_middle(mesh, name, dtype, args.threads)
         wait_two_middles(mesh)
+        mesh.wait(lambda: any(n["node_id"] == "entry" for n in mesh.get("/v1/nodes")["nodes"]), 300,
+                  "the entry node registered", interval_s=0.5)
         entries = {"chain": node_endpoint(mesh, "entry")}
         if star is not None:
             mesh.wait(lambda: mesh.get(f"/v1/coverage/{MODEL}")["segments"][0]["node_count"] >= 2, 300,
@@ -149,13 +154,23 @@ def run_mesh(dtype: str, args, prompts: dict) -> tuple[dict, dict | None]:
             entries["star"] = node_endpoint(mesh, "entry-star")
         figures = {"chain": out, "star": star}
         runs: dict = {k: {"decode": [], **{n: [] for n in prompts}} for k in entries}
+        mono_runs: dict = {"decode": [], **{n: [] for n in prompts}}
         for url in entries.values():
             timed_stream(url, STORY, 4)  # warm-up: connections, first forwards
+        mono.decode_rate(4)
         for _ in range(args.runs):
-            for kind, url in entries.items():  # alternating: the same load for both
+            for kind, url in entries.items():  # alternating with the monolithic runs: the same load for all
                 runs[kind]["decode"].append(timed_stream(url, STORY, args.decode_tokens))
                 for n, msgs in prompts.items():
                     runs[kind][n].append(timed_stream(url, msgs, 1)["ttft_s"])
+            mono_runs["decode"].append(mono.decode_rate(args.decode_tokens))
+            for n, msgs in prompts.items():
+                mono_runs[n].append(mono.prefill_s(msgs))
+        mono_fig = {"decode_tokens_per_s": statistics.median(mono_runs["decode"]),
+                    **{f"prefill_{n}_s": statistics.median(mono_runs[n]) for n in prompts}}
+        # each run's ratio against the monolithic run beside it: robust to the load drifting between runs
+        out["decode_pair_ratios"] = [c["decode_tokens_per_s"] / m
+                                     for c, m in zip(runs["chain"]["decode"], mono_runs["decode"])]
         for kind in entries:
             fig = figures[kind]
             fig["decode_tokens_per_s"] = statistics.median(d["decode_tokens_per_s"] for d in runs[kind]["decode"])
@@ -179,7 +194,7 @@ def run_mesh(dtype: str, args, prompts: dict) -> tuple[dict, dict | None]:
         out["stalls"] = [sigstop_stall(mesh, url, dtype, args.threads, serial) for _ in range(args.stall_runs)]
     finally:
         mesh.stop()
-    return out, star
+    return out, star, mono_fig
 
 
 def main() -> None:
@@ -202,9 +217,7 @@ def main() -> None:
     lengths = {n: len(chat_ids(tok, msgs)) for n, msgs in prompts.items()}
     results = {}
     for dtype in args.dtypes.split(","):
-        chain, star = run_mesh(dtype, args, prompts)
-        mono = monolithic(path, args.threads, args.runs, args.decode_tokens, prompts, dtype)
-        results[dtype] = (chain, star, mono)
+        results[dtype] = run_mesh(dtype, args, prompts, Monolithic(path, args.threads, dtype))
 
     print(f"\nmeshnet chain benchmark — {MODEL}, 3 hops (entry 0-9, middle 10-19, tail 20-29), "
           f"{args.threads} torch thread(s) per process, median of {args.runs}; provisional: a shared, loaded machine")
@@ -222,6 +235,9 @@ def main() -> None:
             star and star["decode_tokens_per_s"], ".2f",
             f"  (tokens per run: chain {chain['decode_tokens']}, star {star and star['decode_tokens']}, "
             f"monolithic {args.decode_tokens})")
+        pairs = chain["decode_pair_ratios"]
+        print(f"{'':46} decode ratio of each chain run to the monolithic run beside it: "
+              f"{', '.join(f'{r:.2f}' for r in pairs)} (median {statistics.median(pairs):.2f})")
         for n in prompts:
             row(f"time to first token, {lengths[n]}-token prompt (s)", chain[f"ttft_{n}_s"], mono[f"prefill_{n}_s"],
                 star and star[f"ttft_{n}_s"], ".3f")

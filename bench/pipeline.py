@@ -107,33 +107,50 @@ class TokenClock:
         pass
 
 
-def monolithic(model_path: Path, threads: int, runs: int, decode_tokens: int, prompts: dict, dtype: str) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class Monolithic:
+    """The baseline: the whole model in this process, transformers ``generate`` with KV cache, in
+    compute dtype ``dtype`` with ``threads`` torch threads. Its runs can be interleaved with the
+    mesh's, so both are measured under the same load."""
 
-    torch.set_num_threads(threads)
-    tok = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
-    out = {}
-    ids = tok.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"]
-    rates = []
-    for _ in range(runs):
+    def __init__(self, model_path: Path, threads: int, dtype: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(threads)
+        self.tok = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+        self.story = self.tok.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}],
+                                                  add_generation_prompt=True, return_tensors="pt",
+                                                  return_dict=True)["input_ids"]
+
+    def decode_rate(self, decode_tokens: int) -> float:
+        """Decode tokens/s of one greedy ``generate`` of ``decode_tokens`` tokens, from its streamer:
+        (tokens - 1) / (last token time - first token time)."""
+        import torch
+
         clock = TokenClock()
         with torch.inference_mode():
-            model.generate(ids, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False,
-                           streamer=clock)
-        rates.append((len(clock.times) - 1) / (clock.times[-1] - clock.times[0]))
-    out["decode_tokens_per_s"] = statistics.median(rates)
+            self.model.generate(self.story, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens,
+                                do_sample=False, streamer=clock)
+        return (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
+
+    def prefill_s(self, messages: list[dict]) -> float:
+        """Seconds of one prefill of ``messages`` (logits of the last position only, as the entry computes)."""
+        import torch
+
+        pids = torch.tensor([chat_ids(self.tok, messages)])
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            self.model(pids, use_cache=True, logits_to_keep=1)
+            return time.perf_counter() - t0
+
+
+def monolithic(model_path: Path, threads: int, runs: int, decode_tokens: int, prompts: dict, dtype: str) -> dict:
+    """Medians of ``runs`` runs of :class:`Monolithic`: ``decode_tokens_per_s`` and ``prefill_<n>_s`` per prompt."""
+    mono = Monolithic(model_path, threads, dtype)
+    out = {"decode_tokens_per_s": statistics.median(mono.decode_rate(decode_tokens) for _ in range(runs))}
     for n, msgs in prompts.items():
-        pids = torch.tensor([chat_ids(tok, msgs)])
-        times = []
-        for _ in range(runs):
-            with torch.inference_mode():
-                t0 = time.perf_counter()
-                model(pids, use_cache=True, logits_to_keep=1)  # the entry node's head sees the last position only
-                times.append(time.perf_counter() - t0)
-        out[f"prefill_{n}_s"] = statistics.median(times)
+        out[f"prefill_{n}_s"] = statistics.median(mono.prefill_s(msgs) for _ in range(runs))
     return out
 
 
