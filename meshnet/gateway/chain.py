@@ -9,7 +9,8 @@ node's :class:`meshnet.gateway.streams.StreamPool` and are shared with other ses
 A step's deadline is derived from the chain's own observed step times (floor 0.5 s,
 :mod:`meshnet.gateway.deadlines`, ADR-0036). When it passes, every hop is probed
 (``GET /v1/health``); a silent hop is frozen. A hop's ERROR message (it failed, or it could
-not reach its next hop and names that one) fails the chain at once. Either way the entry
+not reach its next hop and names that one) fails the chain at once; so does a RESULT that does
+not decode or has the wrong shape (the last hop, which sent it, failed). Either way the entry
 excludes the hop, reports it (not when it was only busy), releases the old chain on every hop
 in the background, asks the tracker for a new route over all the remote layers without it,
 and replays everything sent so far as chunked prefill (:func:`meshnet.gateway.replay.rechunk`)
@@ -24,7 +25,7 @@ import time
 
 import httpx
 
-from meshnet.errors import HopBusy, HopFailed, MeshnetError
+from meshnet.errors import HopBusy, HopFailed, MeshnetError, WireError
 from meshnet.gateway.deadlines import DeadlinePolicy, StepTimes, deadline_s
 from meshnet.gateway.entry import Activation, ActivationCodec
 from meshnet.gateway.hops import ABANDONED_RELEASE_TIMEOUT_S, RELEASE_TIMEOUT_S, FailoverListener, FailureReporter, \
@@ -169,7 +170,7 @@ class ChainRoute:
         if message.kind == Kind.RESULT:
             fut = self._futures.get(message.position)
             if fut is not None and not fut.done():
-                fut.set_result(message.body)
+                fut.set_result((self.epoch, message.body))  # the chain that sent it, should it be unusable
         elif message.kind == Kind.ERROR and not self.broken.done():
             self.broken.set_result(self._error_of(message))
 
@@ -226,18 +227,14 @@ class ChainRoute:
             await self._send(Kind.STEP, position, flags, frame)
             self._cond.notify_all()
         try:
-            body = await self._result(position, fut, shape[1])
+            return await self._result(position, fut, shape[1], (1, 1 if last_only else shape[1], shape[-1]))
         finally:
             self._futures.pop(position, None)
-        out = await self.codec.decode(body)
-        want = (1, 1 if last_only else shape[1], shape[-1])
-        if tuple(self.codec.shape(out)) != want:
-            raise HopFailed(f"{_describe(self.hops[-1])} sent shape {list(self.codec.shape(out))}, expected {list(want)}",
-                            node_id=self.hops[-1].node_id)
-        return out
 
-    async def _result(self, position: int, fut: asyncio.Future, tokens: int) -> bytes:
-        """The result frame of the step at ``position``, failing the chain over as often as needed.
+    async def _result(self, position: int, fut: asyncio.Future, tokens: int, want: tuple[int, ...]) -> Activation:
+        """The result of the step at ``position`` (of shape ``want``), failing the chain over as often
+        as needed. A RESULT that does not decode or has another shape is its chain's last hop
+        failing: the step waits on a fresh future in ``self._futures`` for its result on the new chain.
 
         Raises:
             HopBusy, HopFailed: see :meth:`forward`; or the chain, alive, took over ``timeout_s``.
@@ -250,9 +247,17 @@ class ChainRoute:
             deadline = deadline_s(self.deadlines, self.times, tokens + extra)
             await asyncio.wait({fut, broken}, timeout=deadline, return_when=asyncio.FIRST_COMPLETED)
             if fut.done():
+                sent_by, body = fut.result()
+                fut = self._futures[position] = asyncio.get_running_loop().create_future()  # for a resend
+                try:
+                    out = await self._decode(body, want)
+                except MeshnetError as exc:  # (from a chain replaced since: nothing to fail, the step was resent)
+                    await self._failover(sent_by, HopFailed(f"{_describe(self.hops[-1])} sent an unusable result: "
+                                                            f"{exc.message}", node_id=self.hops[-1].node_id))
+                    continue
                 if self.epoch == start_epoch:
                     self.times.observe(tokens, time.perf_counter() - t0)
-                return fut.result()
+                return out
             if self._dead is not None:
                 raise self._dead
             if broken.done():
@@ -272,6 +277,17 @@ class ChainRoute:
                                 f"{tokens} token(s) while every hop answered its probe")
             log.info("chain %s is slow but alive (%.2f s on %d token(s), deadline %.2f s)",
                      self.chain_id, time.perf_counter() - t0, tokens, deadline)
+
+    async def _decode(self, body: bytes, want: tuple[int, ...]) -> Activation:
+        """The activation of a RESULT body.
+
+        Raises:
+            MeshnetError: the body does not decode, or its shape is not ``want``.
+        """
+        out = await self.codec.decode(body)
+        if tuple(self.codec.shape(out)) != want:
+            raise WireError(f"shape {list(self.codec.shape(out))}, expected {list(want)}")
+        return out
 
     async def _probe(self) -> list[Hop]:
         """The current chain's hops that do not answer ``GET /v1/health`` within the probe timeout."""

@@ -16,6 +16,7 @@ import pytest
 import torch
 import uvicorn
 
+from meshnet import wire
 from meshnet.endpoints import free_port
 from meshnet.errors import NotFound
 from meshnet.gateway.hops import settle_releases
@@ -159,6 +160,35 @@ async def test_a_hop_that_cannot_reach_its_next_hop_names_it_and_the_chain_goes_
     assert calls == [set(), {"ghost"}]
     assert [h.node_id for h in stats.route] == ["entry", "b", "c2"] and stats.failovers == 1
     assert await sessions_left(nodes, ["b", "c2"]) == {"b": 0, "c2": 0}
+
+
+#: RESULT bodies a last hop must not send: one that does not decode, one of the wrong shape
+UNUSABLE = {"garbage": b"not a frame", "narrow": wire.encode(torch.zeros(1, 1, 1), dtype="float32")}
+
+
+@pytest.mark.parametrize(("bad", "position"), [("garbage", 8), ("narrow", len(PROMPT) + 1)])
+async def test_an_unusable_result_fails_the_last_hop_and_the_chain_over(nodes, tiny_hf_model, monkeypatch, bad,
+                                                                        position):
+    """``c`` sends an unusable RESULT once, for a prefill chunk (later chunks are in flight) or for a
+    decode step: it is excluded and reported, the chain goes through ``c2``, the tokens are unchanged."""
+    host = nodes["c"][1].chains
+    real_send_output, spoiled = host._send_output, []
+
+    async def spoiling(chain, message, frame):
+        if chain.next_hop is None and message.position == position and not spoiled:
+            spoiled.append(chain.chain_id)
+            frame = UNUSABLE[bad]
+        return await real_send_output(chain, message, frame)
+
+    monkeypatch.setattr(host, "_send_output", spoiling)
+    reported, calls = [], []
+    orch = orchestrator(nodes, routes_over(nodes, ["b", "c"], ["b", "c2"], calls=calls), reported)
+    got, stats = await asyncio.wait_for(generate(orch), timeout=60)
+    assert len(spoiled) == 1
+    assert got == monolithic(tiny_hf_model)
+    assert reported == ["c"] and calls == [set(), {"c"}] and stats.failovers == 1
+    assert [h.node_id for h in stats.route] == ["entry", "b", "c2"]
+    assert await sessions_left(nodes, ["b", "c", "c2"]) == {"b": 0, "c": 0, "c2": 0}
 
 
 class SilentHealth(httpx.AsyncBaseTransport):
