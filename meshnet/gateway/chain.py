@@ -181,9 +181,10 @@ class ChainRoute:
             return HopFailed(f"the chain sent an unreadable error: {exc.message}", node_id=None)
         where = next((_describe(h) for h in self.hops if h.node_id == err.node_id), f"hop {err.node_id}")
         text = f"{where} failed: {err.status} {err.code}: {err.message}"
+        blamed = None if err.node_id == self.entry_id else err.node_id  # this node's own frame: nobody to exclude
         if err.status == 503:
-            return HopBusy(text, node_id=err.node_id)
-        return HopFailed(text, node_id=err.node_id, code=err.code if err.code in HEALTHY_CODES else None)
+            return HopBusy(text, node_id=blamed)
+        return HopFailed(text, node_id=blamed, code=err.code if err.code in HEALTHY_CODES else None)
 
     # ---- messages out -----------------------------------------------------------------
 

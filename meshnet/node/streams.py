@@ -193,6 +193,12 @@ class ChainHost:
         node.last_forward_s = time.monotonic()
         try:
             hidden = await decoding
+        except MeshnetError as exc:  # the frame is the sender's fault: the hop before, or the entry itself
+            sender = chain.opened.hops[chain.index - 1].node_id if chain.index > 0 else chain.opened.entry
+            exc.message = f"{node.settings.node_id} received an unreadable frame from {sender}: {exc.message}"
+            await self._report(chain.opened.entry_endpoint, chain.chain_id, message.position, sender, exc)
+            return False
+        try:
             if chain.expires_at is not None and time.time() >= chain.expires_at:
                 raise Unauthorized(f"session ticket of {chain.chain_id} expired", code="ticket_expired",
                                    hint="the entry asks the tracker for a new route and ticket")

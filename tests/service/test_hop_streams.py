@@ -18,7 +18,7 @@ import uvicorn
 
 from meshnet import wire
 from meshnet.endpoints import free_port
-from meshnet.errors import NotFound
+from meshnet.errors import HopFailed, NotFound
 from meshnet.gateway.hops import settle_releases
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
 from meshnet.layers import LayerRange
@@ -189,6 +189,28 @@ async def test_an_unusable_result_fails_the_last_hop_and_the_chain_over(nodes, t
     assert reported == ["c"] and calls == [set(), {"c"}] and stats.failovers == 1
     assert [h.node_id for h in stats.route] == ["entry", "b", "c2"]
     assert await sessions_left(nodes, ["b", "c", "c2"]) == {"b": 0, "c": 0, "c2": 0}
+
+
+async def test_an_unreadable_step_frame_blames_the_hop_that_sent_it(nodes, monkeypatch):
+    """``b`` pushes a STEP frame ``c`` cannot decode: ``c`` names ``b`` in its ERROR, so ``b`` (not
+    the honest receiver) is excluded and reported; with no other holder of ``b``'s layers the
+    generation ends with a clear error."""
+    host = nodes["b"][1].chains
+    real_send_output, spoiled = host._send_output, []
+
+    async def spoiling(chain, message, frame):
+        if chain.next_hop is not None and message.position == len(PROMPT) and not spoiled:
+            spoiled.append(chain.chain_id)
+            frame = UNUSABLE["garbage"]
+        return await real_send_output(chain, message, frame)
+
+    monkeypatch.setattr(host, "_send_output", spoiling)
+    reported, calls = [], []
+    orch = orchestrator(nodes, routes_over(nodes, ["b", "c"], calls=calls), reported)
+    with pytest.raises(HopFailed, match=r"c received an unreadable frame from b.*no other route"):
+        await asyncio.wait_for(generate(orch), timeout=60)
+    assert len(spoiled) == 1 and reported == ["b"] and calls == [set(), {"b"}]
+    assert await sessions_left(nodes, ["b", "c"]) == {"b": 0, "c": 0}
 
 
 class SilentHealth(httpx.AsyncBaseTransport):
