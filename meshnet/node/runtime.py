@@ -134,6 +134,8 @@ class NodeRuntime:
         sessions: the KV-cache session store.
         batch_window_s, max_batch_size: decode batching (:class:`meshnet.node.batching.StepBatcher`):
             longest wait for other sessions' steps, seconds, and most steps per forward.
+        inline_decode: whether :meth:`forward_now` and its siblings may run a lone decode step on
+            the calling thread (off: they always answer None).
 
     Raises:
         InvalidRequest: ``max_loaded_shards`` < 1. ValueError: a batching setting out of range.
@@ -141,7 +143,7 @@ class NodeRuntime:
 
     def __init__(self, *, max_loaded_shards: int = 1, compute_dtype: str = "float32",
                  sessions: SessionStore | None = None, batch_window_s: float = DEFAULT_BATCH_WINDOW_S,
-                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> None:
+                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, inline_decode: bool = True) -> None:
         if max_loaded_shards < 1:
             raise InvalidRequest("max_loaded_shards must be >= 1")
         self.max_loaded_shards = max_loaded_shards
@@ -150,6 +152,7 @@ class NodeRuntime:
         self.slots: dict[str, ShardSlot] = {}
         self.lock = threading.Lock()  # the compute lock: one batch (or doctor run) at a time, and the session store
         self.tokens_processed = 0
+        self.inline_decode = inline_decode
         self.batcher = StepBatcher(self._run_batch, window_s=batch_window_s, max_batch=max_batch_size)
         #: (monotonic time, steps) of each forward run, newest last (the console reads it)
         self.batch_sizes: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
@@ -242,7 +245,7 @@ class NodeRuntime:
 
     def _now(self, step: Step) -> torch.Tensor | None:
         """Run ``step`` on the calling thread if it can run at once and alone (see :meth:`forward_now`)."""
-        if step.tokens != 1 or not self.lock.acquire(blocking=False):
+        if not self.inline_decode or step.tokens != 1 or not self.lock.acquire(blocking=False):
             return None
         try:
             ran = self.batcher.try_now(step, self._run_locked)

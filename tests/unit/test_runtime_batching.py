@@ -211,3 +211,10 @@ def test_forward_now_declines_while_the_compute_lock_is_held_and_raises_what_for
         assert runtime.forward_now(model=MODEL, session_id="s", layers=layers, position=3, hidden=prompt(1, 2)) is None
     with pytest.raises(SessionConflict):
         runtime.forward_now(model=MODEL, session_id="s", layers=layers, position=7, hidden=prompt(1, 2))
+
+
+def test_forward_now_is_off_with_inline_decode_off(shard_path):
+    layers = LayerRange(2, 4)
+    runtime = runtime_of(shard_path, layers, inline_decode=False)
+    runtime.forward(model=MODEL, session_id="s", layers=layers, position=0, hidden=prompt(3, 1))
+    assert runtime.forward_now(model=MODEL, session_id="s", layers=layers, position=3, hidden=prompt(1, 2)) is None
