@@ -8,7 +8,10 @@ node's :class:`meshnet.gateway.streams.StreamPool` and are shared with other ses
 
 A step's deadline is derived from the chain's own observed step times (floor 0.5 s,
 :mod:`meshnet.gateway.deadlines`, ADR-0036). When it passes, every hop is probed
-(``GET /v1/health``); a silent hop is frozen. A hop's ERROR message (it failed, or it could
+(``GET /v1/health?chain=ID``); a silent hop is frozen, and one that answers without holding the
+chain lost it (it restarted, or dropped the chain because it could not pass a step on, to its
+next hop or to the entry: nobody is left to tell the entry). That hop is kept out of the new
+chain but not reported. A hop's ERROR message (it failed, or it could
 not reach its next hop and names that one) fails the chain at once; so does a RESULT that does
 not decode or has the wrong shape (the last hop, which sent it, failed). Either way the entry
 excludes the hop, reports it (not when it was only busy), releases the old chain on every hop
@@ -29,7 +32,7 @@ from meshnet.errors import HopBusy, HopFailed, MeshnetError, WireError
 from meshnet.gateway.deadlines import DeadlinePolicy, StepTimes, deadline_s
 from meshnet.gateway.entry import Activation, ActivationCodec
 from meshnet.gateway.hops import ABANDONED_RELEASE_TIMEOUT_S, RELEASE_TIMEOUT_S, FailoverListener, FailureReporter, \
-    RouteProvider, hop_alive, release_soon
+    RouteProvider, release_soon
 from meshnet.gateway.replay import rechunk
 from meshnet.gateway.streams import StreamPool
 from meshnet.layers import LayerRange
@@ -43,6 +46,9 @@ _reports: set[asyncio.Task] = set()  # failure reports in flight (kept reference
 
 #: error codes after which the hop stays eligible (it lost the session or its ticket ran out; healthy)
 HEALTHY_CODES = ("session_conflict", "ticket_expired")
+#: the code of a hop that answers its probe but no longer holds the chain: kept out of this
+#: session's new routes, not reported (it may be healthy: restarted, or unable to reach the entry)
+CHAIN_LOST = "chain_lost"
 
 
 class ChainInbox:
@@ -264,7 +270,7 @@ class ChainRoute:
             if broken.done():
                 await self._failover(epoch, broken.result())
                 continue
-            silent = await self._probe()
+            silent, lost = await self._probe()
             if fut.done():
                 continue
             if silent:
@@ -272,6 +278,12 @@ class ChainRoute:
                                 f"token(s) and did not answer a liveness probe within "
                                 f"{self.deadlines.probe_timeout_s:.2f} s (frozen)", node_id=silent[0].node_id)
                 await self._failover(epoch, exc, also=[h.node_id for h in silent[1:]], frozen=True)
+                continue
+            if lost:
+                exc = HopFailed(f"{_describe(lost[0])} answers but no longer holds chain {self.chain_id} (it "
+                                f"restarted, or could not pass the step on to its next hop or the entry)",
+                                node_id=lost[0].node_id, code=CHAIN_LOST)
+                await self._failover(epoch, exc)
                 continue
             if time.perf_counter() - t0 > self.timeout_s:
                 raise HopFailed(f"the chain over layers {self.layers} took over {self.timeout_s:.0f} s on "
@@ -290,11 +302,27 @@ class ChainRoute:
             raise WireError(f"shape {list(self.codec.shape(out))}, expected {list(want)}")
         return out
 
-    async def _probe(self) -> list[Hop]:
-        """The current chain's hops that do not answer ``GET /v1/health`` within the probe timeout."""
-        hops = list(self.hops)
-        answers = await asyncio.gather(*(hop_alive(self.client, h, self.deadlines.probe_timeout_s) for h in hops))
-        return [h for h, ok in zip(hops, answers) if not ok]
+    async def _probe(self) -> tuple[list[Hop], list[Hop]]:
+        """``(silent, lost)``: the current chain's hops that do not answer ``GET /v1/health?chain=ID``
+        within the probe timeout, and those that answer that they do not hold the chain (a node
+        that does not say is taken to hold it)."""
+        hops, chain_id = list(self.hops), self.chain_id
+        answers = await asyncio.gather(*(self._holds(h, chain_id) for h in hops))
+        return [h for h, a in zip(hops, answers) if a is None], [h for h, a in zip(hops, answers) if a is False]
+
+    async def _holds(self, hop: Hop, chain_id: str) -> bool | None:
+        """Whether ``hop`` holds chain ``chain_id`` (True when it does not say); None: no answer in time."""
+        limit = self.deadlines.probe_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                resp = await self.client.get(f"{hop.endpoint}/v1/health", params={"chain": chain_id}, timeout=limit)
+        except Exception:  # noqa: BLE001 - no answer in time, refused, reset: not alive
+            return None
+        try:
+            body = resp.json()
+        except ValueError:  # alive, but not a JSON answer (a proxy's error page): nothing known of the chain
+            return True
+        return not (isinstance(body, dict) and body.get("chain") is False)
 
     # ---- failover ---------------------------------------------------------------------
 
@@ -304,7 +332,7 @@ class ChainRoute:
         if exc.node_id is None or exc.code in HEALTHY_CODES:
             return
         self.failed.add(exc.node_id)
-        if isinstance(exc, HopBusy):
+        if isinstance(exc, HopBusy) or exc.code == CHAIN_LOST:
             return
         task = asyncio.get_running_loop().create_task(self._report(exc.node_id, exc.message))
         _reports.add(task)

@@ -222,8 +222,11 @@ async def release_session(request: Request) -> JSONResponse:
 
 
 async def health(request: Request) -> JSONResponse:
+    """Liveness and state; with ``?chain=ID`` also ``"chain"``: whether this node holds that hop
+    stream chain (an entry's probe of a chain that missed its deadline, ADR-0040)."""
     node = _state(request)
     rt = node.runtime
+    chain = request.query_params.get("chain")
     tunnel = getattr(node.agent, "tunnel", None)
     relay = None if tunnel is None else {"url": tunnel.relay_url, "attached": tunnel.attached.is_set(),
                                          "attaches": tunnel.attaches, "rtt_s": round(tunnel.rtt_s, 6)}
@@ -234,7 +237,8 @@ async def health(request: Request) -> JSONResponse:
                          "session_cache_bytes": rt.sessions.max_bytes, "session_ttl_s": rt.sessions.ttl_s,
                          "compute_dtype": rt.compute_dtype, "rss_bytes": hardware.rss_bytes(), "uptime_s": round(time.time() - node.started_at, 1),
                          # what this entry's spot-checks found (ADR-0042); None before its first chat
-                         "spot_checks": None if node.spot_checker is None else asdict(node.spot_checker.stats)})
+                         "spot_checks": None if node.spot_checker is None else asdict(node.spot_checker.stats),
+                         **({} if chain is None else {"chain": chain in node.chains.chains})})
 
 
 async def ready(request: Request) -> JSONResponse:

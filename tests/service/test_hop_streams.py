@@ -213,6 +213,34 @@ async def test_an_unreadable_step_frame_blames_the_hop_that_sent_it(nodes, monke
     assert await sessions_left(nodes, ["b", "c"]) == {"b": 0, "c": 0}
 
 
+async def test_a_last_hop_that_cannot_reach_the_entry_is_found_by_the_probe_and_replaced(nodes, tiny_hf_model,
+                                                                                       monkeypatch):
+    """``c`` cannot return one decode step's RESULT (the entry unreachable from it) and drops the
+    chain, with nobody to tell: at the step's deadline the probe finds ``c`` alive without the
+    chain, and the chain goes through ``c2`` in about a second (not the 60 s hop timeout); ``c``
+    is kept out of the new chain but not reported, and the tokens are unchanged."""
+    host = nodes["c"][1].chains
+    real_send_output, lost = host._send_output, []
+
+    async def unreachable_entry(chain, message, frame):
+        if chain.next_hop is None and message.position == len(PROMPT) + 2 and not lost:
+            lost.append(chain.chain_id)
+            return False
+        return await real_send_output(chain, message, frame)
+
+    monkeypatch.setattr(host, "_send_output", unreachable_entry)
+    reported, calls = [], []
+    orch = orchestrator(nodes, routes_over(nodes, ["b", "c"], ["b", "c2"], calls=calls), reported)
+    t0 = time.monotonic()
+    got, stats = await asyncio.wait_for(generate(orch), timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert len(lost) == 1 and lost[0] not in host.chains
+    assert got == monolithic(tiny_hf_model)
+    assert reported == [] and calls == [set(), {"c"}] and stats.failovers == 1 and stats.deadline_misses == 0
+    assert [h.node_id for h in stats.route] == ["entry", "b", "c2"]
+    assert await sessions_left(nodes, ["b", "c", "c2"]) == {"b": 0, "c": 0, "c2": 0}
+
+
 class SilentHealth(httpx.AsyncBaseTransport):
     """The network, except that ``GET /v1/health`` of ``port`` never answers (a stopped process)."""
 
