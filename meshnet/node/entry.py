@@ -97,7 +97,8 @@ class LocalEntry:
         return TokenPicker(self.vocab_size, params, generator)
 
     async def choose(self, hidden: Activation, chooser: TokenPicker) -> tuple[int, TokenLogprob | None]:
-        """LM head on the last position and the token choice, in one worker-thread call."""
+        """LM head on the last position and the token choice: on the event loop when the head step
+        runs alone (:meth:`NodeRuntime.logits_now`), else in one worker-thread call, batched."""
         generation, last = f"head-{id(chooser):x}", hidden[:, -1:]
         logits = self.runtime.logits_now(self.slot, generation, last)  # alone: no thread hand-off
         if logits is not None:

@@ -188,7 +188,8 @@ class ChainHost:
             chain.outbox.put_nowait(None)  # the sender ends once what is queued has gone
 
     async def _step(self, chain: HopChain, message: Message, decoding: asyncio.Future) -> bool:
-        """Run one STEP and hand its output to the sender; False when it failed (the entry was told)."""
+        """Run one STEP and pass its output on: a decode step's at once when nothing is queued ahead of
+        it, any other through the sender; False when it failed (the entry was told)."""
         node = self.node
         node.last_forward_s = time.monotonic()
         try:
