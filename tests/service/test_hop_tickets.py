@@ -109,16 +109,18 @@ async def forward(client, session: str, headers: dict | None = None, start: int 
                                       "X-Meshnet-Model": MODEL, **(headers or {})})
 
 
+# each case's headers are made when the test runs: a ticket made at collection could expire
+# (TICKET_TTL_S) before a long suite reaches the test, and be refused for that instead
 @pytest.mark.parametrize("headers, status, code", [
-    ({}, 401, "ticket_missing"),
-    ({HEADER_TICKET: "forged.ticket"}, 401, "ticket_invalid"),
-    ({HEADER_TICKET: ticket("s1", node="c", layers=LayerRange(2, 3))}, 403, "ticket_scope"),  # other layers
-    ({HEADER_TICKET: ticket("another-session")}, 403, "ticket_scope"),
-    ({HEADER_TICKET: ticket("s1", node="open")}, 403, "ticket_scope"),  # names another node
-])
+    (lambda: {}, 401, "ticket_missing"),
+    (lambda: {HEADER_TICKET: "forged.ticket"}, 401, "ticket_invalid"),
+    (lambda: {HEADER_TICKET: ticket("s1", node="c", layers=LayerRange(2, 3))}, 403, "ticket_scope"),  # other layers
+    (lambda: {HEADER_TICKET: ticket("another-session")}, 403, "ticket_scope"),
+    (lambda: {HEADER_TICKET: ticket("s1", node="open")}, 403, "ticket_scope"),  # names another node
+], ids=["missing", "forged", "other-layers", "other-session", "other-node"])
 async def test_a_hop_call_without_a_valid_ticket_is_refused_and_touches_no_cache(mesh, headers, status, code):
     runtimes, client = mesh
-    resp = await forward(client, "s1", headers)
+    resp = await forward(client, "s1", headers())
     assert resp.status_code == status and resp.json()["error"]["code"] == code
     assert len(runtimes["c"].sessions) == 0 and runtimes["c"].tokens_processed == 0
     ok = await forward(client, "s1", {HEADER_TICKET: ticket("s1")})
