@@ -32,7 +32,7 @@ from meshnet.errors import HopBusy, HopFailed, MeshnetError, WireError
 from meshnet.gateway.deadlines import DeadlinePolicy, StepTimes, deadline_s
 from meshnet.gateway.entry import Activation, ActivationCodec
 from meshnet.gateway.hops import ABANDONED_RELEASE_TIMEOUT_S, RELEASE_TIMEOUT_S, FailoverListener, FailureReporter, \
-    RouteProvider, release_soon
+    RouteProvider, probe_hop, release_soon
 from meshnet.gateway.replay import rechunk
 from meshnet.gateway.streams import StreamPool
 from meshnet.layers import LayerRange
@@ -307,22 +307,9 @@ class ChainRoute:
         within the probe timeout, and those that answer that they do not hold the chain (a node
         that does not say is taken to hold it)."""
         hops, chain_id = list(self.hops), self.chain_id
-        answers = await asyncio.gather(*(self._holds(h, chain_id) for h in hops))
-        return [h for h, a in zip(hops, answers) if a is None], [h for h, a in zip(hops, answers) if a is False]
-
-    async def _holds(self, hop: Hop, chain_id: str) -> bool | None:
-        """Whether ``hop`` holds chain ``chain_id`` (True when it does not say); None: no answer in time."""
         limit = self.deadlines.probe_timeout_s
-        try:
-            async with asyncio.timeout(limit):
-                resp = await self.client.get(f"{hop.endpoint}/v1/health", params={"chain": chain_id}, timeout=limit)
-        except Exception:  # noqa: BLE001 - no answer in time, refused, reset: not alive
-            return None
-        try:
-            body = resp.json()
-        except ValueError:  # alive, but not a JSON answer (a proxy's error page): nothing known of the chain
-            return True
-        return not (isinstance(body, dict) and body.get("chain") is False)
+        answers = await asyncio.gather(*(probe_hop(self.client, h, limit, chain_id) for h in hops))
+        return [h for h, a in zip(hops, answers) if a is None], [h for h, a in zip(hops, answers) if a is False]
 
     # ---- failover ---------------------------------------------------------------------
 

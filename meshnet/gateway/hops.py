@@ -193,15 +193,24 @@ def _settle(call: asyncio.Future) -> None:
         call.exception()
 
 
-async def hop_alive(client: httpx.AsyncClient, hop: Hop, limit_s: float) -> bool:
-    """Whether the hop's node answers ``GET /v1/health`` (any status) within ``limit_s`` seconds
-    (the liveness probe of a hop that missed its deadline, ADR-0036)."""
+async def probe_hop(client: httpx.AsyncClient, hop: Hop, limit_s: float, chain_id: str | None = None) -> bool | None:
+    """The liveness probe of a hop that missed its deadline (ADR-0036): ``GET /v1/health`` within
+    ``limit_s`` seconds. None: no answer in time (refused, reset, silent). Otherwise True, or
+    False when asked about hop stream chain ``chain_id`` and the node answers that it does not
+    hold it (ADR-0040; a node that does not say is taken to hold it)."""
     try:
         async with asyncio.timeout(limit_s):
-            await client.get(f"{hop.endpoint}/v1/health", timeout=limit_s)
-        return True
+            resp = await client.get(f"{hop.endpoint}/v1/health", timeout=limit_s,
+                                    params=None if chain_id is None else {"chain": chain_id})
     except Exception:  # noqa: BLE001 - no answer in time, refused, reset: not alive
-        return False
+        return None
+    if chain_id is None:
+        return True
+    try:
+        body = resp.json()
+    except ValueError:  # alive, but not a JSON answer (a proxy's error page): nothing known of the chain
+        return True
+    return not (isinstance(body, dict) and body.get("chain") is False)
 
 
 class RemoteRoute:
@@ -264,7 +273,7 @@ class RemoteRoute:
         return next(s for s in self.states if s.hop.layers.start == layer)
 
     async def _alive(self, hop: Hop) -> bool:
-        return await hop_alive(self.client, hop, self.deadlines.probe_timeout_s)
+        return await probe_hop(self.client, hop, self.deadlines.probe_timeout_s) is not None
 
     async def _send(self, state: HopState, frame: bytes, position: int, seq_len: int,
                     last_only: bool, check: bool = False) -> tuple[bytes, Activation]:

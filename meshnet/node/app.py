@@ -147,11 +147,8 @@ async def forward(request: Request) -> Response:
     body = await request.body()
     hidden = await wire.decode_async(body)
     t0 = time.perf_counter()
-    call = dict(model=model, session_id=session, layers=LayerRange.from_inclusive(start, end), position=position,
-                hidden=hidden)
-    out = node.runtime.forward_now(**call)  # a lone decode step: no thread hand-off (ADR-0041)
-    if out is None:
-        out = await asyncio.to_thread(node.runtime.forward, **call)
+    out = await node.runtime.forward_async(model=model, session_id=session, layers=LayerRange.from_inclusive(start, end),
+                                           position=position, hidden=hidden)
     node.metrics.observe_forward(hidden.shape[1], time.perf_counter() - t0, position)
     if request.headers.get("X-Meshnet-Last-Only") == "1":
         out = out[:, -1:]

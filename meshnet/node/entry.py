@@ -7,7 +7,6 @@ event loop stays free. :class:`WireCodec` turns activations into wire frames (AD
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import torch
@@ -84,10 +83,7 @@ class LocalEntry:
         tensor = torch.tensor([ids], dtype=torch.long)
         layers = LayerRange(0, self.local_end)
         t0 = time.perf_counter()
-        args = (self.slot, session_id, tensor, position, layers)
-        out = self.runtime.run_entry_now(*args)  # a lone decode step: no thread hand-off (ADR-0041)
-        if out is None:
-            out = await asyncio.to_thread(self.runtime.run_entry, *args)
+        out = await self.runtime.run_entry_async(self.slot, session_id, tensor, position, layers)
         if self.metrics is not None:
             self.metrics.observe_forward(len(ids), time.perf_counter() - t0, position)
         return out
@@ -97,16 +93,10 @@ class LocalEntry:
         return TokenPicker(self.vocab_size, params, generator)
 
     async def choose(self, hidden: Activation, chooser: TokenPicker) -> tuple[int, TokenLogprob | None]:
-        """LM head on the last position and the token choice: on the event loop when the head step
-        runs alone (:meth:`NodeRuntime.logits_now`), else in one worker-thread call, batched."""
-        generation, last = f"head-{id(chooser):x}", hidden[:, -1:]
-        logits = self.runtime.logits_now(self.slot, generation, last)  # alone: no thread hand-off
-        if logits is not None:
-            return chooser.pick(logits[0, -1])
-
-        def run():  # the LM head batches with other generations' (ADR-0041); the choice is per generation
-            return chooser.pick(self.runtime.logits(self.slot, generation, last)[0, -1])
-        return await asyncio.to_thread(run)
+        """LM head on the last position (batched with other generations' head steps, ADR-0041) and
+        the token choice (per generation)."""
+        logits = await self.runtime.logits_async(self.slot, f"head-{id(chooser):x}", hidden[:, -1:])
+        return chooser.pick(logits[0, -1])
 
     def release(self, session_id: str) -> None:
         self.runtime.batcher.forget(session_id)  # batches stop waiting for its steps

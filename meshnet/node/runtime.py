@@ -16,6 +16,7 @@ the figure and the tracker budgets with it where it exceeds the preset.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import threading
@@ -134,8 +135,8 @@ class NodeRuntime:
         sessions: the KV-cache session store.
         batch_window_s, max_batch_size: decode batching (:class:`meshnet.node.batching.StepBatcher`):
             longest wait for other sessions' steps, seconds, and most steps per forward.
-        inline_decode: whether :meth:`forward_now` and its siblings may run a lone decode step on
-            the calling thread (off: they always answer None).
+        inline_decode: whether :meth:`forward_now` and the ``*_async`` methods may run a lone
+            decode step on the calling thread (off: every step goes through a worker thread).
 
     Raises:
         InvalidRequest: ``max_loaded_shards`` < 1. ValueError: a batching setting out of range.
@@ -235,6 +236,18 @@ class NodeRuntime:
         blocks for one decode step's compute at most, never for another caller's."""
         return self._now(self._hidden_step(model, session_id, layers, position, hidden))
 
+    async def forward_async(self, *, model: str | None, session_id: str, layers: LayerRange, position: int,
+                            hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` for an event loop: at once on the loop when the step runs alone
+        (:meth:`forward_now`), else in a worker thread, batched. Same results and errors."""
+        return await self._run_async(self._hidden_step(model, session_id, layers, position, hidden))
+
+    async def _run_async(self, step: Step) -> torch.Tensor:
+        """``step`` at once on the calling loop when it runs alone (:meth:`_now`: no thread
+        hand-off, ADR-0041), else submitted from a worker thread."""
+        out = self._now(step)
+        return out if out is not None else await asyncio.to_thread(self.batcher.submit, step)
+
     def _hidden_step(self, model: str | None, session_id: str, layers: LayerRange, position: int,
                      hidden: torch.Tensor) -> Step:
         slot = self.find_slot(model, layers)
@@ -265,11 +278,10 @@ class NodeRuntime:
         batched like :meth:`forward`)."""
         return self.batcher.submit(self._entry_step(slot, session_id, input_ids, position, layers))
 
-    def run_entry_now(self, slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
-                      layers: LayerRange) -> torch.Tensor | None:
-        """:meth:`run_entry` on the calling thread when it can run at once and alone (see
-        :meth:`forward_now`); None when the caller must run :meth:`run_entry` in a worker thread."""
-        return self._now(self._entry_step(slot, session_id, input_ids, position, layers))
+    async def run_entry_async(self, slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
+                              layers: LayerRange) -> torch.Tensor:
+        """:meth:`run_entry` for an event loop (see :meth:`forward_async`)."""
+        return await self._run_async(self._entry_step(slot, session_id, input_ids, position, layers))
 
     @staticmethod
     def _entry_step(slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
@@ -288,10 +300,9 @@ class NodeRuntime:
         """
         return self.batcher.submit(self._head_step(slot, generation, hidden))
 
-    def logits_now(self, slot: ShardSlot, generation: str, hidden: torch.Tensor) -> torch.Tensor | None:
-        """:meth:`logits` on the calling thread when it can run at once and alone (see
-        :meth:`forward_now`); None when the caller must run :meth:`logits` in a worker thread."""
-        return self._now(self._head_step(slot, generation, hidden))
+    async def logits_async(self, slot: ShardSlot, generation: str, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`logits` for an event loop (see :meth:`forward_async`)."""
+        return await self._run_async(self._head_step(slot, generation, hidden))
 
     @staticmethod
     def _head_step(slot: ShardSlot, generation: str, hidden: torch.Tensor) -> Step:

@@ -204,11 +204,8 @@ class ChainHost:
                 raise Unauthorized(f"session ticket of {chain.chain_id} expired", code="ticket_expired",
                                    hint="the entry asks the tracker for a new route and ticket")
             t0 = time.perf_counter()
-            call = dict(model=chain.model, session_id=chain.chain_id, layers=chain.hop.layers,
-                        position=message.position, hidden=hidden)
-            out = node.runtime.forward_now(**call)  # a lone decode step: no thread hand-off (ADR-0041)
-            if out is None:
-                out = await asyncio.to_thread(node.runtime.forward, **call)
+            out = await node.runtime.forward_async(model=chain.model, session_id=chain.chain_id,
+                                                   layers=chain.hop.layers, position=message.position, hidden=hidden)
             node.metrics.observe_forward(hidden.shape[1], time.perf_counter() - t0, message.position)
         except MeshnetError as exc:
             await self._report(chain.opened.entry_endpoint, chain.chain_id, message.position, node.settings.node_id, exc)

@@ -258,16 +258,15 @@ async def test_a_frozen_last_hop_misses_the_deadline_and_the_session_moves(nodes
     the entry's deadline passes, the probe gets no answer, the chain is rebuilt through ``c2``
     with the history replayed as chunks; the tokens are unchanged."""
     c = nodes["c"][1]
-    real_forward, steps, release = c.runtime.forward, [], asyncio.Event()
-    loop = asyncio.get_running_loop()
+    real_forward, steps, release = c.runtime.forward_async, [], asyncio.Event()
 
-    def freezing(**kw):
+    async def freezing(**kw):
         steps.append(kw["position"])
         if len(steps) > 3:
-            asyncio.run_coroutine_threadsafe(release.wait(), loop).result(timeout=30)
-        return real_forward(**kw)
+            await asyncio.wait_for(release.wait(), timeout=30)
+        return await real_forward(**kw)
 
-    c.runtime.forward = freezing
+    c.runtime.forward_async = freezing
     reported = []
     port = int(nodes["c"][0].rsplit(":", 1)[1])
     try:
@@ -278,7 +277,7 @@ async def test_a_frozen_last_hop_misses_the_deadline_and_the_session_moves(nodes
             elapsed = time.perf_counter() - t0
     finally:
         release.set()
-        c.runtime.forward = real_forward
+        c.runtime.forward_async = real_forward
     assert got == monolithic(tiny_hf_model, 8)
     assert stats.deadline_misses == 1 and stats.failovers == 1 and reported == ["c"]
     assert [h.node_id for h in stats.route] == ["entry", "b", "c2"]
