@@ -14,12 +14,22 @@ Policy (pure data in, list of steps out; :meth:`StepBatcher._collect`):
 - A decode step (one token) batches with the other pending decode steps of its *group* (same
   shard slot, same layers, same kind of input), oldest first, one step per session, at most
   ``max_batch`` steps. A prefill chunk (more tokens) runs alone.
-- A decode step that finds the node idle waits at most the window after it arrived (``window_s``,
-  or half the time the group's recent decode batches took to run when that is longer) for the
-  other sessions it expects: those whose last step of the group here ended within ``active_s``
-  but before this step arrived, and that have not been forgotten (:meth:`StepBatcher.forget`).
-  It stops waiting as soon as all of them are in, or ``max_batch`` is reached. With one session
-  active nobody waits.
+- A decode step that finds the node idle may wait for other sessions of its group that it
+  *expects*: those whose last decode step of the group here ended within ``active_s`` but before
+  this step arrived, that have no step queued, and that have not been forgotten
+  (:meth:`StepBatcher.forget`). A session counts once its first decode step here has run: one
+  still in prefill is not waited for.
+- Sessions travel in *waves*: the sessions of one batch reach the next node together and come
+  back together. A batch waits only for the expected sessions of its own waves (the batches its
+  sessions were in last time here), at most the window after its oldest step arrived
+  (``window_s``, or :data:`WINDOW_COMPUTE_SHARE` of the group's recent decode-batch compute time
+  when longer). It never waits for another wave, which is a round trip away: waiting for it
+  would only idle the node. The exception merges waves: the batch holding the group's *anchor*
+  (its active session with the smallest id) waits for every expected session, up to
+  :data:`MERGE_COMPUTE_SHARE` of a batch's compute time, so the other waves catch up with it
+  within a stage or two and the node then runs one batch where it ran several.
+- It stops waiting as soon as all it waits for are in, or ``max_batch`` is reached. With one
+  session active nobody waits.
 """
 
 from __future__ import annotations
@@ -34,6 +44,10 @@ from meshnet.stats import EMA
 #: a leader may wait up to this share of its group's recent decode-batch compute time, when that is
 #: longer than ``window_s``: a step that joins saves a batch of its own, which costs about as much
 WINDOW_COMPUTE_SHARE = 0.5
+#: the anchor's batch waits up to this share of a batch's compute time for the other waves: a wave
+#: that trails it queues behind its compute, about one batch time behind, so a shorter wait never
+#: closes the gap (measured with ``bench/batching.py``, ADR-0041's wave amendment)
+MERGE_COMPUTE_SHARE = 1.5
 
 
 @dataclass(eq=False)
@@ -92,6 +106,8 @@ class StepBatcher:
         self._active: dict[Hashable, dict[str, float]] = {}  # group -> session id -> its last step's end (or arrival)
         self._leading = False
         self._compute_s: dict[Hashable, EMA] = {}  # group -> seconds a decode batch of it takes to run
+        self._waves: dict[Hashable, dict[str, int]] = {}  # group -> session id -> the decode batch it was in last
+        self._batches = 0  # decode batches run, numbering the waves
 
     def submit(self, step: Step) -> object:
         """Queue ``step``, wait until it has run (leading a batch when no one else does) and
@@ -103,7 +119,6 @@ class StepBatcher:
         with self._cond:
             step.arrived_s = self.clock()
             self._pending.append(step)
-            self._active.setdefault(step.group, {})[step.session_id] = step.arrived_s
             self._cond.notify_all()
             while not step.done:
                 if self._leading:
@@ -147,12 +162,11 @@ class StepBatcher:
             step.arrived_s = self.clock()
             self._pending.append(step)
             try:
-                expecting = self._expecting(step)
+                expecting = self._expecting([step], self._anchored([step]))
             finally:
                 self._pending.remove(step)
             if expecting:
                 return False
-            self._active.setdefault(step.group, {})[step.session_id] = step.arrived_s
             self._leading = True
         started_s = self.clock()
         try:
@@ -165,26 +179,32 @@ class StepBatcher:
         return True
 
     def _ran(self, batch: list[Step], started_s: float) -> None:
-        """Bookkeeping after a batch ran (holding the condition): its sessions' last step here and
-        the group's decode-batch compute time."""
+        """Bookkeeping after a decode batch ran (holding the condition): its sessions' last step here,
+        their wave, and the group's decode-batch compute time. A prefill chunk leaves no trace: a
+        session is waited for only once it decodes."""
+        if batch[0].tokens != 1:
+            return
         finished_s = self.clock()
+        group = batch[0].group
+        self._batches += 1
+        active, waves = self._active.setdefault(group, {}), self._waves.setdefault(group, {})
         for done in batch:
-            self._active.setdefault(done.group, {})[done.session_id] = finished_s
-        if batch[0].tokens == 1:
-            self._compute_s.setdefault(batch[0].group, EMA(0.2)).update(finished_s - started_s)
+            active[done.session_id] = finished_s
+            waves[done.session_id] = self._batches
+        self._compute_s.setdefault(group, EMA(0.2)).update(finished_s - started_s)
 
     def forget(self, session_id: str) -> None:
         """``session_id`` ended here: batches no longer wait for its steps."""
         with self._cond:
-            for sessions in self._active.values():
+            for sessions in (*self._active.values(), *self._waves.values()):
                 sessions.pop(session_id, None)
 
-    def window(self, group: Hashable) -> float:
-        """Longest wait, seconds, for expected sessions of ``group``: ``window_s``, or
-        :data:`WINDOW_COMPUTE_SHARE` of the group's recent decode-batch compute time when longer
-        (a slow or loaded host, where a round's steps arrive further apart)."""
+    def window(self, group: Hashable, share: float = WINDOW_COMPUTE_SHARE) -> float:
+        """Longest wait, seconds, for expected sessions of ``group``: ``window_s``, or ``share`` of
+        the group's recent decode-batch compute time when longer (a slow or loaded host, where a
+        round's steps arrive further apart)."""
         compute = self._compute_s.get(group)
-        return max(self.window_s, WINDOW_COMPUTE_SHARE * compute.value) if compute else self.window_s
+        return max(self.window_s, share * compute.value) if compute else self.window_s
 
     def pending(self) -> int:
         """Steps queued and not yet taken into a batch."""
@@ -200,8 +220,10 @@ class StepBatcher:
                 batch = self._decode_batch(head)
                 if len(batch) >= self.max_batch:
                     break
-                remaining = head.arrived_s + self.window(head.group) - self.clock()
-                if remaining <= 0 or not self._expecting(head):
+                anchored = self._anchored(batch)
+                share = MERGE_COMPUTE_SHARE if anchored else WINDOW_COMPUTE_SHARE
+                remaining = head.arrived_s + self.window(head.group, share) - self.clock()
+                if remaining <= 0 or not self._expecting(batch, anchored):
                     break
                 self._cond.wait(remaining)
                 continue
@@ -220,17 +242,35 @@ class StepBatcher:
                     break
         return batch
 
-    def _expecting(self, head: Step) -> bool:
-        """Whether a session may still join ``head``'s batch: one active in its group with no step
-        queued, whose last step here was over before ``head`` arrived. A session served while
-        ``head`` waited cannot be back before its next trip round the route, far longer than the
-        window; waiting for it would only delay ``head``."""
+    def _anchored(self, batch: list[Step]) -> bool:
+        """Whether ``batch`` holds its group's anchor: the active session with the smallest id."""
+        active = self._active.get(batch[0].group)
+        if not active:
+            return False
+        anchor = min(active)
+        return any(step.session_id == anchor for step in batch)
+
+    def _expecting(self, batch: list[Step], anyone: bool) -> bool:
+        """Whether a session may still join ``batch`` (its oldest step first): one active in its
+        group with no step queued, whose last step here was over before that oldest step arrived,
+        and, unless ``anyone`` or a session of ``batch`` has no wave yet (its first decode step
+        here), last in a batch with one of ``batch``'s sessions (its wave). A session served
+        while the batch waited cannot be back before its next trip round the route, far longer
+        than the window; waiting for it would only delay the batch."""
+        head = batch[0]
         now = self.clock()
         active = self._active.get(head.group, {})
+        waves = self._waves.get(head.group, {})
         for session_id in [s for s, last in active.items() if now - last > self.active_s]:
             del active[session_id]
+            waves.pop(session_id, None)
         queued = {step.session_id for step in self._pending}
-        return any(session_id not in queued and last <= head.arrived_s for session_id, last in active.items())
+        mine = None if anyone else {waves.get(step.session_id) for step in batch}
+        if mine is not None and None in mine:
+            mine = None
+        return any(session_id not in queued and last <= head.arrived_s
+                   and (mine is None or waves.get(session_id) in mine)
+                   for session_id, last in active.items())
 
     def _execute(self, batch: list[Step], run: Callable[[list[Step]], None]) -> None:
         try:

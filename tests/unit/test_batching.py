@@ -59,9 +59,11 @@ def wait_pending(batcher: StepBatcher, n: int) -> None:
 def run_behind_gate(batcher: StepBatcher, recorder: Recorder, steps: list[Step]) -> dict:
     """Run a gate step, queue ``steps`` (in order) while it runs, open it, and collect every result."""
     results: dict = {}
+    recorder.open.clear()
+    ran = len(recorder.batches)
     threads = [start(batcher, Step("gatekeeper", "gate-group", 5, "gate"), results)]
     deadline = time.monotonic() + WAIT_S
-    while not recorder.batches:
+    while len(recorder.batches) == ran:
         assert time.monotonic() < deadline
         time.sleep(0.001)
     for i, step in enumerate(steps):
@@ -264,3 +266,38 @@ def test_a_step_run_now_counts_as_its_sessions_last_step_for_batching():
     t0 = time.monotonic()
     assert batcher.submit(decode("a", 1)) == 10  # waits the window for b, as after a submitted step
     assert 0.3 <= time.monotonic() - t0 < 3.0
+
+
+def test_a_wave_waits_for_its_own_sessions_and_the_anchors_wave_for_every_one():
+    recorder = Recorder()
+    batcher = StepBatcher(recorder, window_s=0.0)
+    run_behind_gate(batcher, recorder, [decode("a", 1), decode("b", 2)])  # wave of a and b (a: the anchor)
+    run_behind_gate(batcher, recorder, [decode("c", 3), decode("d", 4)])  # wave of c and d
+    batcher.window_s = WAIT_S
+    results: dict = {}
+    t0 = time.monotonic()
+    leader = start(batcher, decode("c", 5), results)
+    time.sleep(0.2)
+    assert len(recorder.batches) == 4  # c waits for d, its wave
+    follower = start(batcher, decode("d", 6), results)
+    for thread in (leader, follower):
+        thread.join(WAIT_S)
+    assert recorder.batches[4:] == [[("c", 5), ("d", 6)]]  # not waiting for a and b, a round trip away
+    assert time.monotonic() - t0 < WAIT_S / 2
+    threads = [start(batcher, decode("a", 7), results)]
+    time.sleep(0.2)
+    assert len(recorder.batches) == 5  # the anchor's wave waits for every active session
+    threads += [start(batcher, decode(s, w), results) for s, w in (("b", 8), ("c", 9), ("d", 10))]
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert recorder.batches[5:] == [[("a", 7), ("b", 8), ("c", 9), ("d", 10)]]  # one wave now
+    assert results[("d", 10)] == 100
+
+
+def test_a_session_still_in_prefill_is_not_waited_for():
+    recorder = Recorder()
+    batcher = StepBatcher(recorder, window_s=30.0)
+    batcher.submit(Step("b", "g", 64, 0))  # b's prompt, in one chunk
+    t0 = time.monotonic()
+    assert batcher.submit(decode("a", 1)) == 10
+    assert time.monotonic() - t0 < 5.0  # not the 30 s window: b has not decoded here yet
