@@ -15,19 +15,20 @@ Policy (pure data in, list of steps out; :meth:`StepBatcher._collect`):
   shard slot, same layers, same kind of input), oldest first, one step per session, at most
   ``max_batch`` steps. A prefill chunk (more tokens) runs alone.
 - A decode step that finds the node idle may wait for other sessions of its group that it
-  *expects*: those whose last decode step of the group here ended within ``active_s`` but before
-  this step arrived, that have no step queued, and that have not been forgotten
-  (:meth:`StepBatcher.forget`). A session counts once its first decode step here has run: one
-  still in prefill is not waited for.
+  *expects*: those whose last step of the group here ended within ``active_s`` but before this
+  step arrived, that have no step queued, and that have not been forgotten
+  (:meth:`StepBatcher.forget`).
 - Sessions travel in *waves*: the sessions of one batch reach the next node together and come
   back together. A batch waits only for the expected sessions of its own waves (the batches its
   sessions were in last time here), at most the window after its oldest step arrived
   (``window_s``, or :data:`WINDOW_COMPUTE_SHARE` of the group's recent decode-batch compute time
-  when longer). It never waits for another wave, which is a round trip away: waiting for it
-  would only idle the node. The exception merges waves: the batch holding the group's *anchor*
-  (its active session with the smallest id) waits for every expected session, up to
-  :data:`MERGE_COMPUTE_SHARE` of a batch's compute time, so the other waves catch up with it
-  within a stage or two and the node then runs one batch where it ran several.
+  when longer). A first decode step, whose session has no wave yet, waits for every expected
+  session, prefilled ones included, so sessions that start together decode together.
+- Waves merge: a batch also waits, up to :data:`MERGE_COMPUTE_SHARE` of a batch's compute time,
+  for a session of another wave that is *due* within that time (its previous step here plus its
+  last round trip). Of two waves, only the one ahead waits; the one behind sees the other due a
+  whole round trip later and goes on, so the gap closes within a stage or two and the node runs
+  one batch where it ran several. Waiting for a wave that is not due would only idle the node.
 - It stops waiting as soon as all it waits for are in, or ``max_batch`` is reached. With one
   session active nobody waits.
 """
@@ -44,9 +45,9 @@ from meshnet.stats import EMA
 #: a leader may wait up to this share of its group's recent decode-batch compute time, when that is
 #: longer than ``window_s``: a step that joins saves a batch of its own, which costs about as much
 WINDOW_COMPUTE_SHARE = 0.5
-#: the anchor's batch waits up to this share of a batch's compute time for the other waves: a wave
-#: that trails it queues behind its compute, about one batch time behind, so a shorter wait never
-#: closes the gap (measured with ``bench/batching.py``, ADR-0041's wave amendment)
+#: a batch waits up to this share of a batch's compute time for a wave due right behind it: a wave
+#: that trails another queues behind its compute, about one batch time behind, so a shorter wait
+#: never closes the gap (measured with ``bench/batching.py``, ADR-0041's wave amendment)
 MERGE_COMPUTE_SHARE = 1.5
 
 
@@ -108,6 +109,8 @@ class StepBatcher:
         self._compute_s: dict[Hashable, EMA] = {}  # group -> seconds a decode batch of it takes to run
         self._waves: dict[Hashable, dict[str, int]] = {}  # group -> session id -> the decode batch it was in last
         self._batches = 0  # decode batches run, numbering the waves
+        self._rounds: dict[Hashable, dict[str, tuple[float, float | None]]] = {}
+        # group -> session id -> (when its latest decode step arrived, seconds since the one before)
 
     def submit(self, step: Step) -> object:
         """Queue ``step``, wait until it has run (leading a batch when no one else does) and
@@ -119,6 +122,8 @@ class StepBatcher:
         with self._cond:
             step.arrived_s = self.clock()
             self._pending.append(step)
+            self._active.setdefault(step.group, {})[step.session_id] = step.arrived_s
+            self._arrived(step)
             self._cond.notify_all()
             while not step.done:
                 if self._leading:
@@ -143,7 +148,7 @@ class StepBatcher:
 
     def try_now(self, step: Step, run: Callable[[list[Step]], None] | None = None) -> bool:
         """Run a decode step at once on the calling thread when it would run alone anyway: no batch
-        runs or waits, and no other session of its group is expected (:meth:`_expecting`). A lone
+        runs or waits, and no other session of its group is expected (:meth:`_wait_share`). A lone
         session's step then costs no hand-off to a worker thread (about 0.2-0.5 ms each way on a
         loaded 2-core host, measured in ADR-0041's amendment), and the batching policy is unchanged.
 
@@ -162,11 +167,13 @@ class StepBatcher:
             step.arrived_s = self.clock()
             self._pending.append(step)
             try:
-                expecting = self._expecting([step], self._anchored([step]))
+                waits = self._wait_share([step])
             finally:
                 self._pending.remove(step)
-            if expecting:
+            if waits is not None:
                 return False
+            self._active.setdefault(step.group, {})[step.session_id] = step.arrived_s
+            self._arrived(step)
             self._leading = True
         started_s = self.clock()
         try:
@@ -179,24 +186,25 @@ class StepBatcher:
         return True
 
     def _ran(self, batch: list[Step], started_s: float) -> None:
-        """Bookkeeping after a decode batch ran (holding the condition): its sessions' last step here,
-        their wave, and the group's decode-batch compute time. A prefill chunk leaves no trace: a
-        session is waited for only once it decodes."""
-        if batch[0].tokens != 1:
-            return
+        """Bookkeeping after a batch ran (holding the condition): its sessions' last step here, and
+        for a decode batch their wave and the group's decode-batch compute time."""
         finished_s = self.clock()
         group = batch[0].group
-        self._batches += 1
-        active, waves = self._active.setdefault(group, {}), self._waves.setdefault(group, {})
+        active = self._active.setdefault(group, {})
         for done in batch:
             active[done.session_id] = finished_s
+        if batch[0].tokens != 1:
+            return
+        self._batches += 1
+        waves = self._waves.setdefault(group, {})
+        for done in batch:
             waves[done.session_id] = self._batches
         self._compute_s.setdefault(group, EMA(0.2)).update(finished_s - started_s)
 
     def forget(self, session_id: str) -> None:
         """``session_id`` ended here: batches no longer wait for its steps."""
         with self._cond:
-            for sessions in (*self._active.values(), *self._waves.values()):
+            for sessions in (*self._active.values(), *self._waves.values(), *self._rounds.values()):
                 sessions.pop(session_id, None)
 
     def window(self, group: Hashable, share: float = WINDOW_COMPUTE_SHARE) -> float:
@@ -220,10 +228,11 @@ class StepBatcher:
                 batch = self._decode_batch(head)
                 if len(batch) >= self.max_batch:
                     break
-                anchored = self._anchored(batch)
-                share = MERGE_COMPUTE_SHARE if anchored else WINDOW_COMPUTE_SHARE
+                share = self._wait_share(batch)
+                if share is None:
+                    break
                 remaining = head.arrived_s + self.window(head.group, share) - self.clock()
-                if remaining <= 0 or not self._expecting(batch, anchored):
+                if remaining <= 0:
                     break
                 self._cond.wait(remaining)
                 continue
@@ -242,35 +251,53 @@ class StepBatcher:
                     break
         return batch
 
-    def _anchored(self, batch: list[Step]) -> bool:
-        """Whether ``batch`` holds its group's anchor: the active session with the smallest id."""
-        active = self._active.get(batch[0].group)
-        if not active:
-            return False
-        anchor = min(active)
-        return any(step.session_id == anchor for step in batch)
+    def _arrived(self, step: Step) -> None:
+        """Note a decode step's arrival, and the time since its session's previous one here (its
+        round trip through the route), for :meth:`_wait_share` (holding the condition)."""
+        if step.tokens != 1:
+            return
+        rounds = self._rounds.setdefault(step.group, {})
+        previous = rounds.get(step.session_id)
+        rounds[step.session_id] = (step.arrived_s, None if previous is None else step.arrived_s - previous[0])
 
-    def _expecting(self, batch: list[Step], anyone: bool) -> bool:
-        """Whether a session may still join ``batch`` (its oldest step first): one active in its
-        group with no step queued, whose last step here was over before that oldest step arrived,
-        and, unless ``anyone`` or a session of ``batch`` has no wave yet (its first decode step
-        here), last in a batch with one of ``batch``'s sessions (its wave). A session served
-        while the batch waited cannot be back before its next trip round the route, far longer
-        than the window; waiting for it would only delay the batch."""
+    def _wait_share(self, batch: list[Step]) -> float | None:
+        """How long ``batch`` (its oldest step first) may still wait for sessions that could join
+        it, as a share of the group's decode-batch compute time (:meth:`window`); None when it
+        waits for nobody.
+
+        A session can join when it is active in the group, has no step queued, and its last step
+        here was over before the batch's oldest step arrived (a session served while the batch
+        waited cannot be back before its next trip round the route, far longer than the window).
+        The batch waits, up to :data:`WINDOW_COMPUTE_SHARE`, for such a session of its own waves,
+        for any such session when one of its own has no wave yet (its first decode step), and for
+        one of another wave whose round trip is not known yet (one decode step here so far); and,
+        up to :data:`MERGE_COMPUTE_SHARE`, for one of another wave that is due within that much:
+        its previous step here plus its last round trip. The wave due a round trip later is not
+        waited for: it is the one that left just now.
+        """
         head = batch[0]
+        group = head.group
         now = self.clock()
-        active = self._active.get(head.group, {})
-        waves = self._waves.get(head.group, {})
+        active = self._active.get(group, {})
+        waves = self._waves.get(group, {})
+        rounds = self._rounds.get(group, {})
         for session_id in [s for s, last in active.items() if now - last > self.active_s]:
             del active[session_id]
             waves.pop(session_id, None)
+            rounds.pop(session_id, None)
+        mine = {waves.get(step.session_id) for step in batch}
         queued = {step.session_id for step in self._pending}
-        mine = None if anyone else {waves.get(step.session_id) for step in batch}
-        if mine is not None and None in mine:
-            mine = None
-        return any(session_id not in queued and last <= head.arrived_s
-                   and (mine is None or waves.get(session_id) in mine)
-                   for session_id, last in active.items())
+        merge_by = head.arrived_s + self.window(group, MERGE_COMPUTE_SHARE)
+        share = None
+        for session_id, last in active.items():
+            if session_id in queued or last > head.arrived_s:
+                continue
+            round_s = rounds.get(session_id, (0.0, None))[1]
+            if None in mine or waves.get(session_id) in mine or (session_id in waves and round_s is None):
+                share = WINDOW_COMPUTE_SHARE if share is None else share
+            elif session_id in waves and rounds[session_id][0] + round_s <= merge_by:
+                return MERGE_COMPUTE_SHARE
+        return share
 
     def _execute(self, batch: list[Step], run: Callable[[list[Step]], None]) -> None:
         try:

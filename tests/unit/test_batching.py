@@ -268,36 +268,50 @@ def test_a_step_run_now_counts_as_its_sessions_last_step_for_batching():
     assert 0.3 <= time.monotonic() - t0 < 3.0
 
 
-def test_a_wave_waits_for_its_own_sessions_and_the_anchors_wave_for_every_one():
-    recorder = Recorder()
-    batcher = StepBatcher(recorder, window_s=0.0)
-    run_behind_gate(batcher, recorder, [decode("a", 1), decode("b", 2)])  # wave of a and b (a: the anchor)
-    run_behind_gate(batcher, recorder, [decode("c", 3), decode("d", 4)])  # wave of c and d
-    batcher.window_s = WAIT_S
-    results: dict = {}
+def test_the_wave_ahead_waits_for_the_wave_due_behind_it_and_they_merge():
+    shift = [0.0]  # the clock runs with real time, and jumps where the test moves it
+    batches: list[list[str]] = []
+
+    def runner(steps):  # each batch takes 1 s of the clock
+        batches.append([step.session_id for step in steps])
+        shift[0] += 1.0
+        for step in steps:
+            step.finish(step.work)
+
+    batcher = StepBatcher(runner, window_s=0.0, active_s=60.0, clock=lambda: time.monotonic() + shift[0])
+    assert batcher.submit(decode("a", 1)) == 1
+    assert batcher.submit(decode("b", 2)) == 2  # a first step: waits half a batch time for a, in vain
+    shift[0] += 8.0  # a's round trip: about 10 s
+    assert batcher.submit(decode("a", 3)) == 3  # b's round trip is not known: a waits half a batch time
     t0 = time.monotonic()
-    leader = start(batcher, decode("c", 5), results)
+    assert batcher.submit(decode("b", 4)) == 4  # a is due about 10 s after it came: b goes on at once
+    assert time.monotonic() - t0 < 1.0
+    assert batches == [["a"], ["b"], ["a"], ["b"]]
+    shift[0] += 9.0  # a comes again; b, a round trip after its last step, is due 1 s behind it
+    results: dict = {}
+    leader = start(batcher, decode("a", 5), results)
+    wait_pending(batcher, 1)
     time.sleep(0.2)
-    assert len(recorder.batches) == 4  # c waits for d, its wave
-    follower = start(batcher, decode("d", 6), results)
+    assert batches[4:] == []  # a waits for b
+    shift[0] += 1.0  # b arrives a second later, within 1.5 batch times
+    follower = start(batcher, decode("b", 6), results)
     for thread in (leader, follower):
         thread.join(WAIT_S)
-    assert recorder.batches[4:] == [[("c", 5), ("d", 6)]]  # not waiting for a and b, a round trip away
-    assert time.monotonic() - t0 < WAIT_S / 2
-    threads = [start(batcher, decode("a", 7), results)]
-    time.sleep(0.2)
-    assert len(recorder.batches) == 5  # the anchor's wave waits for every active session
-    threads += [start(batcher, decode(s, w), results) for s, w in (("b", 8), ("c", 9), ("d", 10))]
-    for thread in threads:
-        thread.join(WAIT_S)
-    assert recorder.batches[5:] == [[("a", 7), ("b", 8), ("c", 9), ("d", 10)]]  # one wave now
-    assert results[("d", 10)] == 100
+    assert batches[4:] == [["a", "b"]]
+    assert results == {("a", 5): 5, ("b", 6): 6}
 
 
-def test_a_session_still_in_prefill_is_not_waited_for():
+def test_a_session_still_in_prefill_is_waited_for_by_a_first_decode_step_only():
     recorder = Recorder()
-    batcher = StepBatcher(recorder, window_s=30.0)
+    batcher = StepBatcher(recorder, window_s=0.3)
+    assert batcher.submit(decode("a", 1)) == 10  # a decodes here: the anchor
+    batcher.window_s = 30.0
     batcher.submit(Step("b", "g", 64, 0))  # b's prompt, in one chunk
     t0 = time.monotonic()
-    assert batcher.submit(decode("a", 1)) == 10
+    assert batcher.submit(decode("a", 2)) == 20
     assert time.monotonic() - t0 < 5.0  # not the 30 s window: b has not decoded here yet
+    batcher.window_s = 0.3
+    batcher.submit(Step("c", "g", 64, 0))
+    t0 = time.monotonic()
+    assert batcher.submit(decode("c", 3)) == 30  # c's first decode step waits for a and b
+    assert 0.3 <= time.monotonic() - t0 < 3.0
