@@ -78,6 +78,19 @@ class Step:
         self.error, self.done = error, True
 
 
+@dataclass
+class _Seen:
+    """What a batcher knows of one session in one group: when its last step here ended (or arrived,
+    while queued), the decode batch it was in last (its wave; None before its first), when its
+    latest decode step arrived, and the time since the one before (its round trip; None before
+    its second)."""
+
+    last_s: float
+    wave: int | None = None
+    arrived_s: float | None = None
+    round_s: float | None = None
+
+
 class StepBatcher:
     """Gathers concurrent callers' steps into batches and runs each batch with ``run``.
 
@@ -104,13 +117,10 @@ class StepBatcher:
         self.run, self.window_s, self.max_batch, self.active_s, self.clock = run, window_s, max_batch, active_s, clock
         self._cond = threading.Condition()
         self._pending: list[Step] = []
-        self._active: dict[Hashable, dict[str, float]] = {}  # group -> session id -> its last step's end (or arrival)
+        self._seen: dict[Hashable, dict[str, _Seen]] = {}  # group -> session id -> what is known of it
         self._leading = False
         self._compute_s: dict[Hashable, EMA] = {}  # group -> seconds a decode batch of it takes to run
-        self._waves: dict[Hashable, dict[str, int]] = {}  # group -> session id -> the decode batch it was in last
         self._batches = 0  # decode batches run, numbering the waves
-        self._rounds: dict[Hashable, dict[str, tuple[float, float | None]]] = {}
-        # group -> session id -> (when its latest decode step arrived, seconds since the one before)
 
     def submit(self, step: Step) -> object:
         """Queue ``step``, wait until it has run (leading a batch when no one else does) and
@@ -122,7 +132,6 @@ class StepBatcher:
         with self._cond:
             step.arrived_s = self.clock()
             self._pending.append(step)
-            self._active.setdefault(step.group, {})[step.session_id] = step.arrived_s
             self._arrived(step)
             self._cond.notify_all()
             while not step.done:
@@ -172,7 +181,6 @@ class StepBatcher:
                 self._pending.remove(step)
             if waits is not None:
                 return False
-            self._active.setdefault(step.group, {})[step.session_id] = step.arrived_s
             self._arrived(step)
             self._leading = True
         started_s = self.clock()
@@ -189,22 +197,22 @@ class StepBatcher:
         """Bookkeeping after a batch ran (holding the condition): its sessions' last step here, and
         for a decode batch their wave and the group's decode-batch compute time."""
         finished_s = self.clock()
-        group = batch[0].group
-        active = self._active.setdefault(group, {})
+        group, decode = batch[0].group, batch[0].tokens == 1
+        seen = self._seen.setdefault(group, {})
+        if decode:
+            self._batches += 1
         for done in batch:
-            active[done.session_id] = finished_s
-        if batch[0].tokens != 1:
-            return
-        self._batches += 1
-        waves = self._waves.setdefault(group, {})
-        for done in batch:
-            waves[done.session_id] = self._batches
-        self._compute_s.setdefault(group, EMA(0.2)).update(finished_s - started_s)
+            session = seen.setdefault(done.session_id, _Seen(finished_s))
+            session.last_s = finished_s
+            if decode:
+                session.wave = self._batches
+        if decode:
+            self._compute_s.setdefault(group, EMA(0.2)).update(finished_s - started_s)
 
     def forget(self, session_id: str) -> None:
         """``session_id`` ended here: batches no longer wait for its steps."""
         with self._cond:
-            for sessions in (*self._active.values(), *self._waves.values(), *self._rounds.values()):
+            for sessions in self._seen.values():
                 sessions.pop(session_id, None)
 
     def window(self, group: Hashable, share: float = WINDOW_COMPUTE_SHARE) -> float:
@@ -252,13 +260,15 @@ class StepBatcher:
         return batch
 
     def _arrived(self, step: Step) -> None:
-        """Note a decode step's arrival, and the time since its session's previous one here (its
-        round trip through the route), for :meth:`_wait_share` (holding the condition)."""
-        if step.tokens != 1:
-            return
-        rounds = self._rounds.setdefault(step.group, {})
-        previous = rounds.get(step.session_id)
-        rounds[step.session_id] = (step.arrived_s, None if previous is None else step.arrived_s - previous[0])
+        """Note a step's arrival as its session's last step here and, for a decode step, the time
+        since the session's previous one here (its round trip through the route), for
+        :meth:`_wait_share` (holding the condition)."""
+        session = self._seen.setdefault(step.group, {}).setdefault(step.session_id, _Seen(step.arrived_s))
+        session.last_s = step.arrived_s
+        if step.tokens == 1:
+            if session.arrived_s is not None:
+                session.round_s = step.arrived_s - session.arrived_s
+            session.arrived_s = step.arrived_s
 
     def _wait_share(self, batch: list[Step]) -> float | None:
         """How long ``batch`` (its oldest step first) may still wait for sessions that could join
@@ -276,26 +286,21 @@ class StepBatcher:
         waited for: it is the one that left just now.
         """
         head = batch[0]
-        group = head.group
         now = self.clock()
-        active = self._active.get(group, {})
-        waves = self._waves.get(group, {})
-        rounds = self._rounds.get(group, {})
-        for session_id in [s for s, last in active.items() if now - last > self.active_s]:
-            del active[session_id]
-            waves.pop(session_id, None)
-            rounds.pop(session_id, None)
-        mine = {waves.get(step.session_id) for step in batch}
+        seen = self._seen.get(head.group, {})
+        for session_id in [s for s, session in seen.items() if now - session.last_s > self.active_s]:
+            del seen[session_id]
+        mine = {seen[step.session_id].wave if step.session_id in seen else None for step in batch}
+        first = None in mine  # a first decode step waits for everyone
         queued = {step.session_id for step in self._pending}
-        merge_by = head.arrived_s + self.window(group, MERGE_COMPUTE_SHARE)
+        merge_by = head.arrived_s + self.window(head.group, MERGE_COMPUTE_SHARE)
         share = None
-        for session_id, last in active.items():
-            if session_id in queued or last > head.arrived_s:
+        for session_id, session in seen.items():
+            if session_id in queued or session.last_s > head.arrived_s:
                 continue
-            round_s = rounds.get(session_id, (0.0, None))[1]
-            if None in mine or waves.get(session_id) in mine or (session_id in waves and round_s is None):
-                share = WINDOW_COMPUTE_SHARE if share is None else share
-            elif session_id in waves and rounds[session_id][0] + round_s <= merge_by:
+            if first or session.wave in mine or (session.wave is not None and session.round_s is None):
+                share = WINDOW_COMPUTE_SHARE
+            elif session.wave is not None and session.arrived_s + session.round_s <= merge_by:
                 return MERGE_COMPUTE_SHARE
         return share
 
