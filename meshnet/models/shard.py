@@ -31,7 +31,7 @@ from torch import nn
 
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
-from meshnet.models.upcast import min_rows, upcast_linears
+from meshnet.models.linears import layout, min_rows, transpose_weights, upcast_linears
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,8 @@ def warm_runtime(dtype: str) -> None:
     The first forward of a process pages in the kernels' code and sets up torch's compute
     state: about 10-15 MiB on CPU whatever the shard. A node calls this before it measures a
     shard, so that fixed cost is not charged to the first shard. Once per dtype per process.
-    A half dtype's crossover to float32 products (:func:`meshnet.models.upcast.min_rows`) is
+    The weight layout and a half dtype's crossover to float32 products
+    (:func:`meshnet.models.linears.layout`, :func:`~meshnet.models.linears.min_rows`) are
     measured here too, for the same reason.
 
     Raises:
@@ -246,6 +247,7 @@ def warm_runtime(dtype: str) -> None:
         with torch.inference_mode():
             model(torch.arange(16)[None], use_cache=True)
             model(torch.arange(1)[None] + 16)
+    layout(DTYPES[dtype])
     min_rows(DTYPES[dtype])
 
 
@@ -354,7 +356,9 @@ class ShardModel:
         if quantization not in ("bfloat16", "float32"):
             from meshnet.models.quantize import quantize_linears
             quantize_linears(self.blocks, quantization, self.dtype)
-        else:  # half-precision weights: long products in float32 where this CPU's half kernels are slow
+        else:  # the weight layout, and half-precision products in float32, that this host runs fastest
+            if layout(self.dtype) == "transposed":
+                transpose_weights(self.blocks)
             upcast_linears(self.blocks, min_rows(self.dtype))
         if self.is_entry:
             from transformers import AutoTokenizer

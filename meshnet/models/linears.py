@@ -1,0 +1,246 @@
+"""How a shard's linear layers run on this host: weight layout and half-precision products.
+
+Both choices are measured once per process and dtype (in ``warm_runtime``, before a shard's
+memory is measured), not assumed, because they depend on the CPU's kernels.
+
+**Weight layout (ADR-0048).** ``nn.Linear`` stores its weight ``[out, in]`` row-major and
+multiplies by its transpose. On x86 with MKL, a product of a few rows by a weight stored
+``[in, out]`` (the same values, column-major as seen from ``nn.Linear``) ran about twice as
+fast: ``[8, 576] × [576, 1536]`` in float32 took 0.82 ms against 0.37 ms (0.28 ms against
+0.24 ms at 1 row). That is the batched decode step's shape. :func:`transpose_weights` stores
+the weights that way, as a transposed view, so the modules, the state dict and the values are
+unchanged. :func:`layout` picks the layout from :func:`measure_layout`, timed on weights larger
+than the cache, as a decode step reads them.
+
+**Half-precision products in float32 (ADR-0047).** A bfloat16 (or float16) node keeps its
+weights in half precision: half the memory and half the bytes read per decode token, which is
+what makes a one-token step fast. But a CPU without native bfloat16 instructions (AVX2,
+AVX-512 without ``avx512_bf16``, no AMX) runs a half matrix product at a cost linear in its
+rows: measured on a 2-core AVX-512F host, a ``[rows, 576] × [576, 1536]`` product took
+0.22 ms at 1 row and 25 ms at 256 rows in bfloat16, 5.3 ms at 256 rows in float32. Prefill, a
+failover's replay and large decode batches paid four times float32's compute.
+:class:`UpcastLinear` casts the input and the weight to float32 for products of at least
+``min_rows`` rows and rounds the result back to the compute dtype. The cast of the weight is
+paid per call (about 0.3 ms for 0.9 M weights), which is why single-token steps keep the half
+kernel. Both paths accumulate in float32 and round the output once, so they differ only in
+summation order. :func:`min_rows` finds the crossover on the host by timing both paths
+(:func:`choose_min_rows` is the decision), so a CPU with fast half kernels keeps them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+#: row counts timed by :func:`measure` (a decode batch's sizes up to a prefill chunk's)
+ROWS = (4, 8, 16, 32, 64)
+#: the float32 path is taken from the first timed row count where it is at least this many
+#: times as fast as the half kernel, and stays so for every larger count (a margin for noise)
+MIN_GAIN = 1.2
+#: the timed product: the MLP up-projection of a 576-wide model, ``[rows, 576] × [576, 1536]``
+#: (the crossover depends on the kernels; cast and product both scale with the weight's size)
+SHAPE = (1536, 576)
+#: environment override: ``off`` keeps the half kernels everywhere, an integer fixes ``min_rows``
+ENV = "MESHNET_UPCAST_MIN_ROWS"
+HALF = (torch.bfloat16, torch.float16)
+
+#: weight layouts: ``row`` is ``nn.Linear``'s own ``[out, in]``, ``transposed`` stores ``[in, out]``
+LAYOUTS = ("row", "transposed")
+#: row counts the layout is timed at: a lone decode step and a batch of 8 sessions
+LAYOUT_ROWS = (1, 8)
+#: ``transposed`` is chosen when it is at least this many times as fast at some timed count…
+LAYOUT_GAIN = 1.1
+#: …and at most this many times as slow at every other (a margin for noise)
+LAYOUT_SLACK = 1.05
+#: weights of :data:`SHAPE` cycled through when timing the layout: 8 are 28 MB in float32, more
+#: than the caches, so every product reads its weight from memory as a decode step does
+LAYOUT_WEIGHTS = 8
+#: environment override of the layout: ``row`` or ``transposed``
+LAYOUT_ENV = "MESHNET_WEIGHT_LAYOUT"
+
+
+class UpcastLinear(nn.Linear):
+    """``nn.Linear`` whose product runs in float32 for inputs of at least ``min_rows`` rows.
+
+    Input ``[..., in_features]`` and output ``[..., out_features]`` are in the weight's dtype,
+    as for ``nn.Linear``; rows are the input's elements over ``in_features`` (batch × tokens).
+    Below ``min_rows`` it is exactly ``nn.Linear``.
+    """
+
+    min_rows: int = 1 << 62
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < self.min_rows * self.in_features:
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+
+def upcast_linears(module: nn.Module, rows: int | None) -> int:
+    """Make every half-precision ``nn.Linear`` under ``module`` an :class:`UpcastLinear` with
+    ``min_rows = rows``, in place (parameters untouched); returns how many. ``rows=None``
+    changes nothing and returns 0."""
+    if rows is None:
+        return 0
+    count = 0
+    for child in module.modules():
+        if type(child) in (nn.Linear, UpcastLinear) and child.weight.dtype in HALF:
+            child.__class__ = UpcastLinear
+            child.min_rows = rows
+            count += 1
+    return count
+
+
+def transpose_weights(module: nn.Module) -> int:
+    """Store every ``nn.Linear`` weight under ``module`` as ``[in, out]`` contiguous, exposed to the
+    module as its transposed view ``[out, in]`` (same shape, dtype and values; the products
+    become ``x @ W_stored``); returns how many. One weight is copied at a time, so the peak is
+    one weight's bytes above the shard."""
+    count = 0
+    for child in module.modules():
+        if isinstance(child, nn.Linear):
+            weight = child.weight.detach()
+            child.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
+            count += 1
+    return count
+
+
+def choose_layout(samples: dict[str, dict[int, float]], gain: float = LAYOUT_GAIN,
+                  slack: float = LAYOUT_SLACK) -> str:
+    """``transposed`` when its products are at least ``gain`` × as fast as ``row``'s at some timed
+    row count and at most ``slack`` × as slow at every one, else ``row``.
+
+    Args:
+        samples: layout → row count → seconds per product (:func:`measure_layout`).
+    """
+    row, transposed = samples.get("row", {}), samples.get("transposed", {})
+    counts = sorted(set(row) & set(transposed))
+    if not counts:
+        return "row"
+    faster = any(row[n] >= gain * transposed[n] for n in counts)
+    never_slower = all(transposed[n] <= slack * row[n] for n in counts)
+    return "transposed" if faster and never_slower else "row"
+
+
+def measure_layout(dtype: torch.dtype, rows: tuple[int, ...] = LAYOUT_ROWS,
+                   repeats: int = 7) -> dict[str, dict[int, float]]:
+    """Seconds per ``[rows, 576] × [576, 1536]`` product in ``dtype`` with the weight stored each
+    way: layout → row count → median over ``repeats`` interleaved passes, each over
+    :data:`LAYOUT_WEIGHTS` different weights (read from memory, not cache). About 0.2 s."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(SHAPE, generator=gen).to(dtype) for _ in range(LAYOUT_WEIGHTS)]
+    stored = {"row": weights, "transposed": [w.t().contiguous().t() for w in weights]}
+    inputs = {n: torch.randn(n, SHAPE[1], generator=gen).to(dtype) for n in rows}
+    times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in rows} for name in LAYOUTS}
+    with torch.inference_mode():
+        for i in range(repeats + 1):
+            for name in LAYOUTS:
+                for n, x in inputs.items():
+                    start = time.perf_counter()
+                    for w in stored[name]:
+                        F.linear(x, w)
+                    if i:  # the first pass warms every path
+                        times[name][n].append((time.perf_counter() - start) / len(weights))
+    return {name: {n: statistics.median(ts) for n, ts in by_rows.items()} for name, by_rows in times.items()}
+
+
+@functools.cache
+def layout(dtype: torch.dtype) -> str:
+    """The weight layout this process's shards use in ``dtype`` (:func:`choose_layout` over
+    :func:`measure_layout`), measured once per process and dtype; :data:`LAYOUT_ENV` overrides it.
+
+    Raises:
+        ValueError: :data:`LAYOUT_ENV` is set to something other than a :data:`LAYOUTS` name.
+    """
+    forced = os.environ.get(LAYOUT_ENV, "").strip().lower()
+    if forced:
+        if forced not in LAYOUTS:
+            raise ValueError(f"{LAYOUT_ENV} must be one of {', '.join(LAYOUTS)}, got {forced!r}")
+        return forced
+    samples = measure_layout(dtype)
+    chosen = choose_layout(samples)
+    log.info("%s weights stored %s (ms per product by rows, row / transposed: %s)", str(dtype).removeprefix("torch."),
+             chosen, ", ".join(f"{n}: {samples['row'][n] * 1e3:.3f}/{samples['transposed'][n] * 1e3:.3f}"
+                               for n in samples["row"]))
+    return chosen
+
+
+def choose_min_rows(samples: dict[int, tuple[float, float]], gain: float = MIN_GAIN) -> int | None:
+    """The smallest row count from which the float32 path wins, or None where it never does.
+
+    Args:
+        samples: row count → (half kernel seconds, float32 path seconds).
+        gain: how many times as fast the float32 path must be (:data:`MIN_GAIN`).
+
+    Returns:
+        The smallest ``r`` in ``samples`` such that for every timed count ``>= r`` the half
+        kernel takes at least ``gain`` × the float32 path; None when the largest count fails.
+    """
+    chosen = None
+    for rows in sorted(samples, reverse=True):
+        half_s, upcast_s = samples[rows]
+        if half_s < gain * upcast_s:
+            break
+        chosen = rows
+    return chosen
+
+
+def measure(dtype: torch.dtype, rows: tuple[int, ...] = ROWS, repeats: int = 7,
+            calls: int = 3) -> dict[int, tuple[float, float]]:
+    """Time the half kernel and the float32 path on a :data:`SHAPE` product, on this thread's
+    torch threads: row count → (half seconds, float32 path seconds) per call, medians of
+    ``repeats`` interleaved samples of ``calls`` calls. About 0.5 s on a slow CPU."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(SHAPE, generator=gen).to(dtype)
+    if layout(dtype) == "transposed":  # the cast keeps the layout, and so do the shard's weights
+        weight = weight.t().contiguous().t()
+    probe = UpcastLinear(SHAPE[1], SHAPE[0], bias=False, device="meta")
+    probe.weight = nn.Parameter(weight, requires_grad=False)
+    out = {}
+    with torch.inference_mode():
+        for count in rows:
+            x = torch.randn(count, SHAPE[1], generator=gen).to(dtype)
+            times: tuple[list[float], list[float]] = ([], [])
+            for i in range(repeats + 1):
+                for path, min_rows in ((0, count + 1), (1, count)):
+                    probe.min_rows = min_rows
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        probe(x)
+                    if i:  # the first round warms both paths
+                        times[path].append((time.perf_counter() - start) / calls)
+            out[count] = (statistics.median(times[0]), statistics.median(times[1]))
+    return out
+
+
+@functools.cache
+def min_rows(dtype: torch.dtype) -> int | None:
+    """Rows from which this host runs ``dtype`` products in float32 (:func:`choose_min_rows` over
+    :func:`measure`), None for float32 itself or where the half kernels hold up. Measured once
+    per process and dtype; :data:`ENV` overrides it (``off`` or a row count).
+
+    Raises:
+        ValueError: :data:`ENV` is neither ``off`` nor a positive integer.
+    """
+    forced = os.environ.get(ENV, "").strip().lower()
+    if dtype not in HALF or forced == "off":
+        return None
+    if forced:
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(f"{ENV} must be 'off' or a positive row count, got {forced!r}")
+        return int(forced)
+    samples = measure(dtype)
+    chosen = choose_min_rows(samples)
+    log.info("%s products from %s rows run in float32 (half ms / float32 path ms by rows: %s)",
+             str(dtype).removeprefix("torch."), chosen,
+             ", ".join(f"{r}: {h * 1e3:.2f}/{u * 1e3:.2f}" for r, (h, u) in samples.items()))
+    return chosen

@@ -1,0 +1,167 @@
+"""How a shard's linears run: weight layout (ADR-0048) and half-precision products in float32
+from a measured row count (ADR-0047)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshnet.layers import LayerRange
+from meshnet.models import linears
+from meshnet.models.linears import UpcastLinear, choose_layout, choose_min_rows, transpose_weights, upcast_linears
+from meshnet.models.shard import KVCache, ShardModel
+from meshnet.node.doctor import weights_digest
+
+
+@pytest.fixture
+def fresh_choices(monkeypatch):
+    linears.min_rows.cache_clear()
+    linears.layout.cache_clear()
+    yield monkeypatch
+    linears.min_rows.cache_clear()
+    linears.layout.cache_clear()
+
+
+def test_the_float32_path_starts_where_it_wins_at_every_larger_count():
+    # half kernel linear in rows, float32 path: a fixed cast plus a cheap product
+    samples = {4: (1.0, 2.0), 8: (2.0, 2.1), 16: (4.0, 2.2), 32: (8.0, 2.6), 64: (16.0, 3.4)}
+    assert choose_min_rows(samples) == 16
+    assert choose_min_rows(samples, gain=2.0) == 32
+
+
+def test_a_noisy_middle_sample_moves_the_start_above_it():
+    samples = {8: (2.0, 1.0), 16: (2.0, 2.0), 32: (8.0, 2.6), 64: (16.0, 3.4)}
+    assert choose_min_rows(samples) == 32
+
+
+def test_fast_half_kernels_keep_every_product_in_half_precision():
+    samples = {4: (1.0, 2.0), 16: (1.1, 2.2), 64: (1.5, 3.4)}
+    assert choose_min_rows(samples) is None
+    assert choose_min_rows({}) is None
+
+
+def make_linear(dtype=torch.bfloat16, bias=True) -> torch.nn.Linear:
+    torch.manual_seed(3)
+    return torch.nn.Linear(24, 40, bias=bias).to(dtype)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_long_products_equal_the_float32_product_rounded_once(bias):
+    linear = make_linear(bias=bias)
+    assert upcast_linears(linear, 16) == 1 and isinstance(linear, UpcastLinear)
+    x = torch.randn(2, 8, 24).to(torch.bfloat16)  # 16 rows
+    b = None if linear.bias is None else linear.bias.float()
+    want = F.linear(x.float(), linear.weight.float(), b).to(torch.bfloat16)
+    assert torch.equal(linear(x), want)
+    short = x[:, :7]  # 14 rows: the half kernel, exactly nn.Linear
+    assert torch.equal(linear(short), F.linear(short, linear.weight, linear.bias))
+    assert linear(x).dtype == torch.bfloat16 and linear(x).shape == (2, 8, 40)
+
+
+def test_only_half_precision_linears_change():
+    module = torch.nn.Sequential(make_linear(torch.bfloat16), make_linear(torch.float32), torch.nn.GELU(),
+                                 make_linear(torch.float16))
+    assert upcast_linears(module, None) == 0
+    assert [type(m) for m in module] == [torch.nn.Linear, torch.nn.Linear, torch.nn.GELU, torch.nn.Linear]
+    weight = module[0].weight
+    assert upcast_linears(module, 8) == 2
+    assert [type(m) for m in module] == [UpcastLinear, torch.nn.Linear, torch.nn.GELU, UpcastLinear]
+    assert module[0].weight is weight and module[0].min_rows == 8 == module[3].min_rows
+    assert upcast_linears(module, 32) == 2 and module[0].min_rows == 32  # again: the count changes
+
+
+def test_the_environment_fixes_or_disables_the_row_count(fresh_choices):
+    fresh_choices.setenv(linears.ENV, "off")
+    assert linears.min_rows(torch.bfloat16) is None
+    linears.min_rows.cache_clear()
+    fresh_choices.setenv(linears.ENV, "24")
+    assert linears.min_rows(torch.bfloat16) == 24
+    assert linears.min_rows(torch.float32) is None  # float32 has nothing to cast
+    linears.min_rows.cache_clear()
+    fresh_choices.setenv(linears.ENV, "many")
+    with pytest.raises(ValueError, match="MESHNET_UPCAST_MIN_ROWS must be 'off' or a positive row count"):
+        linears.min_rows(torch.bfloat16)
+
+
+def test_measure_times_both_paths_at_every_count():
+    samples = linears.measure(torch.bfloat16, rows=(2, 16), repeats=2, calls=1)
+    assert sorted(samples) == [2, 16]
+    assert all(half > 0 and cast > 0 for half, cast in samples.values())
+
+
+def test_a_bfloat16_shard_prefills_in_float32_and_decodes_in_bfloat16(tiny_model_path, fresh_choices):
+    fresh_choices.setenv(linears.ENV, "16")
+    path = tiny_model_path("tiny-llama")
+    shard = ShardModel(path, LayerRange(1, 3), dtype="bfloat16")
+    modules = [m for m in shard.blocks.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(modules) == 2 * 7 and {type(m) for m in modules} == {UpcastLinear}
+    assert {m.min_rows for m in modules} == {16}
+    reference = ShardModel(path, LayerRange(1, 3), dtype="float32")
+    assert not any(isinstance(m, UpcastLinear) for m in reference.blocks.modules())
+    hidden = torch.randn(1, 20, shard.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    cache = KVCache()
+    out = shard.forward(hidden, cache, 0)
+    step = shard.forward(hidden[:, :1], cache, 20)
+    want = reference.forward(torch.cat([hidden, hidden[:, :1]], 1), KVCache(), 0)
+    assert out.dtype == step.dtype == torch.bfloat16
+    error = (torch.cat([out, step], 1).float() - want).norm() / want.norm()
+    assert error < 0.02, error
+
+
+def test_the_transposed_layout_is_chosen_when_it_is_faster_and_never_slower():
+    assert choose_layout({"row": {1: 0.55, 8: 1.31}, "transposed": {1: 0.42, 8: 0.85}}) == "transposed"
+    assert choose_layout({"row": {1: 0.49, 8: 1.42}, "transposed": {1: 0.43, 8: 1.46}}) == "transposed"
+    # faster at one count but more than 5 % slower at the other: row
+    assert choose_layout({"row": {1: 0.48, 8: 1.43}, "transposed": {1: 0.40, 8: 1.58}}) == "row"
+    # never slower but never 10 % faster: row (nothing to win)
+    assert choose_layout({"row": {1: 0.48, 8: 1.43}, "transposed": {1: 0.45, 8: 1.40}}) == "row"
+    assert choose_layout({}) == "row"
+
+
+def test_transposed_weights_keep_shape_values_and_products():
+    module = torch.nn.Sequential(make_linear(torch.float32), torch.nn.GELU(), make_linear(torch.float32, bias=False))
+    before = [m.weight.detach().clone() for m in (module[0], module[2])]
+    x = torch.randn(8, 24)
+    want = module[0](x)
+    assert transpose_weights(module) == 2
+    for m, w in zip((module[0], module[2]), before):
+        assert m.weight.shape == (40, 24) and m.weight.stride() == (1, 40)  # stored [in, out]
+        assert torch.equal(m.weight, w) and not m.weight.requires_grad
+    assert torch.allclose(module[0](x), want, rtol=1e-5, atol=1e-6)
+    assert transpose_weights(module) == 2 and module[0].weight.stride() == (1, 40)  # again: no change
+
+
+def test_measure_layout_times_both_layouts_at_every_count():
+    samples = linears.measure_layout(torch.float32, rows=(1, 8), repeats=1)
+    assert sorted(samples) == ["row", "transposed"]
+    assert all(sorted(by_rows) == [1, 8] and min(by_rows.values()) > 0 for by_rows in samples.values())
+
+
+def test_the_environment_fixes_the_layout(fresh_choices):
+    fresh_choices.setenv(linears.LAYOUT_ENV, "row")
+    assert linears.layout(torch.float32) == "row"
+    linears.layout.cache_clear()
+    fresh_choices.setenv(linears.LAYOUT_ENV, "columns")
+    with pytest.raises(ValueError, match="MESHNET_WEIGHT_LAYOUT must be one of row, transposed"):
+        linears.layout(torch.float32)
+
+
+def test_a_transposed_shard_holds_the_same_weights_and_computes_the_same(tiny_model_path, fresh_choices):
+    path = tiny_model_path("tiny-llama")
+    shards = {}
+    for name in linears.LAYOUTS:
+        linears.layout.cache_clear()
+        fresh_choices.setenv(linears.LAYOUT_ENV, name)
+        shards[name] = ShardModel(path, LayerRange(1, 3), dtype="float32")
+    down = {name: shard.blocks["1"].mlp.down_proj.weight for name, shard in shards.items()}
+    assert down["row"].is_contiguous() and not down["transposed"].is_contiguous()
+    assert weights_digest(shards["row"]) == weights_digest(shards["transposed"])
+    hidden = torch.randn(3, 1, shards["row"].config.hidden_size, generator=torch.Generator().manual_seed(2))
+    out = {}
+    for name, shard in shards.items():
+        caches = [KVCache() for _ in range(3)]
+        for row, cache in enumerate(caches):
+            shard.forward(hidden[row:row + 1].expand(1, 4 + row, -1), cache, 0)
+        out[name] = shard.forward_batch(hidden, caches, [4, 5, 6])
+    assert torch.allclose(out["row"], out["transposed"], rtol=1e-4, atol=1e-5)
