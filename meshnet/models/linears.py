@@ -61,9 +61,10 @@ LAYOUT_ROWS = (1, 8)
 LAYOUT_GAIN = 1.1
 #: …and at most this many times as slow at every other (a margin for noise)
 LAYOUT_SLACK = 1.05
-#: weights of :data:`SHAPE` cycled through when timing the layout: 8 are 28 MB in float32, more
-#: than the caches, so every product reads its weight from memory as a decode step does
-LAYOUT_WEIGHTS = 8
+#: the layout is timed on distinct weights of at least this many bytes in all (28 MB: 8 of
+#: :data:`SHAPE` in float32), more than the caches, so every product reads its weight from
+#: memory as a decode step does
+LAYOUT_BYTES = 28 << 20
 #: environment override of the layout: ``row`` or ``transposed``
 LAYOUT_ENV = "MESHNET_WEIGHT_LAYOUT"
 
@@ -131,15 +132,21 @@ def choose_layout(samples: dict[str, dict[int, float]], gain: float = LAYOUT_GAI
     return "transposed" if faster and never_slower else "row"
 
 
-def measure_layout(dtype: torch.dtype, rows: tuple[int, ...] = LAYOUT_ROWS,
+def measure_layout(dtype: torch.dtype, shape: tuple[int, int] = SHAPE, rows: tuple[int, ...] = LAYOUT_ROWS,
                    repeats: int = 7) -> dict[str, dict[int, float]]:
-    """Seconds per ``[rows, 576] × [576, 1536]`` product in ``dtype`` with the weight stored each
-    way: layout → row count → median over ``repeats`` interleaved passes, each over
-    :data:`LAYOUT_WEIGHTS` different weights (read from memory, not cache). About 0.2 s."""
+    """Seconds per ``[rows, in] × [in, out]`` product in ``dtype``, for a weight of ``shape``
+    ``(out, in)`` stored each way: layout → row count → median over ``repeats`` interleaved
+    passes, each over enough distinct weights to make :data:`LAYOUT_BYTES` (read from memory,
+    not cache). A larger weight (an LM head) is timed on its first :data:`LAYOUT_BYTES` of
+    rows: the same kernels, a quarter of a 49152 × 576 float32 head, half the time. About 0.4 s
+    for :data:`SHAPE` and 0.7-1.0 s for an LM head."""
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(SHAPE, generator=gen).to(dtype) for _ in range(LAYOUT_WEIGHTS)]
+    row_bytes = shape[1] * torch.empty((), dtype=dtype).element_size()
+    shape = (max(1, min(shape[0], LAYOUT_BYTES // row_bytes)), shape[1])
+    count = max(1, -(-LAYOUT_BYTES // (shape[0] * row_bytes)))
+    weights = [torch.randn(shape, generator=gen).to(dtype) for _ in range(count)]
     stored = {"row": weights, "transposed": [w.t().contiguous().t() for w in weights]}
-    inputs = {n: torch.randn(n, SHAPE[1], generator=gen).to(dtype) for n in rows}
+    inputs = {n: torch.randn(n, shape[1], generator=gen).to(dtype) for n in rows}
     times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in rows} for name in LAYOUTS}
     with torch.inference_mode():
         for i in range(repeats + 1):
@@ -154,9 +161,11 @@ def measure_layout(dtype: torch.dtype, rows: tuple[int, ...] = LAYOUT_ROWS,
 
 
 @functools.cache
-def layout(dtype: torch.dtype) -> str:
-    """The weight layout this process's shards use in ``dtype`` (:func:`choose_layout` over
-    :func:`measure_layout`), measured once per process and dtype; :data:`LAYOUT_ENV` overrides it.
+def layout(dtype: torch.dtype, shape: tuple[int, int] = SHAPE) -> str:
+    """The layout this process stores ``dtype`` weights of ``shape`` ``(out, in)`` in
+    (:func:`choose_layout` over :func:`measure_layout`): the decoder layers' products are timed
+    on :data:`SHAPE`, an LM head on its own shape. Measured once per process, dtype and shape;
+    :data:`LAYOUT_ENV` overrides it.
 
     Raises:
         ValueError: :data:`LAYOUT_ENV` is set to something other than a :data:`LAYOUTS` name.
@@ -166,11 +175,12 @@ def layout(dtype: torch.dtype) -> str:
         if forced not in LAYOUTS:
             raise ValueError(f"{LAYOUT_ENV} must be one of {', '.join(LAYOUTS)}, got {forced!r}")
         return forced
-    samples = measure_layout(dtype)
+    samples = measure_layout(dtype, shape)
     chosen = choose_layout(samples)
-    log.info("%s weights stored %s (ms per product by rows, row / transposed: %s)", str(dtype).removeprefix("torch."),
-             chosen, ", ".join(f"{n}: {samples['row'][n] * 1e3:.3f}/{samples['transposed'][n] * 1e3:.3f}"
-                               for n in samples["row"]))
+    log.info("%s weights %s stored %s (ms per product by rows, row / transposed: %s)",
+             str(dtype).removeprefix("torch."), "x".join(map(str, shape)), chosen,
+             ", ".join(f"{n}: {samples['row'][n] * 1e3:.3f}/{samples['transposed'][n] * 1e3:.3f}"
+                       for n in samples["row"]))
     return chosen
 
 

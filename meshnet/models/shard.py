@@ -360,6 +360,11 @@ class ShardModel:
             if layout(self.dtype) == "transposed":
                 transpose_weights(self.blocks)
             upcast_linears(self.blocks, min_rows(self.dtype))
+        if self.lm_head is not None and layout(self.dtype, tuple(self.lm_head.weight.shape)) == "transposed":
+            tied = self.lm_head.weight is self.embed.weight
+            transpose_weights(self.lm_head)  # a lookup of the tied embeddings reads 576 strided values a token
+            if tied:
+                self.embed.weight = self.lm_head.weight
         if self.is_entry:
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)

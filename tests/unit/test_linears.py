@@ -165,3 +165,23 @@ def test_a_transposed_shard_holds_the_same_weights_and_computes_the_same(tiny_mo
             shard.forward(hidden[row:row + 1].expand(1, 4 + row, -1), cache, 0)
         out[name] = shard.forward_batch(hidden, caches, [4, 5, 6])
     assert torch.allclose(out["row"], out["transposed"], rtol=1e-4, atol=1e-5)
+
+
+def test_a_transposed_entry_keeps_its_head_tied_and_its_logits(tiny_model_path, fresh_choices):
+    path = tiny_model_path("tiny-llama")
+    shards = {}
+    for name in linears.LAYOUTS:
+        linears.layout.cache_clear()
+        fresh_choices.setenv(linears.LAYOUT_ENV, name)
+        shards[name] = ShardModel(path, LayerRange(0, 2), dtype="float32")
+    vocab, hidden = shards["row"].lm_head.weight.shape
+    head = shards["transposed"].lm_head.weight
+    assert head.stride() == (1, vocab) and shards["row"].lm_head.weight.stride() == (hidden, 1)
+    assert (shards["transposed"].embed.weight is head) == (shards["row"].embed.weight is shards["row"].lm_head.weight)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    embedded = {name: shard.embed_tokens(ids, 0) for name, shard in shards.items()}
+    assert torch.equal(embedded["row"], embedded["transposed"])
+    logits = {name: shard.logits(shard.forward(embedded[name], KVCache(), 0)) for name, shard in shards.items()}
+    assert logits["row"].shape == (1, 5, vocab)
+    assert torch.allclose(logits["row"], logits["transposed"], rtol=1e-4, atol=1e-5)
+    assert weights_digest(shards["row"]) == weights_digest(shards["transposed"])
