@@ -34,6 +34,7 @@ import logging
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -57,14 +58,14 @@ HALF = (torch.bfloat16, torch.float16)
 LAYOUTS = ("row", "transposed")
 #: row counts the layout is timed at: a lone decode step and a batch of 8 sessions
 LAYOUT_ROWS = (1, 8)
-#: ``transposed`` is chosen when it is at least this many times as fast at some timed count…
-LAYOUT_GAIN = 1.1
-#: …and at most this many times as slow at every other (a margin for noise)
-LAYOUT_SLACK = 1.05
-#: the layout is timed on distinct weights of at least this many bytes in all (28 MB: 8 of
-#: :data:`SHAPE` in float32), more than the caches, so every product reads its weight from
-#: memory as a decode step does
-LAYOUT_BYTES = 28 << 20
+#: ``transposed`` is chosen when its mean cost per row over the timed counts is at least this
+#: many times lower than ``row``'s (a margin for noise: within it, ``nn.Linear``'s own layout)
+LAYOUT_GAIN = 1.05
+#: weights of fewer elements than this keep ``row`` unmeasured: a shard of them sits in cache,
+#: where the layout barely matters (the tiny test models), and timing them would cost more
+LAYOUT_MIN_ELEMENTS = 65_536
+#: the most distinct weights one timing pass cycles through
+LAYOUT_MAX_WEIGHTS = 512
 #: environment override of the layout: ``row`` or ``transposed``
 LAYOUT_ENV = "MESHNET_WEIGHT_LAYOUT"
 
@@ -101,24 +102,49 @@ def upcast_linears(module: nn.Module, rows: int | None) -> int:
     return count
 
 
-def transpose_weights(module: nn.Module) -> int:
-    """Store every ``nn.Linear`` weight under ``module`` as ``[in, out]`` contiguous, exposed to the
-    module as its transposed view ``[out, in]`` (same shape, dtype and values; the products
-    become ``x @ W_stored``); returns how many. One weight is copied at a time, so the peak is
-    one weight's bytes above the shard."""
+def stream_bytes() -> int:
+    """Bytes a layout timing pass reads: twice the largest CPU cache (Linux sysfs), so that every
+    product reads its weight from memory as a decode step through a shard does; 96 MiB where the
+    cache size cannot be read. Bounded to 32-256 MiB."""
+    largest = 0
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip().upper()
+            largest = max(largest, int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (OSError, ValueError):
+            continue
+    return min(max(2 * largest, 32 << 20), 256 << 20) if largest else 96 << 20
+
+
+def transpose(linear: nn.Linear) -> None:
+    """Store ``linear``'s weight as ``[in, out]`` contiguous, exposed to the module as its
+    transposed view ``[out, in]`` (same shape, dtype and values; the product becomes
+    ``x @ W_stored``). Copies the weight once; a no-op if it is stored so already."""
+    weight = linear.weight.detach()
+    linear.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
+
+
+def apply_layouts(module: nn.Module) -> int:
+    """Give every ``nn.Linear`` under ``module`` the layout :func:`layout` measured for its dtype
+    and shape; returns how many were stored ``transposed``. One weight is copied at a time, so
+    the peak is one weight's bytes above the shard."""
     count = 0
     for child in module.modules():
-        if isinstance(child, nn.Linear):
-            weight = child.weight.detach()
-            child.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
+        if isinstance(child, nn.Linear) and layout(child.weight.dtype, tuple(child.weight.shape)) == "transposed":
+            transpose(child)
             count += 1
     return count
 
 
-def choose_layout(samples: dict[str, dict[int, float]], gain: float = LAYOUT_GAIN,
-                  slack: float = LAYOUT_SLACK) -> str:
-    """``transposed`` when its products are at least ``gain`` × as fast as ``row``'s at some timed
-    row count and at most ``slack`` × as slow at every one, else ``row``.
+def choose_layout(samples: dict[str, dict[int, float]], gain: float = LAYOUT_GAIN) -> str:
+    """The layout with the lower cost per row (per token), averaged over the timed row counts:
+    ``transposed`` when that is at least ``gain`` × lower than ``row``'s, else ``row``.
+
+    Per row, because a node decodes one token per session either way: alone (1 row) or batched
+    (8 rows). Averaging the two regimes weighs a lone session's latency and a loaded node's
+    throughput equally. A bfloat16 LM head on this host: 14.5 ms against 7.8 ms at 1 row, and
+    39.6 against 49.9 ms at 8 rows, which is 19.4 against 14.0 ms per row: ``transposed``,
+    although it loses at 8 rows.
 
     Args:
         samples: layout → row count → seconds per product (:func:`measure_layout`).
@@ -127,23 +153,24 @@ def choose_layout(samples: dict[str, dict[int, float]], gain: float = LAYOUT_GAI
     counts = sorted(set(row) & set(transposed))
     if not counts:
         return "row"
-    faster = any(row[n] >= gain * transposed[n] for n in counts)
-    never_slower = all(transposed[n] <= slack * row[n] for n in counts)
-    return "transposed" if faster and never_slower else "row"
+    per_row = {name: statistics.fmean(by_rows[n] / n for n in counts) for name, by_rows in
+               (("row", row), ("transposed", transposed))}
+    return "transposed" if per_row["row"] >= gain * per_row["transposed"] else "row"
 
 
-def measure_layout(dtype: torch.dtype, shape: tuple[int, int] = SHAPE, rows: tuple[int, ...] = LAYOUT_ROWS,
-                   repeats: int = 7) -> dict[str, dict[int, float]]:
+def measure_layout(dtype: torch.dtype, shape: tuple[int, int], rows: tuple[int, ...] = LAYOUT_ROWS,
+                   repeats: int = 5, total_bytes: int | None = None) -> dict[str, dict[int, float]]:
     """Seconds per ``[rows, in] × [in, out]`` product in ``dtype``, for a weight of ``shape``
     ``(out, in)`` stored each way: layout → row count → median over ``repeats`` interleaved
-    passes, each over enough distinct weights to make :data:`LAYOUT_BYTES` (read from memory,
-    not cache). A larger weight (an LM head) is timed on its first :data:`LAYOUT_BYTES` of
-    rows: the same kernels, a quarter of a 49152 × 576 float32 head, half the time. About 0.4 s
-    for :data:`SHAPE` and 0.7-1.0 s for an LM head."""
+    passes, each over distinct weights of ``total_bytes`` in all (default :func:`stream_bytes`,
+    read from memory, not cache; at most :data:`LAYOUT_MAX_WEIGHTS`). A weight larger than that
+    (an LM head) is timed on its first rows that fit: the same kernels at a fraction of the
+    time. About 0.3-0.8 s per shape; twice ``total_bytes`` is allocated while it runs."""
+    total_bytes = total_bytes or stream_bytes()
     gen = torch.Generator().manual_seed(0)
     row_bytes = shape[1] * torch.empty((), dtype=dtype).element_size()
-    shape = (max(1, min(shape[0], LAYOUT_BYTES // row_bytes)), shape[1])
-    count = max(1, -(-LAYOUT_BYTES // (shape[0] * row_bytes)))
+    shape = (max(1, min(shape[0], total_bytes // row_bytes)), shape[1])
+    count = min(LAYOUT_MAX_WEIGHTS, max(1, -(-total_bytes // (shape[0] * row_bytes))))
     weights = [torch.randn(shape, generator=gen).to(dtype) for _ in range(count)]
     stored = {"row": weights, "transposed": [w.t().contiguous().t() for w in weights]}
     inputs = {n: torch.randn(n, shape[1], generator=gen).to(dtype) for n in rows}
@@ -161,11 +188,11 @@ def measure_layout(dtype: torch.dtype, shape: tuple[int, int] = SHAPE, rows: tup
 
 
 @functools.cache
-def layout(dtype: torch.dtype, shape: tuple[int, int] = SHAPE) -> str:
-    """The layout this process stores ``dtype`` weights of ``shape`` ``(out, in)`` in
-    (:func:`choose_layout` over :func:`measure_layout`): the decoder layers' products are timed
-    on :data:`SHAPE`, an LM head on its own shape. Measured once per process, dtype and shape;
-    :data:`LAYOUT_ENV` overrides it.
+def layout(dtype: torch.dtype, shape: tuple[int, int]) -> str:
+    """The layout this process stores ``dtype`` weights of ``shape`` ``(out, in)`` in:
+    :func:`choose_layout` over :func:`measure_layout`, once per process, dtype and shape (a
+    shard has four or five shapes: its projections and, at the entry, the LM head). Weights of
+    under :data:`LAYOUT_MIN_ELEMENTS` keep ``row`` unmeasured. :data:`LAYOUT_ENV` overrides it.
 
     Raises:
         ValueError: :data:`LAYOUT_ENV` is set to something other than a :data:`LAYOUTS` name.
@@ -175,6 +202,8 @@ def layout(dtype: torch.dtype, shape: tuple[int, int] = SHAPE) -> str:
         if forced not in LAYOUTS:
             raise ValueError(f"{LAYOUT_ENV} must be one of {', '.join(LAYOUTS)}, got {forced!r}")
         return forced
+    if shape[0] * shape[1] < LAYOUT_MIN_ELEMENTS:
+        return "row"
     samples = measure_layout(dtype, shape)
     chosen = choose_layout(samples)
     log.info("%s weights %s stored %s (ms per product by rows, row / transposed: %s)",
@@ -211,7 +240,7 @@ def measure(dtype: torch.dtype, rows: tuple[int, ...] = ROWS, repeats: int = 7,
     ``repeats`` interleaved samples of ``calls`` calls. About 0.5 s on a slow CPU."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(SHAPE, generator=gen).to(dtype)
-    if layout(dtype) == "transposed":  # the cast keeps the layout, and so do the shard's weights
+    if layout(dtype, SHAPE) == "transposed":  # the cast keeps the layout, and so do the shard's weights
         weight = weight.t().contiguous().t()
     probe = UpcastLinear(SHAPE[1], SHAPE[0], bias=False, device="meta")
     probe.weight = nn.Parameter(weight, requires_grad=False)

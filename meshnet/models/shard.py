@@ -31,7 +31,7 @@ from torch import nn
 
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
-from meshnet.models.linears import layout, min_rows, transpose_weights, upcast_linears
+from meshnet.models.linears import apply_layouts, min_rows, upcast_linears
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +225,7 @@ def warm_runtime(dtype: str) -> None:
     The first forward of a process pages in the kernels' code and sets up torch's compute
     state: about 10-15 MiB on CPU whatever the shard. A node calls this before it measures a
     shard, so that fixed cost is not charged to the first shard. Once per dtype per process.
-    The weight layout and a half dtype's crossover to float32 products
-    (:func:`meshnet.models.linears.layout`, :func:`~meshnet.models.linears.min_rows`) are
+    A half dtype's crossover to float32 products (:func:`meshnet.models.linears.min_rows`) is
     measured here too, for the same reason.
 
     Raises:
@@ -247,7 +246,6 @@ def warm_runtime(dtype: str) -> None:
         with torch.inference_mode():
             model(torch.arange(16)[None], use_cache=True)
             model(torch.arange(1)[None] + 16)
-    layout(DTYPES[dtype])
     min_rows(DTYPES[dtype])
 
 
@@ -357,13 +355,11 @@ class ShardModel:
             from meshnet.models.quantize import quantize_linears
             quantize_linears(self.blocks, quantization, self.dtype)
         else:  # the weight layout, and half-precision products in float32, that this host runs fastest
-            if layout(self.dtype) == "transposed":
-                transpose_weights(self.blocks)
+            apply_layouts(self.blocks)
             upcast_linears(self.blocks, min_rows(self.dtype))
-        if self.lm_head is not None and layout(self.dtype, tuple(self.lm_head.weight.shape)) == "transposed":
+        if self.lm_head is not None:
             tied = self.lm_head.weight is self.embed.weight
-            transpose_weights(self.lm_head)  # a lookup of the tied embeddings reads 576 strided values a token
-            if tied:
+            if apply_layouts(self.lm_head) and tied:  # a tied lookup then reads hidden-size strided values a token
                 self.embed.weight = self.lm_head.weight
         if self.is_entry:
             from transformers import AutoTokenizer
