@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -43,6 +44,7 @@ async def chat(request):
 
 @asynccontextmanager
 async def lifespan(app):
+    print("starting", flush=True)  # uvicorn has taken over the exit signals by now
     await asyncio.sleep(startup_s)
     drain.leave = leave
     print("started", flush=True)
@@ -118,10 +120,24 @@ def test_a_second_sigterm_skips_the_drain(start):
     assert time.monotonic() - t0 < 5
 
 
+def read_until(proc: subprocess.Popen, marker: bytes, timeout_s: float) -> bytes:
+    """The process's output up to and including the line holding ``marker`` (bounded wait)."""
+    out, deadline = b"", time.monotonic() + timeout_s
+    while marker not in out:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        line = proc.stdout.readline() if ready else b""
+        if not line:
+            raise AssertionError(f"no {marker!r} within {timeout_s} s; output so far: {out!r}")
+        out += line
+    return out
+
+
 def test_sigterm_while_starting_drains_once_started(start):
+    # the signal must come after the interpreter's imports (before them it is SIGTERM's default
+    # action, whatever the app does): the lifespan's first line says the signals are taken
     proc, url = start(startup_s=1.5)
-    time.sleep(0.5)
+    out = read_until(proc, b"starting", 30)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=15) == 0
-    out = proc.stdout.read()
+    out += proc.stdout.read()
     assert b"started" in out and b"left" in out
