@@ -175,13 +175,18 @@ def test_the_environment_fixes_the_layout(fresh_choices):
         linears.layout(torch.float32, (1536, 576))
 
 
-def test_a_transposed_shard_holds_the_same_weights_and_computes_the_same(tiny_model_path, fresh_choices):
-    path = tiny_model_path("tiny-llama")
+def shards_in_each_layout(path, layers: LayerRange, env) -> dict[str, ShardModel]:
+    """One float32 shard of ``layers`` per layout, each forced through :data:`linears.LAYOUT_ENV`."""
     shards = {}
     for name in linears.LAYOUTS:
         linears.layout.cache_clear()
-        fresh_choices.setenv(linears.LAYOUT_ENV, name)
-        shards[name] = ShardModel(path, LayerRange(1, 3), dtype="float32")
+        env.setenv(linears.LAYOUT_ENV, name)
+        shards[name] = ShardModel(path, layers, dtype="float32")
+    return shards
+
+
+def test_a_transposed_shard_holds_the_same_weights_and_computes_the_same(tiny_model_path, fresh_choices):
+    shards = shards_in_each_layout(tiny_model_path("tiny-llama"), LayerRange(1, 3), fresh_choices)
     down = {name: shard.blocks["1"].mlp.down_proj.weight for name, shard in shards.items()}
     assert down["row"].is_contiguous() and not down["transposed"].is_contiguous()
     assert weights_digest(shards["row"]) == weights_digest(shards["transposed"])
@@ -196,12 +201,7 @@ def test_a_transposed_shard_holds_the_same_weights_and_computes_the_same(tiny_mo
 
 
 def test_a_transposed_entry_keeps_its_head_tied_and_its_logits(tiny_model_path, fresh_choices):
-    path = tiny_model_path("tiny-llama")
-    shards = {}
-    for name in linears.LAYOUTS:
-        linears.layout.cache_clear()
-        fresh_choices.setenv(linears.LAYOUT_ENV, name)
-        shards[name] = ShardModel(path, LayerRange(0, 2), dtype="float32")
+    shards = shards_in_each_layout(tiny_model_path("tiny-llama"), LayerRange(0, 2), fresh_choices)
     vocab, hidden = shards["row"].lm_head.weight.shape
     head = shards["transposed"].lm_head.weight
     assert head.stride() == (1, vocab) and shards["row"].lm_head.weight.stride() == (hidden, 1)
