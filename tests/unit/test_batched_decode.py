@@ -106,3 +106,30 @@ def test_forward_batch_takes_one_token_and_one_cache_per_row(tiny_shard):
         shard.forward_batch(torch.zeros(2, 3, 64), [KVCache(), KVCache()], [0, 0])
     with pytest.raises(InvalidRequest, match="1 caches, 2 positions"):
         shard.forward_batch(torch.zeros(2, 1, 64), [KVCache()], [0, 0])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_decode_attention_is_transformers_sdpa_exactly(name, tiny_shard):
+    """The direct decode call (meshnet.models.shard.decode_attention) gives transformers' SDPA
+    wrapper's output bit for bit: one query token, grouped heads (tiny-llama: 4 heads on 2
+    key/value heads) or not (tiny-gpt2), with the module's own scale."""
+    from meshnet.models import shard as shard_module
+
+    shard = tiny_shard(name, 0, 4)
+    block = shard.blocks["0"]
+    module = block.self_attn if name == "tiny-llama" else block.attn
+    heads = shard.config.num_attention_heads
+    kv_heads = getattr(shard.config, "num_key_value_heads", None) or heads
+    head_dim = shard.config.hidden_size // heads
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(2, heads, 1, head_dim, generator=gen)
+    key, value = (torch.randn(2, kv_heads, 13, head_dim, generator=gen) for _ in range(2))
+    expected, _ = shard_module._sdpa(module, query, key, value, None, dropout=0.0, scaling=module.scaling)
+    got, _ = shard_module.attention(module, query, key, value, None, dropout=0.0, scaling=module.scaling)
+    assert got.shape == (2, 1, heads, head_dim)
+    assert torch.equal(got, expected)
+    ragged, _ = shard_module.attention(module, query, shard_module.RaggedKV([key[:1], key[1:, :, :7]]),
+                                       shard_module.RaggedKV([value[:1], value[1:, :, :7]]), None, scaling=module.scaling)
+    for row, (k, v) in enumerate([(key[:1], value[:1]), (key[1:, :, :7], value[1:, :, :7])]):  # each row alone
+        alone, _ = shard_module._sdpa(module, query[row:row + 1], k, v, None, scaling=module.scaling)
+        assert torch.equal(ragged[row:row + 1], alone)
