@@ -120,7 +120,7 @@ class ChainHost:
         try:
             chain = self._admit(message, opened)
         except MeshnetError as exc:
-            self._report_soon(opened.entry_endpoint, message.chain_id, message.position,
+            self._report_soon(opened.entry_endpoint, message.chain_id, message.position, message.hop_index,
                               self.node.settings.node_id, exc)
             return
         self.drop(message.chain_id)
@@ -197,7 +197,7 @@ class ChainHost:
         except MeshnetError as exc:  # the frame is the sender's fault: the hop before, or the entry itself
             sender = chain.opened.hops[chain.index - 1].node_id if chain.index > 0 else chain.opened.entry
             exc.message = f"{node.settings.node_id} received an unreadable frame from {sender}: {exc.message}"
-            await self._report(chain.opened.entry_endpoint, chain.chain_id, message.position, sender, exc)
+            await self._report(chain.opened.entry_endpoint, chain.chain_id, message.position, chain.index, sender, exc)
             return False
         try:
             if chain.expires_at is not None and time.time() >= chain.expires_at:
@@ -208,7 +208,8 @@ class ChainHost:
                                                    layers=chain.hop.layers, position=message.position, hidden=hidden)
             node.metrics.observe_forward(hidden.shape[1], time.perf_counter() - t0, message.position)
         except MeshnetError as exc:
-            await self._report(chain.opened.entry_endpoint, chain.chain_id, message.position, node.settings.node_id, exc)
+            await self._report(chain.opened.entry_endpoint, chain.chain_id, message.position, chain.index,
+                               node.settings.node_id, exc)
             return False
         if chain.next_hop is None:
             if message.no_result:
@@ -245,7 +246,7 @@ class ChainHost:
         if nxt is None:
             try:
                 await node.streams.send(chain.opened.entry_endpoint, pack(
-                    Kind.RESULT, chain.chain_id, position=message.position, body=frame))
+                    Kind.RESULT, chain.chain_id, position=message.position, hop_index=chain.index + 1, body=frame))
             except MeshnetError as exc:  # the entry is gone or unreachable: nobody waits for this chain
                 log.warning("could not return chain %s's result to its entry: %s", chain.chain_id, exc.message)
                 return False
@@ -260,21 +261,25 @@ class ChainHost:
             return True
         except MeshnetError as exc:
             exc.message = f"{self.node.settings.node_id} could not reach its next hop: {exc.message}"
-            await self._report(chain.opened.entry_endpoint, chain.chain_id, 0, nxt.node_id, exc)
+            await self._report(chain.opened.entry_endpoint, chain.chain_id, 0, chain.index, nxt.node_id, exc)
             return False
 
-    async def _report(self, entry_endpoint: str, chain_id: str, position: int, node_id: str,
+    async def _report(self, entry_endpoint: str, chain_id: str, position: int, index: int, node_id: str,
                       exc: MeshnetError) -> None:
-        """Send the entry one ERROR naming ``node_id`` (best effort: the entry's deadline covers a loss)."""
+        """Send the entry one ERROR naming ``node_id``, from this node as hop ``index`` of the chain
+        (best effort: the entry's deadline covers a loss). The header carries ``index + 1``, so an
+        entry that cannot read the body still knows which hop sent it."""
         body = ChainError(node_id=node_id, code=exc.code, message=exc.message, status=exc.status).to_body()
         try:
-            await self.node.streams.send(entry_endpoint, pack(Kind.ERROR, chain_id, position=position, body=body))
+            await self.node.streams.send(entry_endpoint, pack(Kind.ERROR, chain_id, position=position,
+                                                              hop_index=min(index + 1, 255), body=body))
         except MeshnetError as send_exc:
             log.warning("could not tell the entry of chain %s about %s: %s", chain_id, exc.message, send_exc.message)
 
-    def _report_soon(self, entry_endpoint: str, chain_id: str, position: int, node_id: str,
+    def _report_soon(self, entry_endpoint: str, chain_id: str, position: int, index: int, node_id: str,
                      exc: MeshnetError) -> None:
-        task = asyncio.get_running_loop().create_task(self._report(entry_endpoint, chain_id, position, node_id, exc))
+        task = asyncio.get_running_loop().create_task(self._report(entry_endpoint, chain_id, position, index,
+                                                                   node_id, exc))
         _background.add(task)
         task.add_done_callback(_background.discard)
 

@@ -5,7 +5,8 @@ Every message is one binary WebSocket message: a fixed 24-byte header, then a bo
     offset size  field
     0      1     kind (1 OPEN, 2 STEP, 3 RESULT, 4 ERROR)
     1      1     version (1)
-    2      1     hop index: the receiver's place in the route (OPEN, STEP); 0 otherwise
+    2      1     hop index: the receiver's place in the route (OPEN, STEP), from 0; the
+                 sender's place plus one (RESULT, ERROR), 0 when not given
     3      1     flags (bit 0 LAST_ONLY: the last hop returns only the last position;
                          bit 1 NO_RESULT: it returns nothing, e.g. a failover's replay chunks)
     4      16    chain id: the session id of this chain on every hop, as 16 raw bytes (a uuid)

@@ -213,6 +213,36 @@ async def test_an_unreadable_step_frame_blames_the_hop_that_sent_it(nodes, monke
     assert await sessions_left(nodes, ["b", "c"]) == {"b": 0, "c": 0}
 
 
+async def test_an_error_the_entry_cannot_read_blames_the_hop_that_sent_it(nodes, tiny_hf_model, monkeypatch):
+    """``c`` reports a step failure in an ERROR whose body does not parse: its place in the chain,
+    in the message header, still names it, so ``c`` is excluded and reported, the chain goes
+    through ``c2``, and the tokens are unchanged."""
+    from meshnet.node import streams as node_streams
+
+    class Garbled(node_streams.ChainError):
+        def to_body(self) -> bytes:
+            return b"\xffnot json"
+
+    monkeypatch.setattr(node_streams, "ChainError", Garbled)
+    host = nodes["b"][1].chains
+    real_send_output, spoiled = host._send_output, []
+
+    async def spoiling(chain, message, frame):  # c cannot decode this frame, so it sends an ERROR
+        if chain.next_hop is not None and message.position == len(PROMPT) and not spoiled:
+            spoiled.append(chain.chain_id)
+            frame = UNUSABLE["garbage"]
+        return await real_send_output(chain, message, frame)
+
+    monkeypatch.setattr(host, "_send_output", spoiling)
+    reported, calls = [], []
+    orch = orchestrator(nodes, routes_over(nodes, ["b", "c"], ["b", "c2"], calls=calls), reported)
+    got, stats = await asyncio.wait_for(generate(orch), timeout=60)
+    assert len(spoiled) == 1
+    assert got == monolithic(tiny_hf_model)
+    assert reported == ["c"] and calls == [set(), {"c"}] and stats.failovers == 1
+    assert [h.node_id for h in stats.route] == ["entry", "b", "c2"]
+
+
 async def test_a_last_hop_that_cannot_reach_the_entry_is_found_by_the_probe_and_replaced(nodes, tiny_hf_model,
                                                                                        monkeypatch):
     """``c`` cannot return one decode step's RESULT (the entry unreachable from it) and drops the
