@@ -5,8 +5,9 @@ the evidence: the two witnesses and the three pairwise distances. The tracker do
 the entry's word for the verdict: :func:`judge` checks that the sender may report on that node
 at all, that the witnesses are other admitted holders of the same layers and recipe, and
 re-counts the vote with its own tolerance for that recipe. A quarantine is kept by node id (a
-re-registration keeps it), shown in ``GET /v1/nodes`` with its evidence, and lifted only by
-``POST /v1/operator/reinstate``.
+re-registration keeps it), kept in the tracker's store (a restart keeps it, and every tracker
+of a shared database applies it), shown in ``GET /v1/nodes`` with its evidence, and lifted only
+by ``POST /v1/operator/reinstate``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,19 @@ class Quarantine:
         return {"reported_by": self.reported_by, "model": self.model, "shard_start": self.shard_start,
                 "shard_end": self.shard_end, "witnesses": list(self.witnesses), "distances": dict(self.distances),
                 "tolerance": self.tolerance, "since": self.since}
+
+    @classmethod
+    def from_json(cls, node_id: str, data: dict) -> "Quarantine":
+        """The record of :meth:`to_json` (as the tracker's store keeps it), for ``node_id``.
+
+        Raises:
+            KeyError, TypeError, ValueError: ``data`` is not such a record.
+        """
+        return cls(node_id=node_id, reported_by=str(data["reported_by"]), model=str(data["model"]),
+                   shard_start=int(data["shard_start"]), shard_end=int(data["shard_end"]),
+                   witnesses=tuple(str(w) for w in data["witnesses"]),
+                   distances={str(k): float(v) for k, v in dict(data["distances"]).items()},
+                   tolerance=float(data["tolerance"]), since=float(data["since"]))
 
 
 def _pairs(distances: dict[str, float]) -> dict[tuple[str, str], float]:

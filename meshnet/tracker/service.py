@@ -160,6 +160,7 @@ class TrackerService(TrustMixin):
         for name in self.store.models():
             self.ensure_model(name)
         self.apply_demand(self.store.demand_events(since=time.time() - settings.demand_window_s))
+        self.apply_quarantines(self.store.quarantines())
 
     # ---- models -----------------------------------------------------------------------
 
@@ -576,7 +577,7 @@ class TrackerService(TrustMixin):
             else:
                 record.last_failure_s, record.last_move_s = old.last_failure_s, old.last_move_s
                 record.last_heartbeat_s = max(record.last_heartbeat_s, old.last_heartbeat_s)
-            record.quarantine = self.quarantined.get(row.node_id)  # quarantines are this tracker's (ADR-0042)
+            record.quarantine = self.quarantined.get(row.node_id)  # from the store's quarantines table (ADR-0042)
             self.nodes[row.node_id] = record
             self.verify_shards(record)  # the verdicts this tracker holds for its reports (ADR-0042)
             changed += 1

@@ -73,18 +73,20 @@ class Sharing:
         since = max(0.0, self.read_at - SYNC_MARGIN_S) if self.read_at else 0.0
         read_at = time.time()
         svc.take_queued_since_read()
-        rows, events, queued = await asyncio.to_thread(self._exchange, heartbeats, since)
+        rows, events, queued, quarantines = await asyncio.to_thread(self._exchange, heartbeats, since)
         self.read_at = read_at
+        svc.apply_quarantines(quarantines)
         svc.apply_rows(rows)
         svc.apply_demand(events)
         svc.queued_hint = set(queued) | svc.take_queued_since_read()
         return leading
 
     def _exchange(self, heartbeats: dict[str, float], since: float):
-        """Worker thread: write the heartbeat times, read the changes."""
+        """Worker thread: write the heartbeat times, read the changes (node records, demand, the nodes
+        with queued directives, and the quarantines, a small table read whole)."""
         store, svc = self.service.store, self.service
         store.touch_nodes(heartbeats)
         return (store.nodes_changed(since),
                 store.demand_events(after_id=svc.demand_seen, since=time.time() - svc.settings.demand_window_s,
                                     not_from=svc.origin),
-                store.nodes_with_queued())
+                store.nodes_with_queued(), store.quarantines())

@@ -12,7 +12,9 @@ once per statement) and how they lead:
   processes share the database; one leads (an advisory lock) and the others stand by.
 
 What only the tracker knows lives here: operator pins, the directive queue, the tracked models,
-which public key owns each node id (ADR-0035), the demand events, and (on a shared database)
+which public key owns each node id (ADR-0035), the demand events, the quarantines and the
+known weights digests (ADR-0042: a restart must neither lift a quarantine nor let the first node
+to register again set the digest its peers are held to), and (on a shared database)
 the node records every tracker reads, so that a standby knows the whole network when it takes
 over. An open ``LOAD_SHARD``/``DROP_SHARD`` is unique per node, model and range (a partial
 unique index): queueing it again is a no-op, whichever tracker queues it.
@@ -50,6 +52,8 @@ CREATE TABLE IF NOT EXISTS nodes (
 CREATE TABLE IF NOT EXISTS demand (
   id {id}, model TEXT NOT NULL, kind TEXT NOT NULL, at {real} NOT NULL, origin TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS tracker_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS quarantines (node_id TEXT PRIMARY KEY, record TEXT NOT NULL, since {real} NOT NULL);
+CREATE TABLE IF NOT EXISTS digests (shard_key TEXT PRIMARY KEY, digest TEXT NOT NULL, known_at {real} NOT NULL);
 -- what every heartbeat reads (a node's queued directives) and what rebalance and pruning read
 -- (directives by status, finished ones by age); IF NOT EXISTS adds them to older databases (ADR-0037)
 CREATE INDEX IF NOT EXISTS directives_by_node_status ON directives (node_id, status);
@@ -365,6 +369,36 @@ class TrackerStore:
     def delete_node(self, node_id: str) -> None:
         """Forget a node's record (it dropped out or left)."""
         self._exec("DELETE FROM nodes WHERE node_id = ?", (node_id,))
+
+    # quarantines (ADR-0042)
+    def add_quarantine(self, node_id: str, record: str, since: float) -> str:
+        """Quarantine ``node_id`` with ``record`` (the evidence as JSON text) at unix time ``since``
+        unless it is quarantined already; returns the record it is quarantined with now (the earlier
+        one when there was one: the first evidence stays, on any tracker)."""
+        with self.lock:
+            self._execute("INSERT INTO quarantines VALUES (?,?,?) ON CONFLICT DO NOTHING", (node_id, record, since))
+            return self._execute("SELECT record FROM quarantines WHERE node_id = ?", (node_id,)).fetchone()["record"]
+
+    def remove_quarantine(self, node_id: str) -> bool:
+        """Lift ``node_id``'s quarantine; True when there was one."""
+        return self._exec("DELETE FROM quarantines WHERE node_id = ?", (node_id,)) > 0
+
+    def quarantines(self) -> dict[str, str]:
+        """Every quarantined node id → its record (JSON text), oldest first."""
+        return {r["node_id"]: r["record"] for r in self._rows("SELECT node_id, record FROM quarantines ORDER BY since")}
+
+    # known weights digests (ADR-0042)
+    def learn_digest(self, shard_key: str, digest: str) -> str:
+        """Record ``digest`` as the weights digest of ``shard_key`` (model, exact range and recipe, as
+        text) unless one is known already; returns the one known now (first one wins, on any tracker)."""
+        with self.lock:
+            self._execute("INSERT INTO digests VALUES (?,?,?) ON CONFLICT DO NOTHING", (shard_key, digest, time.time()))
+            return self._execute("SELECT digest FROM digests WHERE shard_key = ?", (shard_key,)).fetchone()["digest"]
+
+    def known_digest(self, shard_key: str) -> str | None:
+        """The weights digest known for ``shard_key``, or None."""
+        rows = self._rows("SELECT digest FROM digests WHERE shard_key = ?", (shard_key,))
+        return rows[0]["digest"] if rows else None
 
     # demand events (ADR-0043)
     def add_demand_event(self, event: DemandEvent) -> int:

@@ -9,6 +9,7 @@ concept; the state lives on the service (``verdicts``, ``digests``, ``challenges
 
 from __future__ import annotations
 
+import json
 import logging
 
 from meshnet.errors import Forbidden, InvalidRequest
@@ -57,6 +58,23 @@ class TrustMixin:
         return digest_key(shard.model, shard.layers, shard.quantization, shard.report.recipe.compute_dtype) + (
             shard.entry,)
 
+    def _known_digest(self, shard: ShardRecord) -> str | None:
+        """The weights digest known for the shard's model, range and recipe: this tracker's, else
+        the store's (learnt before a restart, or by another tracker of a shared database)."""
+        key = self._digest_key(shard)
+        if key not in self.digests:
+            stored = self.store.known_digest(json.dumps(key))
+            if stored is None:
+                return None
+            self.digests[key] = stored
+        return self.digests[key]
+
+    def _learn_digest(self, shard: ShardRecord, digest: str) -> None:
+        """Know ``digest`` for the shard's key unless a digest is known for it (kept in the store)."""
+        key = self._digest_key(shard)
+        if key not in self.digests:
+            self.digests[key] = self.store.learn_digest(json.dumps(key), digest)
+
     def verify_shards(self, node: NodeRecord) -> None:
         """Give each passed shard of a reachable ``node`` its verification: a known one, or a new
         decision (:func:`meshnet.tracker.admission.decide`), which may queue a challenge (the
@@ -79,10 +97,10 @@ class TrustMixin:
         hidden = preset.hidden_size if preset is not None and self.settings.admission_challenges else None
         holders = [self._holder(n, s) for n, s in self.admitted_shards(shard.model) if n.node_id != node.node_id]
         digest = shard.report.weights_digest
-        out = decide(self._holder(node, shard), digest, self.digests.get(self._digest_key(shard)), holders, hidden)
+        out = decide(self._holder(node, shard), digest, self._known_digest(shard), holders, hidden)
         if isinstance(out, Verdict):
             if out.state in ADMITTING and digest:
-                self.digests.setdefault(self._digest_key(shard), digest)
+                self._learn_digest(shard, digest)
             log.log(logging.WARNING if out.state == "rejected" else logging.INFO, "shard %s %s on %s: %s (%s)",
                     shard.model, shard.layers, node.node_id, out.state, out.reason)
             return out
@@ -106,7 +124,7 @@ class TrustMixin:
             if shard.report is not None and self._verdict_key(node, shard) == challenge.key:
                 shard.verdict = verdict
                 if verdict.state == "verified" and shard.report.weights_digest:
-                    self.digests.setdefault(self._digest_key(shard), shard.report.weights_digest)
+                    self._learn_digest(shard, shard.report.weights_digest)
         log.log(logging.WARNING if verdict.state in ("rejected", "failed") else logging.INFO,
                 "challenge of %s on %s layers %s: %s (%s)", challenge.candidate.node_id, challenge.model,
                 challenge.layers, verdict.state, verdict.reason)
@@ -117,13 +135,50 @@ class TrustMixin:
                                 witnesses=tuple(n for n in (challenge.candidate.node_id, *verdict.references)
                                                 if n != outvoted),
                                 distances=dict(verdict.distances), tolerance=verdict.tolerance or 0.0)
-            self.quarantined[outvoted] = self.nodes[outvoted].quarantine = record
+            self._quarantine(record)
             self.store.fail_open(outvoted, "node quarantined: outvoted by an admission challenge")
             log.warning("node %s quarantined: outvoted by an admission challenge (%s)", outvoted, verdict.distances)
         self.dirty = True
 
 
     # ---- quarantine (ADR-0042) ------------------------------------------------------
+
+    def _quarantine(self, record: Quarantine) -> Quarantine:
+        """Keep ``record`` in the store and apply it; returns the quarantine in force (the store's
+        earlier one when another tracker of a shared database quarantined the node first)."""
+        stored = self.store.add_quarantine(record.node_id, json.dumps(record.to_json()), record.since)
+        try:
+            record = Quarantine.from_json(record.node_id, json.loads(stored))
+        except (ValueError, KeyError, TypeError) as exc:  # written by another meshnet version: this one stands
+            log.warning("unreadable stored quarantine of %s: %s", record.node_id, exc)
+        self.quarantined[record.node_id] = record
+        if record.node_id in self.nodes:
+            self.nodes[record.node_id].quarantine = record
+        return record
+
+    def apply_quarantines(self, stored: dict[str, str]) -> bool:
+        """Make the store's quarantines (:meth:`TrackerStore.quarantines`: node id → record JSON) this
+        tracker's: at start-up, and each sync round on a shared database, where another tracker may
+        have quarantined or reinstated a node. A record that cannot be read (another meshnet
+        version) is still a quarantine: the node stays out, under a placeholder record. Returns
+        whether anything changed."""
+        current: dict[str, Quarantine] = {}
+        for node_id, text in stored.items():
+            known = self.quarantined.get(node_id)
+            try:
+                current[node_id] = Quarantine.from_json(node_id, json.loads(text))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("unreadable stored quarantine of %s (kept as a quarantine): %s", node_id, exc)
+                current[node_id] = known or Quarantine(node_id=node_id, reported_by="unknown (unreadable record)",
+                                                       model="", shard_start=0, shard_end=0, witnesses=(),
+                                                       distances={}, tolerance=0.0)
+        if current == self.quarantined:
+            return False
+        self.quarantined = current
+        for node_id, node in self.nodes.items():
+            node.quarantine = current.get(node_id)
+        self.dirty = True
+        return True
 
     def quarantine_from(self, sender: str, node_id: str, report: QuarantineReport) -> Quarantine:
         """Quarantine ``node_id`` on a spot-check's evidence reported by entry node ``sender`` (whose
@@ -155,7 +210,7 @@ class TrustMixin:
         record = Quarantine(node_id=node_id, reported_by=sender, model=model, shard_start=report.shard_start,
                             shard_end=report.shard_end, witnesses=tuple(report.witnesses),
                             distances=dict(report.distances), tolerance=limit)
-        self.quarantined[node_id] = accused.quarantine = record
+        record = self._quarantine(record)
         self.store.fail_open(node_id, "node quarantined: outvoted by a spot-check")
         self.dirty = True
         log.warning("node %s quarantined: outvoted over %s layers %d-%d by %s (distances %s)", node_id, model,
@@ -171,7 +226,8 @@ class TrustMixin:
         """
         if node_id not in self.nodes and node_id not in self.quarantined:
             self.get(node_id)
-        was = self.quarantined.pop(node_id, None) is not None
+        was = self.store.remove_quarantine(node_id)
+        was = self.quarantined.pop(node_id, None) is not None or was
         if node_id in self.nodes:
             self.nodes[node_id].quarantine = None
         if was:

@@ -110,6 +110,25 @@ async def test_a_holder_that_answers_the_challenge_wrongly_is_rejected_with_the_
     assert route.status_code == 503  # the rejected holder is never routed
 
 
+async def test_the_known_digest_outlives_a_tracker_restart(asgi_client, tmp_path):
+    """After a restart on the same database, the first node to register again is still held to
+    the digest admitted before: another digest is rejected without a challenge."""
+    db = str(tmp_path / "tracker.db")
+
+    async def tracker():
+        app = build_app(TrackerSettings(models=(MODEL,), db_path=db, operator_token="op"), run_loop=False,
+                        transport=ComputingNodes())
+        return await asgi_client(app, "http://tracker", auth=SignAsNodes())
+
+    first = await tracker()
+    await first.post("/v1/nodes/register", json=node("a", 0, 3, digest="d1"))
+    assert (await verification(first, "a"))["state"] == "unverified"
+    restarted = await tracker()
+    await restarted.post("/v1/nodes/register", json=node("b", 0, 3, digest="other"))
+    got = await verification(restarted, "b")
+    assert got["state"] == "rejected" and "weights digest other differs from d1" in got["reason"]
+
+
 async def test_a_weights_digest_other_than_the_known_one_is_rejected_without_a_challenge(mesh):
     await mesh.post("/v1/nodes/register", json=node("a", 0, 3, digest="d1"))
     await verification(mesh, "a")
@@ -171,6 +190,46 @@ async def test_an_entrys_spot_check_quarantines_the_outvoted_node_until_the_oper
     resp = await mesh.post("/v1/operator/reinstate", json={"node_id": "h1"}, headers={"Authorization": "Bearer op"})
     assert resp.json() == {"node_id": "h1", "reinstated": True}
     assert (await verification(mesh, "h1"))["admitted"] is True
+
+
+async def test_a_quarantine_outlives_a_tracker_restart_and_a_reinstatement_too(asgi_client, tmp_path):
+    """The quarantine is kept in the tracker's store: a tracker restarted on the same database
+    keeps h1 out of routes after it registers again, with the same evidence; once reinstated,
+    a second restart does not bring the quarantine back."""
+    db = str(tmp_path / "tracker.db")
+
+    async def tracker():
+        nodes = ComputingNodes()
+        app = build_app(TrackerSettings(models=(MODEL,), db_path=db, operator_token="op"), run_loop=False,
+                        transport=nodes)
+        client = await asgi_client(app, "http://tracker", auth=SignAsNodes())
+        client.nodes = nodes
+        return client
+
+    first = await tracker()
+    await entry_and_three_holders(first)
+    path, raw = "/v1/nodes/h1/quarantine", json.dumps(report(["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.8,
+                                                                             "h2|h3": 0.0})).encode()
+    resp = await first.post(path, content=raw, headers={**signed("entry", "POST", path, raw),
+                                                         "Content-Type": "application/json"})
+    assert resp.status_code == 200, resp.text
+    before = resp.json()["quarantine"]
+
+    restarted = await tracker()
+    await entry_and_three_holders(restarted)
+    view = next(n for n in (await restarted.get("/v1/nodes")).json()["nodes"] if n["node_id"] == "h1")
+    assert view["quarantine"] == before and [s["admitted"] for s in view["shards"]] == [False]
+    hops = (await restarted.get("/v1/route", params={"model": MODEL, "start_layer": 2, "end_layer": 3,
+                                                     "exclude": "h2"})).json()["hops"]
+    assert [h["node_id"] for h in hops] == ["h3"]
+    resp = await restarted.post("/v1/operator/reinstate", json={"node_id": "h1"},
+                                headers={"Authorization": "Bearer op"})
+    assert resp.json() == {"node_id": "h1", "reinstated": True}
+
+    again = await tracker()
+    await entry_and_three_holders(again)
+    view = next(n for n in (await again.get("/v1/nodes")).json()["nodes"] if n["node_id"] == "h1")
+    assert view["quarantine"] is None and view["shards"][0]["admitted"] is True
 
 
 @pytest.mark.parametrize("sender, witnesses, distances, status, code", [

@@ -1,5 +1,6 @@
 """The tracker's store on both backends (ADR-0037, ADR-0043): batched directive writes, indexes,
-pruning, one open load per node and range, shared node records and demand, the ticket key."""
+pruning, one open load per node and range, shared node records and demand, the ticket key, the
+quarantines (ADR-0042)."""
 
 from __future__ import annotations
 
@@ -188,6 +189,23 @@ def test_demand_events_by_id_time_and_origin(store):
     assert [e.at for e in store.demand_events(since=15.0)] == [20.0, 30.0]
     assert store.prune_demand(25.0) == 2
     assert [e.id for e in store.demand_events()] == [ids[2]]
+
+
+def test_quarantines_first_evidence_wins_until_lifted(store):
+    assert store.quarantines() == {}
+    assert store.add_quarantine("a", '{"reported_by": "e1"}', 100.0) == '{"reported_by": "e1"}'
+    assert store.add_quarantine("a", '{"reported_by": "e2"}', 200.0) == '{"reported_by": "e1"}'
+    store.add_quarantine("b", '{"reported_by": "e2"}', 50.0)
+    assert list(store.quarantines().items()) == [("b", '{"reported_by": "e2"}'), ("a", '{"reported_by": "e1"}')]
+    assert store.remove_quarantine("a") is True and store.remove_quarantine("a") is False
+    assert store.quarantines() == {"b": '{"reported_by": "e2"}'}
+
+
+def test_the_first_known_digest_stays(store):
+    assert store.known_digest('["m", 0, 3]') is None
+    assert store.learn_digest('["m", 0, 3]', "d1") == "d1"
+    assert store.learn_digest('["m", 0, 3]', "d2") == "d1"
+    assert store.known_digest('["m", 0, 3]') == "d1" and store.known_digest('["m", 3, 6]') is None
 
 
 def test_a_sqlite_store_always_leads():
