@@ -123,15 +123,14 @@ class Orchestrator:
     def _remote(self, session_id: str, layers: LayerRange, route) -> RemoteRoute | ChainRoute:
         """The remote hops of one session: a chain of hop streams when the node has them, else HTTP
         calls. A session drawn for a spot-check (ADR-0042) goes hop by hop over HTTP: the check
-        needs each hop's input and output, which a chain keeps inside the mesh. So does a route
-        with a relayed hop (ADR-0045): a chain through a relay's tunnel stalls in the namespace
-        test (tests/integration/test_relay.py) and is not used until it is fixed."""
+        needs each hop's input and output, which a chain keeps inside the mesh. A relayed hop
+        (ADR-0045) takes part in a chain like any other: its stream runs through the relay's
+        tunnel (tests/integration/test_relay.py checks it in a network namespace)."""
         s = self.settings
         checked = self.spot_check is not None and self.spot_check.draw()
-        relayed = any(h.relayed for h in route.hops)
         on_failover = None if self.traffic is None else \
             (lambda old, new, why: self.traffic.failover(session_id, old, new, why))
-        if s.chain and self.streams is not None and self.inbox is not None and not checked and not relayed:
+        if s.chain and self.streams is not None and self.inbox is not None and not checked:
             return ChainRoute(pool=self.streams, inbox=self.inbox, client=self.client, model=self.model,
                               entry_id=self.node_id, entry_endpoint=self.endpoint, route=route, layers=layers,
                               chain_id=session_id, routes=self.routes, report=self.report, codec=self.entry.codec,

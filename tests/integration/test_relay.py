@@ -68,6 +68,13 @@ def wait_released(mesh: Mesh, endpoint: str) -> None:
               "the relayed node to release its session")
 
 
+def stream_messages_in(endpoint: str) -> float:
+    """Hop stream messages (ADR-0040) a node received, read from its metrics through ``endpoint``."""
+    text = httpx.get(f"{endpoint}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("meshnet_stream_messages_total{") and 'direction="in"' in line)
+
+
 def chat_until_served(mesh: Mesh, timeout_s: float) -> tuple[dict, float]:
     """Send the chat again and again until one answers 200 (each bounded); returns it and the seconds taken."""
     t0 = time.monotonic()
@@ -92,7 +99,9 @@ def direct_tokens(mesh: Mesh, host: str = "127.0.0.1") -> list[int]:
     ``host``: a relayed node pushes its chain steps to the next hop and the entry itself (ADR-0040),
     so they must be reachable from where it runs, as public nodes are."""
     listen = ["--host", host]
-    mesh.start_node("node-0", *shard_args("node-0"), *listen)
+    # no spot-checks: a checked session goes hop by hop over HTTP (ADR-0042), and the relayed
+    # chats below assert that their hops were a chain of streams
+    mesh.start_node("node-0", *shard_args("node-0"), *listen, "--spot-check-rate", "0")
     mesh.start_node("node-2", *shard_args("node-2"), *listen)
     mesh.start_node("node-1d", *shard_args("node-1"), *listen)
     wait_middle(mesh, "node-1d", 240)
@@ -189,6 +198,8 @@ def test_unreachable_node_in_a_namespace_serves_through_the_relay_and_heals(real
         tokens = relayed["meshnet"]["completion_token_ids"]
         assert len(tokens) == MAX_TOKENS
         assert tokens == direct
+        # the hops were a chain of streams through the tunnel: OPEN, the prefill, every decode step
+        assert stream_messages_in(middle(relayed)["endpoint"]) >= MAX_TOKENS + 1
         wait_released(mesh, middle(relayed)["endpoint"])
 
         netns.link(up=False)  # cut: the tunnel's keepalive goes unanswered, the node dials again and again
@@ -221,6 +232,7 @@ def test_relay_on_loopback(real_model_path, tmp_path):
         assert middle(relayed)["endpoint"] == f"{mesh.url}/v1/relay/node-1"
         assert len(tokens) == MAX_TOKENS
         assert tokens == direct
+        assert stream_messages_in(middle(relayed)["endpoint"]) >= MAX_TOKENS + 1  # a chain through the tunnel
         wait_released(mesh, middle(relayed)["endpoint"])
 
         # the relay (the tracker) dies and comes back: the node dials its tunnel again and
