@@ -310,13 +310,18 @@ class TrackerStore:
         """Delete the pin of ``model`` on ``node_id``; True when there was one."""
         return self._exec("DELETE FROM pins WHERE node_id = ? AND model = ?", (node_id, model)) > 0
 
+    def _first_wins(self, table: str, key: str, column: str, row: tuple) -> str:
+        """Insert ``row`` (key first, ``column`` second) into ``table`` unless its key is there; returns
+        ``column`` of the row in force (the earlier one when there was one), in one locked step."""
+        with self.lock:
+            self._execute(f"INSERT INTO {table} VALUES ({','.join('?' * len(row))}) ON CONFLICT DO NOTHING", row)
+            return self._execute(f"SELECT {column} FROM {table} WHERE {key} = ?", (row[0],)).fetchone()[column]
+
     # node keys (ADR-0035)
     def bind_key(self, node_id: str, public_key: str) -> str:
         """Bind ``node_id`` to ``public_key`` unless it is bound already; returns the key it is bound
         to now (the earlier one when there was one: first registration wins, on any tracker)."""
-        with self.lock:
-            self._execute("INSERT INTO node_keys VALUES (?,?,?) ON CONFLICT DO NOTHING", (node_id, public_key, time.time()))
-            return self._execute("SELECT public_key FROM node_keys WHERE node_id = ?", (node_id,)).fetchone()["public_key"]
+        return self._first_wins("node_keys", "node_id", "public_key", (node_id, public_key, time.time()))
 
     def node_key(self, node_id: str) -> str | None:
         """The public key bound to ``node_id`` (base64url), or None."""
@@ -375,9 +380,7 @@ class TrackerStore:
         """Quarantine ``node_id`` with ``record`` (the evidence as JSON text) at unix time ``since``
         unless it is quarantined already; returns the record it is quarantined with now (the earlier
         one when there was one: the first evidence stays, on any tracker)."""
-        with self.lock:
-            self._execute("INSERT INTO quarantines VALUES (?,?,?) ON CONFLICT DO NOTHING", (node_id, record, since))
-            return self._execute("SELECT record FROM quarantines WHERE node_id = ?", (node_id,)).fetchone()["record"]
+        return self._first_wins("quarantines", "node_id", "record", (node_id, record, since))
 
     def remove_quarantine(self, node_id: str) -> bool:
         """Lift ``node_id``'s quarantine; True when there was one."""
@@ -391,9 +394,7 @@ class TrackerStore:
     def learn_digest(self, shard_key: str, digest: str) -> str:
         """Record ``digest`` as the weights digest of ``shard_key`` (model, exact range and recipe, as
         text) unless one is known already; returns the one known now (first one wins, on any tracker)."""
-        with self.lock:
-            self._execute("INSERT INTO digests VALUES (?,?,?) ON CONFLICT DO NOTHING", (shard_key, digest, time.time()))
-            return self._execute("SELECT digest FROM digests WHERE shard_key = ?", (shard_key,)).fetchone()["digest"]
+        return self._first_wins("digests", "shard_key", "digest", (shard_key, digest, time.time()))
 
     def known_digest(self, shard_key: str) -> str | None:
         """The weights digest known for ``shard_key``, or None."""

@@ -166,21 +166,26 @@ async def test_a_hop_that_cannot_reach_its_next_hop_names_it_and_the_chain_goes_
 UNUSABLE = {"garbage": b"not a frame", "narrow": wire.encode(torch.zeros(1, 1, 1), dtype="float32")}
 
 
-@pytest.mark.parametrize(("bad", "position"), [("garbage", 8), ("narrow", len(PROMPT) + 1)])
-async def test_an_unusable_result_fails_the_last_hop_and_the_chain_over(nodes, tiny_hf_model, monkeypatch, bad,
-                                                                        position):
-    """``c`` sends an unusable RESULT once, for a prefill chunk (later chunks are in flight) or for a
-    decode step: it is excluded and reported, the chain goes through ``c2``, the tokens are unchanged."""
-    host = nodes["c"][1].chains
+def spoil_once(monkeypatch, nodes, name: str, last_hop: bool, position: int, frame: bytes) -> list[str]:
+    """Node ``name`` sends ``frame`` instead of its output once: the first output at ``position`` it
+    sends as the last hop (a RESULT) or, with ``last_hop`` False, to a next hop (a STEP). Returns
+    the ids of the chains spoiled (one, once it happened)."""
+    host = nodes[name][1].chains
     real_send_output, spoiled = host._send_output, []
 
-    async def spoiling(chain, message, frame):
-        if chain.next_hop is None and message.position == position and not spoiled:
+    async def spoiling(chain, message, out):
+        if (chain.next_hop is None) == last_hop and message.position == position and not spoiled:
             spoiled.append(chain.chain_id)
-            frame = UNUSABLE[bad]
-        return await real_send_output(chain, message, frame)
+            out = frame
+        return await real_send_output(chain, message, out)
 
     monkeypatch.setattr(host, "_send_output", spoiling)
+    return spoiled
+
+
+async def fails_over_from_c_to_c2(nodes, tiny_hf_model, spoiled: list[str]) -> None:
+    """A generation over ``b`` then ``c`` whose fault (spoiled once) is blamed on ``c``: ``c`` is
+    excluded and reported, the chain goes through ``c2``, and the tokens are unchanged."""
     reported, calls = [], []
     orch = orchestrator(nodes, routes_over(nodes, ["b", "c"], ["b", "c2"], calls=calls), reported)
     got, stats = await asyncio.wait_for(generate(orch), timeout=60)
@@ -188,6 +193,15 @@ async def test_an_unusable_result_fails_the_last_hop_and_the_chain_over(nodes, t
     assert got == monolithic(tiny_hf_model)
     assert reported == ["c"] and calls == [set(), {"c"}] and stats.failovers == 1
     assert [h.node_id for h in stats.route] == ["entry", "b", "c2"]
+
+
+@pytest.mark.parametrize(("bad", "position"), [("garbage", 8), ("narrow", len(PROMPT) + 1)])
+async def test_an_unusable_result_fails_the_last_hop_and_the_chain_over(nodes, tiny_hf_model, monkeypatch, bad,
+                                                                        position):
+    """``c`` sends an unusable RESULT once, for a prefill chunk (later chunks are in flight) or for a
+    decode step: it is excluded and reported, the chain goes through ``c2``, the tokens are unchanged."""
+    spoiled = spoil_once(monkeypatch, nodes, "c", True, position, UNUSABLE[bad])
+    await fails_over_from_c_to_c2(nodes, tiny_hf_model, spoiled)
     assert await sessions_left(nodes, ["b", "c", "c2"]) == {"b": 0, "c": 0, "c2": 0}
 
 
@@ -195,16 +209,7 @@ async def test_an_unreadable_step_frame_blames_the_hop_that_sent_it(nodes, monke
     """``b`` pushes a STEP frame ``c`` cannot decode: ``c`` names ``b`` in its ERROR, so ``b`` (not
     the honest receiver) is excluded and reported; with no other holder of ``b``'s layers the
     generation ends with a clear error."""
-    host = nodes["b"][1].chains
-    real_send_output, spoiled = host._send_output, []
-
-    async def spoiling(chain, message, frame):
-        if chain.next_hop is not None and message.position == len(PROMPT) and not spoiled:
-            spoiled.append(chain.chain_id)
-            frame = UNUSABLE["garbage"]
-        return await real_send_output(chain, message, frame)
-
-    monkeypatch.setattr(host, "_send_output", spoiling)
+    spoiled = spoil_once(monkeypatch, nodes, "b", False, len(PROMPT), UNUSABLE["garbage"])
     reported, calls = [], []
     orch = orchestrator(nodes, routes_over(nodes, ["b", "c"], calls=calls), reported)
     with pytest.raises(HopFailed, match=r"c received an unreadable frame from b.*no other route"):
@@ -224,23 +229,8 @@ async def test_an_error_the_entry_cannot_read_blames_the_hop_that_sent_it(nodes,
             return b"\xffnot json"
 
     monkeypatch.setattr(node_streams, "ChainError", Garbled)
-    host = nodes["b"][1].chains
-    real_send_output, spoiled = host._send_output, []
-
-    async def spoiling(chain, message, frame):  # c cannot decode this frame, so it sends an ERROR
-        if chain.next_hop is not None and message.position == len(PROMPT) and not spoiled:
-            spoiled.append(chain.chain_id)
-            frame = UNUSABLE["garbage"]
-        return await real_send_output(chain, message, frame)
-
-    monkeypatch.setattr(host, "_send_output", spoiling)
-    reported, calls = [], []
-    orch = orchestrator(nodes, routes_over(nodes, ["b", "c"], ["b", "c2"], calls=calls), reported)
-    got, stats = await asyncio.wait_for(generate(orch), timeout=60)
-    assert len(spoiled) == 1
-    assert got == monolithic(tiny_hf_model)
-    assert reported == ["c"] and calls == [set(), {"c"}] and stats.failovers == 1
-    assert [h.node_id for h in stats.route] == ["entry", "b", "c2"]
+    spoiled = spoil_once(monkeypatch, nodes, "b", False, len(PROMPT), UNUSABLE["garbage"])  # c sends an ERROR
+    await fails_over_from_c_to_c2(nodes, tiny_hf_model, spoiled)
 
 
 async def test_a_last_hop_that_cannot_reach_the_entry_is_found_by_the_probe_and_replaced(nodes, tiny_hf_model,
