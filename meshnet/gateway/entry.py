@@ -93,11 +93,13 @@ class EntryLayers(Protocol):
     def new_chooser(self, params: SamplingParams) -> TokenChooser:
         """A fresh token chooser for one choice (seeded by ``params.seed`` when given)."""
 
-    async def choose(self, hidden: Activation, chooser: TokenChooser) -> tuple[int, TokenLogprob | None]:
-        """LM head on the last position of ``hidden`` and the next token (with its logprob when asked)."""
+    async def choose(self, hidden: Activation, chooser: TokenChooser, session_id: str) -> tuple[int, TokenLogprob | None]:
+        """LM head on the last position of ``hidden`` and the next token (with its logprob when asked),
+        for session ``session_id``."""
 
     def release(self, session_id: str) -> None:
-        """Drop the session's local KV cache."""
+        """Drop the session's local KV cache; nothing waits for its steps any more (its head steps
+        included)."""
 
 
 class GenerationObserver(Protocol):

@@ -204,7 +204,7 @@ class Orchestrator:
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             for _ in range(params.max_tokens):
-                token, logprob = await self.entry.choose(hidden, chooser)
+                token, logprob = await self.entry.choose(hidden, chooser, session_id)
                 if token in self.eos_ids:
                     stats.finish_reason = "stop"
                     break

@@ -92,12 +92,13 @@ class LocalEntry:
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         return TokenPicker(self.vocab_size, params, generator)
 
-    async def choose(self, hidden: Activation, chooser: TokenPicker) -> tuple[int, TokenLogprob | None]:
-        """LM head on the last position (batched with other generations' head steps, ADR-0041) and
-        the token choice (per generation)."""
-        logits = await self.runtime.logits_async(self.slot, f"head-{id(chooser):x}", hidden[:, -1:])
+    async def choose(self, hidden: Activation, chooser: TokenPicker, session_id: str) -> tuple[int, TokenLogprob | None]:
+        """LM head on the last position (batched with other sessions' head steps, ADR-0041) and
+        the token choice (per session). The head steps are the session's own in the batcher, so
+        :meth:`release` ends the wait for them as for its layer steps."""
+        logits = await self.runtime.logits_async(self.slot, session_id, hidden[:, -1:])
         return chooser.pick(logits[0, -1])
 
     def release(self, session_id: str) -> None:
-        self.runtime.batcher.forget(session_id)  # batches stop waiting for its steps
+        self.runtime.batcher.forget(session_id)  # batches stop waiting for its steps, head steps included
         self.runtime.sessions.release(session_id)

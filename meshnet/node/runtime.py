@@ -289,28 +289,28 @@ class NodeRuntime:
         return Step(session_id, (slot.key, layers, TOKENS), input_ids.shape[1],
                     _Work(slot, layers, position, input_ids, TOKENS))
 
-    def logits(self, slot: ShardSlot, generation: str, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, slot: ShardSlot, session_id: str, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head of entry ``slot`` on the last hidden state ``hidden`` ``[1, 1,
-        hidden]`` of one generation; ``[1, 1, vocab]`` float32. Thread-safe; batched with the
-        other generations' head steps like decode steps (ADR-0041). ``generation`` names the
-        generation (one step of it per batch).
+        hidden]`` of one session; ``[1, 1, vocab]`` float32. Thread-safe; batched with the other
+        sessions' head steps like decode steps (ADR-0041): one step of a session per batch, and
+        once the session is forgotten (:meth:`StepBatcher.forget`) no batch waits for its next.
 
         Raises:
             InvalidRequest: ``slot`` holds no LM head, or ``hidden`` is not one position.
         """
-        return self.batcher.submit(self._head_step(slot, generation, hidden))
+        return self.batcher.submit(self._head_step(slot, session_id, hidden))
 
-    async def logits_async(self, slot: ShardSlot, generation: str, hidden: torch.Tensor) -> torch.Tensor:
+    async def logits_async(self, slot: ShardSlot, session_id: str, hidden: torch.Tensor) -> torch.Tensor:
         """:meth:`logits` for an event loop (see :meth:`forward_async`)."""
-        return await self._run_async(self._head_step(slot, generation, hidden))
+        return await self._run_async(self._head_step(slot, session_id, hidden))
 
     @staticmethod
-    def _head_step(slot: ShardSlot, generation: str, hidden: torch.Tensor) -> Step:
+    def _head_step(slot: ShardSlot, session_id: str, hidden: torch.Tensor) -> Step:
         if slot.shard.lm_head is None:
             raise InvalidRequest(f"{slot.key} holds no LM head (not an entry shard)")
         if hidden.dim() != 3 or hidden.shape[:2] != (1, 1):
             raise InvalidRequest(f"the LM head takes one position [1, 1, hidden], got {list(hidden.shape)}")
-        return Step(generation, (slot.key, HEAD), 1, _Work(slot, slot.layers, 0, hidden.to(slot.shard.dtype), HEAD))
+        return Step(session_id, (slot.key, HEAD), 1, _Work(slot, slot.layers, 0, hidden.to(slot.shard.dtype), HEAD))
 
     def _run_batch(self, steps: list[Step]) -> None:
         """Run one batch of steps of one group under the compute lock (:meth:`_run_locked`), then

@@ -218,3 +218,22 @@ def test_forward_now_is_off_with_inline_decode_off(shard_path):
     runtime = runtime_of(shard_path, layers, inline_decode=False)
     runtime.forward(model=MODEL, session_id="s", layers=layers, position=0, hidden=prompt(3, 1))
     assert runtime.forward_now(model=MODEL, session_id="s", layers=layers, position=3, hidden=prompt(1, 2)) is None
+
+
+async def test_a_released_session_is_not_waited_for_by_the_next_sessions_lm_head(shard_path):
+    """The entry names its LM-head steps by the session, so releasing the session ends the wait for
+    them: a generation that starts within ``active_s`` of another's end runs its head at once, on
+    the calling loop, instead of waiting a batch window for the ended one at every token."""
+    from meshnet.node.entry import LocalEntry
+    from meshnet.protocol.openai import SamplingParams
+
+    rt = runtime_of(shard_path, LayerRange(0, 4))
+    slot = next(iter(rt.slots.values()))
+    entry = LocalEntry(rt, slot, wire_dtype="float32")
+    rt.batcher.active_s = JOIN_S  # the ended session stays "recent" however slow the host
+    await entry.choose(prompt(1, 60), entry.new_chooser(SamplingParams(max_tokens=1)), "ended")
+    waiting = rt._head_step(slot, "next", prompt(1, 61))
+    assert rt._now(waiting) is None  # "ended" is still expected: this step would queue and wait
+    entry.release("ended")
+    ran = rt._head_step(slot, "next", prompt(1, 61))
+    assert_close(rt._now(ran), slot.shard.logits(prompt(1, 61)))
