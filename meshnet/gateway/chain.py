@@ -185,9 +185,8 @@ class ChainRoute:
             err = ChainError.from_body(message.body)
         except MeshnetError as exc:  # its sender is at fault: it names itself in the header
             sender = self.hops[message.hop_index - 1] if 0 < message.hop_index <= len(self.hops) else None
-            if sender is None:
-                return HopFailed(f"the chain sent an unreadable error: {exc.message}", node_id=None)
-            return HopFailed(f"{_describe(sender)} sent an unreadable error: {exc.message}", node_id=sender.node_id)
+            return HopFailed(f"{_describe(sender) if sender else 'the chain'} sent an unreadable error: {exc.message}",
+                             node_id=sender.node_id if sender else None)
         where = next((_describe(h) for h in self.hops if h.node_id == err.node_id), f"hop {err.node_id}")
         text = f"{where} failed: {err.status} {err.code}: {err.message}"
         blamed = None if err.node_id == self.entry_id else err.node_id  # this node's own frame: nobody to exclude

@@ -41,6 +41,16 @@ def may_report_failure(sender: NodeRecord | None, reported: NodeRecord) -> str:
     return ""
 
 
+def _stored_quarantine(node_id: str, text: str, fallback: Quarantine) -> Quarantine:
+    """The quarantine a store row holds (its record as JSON text), or ``fallback`` when this
+    version cannot read it: a stored quarantine keeps its node out either way."""
+    try:
+        return Quarantine.from_json(node_id, json.loads(text))
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("unreadable stored quarantine of %s (kept as a quarantine): %s", node_id, exc)
+        return fallback
+
+
 class TrustMixin:
     """Admission verdicts and quarantines of :class:`meshnet.tracker.service.TrackerService`
     (which provides ``nodes``, ``store``, ``settings``, ``admitted_shards``, ``get`` and ``dirty``)."""
@@ -147,10 +157,7 @@ class TrustMixin:
         """Keep ``record`` in the store and apply it; returns the quarantine in force (the store's
         earlier one when another tracker of a shared database quarantined the node first)."""
         stored = self.store.add_quarantine(record.node_id, json.dumps(record.to_json()), record.since)
-        try:
-            record = Quarantine.from_json(record.node_id, json.loads(stored))
-        except (ValueError, KeyError, TypeError) as exc:  # written by another meshnet version: this one stands
-            log.warning("unreadable stored quarantine of %s: %s", record.node_id, exc)
+        record = _stored_quarantine(record.node_id, stored, record)  # unreadable (another version): this one stands
         self.quarantined[record.node_id] = record
         if record.node_id in self.nodes:
             self.nodes[record.node_id].quarantine = record
@@ -164,14 +171,10 @@ class TrustMixin:
         whether anything changed."""
         current: dict[str, Quarantine] = {}
         for node_id, text in stored.items():
-            known = self.quarantined.get(node_id)
-            try:
-                current[node_id] = Quarantine.from_json(node_id, json.loads(text))
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("unreadable stored quarantine of %s (kept as a quarantine): %s", node_id, exc)
-                current[node_id] = known or Quarantine(node_id=node_id, reported_by="unknown (unreadable record)",
-                                                       model="", shard_start=0, shard_end=0, witnesses=(),
-                                                       distances={}, tolerance=0.0)
+            fallback = self.quarantined.get(node_id) or Quarantine(
+                node_id=node_id, reported_by="unknown (unreadable record)", model="", shard_start=0, shard_end=0,
+                witnesses=(), distances={}, tolerance=0.0)
+            current[node_id] = _stored_quarantine(node_id, text, fallback)
         if current == self.quarantined:
             return False
         self.quarantined = current
@@ -226,8 +229,8 @@ class TrustMixin:
         """
         if node_id not in self.nodes and node_id not in self.quarantined:
             self.get(node_id)
-        was = self.store.remove_quarantine(node_id)
-        was = self.quarantined.pop(node_id, None) is not None or was
+        removed = self.store.remove_quarantine(node_id)
+        was = self.quarantined.pop(node_id, None) is not None or removed
         if node_id in self.nodes:
             self.nodes[node_id].quarantine = None
         if was:
