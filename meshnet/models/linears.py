@@ -9,8 +9,12 @@ multiplies by its transpose. On x86 with MKL, a product of a few rows by a weigh
 fast: ``[8, 576] × [576, 1536]`` in float32 took 0.82 ms against 0.37 ms (0.28 ms against
 0.24 ms at 1 row). That is the batched decode step's shape. :func:`transpose_weights` stores
 the weights that way, as a transposed view, so the modules, the state dict and the values are
-unchanged. :func:`layout` picks the layout from :func:`measure_layout`, timed on weights larger
-than the cache, as a decode step reads them.
+unchanged. A third layout, ``packed``, hands the weight to oneDNN's own blocked format for a
+given row count (:class:`PackedLinear`, the reordered weights torch's CPU compiler uses): on a
+2-core AVX2 host a ``[8, 576] × [576, 49152]`` LM-head product took 7.6 ms packed against
+18.7 ms ``row`` and 22.8 ms ``transposed`` (ADR-0048's packed amendment). :func:`layout` picks
+the layout from :func:`measure_layout`, timed on weights larger than the cache, as a decode
+step reads them.
 
 **Half-precision products in float32 (ADR-0047).** A bfloat16 (or float16) node keeps its
 weights in half precision: half the memory and half the bytes read per decode token, which is
@@ -54,13 +58,18 @@ SHAPE = (1536, 576)
 ENV = "MESHNET_UPCAST_MIN_ROWS"
 HALF = (torch.bfloat16, torch.float16)
 
-#: weight layouts: ``row`` is ``nn.Linear``'s own ``[out, in]``, ``transposed`` stores ``[in, out]``
-LAYOUTS = ("row", "transposed")
+#: weight layouts: ``row`` is ``nn.Linear``'s own ``[out, in]``, ``transposed`` stores ``[in, out]``,
+#: ``packed`` oneDNN's blocked format (:class:`PackedLinear`; measured only where torch has oneDNN)
+LAYOUTS = ("row", "transposed", "packed")
 #: row counts the layout is timed at: a lone decode step and a batch of 8 sessions
 LAYOUT_ROWS = (1, 8)
-#: ``transposed`` is chosen when its mean cost per row over the timed counts is at least this
-#: many times lower than ``row``'s (a margin for noise: within it, ``nn.Linear``'s own layout)
+#: another layout than ``row`` is chosen when ``row``'s worst slowdown is at least this many times
+#: its own (a margin for noise: within it, ``nn.Linear``'s own layout; see :func:`choose_layout`)
 LAYOUT_GAIN = 1.05
+#: the row count oneDNN blocks a packed weight for (its ``batch_size`` hint): a batch of 8
+#: sessions. Measured on a 2-core AVX2 host, float32 ``[rows, 576] × [576, 1536]``: packed for 1
+#: row, 0.264 / 0.435 ms at 1 / 8 rows; for 8 rows, 0.232 / 0.244 ms; for 32, 0.233 / 0.246 ms.
+PACK_ROWS = 8
 #: weights of fewer elements than this keep ``row`` unmeasured: a shard of them sits in cache,
 #: where the layout barely matters (the tiny test models), and timing them would cost more
 LAYOUT_MIN_ELEMENTS = 65_536
@@ -87,16 +96,83 @@ class UpcastLinear(nn.Linear):
         return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
 
 
+def packing_available() -> bool:
+    """Whether this torch build can run :class:`PackedLinear` (oneDNN on the CPU)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedLinear(nn.Linear):
+    """``nn.Linear`` whose weight is held in oneDNN's blocked format for :data:`PACK_ROWS` rows.
+
+    The ``weight`` is a buffer: an opaque oneDNN tensor of shape ``[out, in]`` and the layer's
+    dtype, the same bytes as a plain weight. It cannot be sliced or written in place:
+    :func:`dense_weight` reads it, :func:`set_weight` replaces it. The state dict holds it
+    plain (``[out, in]`` contiguous), so digests and saved shards do not depend on the layout.
+    Made by :func:`pack`, never constructed directly.
+
+    Input ``[..., in_features]`` and output ``[..., out_features]`` are in the weight's dtype. A
+    half-precision layer runs inputs of at least ``min_rows`` rows in float32 on a plain copy of
+    its weight (ADR-0047), as :class:`UpcastLinear` does.
+    """
+
+    min_rows: int = 1 << 62
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() >= self.min_rows * self.in_features:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.to_dense().float(), bias).to(x.dtype)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.weight.to_dense()
+
+
+def pack(linear: nn.Linear) -> None:
+    """Make ``linear`` a :class:`PackedLinear`, in place: its weight is reordered once into oneDNN's
+    blocked format (one weight's bytes of peak above the layer). A no-op if it is packed already.
+
+    Raises:
+        RuntimeError: this torch build has no oneDNN (:func:`packing_available`).
+    """
+    if isinstance(linear, PackedLinear):
+        return
+    if not packing_available():
+        raise RuntimeError("this torch build has no oneDNN: weights cannot be packed")
+    weight = linear.weight.detach().contiguous()
+    del linear._parameters["weight"]
+    linear.__class__ = PackedLinear
+    linear.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS))
+
+
+def dense_weight(linear: nn.Linear) -> torch.Tensor:
+    """``linear``'s weight ``[out, in]`` as a plain tensor, whatever its layout (a copy for a
+    :class:`PackedLinear`, the parameter itself otherwise)."""
+    return linear.weight.to_dense() if isinstance(linear, PackedLinear) else linear.weight
+
+
+def set_weight(linear: nn.Linear, weight: torch.Tensor) -> None:
+    """Replace ``linear``'s weight values with ``weight`` ``[out, in]``, keeping its layout
+    (a packed weight is packed again)."""
+    with torch.no_grad():
+        if isinstance(linear, PackedLinear):
+            linear.weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(linear.weight.dtype).contiguous(),
+                                                                    PACK_ROWS)
+        else:
+            linear.weight.copy_(weight)
+
+
 def upcast_linears(module: nn.Module, rows: int | None) -> int:
-    """Make every half-precision ``nn.Linear`` under ``module`` an :class:`UpcastLinear` with
-    ``min_rows = rows``, in place (parameters untouched); returns how many. ``rows=None``
-    changes nothing and returns 0."""
+    """Make every half-precision ``nn.Linear`` under ``module`` an :class:`UpcastLinear` (a
+    :class:`PackedLinear` stays packed) with ``min_rows = rows``, in place (parameters
+    untouched); returns how many. ``rows=None`` changes nothing and returns 0."""
     if rows is None:
         return 0
     count = 0
     for child in module.modules():
-        if type(child) in (nn.Linear, UpcastLinear) and child.weight.dtype in HALF:
-            child.__class__ = UpcastLinear
+        if type(child) in (nn.Linear, UpcastLinear, PackedLinear) and child.weight.dtype in HALF:
+            if not isinstance(child, PackedLinear):
+                child.__class__ = UpcastLinear
             child.min_rows = rows
             count += 1
     return count
@@ -124,67 +200,87 @@ def transpose(linear: nn.Linear) -> None:
     linear.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
 
 
-def apply_layouts(module: nn.Module) -> int:
+def apply_layouts(module: nn.Module) -> dict[str, int]:
     """Give every ``nn.Linear`` under ``module`` the layout :func:`layout` measured for its dtype
-    and shape; returns how many were stored ``transposed``. One weight is copied at a time, so
-    the peak is one weight's bytes above the shard."""
-    count = 0
-    for child in module.modules():
-        if isinstance(child, nn.Linear) and layout(child.weight.dtype, tuple(child.weight.shape)) == "transposed":
-            transpose(child)
-            count += 1
+    and shape; returns how many were stored in each layout other than ``row``. One weight is
+    copied at a time, so the peak is one weight's bytes above the shard."""
+    count: dict[str, int] = {}
+    for child in list(module.modules()):
+        if isinstance(child, nn.Linear) and not isinstance(child, PackedLinear):
+            chosen = layout(child.weight.dtype, tuple(child.weight.shape))
+            if chosen != "row":
+                (pack if chosen == "packed" else transpose)(child)
+                count[chosen] = count.get(chosen, 0) + 1
     return count
 
 
 def choose_layout(samples: dict[str, dict[int, float]], gain: float = LAYOUT_GAIN) -> str:
-    """The layout with the lower cost per row (per token), averaged over the timed row counts:
-    ``transposed`` when that is at least ``gain`` × lower than ``row``'s, else ``row``.
+    """The layout whose worst slowdown against the fastest layout, over the timed row counts, is
+    the smallest; ``row`` unless its own worst slowdown is at least ``gain`` × the chosen one's.
 
-    Per row, because a node decodes one token per session either way: alone (1 row) or batched
-    (8 rows). Averaging the two regimes weighs a lone session's latency and a loaded node's
-    throughput equally. A bfloat16 LM head on this host: 14.5 ms against 7.8 ms at 1 row, and
-    39.6 against 49.9 ms at 8 rows, which is 19.4 against 14.0 ms per row: ``transposed``,
-    although it loses at 8 rows.
+    A node runs both regimes: a lone session's step (1 row), where latency counts, and a batch
+    of 8 sessions, where throughput does. The rule avoids a layout that is much slower in one
+    to save a little in the other. Measured on a 2-core AVX2 host, float32 ``[576, 1536]``
+    products at 1 / 8 rows: ``transposed`` 0.197 / 0.477 ms, ``packed`` 0.232 / 0.244 ms. Worst
+    slowdowns 1.96 and 1.18: ``packed``. (The mean cost per row, this rule's predecessor, chose
+    ``transposed``: 0.128 against 0.131 ms.)
 
     Args:
-        samples: layout → row count → seconds per product (:func:`measure_layout`).
+        samples: layout → row count → seconds per product (:func:`measure_layout`); layouts
+            not timed at every count of ``row`` are not candidates.
     """
-    row, transposed = samples.get("row", {}), samples.get("transposed", {})
-    counts = sorted(set(row) & set(transposed))
-    if not counts:
+    row = samples.get("row", {})
+    candidates = {name: by_rows for name, by_rows in samples.items() if row and set(row) <= set(by_rows)}
+    if not candidates:
         return "row"
-    per_row = {name: statistics.fmean(by_rows[n] / n for n in counts) for name, by_rows in
-               (("row", row), ("transposed", transposed))}
-    return "transposed" if per_row["row"] >= gain * per_row["transposed"] else "row"
+    fastest = {n: min(by_rows[n] for by_rows in candidates.values()) for n in row}
+    worst = {name: max(by_rows[n] / fastest[n] for n in row) for name, by_rows in candidates.items()}
+    best = min((name for name in candidates if name != "row"), key=worst.__getitem__, default="row")
+    return best if worst["row"] >= gain * worst[best] else "row"
 
 
 def measure_layout(dtype: torch.dtype, shape: tuple[int, int], rows: tuple[int, ...] = LAYOUT_ROWS,
                    repeats: int = 5, total_bytes: int | None = None) -> dict[str, dict[int, float]]:
     """Seconds per ``[rows, in] × [in, out]`` product in ``dtype``, for a weight of ``shape``
-    ``(out, in)`` stored each way: layout → row count → median over ``repeats`` interleaved
+    ``(out, in)`` stored each way (``packed`` only where :func:`packing_available`): layout →
+    row count → median over ``repeats`` interleaved
     passes, each over distinct weights of ``total_bytes`` in all (default :func:`stream_bytes`,
     read from memory, not cache; at most :data:`LAYOUT_MAX_WEIGHTS`). A weight larger than that
     (an LM head) is timed on its first rows that fit: the same kernels at a fraction of the
-    time. About 0.3-0.8 s per shape; twice ``total_bytes`` is allocated while it runs."""
+    time. About 0.5-1.2 s per shape; three times ``total_bytes`` is allocated while it runs."""
     total_bytes = total_bytes or stream_bytes()
     gen = torch.Generator().manual_seed(0)
     row_bytes = shape[1] * torch.empty((), dtype=dtype).element_size()
     shape = (max(1, min(shape[0], total_bytes // row_bytes)), shape[1])
     count = min(LAYOUT_MAX_WEIGHTS, max(1, -(-total_bytes // (shape[0] * row_bytes))))
     weights = [torch.randn(shape, generator=gen).to(dtype) for _ in range(count)]
-    stored = {"row": weights, "transposed": [w.t().contiguous().t() for w in weights]}
+    stored = {"row": [_probe(w, "row") for w in weights], "transposed": [_probe(w, "transposed") for w in weights]}
+    if packing_available():
+        stored["packed"] = [_probe(w, "packed") for w in weights]
+    del weights
     inputs = {n: torch.randn(n, shape[1], generator=gen).to(dtype) for n in rows}
-    times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in rows} for name in LAYOUTS}
+    times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in rows} for name in stored}
     with torch.inference_mode():
         for i in range(repeats + 1):
-            for name in LAYOUTS:
+            for name, probes in stored.items():
                 for n, x in inputs.items():
                     start = time.perf_counter()
-                    for w in stored[name]:
-                        F.linear(x, w)
+                    for probe in probes:
+                        probe(x)
                     if i:  # the first pass warms every path
-                        times[name][n].append((time.perf_counter() - start) / len(weights))
+                        times[name][n].append((time.perf_counter() - start) / len(probes))
     return {name: {n: statistics.median(ts) for n, ts in by_rows.items()} for name, by_rows in times.items()}
+
+
+def _probe(weight: torch.Tensor, name: str) -> nn.Linear:
+    """A bias-free linear holding ``weight`` ``[out, in]`` stored in layout ``name`` (no copy for ``row``)."""
+    probe = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta", dtype=weight.dtype)
+    probe.weight = nn.Parameter(weight, requires_grad=False)
+    if name == "transposed":
+        transpose(probe)
+    elif name == "packed":
+        pack(probe)
+    return probe
 
 
 @functools.cache
@@ -195,20 +291,23 @@ def layout(dtype: torch.dtype, shape: tuple[int, int]) -> str:
     under :data:`LAYOUT_MIN_ELEMENTS` keep ``row`` unmeasured. :data:`LAYOUT_ENV` overrides it.
 
     Raises:
-        ValueError: :data:`LAYOUT_ENV` is set to something other than a :data:`LAYOUTS` name.
+        ValueError: :data:`LAYOUT_ENV` is set to something other than a :data:`LAYOUTS` name, or to
+            ``packed`` where :func:`packing_available` is false.
     """
     forced = os.environ.get(LAYOUT_ENV, "").strip().lower()
     if forced:
         if forced not in LAYOUTS:
             raise ValueError(f"{LAYOUT_ENV} must be one of {', '.join(LAYOUTS)}, got {forced!r}")
+        if forced == "packed" and not packing_available():
+            raise ValueError(f"{LAYOUT_ENV}=packed needs a torch build with oneDNN, which this one lacks")
         return forced
     if shape[0] * shape[1] < LAYOUT_MIN_ELEMENTS:
         return "row"
     samples = measure_layout(dtype, shape)
     chosen = choose_layout(samples)
-    log.info("%s weights %s stored %s (ms per product by rows, row / transposed: %s)",
-             str(dtype).removeprefix("torch."), "x".join(map(str, shape)), chosen,
-             ", ".join(f"{n}: {samples['row'][n] * 1e3:.3f}/{samples['transposed'][n] * 1e3:.3f}"
+    log.info("%s weights %s stored %s (ms per product by rows, %s: %s)",
+             str(dtype).removeprefix("torch."), "x".join(map(str, shape)), chosen, " / ".join(samples),
+             ", ".join(f"{n}: " + "/".join(f"{by_rows[n] * 1e3:.3f}" for by_rows in samples.values())
                        for n in samples["row"]))
     return chosen
 
@@ -239,11 +338,8 @@ def measure(dtype: torch.dtype, rows: tuple[int, ...] = ROWS, repeats: int = 7,
     torch threads: row count → (half seconds, float32 path seconds) per call, medians of
     ``repeats`` interleaved samples of ``calls`` calls. About 0.5 s on a slow CPU."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(SHAPE, generator=gen).to(dtype)
-    if layout(dtype, SHAPE) == "transposed":  # the cast keeps the layout, and so do the shard's weights
-        weight = weight.t().contiguous().t()
-    probe = UpcastLinear(SHAPE[1], SHAPE[0], bias=False, device="meta")
-    probe.weight = nn.Parameter(weight, requires_grad=False)
+    probe = _probe(torch.randn(SHAPE, generator=gen).to(dtype), layout(dtype, SHAPE))  # as the shard's weights
+    upcast_linears(probe, 1)
     out = {}
     with torch.inference_mode():
         for count in rows:

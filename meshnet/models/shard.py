@@ -386,8 +386,9 @@ class ShardModel:
             upcast_linears(self.blocks, min_rows(self.dtype))
         if self.lm_head is not None:
             tied = self.lm_head.weight is self.embed.weight
-            if apply_layouts(self.lm_head) and tied:  # a tied lookup then reads hidden-size strided values a token
+            if apply_layouts(self.lm_head).get("transposed") and tied:  # a tied lookup then reads strided values
                 self.embed.weight = self.lm_head.weight
+            # a packed head (ADR-0048) is a copy: the embeddings keep the plain weight for their lookups
         if self.is_entry:
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from meshnet.models.linears import dense_weight, set_weight
+
 log = logging.getLogger(__name__)
 
 
@@ -51,11 +53,11 @@ class Corruption:
             block = slot.shard.blocks[str(self.layer)] if str(self.layer) in slot.shard.blocks else None
             if block is None:
                 continue
-            weight = block.mlp.down_proj.weight
+            weight = dense_weight(block.mlp.down_proj)
             with torch.no_grad(), runtime.lock:
                 gen = torch.Generator().manual_seed(0)
                 noise = torch.randn(weight.shape, generator=gen) * float(weight.float().std()) * self.scale
-                weight.add_(noise.to(weight.dtype))
+                set_weight(block.mlp.down_proj, weight + noise.to(weight.dtype))
             log.warning("TEST: corrupted layer %d of %s (noise %.2f x std) after %d hop call(s)", self.layer,
                         slot.key, self.scale, self.after_calls)
             self.done = True
