@@ -11,10 +11,10 @@ fast: ``[8, 576] × [576, 1536]`` in float32 took 0.82 ms against 0.37 ms (0.28 
 the weights that way, as a transposed view, so the modules, the state dict and the values are
 unchanged. A third layout, ``packed``, hands the weight to oneDNN's own blocked format for a
 given row count (:class:`PackedLinear`, the reordered weights torch's CPU compiler uses): on a
-2-core AVX2 host a ``[8, 576] × [576, 49152]`` LM-head product took 7.6 ms packed against
-18.7 ms ``row`` and 22.8 ms ``transposed`` (ADR-0048's packed amendment). :func:`layout` picks
-the layout from :func:`measure_layout`, timed on weights larger than the cache, as a decode
-step reads them.
+2-core AVX-512 host (AMD EPYC), a ``[8, 576] × [576, 49152]`` LM-head product took 7.6 ms
+packed against 18.7 ms ``row`` and 22.8 ms ``transposed`` (ADR-0048's packed amendment).
+:func:`layout` picks the layout from :func:`measure_layout`, timed on weights larger than the
+cache, as a decode step reads them.
 
 **Half-precision products in float32 (ADR-0047).** A bfloat16 (or float16) node keeps its
 weights in half precision: half the memory and half the bytes read per decode token, which is
@@ -67,7 +67,7 @@ LAYOUT_ROWS = (1, 8)
 #: its own (a margin for noise: within it, ``nn.Linear``'s own layout; see :func:`choose_layout`)
 LAYOUT_GAIN = 1.05
 #: the row count oneDNN blocks a packed weight for (its ``batch_size`` hint): a batch of 8
-#: sessions. Measured on a 2-core AVX2 host, float32 ``[rows, 576] × [576, 1536]``: packed for 1
+#: sessions. Measured on a 2-core AVX-512 host, float32 ``[rows, 576] × [576, 1536]``: packed for 1
 #: row, 0.264 / 0.435 ms at 1 / 8 rows; for 8 rows, 0.232 / 0.244 ms; for 32, 0.233 / 0.246 ms.
 PACK_ROWS = 8
 #: weights of fewer elements than this keep ``row`` unmeasured: a shard of them sits in cache,
@@ -220,7 +220,7 @@ def choose_layout(samples: dict[str, dict[int, float]], gain: float = LAYOUT_GAI
 
     A node runs both regimes: a lone session's step (1 row), where latency counts, and a batch
     of 8 sessions, where throughput does. The rule avoids a layout that is much slower in one
-    to save a little in the other. Measured on a 2-core AVX2 host, float32 ``[576, 1536]``
+    to save a little in the other. Measured on a 2-core AVX-512 host, float32 ``[576, 1536]``
     products at 1 / 8 rows: ``transposed`` 0.197 / 0.477 ms, ``packed`` 0.232 / 0.244 ms. Worst
     slowdowns 1.96 and 1.18: ``packed``. (The mean cost per row, this rule's predecessor, chose
     ``transposed``: 0.128 against 0.131 ms.)

@@ -124,7 +124,7 @@ def test_the_layout_with_the_smallest_worst_slowdown_is_chosen():
 
 
 def test_a_layout_a_little_slower_alone_and_twice_as_fast_batched_is_chosen():
-    # float32 [576, 1536] on a 2-core AVX2 host, ms; the mean cost per row would pick transposed
+    # float32 [576, 1536] on a 2-core AVX-512 host, ms; the mean cost per row would pick transposed
     samples = {"row": {1: 0.321, 8: 0.458}, "transposed": {1: 0.207, 8: 0.465}, "packed": {1: 0.270, 8: 0.276}}
     assert choose_layout(samples) == "packed"  # worst slowdowns 1.66, 1.68, 1.30
     # a layout not timed at every count is no candidate
