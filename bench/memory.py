@@ -7,11 +7,12 @@ them) and prints one JSON line:
   :mod:`meshnet.node.runtime`, runs a tiny
   matmul so torch's thread pool exists;
 * ``runtime``: the same plus what any shard needs before its weights, in the given compute
-  dtype (:func:`warm_runtime`: transformers' modeling code imported, a tiny model run once);
+  dtype (:func:`warm_runtime`: transformers' modeling code imported, a tiny model run once;
+  :func:`prepare_layouts`: the weight layouts of the shard's shapes measured);
 * ``shard``: ``bare``, then loads a :class:`ShardModel` of SmolLM2 layers 10-19 in the
   given compute dtype as a node does (:func:`meshnet.node.runtime.measure_load`: modeling
-  code imported first, a warm-up forward, the shard's own measured ``resident_bytes``, the
-  figure doctor reports) and runs one more 16-token forward.
+  code imported and layouts measured first, a warm-up forward, the shard's own measured
+  ``resident_bytes``, the figure doctor reports) and runs one more 16-token forward.
 
 For each it records RSS (psutil) and ``/proc/self/smaps_rollup`` (Rss, Anonymous,
 file-backed = Rss - Anonymous). The report is the median over ``--runs`` processes of RSS
@@ -55,12 +56,14 @@ def smaps():
 torch.ones(64, 64) @ torch.ones(64, 64)
 mode, dtype, start, end = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 weights = resident = 0
+from meshnet.models.sources import model_dir
+path = model_dir("smollm2-135m-instruct")
 if mode == "runtime":
     shard_mod.warm_runtime(dtype)
+    shard_mod.prepare_layouts(path, LayerRange(start, end), dtype=dtype)
 if mode == "shard":
-    from meshnet.models.sources import model_dir
-    model, resident = measure_load(lambda: shard_mod.ShardModel(
-        model_dir("smollm2-135m-instruct"), LayerRange(start, end), dtype=dtype), dtype)
+    model, resident = measure_load(lambda: shard_mod.ShardModel(path, LayerRange(start, end), dtype=dtype), dtype,
+                                   lambda: shard_mod.prepare_layouts(path, LayerRange(start, end), dtype=dtype))
     weights = model.weight_bytes()
     hidden = torch.randn(1, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     model.forward(hidden, shard_mod.KVCache(), 0)

@@ -31,7 +31,7 @@ from torch import nn
 
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
-from meshnet.models.linears import apply_layouts, min_rows, upcast_linears
+from meshnet.models.linears import apply_layouts, layout, min_rows, upcast_linears
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +324,46 @@ def _tensor_index(model_path: Path) -> dict[str, Path]:
     return out
 
 
+def _meta_model(config, dtype: torch.dtype) -> nn.Module:
+    """The whole model of ``config`` on the ``meta`` device (shapes only, no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def prepare_layouts(model_path: Path, layers: LayerRange, *, dtype: str = "float32", load_head: bool | None = None,
+                    quantization: str = "bfloat16") -> int:
+    """Measure now the weight layouts (ADR-0048) that loading :class:`ShardModel` with the same
+    arguments will use, and hand back the heap the timing used.
+
+    The timing is a cost of the process, once per dtype and weight shape: it allocates several
+    times the last-level cache, and about 13 MiB of it stayed resident after a measured load of
+    SmolLM2 layers 10-19 (``bench/memory.py``). A node calls this before it measures a shard's
+    memory, so that figure is the shard's own. Returns how many weight shapes it measured or
+    found measured (quantized layers have none: their modules are bitsandbytes').
+
+    Raises:
+        KeyError: unknown ``dtype``; OSError and ValueError: an unreadable ``config.json``.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    skeleton = _meta_model(config, DTYPES[dtype])
+    modules: list[nn.Module] = []
+    if quantization in ("bfloat16", "float32"):
+        all_layers = _get(skeleton, FAMILIES[family_of(config)].layers_path)
+        modules += [all_layers[i] for i in range(layers.start, min(layers.end, len(all_layers)))]
+    if (layers.start == 0) if load_head is None else load_head:
+        modules.append(skeleton.get_output_embeddings())
+    shapes = {(child.weight.dtype, tuple(child.weight.shape)) for module in modules for child in module.modules()
+              if isinstance(child, nn.Linear)}
+    for weight_dtype, shape in shapes:
+        layout(weight_dtype, shape)
+    trim_heap()
+    return len(shapes)
+
+
 class ShardModel:
     """Decoder layers ``layers`` of the model at ``model_path``, ready to run.
 
@@ -342,7 +382,7 @@ class ShardModel:
 
     def __init__(self, model_path: Path, layers: LayerRange, *, dtype: str = "float32",
                  load_head: bool | None = None, quantization: str = "bfloat16") -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         self.model_path = Path(model_path)
         self.config = AutoConfig.from_pretrained(self.model_path)
@@ -354,8 +394,7 @@ class ShardModel:
         self.dtype = DTYPES[dtype]
         self.family = FAMILIES[family_of(self.config)]
         self.is_entry = layers.start == 0 if load_head is None else load_head
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)
+        skeleton = _meta_model(self.config, self.dtype)
         _register_attention()
         skeleton.config._attn_implementation = ATTENTION  # the layers' attention modules read this config
         all_layers = _get(skeleton, self.family.layers_path)

@@ -29,7 +29,7 @@ import torch
 
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.layers import LayerRange
-from meshnet.models.shard import KVCache, ShardModel, trim_heap, warm_runtime
+from meshnet.models.shard import KVCache, ShardModel, prepare_layouts, trim_heap, warm_runtime
 from meshnet.node.hardware import rss_bytes
 from meshnet.node.batching import Step, StepBatcher
 from meshnet.presets import canonical_model_name
@@ -104,18 +104,21 @@ def _compute(works: list[_Work], sessions: list[Session]) -> list[torch.Tensor]:
     return list(out.split(1))
 
 
-def measure_load(build, dtype: str) -> tuple[ShardModel, int]:
+def measure_load(build, dtype: str, prepare=None) -> tuple[ShardModel, int]:
     """Build a shard with ``build()`` and measure its resident memory, bytes.
 
     The figure is the process RSS after the build, one ``WARM_UP_TOKENS``-token forward on a
     throwaway cache (the compute's lasting buffers) and :func:`trim_heap`, minus the RSS just
     before the build. The process's fixed costs are paid first (:func:`warm_runtime` in compute
-    dtype ``dtype``: transformers' modeling code, the kernels' first run). It is
+    dtype ``dtype``: transformers' modeling code, the kernels' first run; then ``prepare()``
+    when given, for the build's own fixed costs: :func:`prepare_layouts`). It is
     never below the shard's :meth:`ShardModel.weight_bytes` (page reuse can hide a small shard).
     Concurrent work in the process (another slot's sessions growing) adds to it: the figure errs
     high, the safe side for placement. Errors of ``build`` propagate.
     """
     warm_runtime(dtype)
+    if prepare is not None:
+        prepare()
     trim_heap()
     before = rss_bytes()
     shard = build()
@@ -176,8 +179,9 @@ class NodeRuntime:
         if len(self.slots) >= self.max_loaded_shards:
             raise MeshnetError(f"no free shard slot ({len(self.slots)}/{self.max_loaded_shards} used)",
                                code="no_free_slot", status=409)
-        shard, resident = measure_load(lambda: ShardModel(model_path, layers, dtype=self.compute_dtype,
-                                                          quantization=quantization), self.compute_dtype)
+        shape = {"dtype": self.compute_dtype, "quantization": quantization}
+        shard, resident = measure_load(lambda: ShardModel(model_path, layers, **shape), self.compute_dtype,
+                                       lambda: prepare_layouts(model_path, layers, **shape))
         slot = ShardSlot(model=model, layers=layers, quantization=quantization, shard=shard, tier=tier,
                          resident_bytes=resident)
         with self.lock:

@@ -11,7 +11,7 @@ from meshnet.layers import LayerRange
 from meshnet.models import linears
 from meshnet.models.linears import (PackedLinear, UpcastLinear, apply_layouts, choose_layout, choose_min_rows, dense_weight,
                                     pack, set_weight, transpose, upcast_linears)
-from meshnet.models.shard import KVCache, ShardModel
+from meshnet.models.shard import KVCache, ShardModel, prepare_layouts
 from meshnet.node.doctor import weights_digest
 
 
@@ -272,3 +272,23 @@ def test_a_packed_half_linear_runs_long_products_in_float32_rounded_once():
     assert torch.equal(linear(x), want)
     short = linear(x[:2])  # under min_rows: oneDNN's bfloat16 kernel
     assert short.dtype == torch.bfloat16 and torch.allclose(short.float(), want[:2].float(), rtol=2e-2, atol=1e-2)
+
+
+def test_prepare_layouts_measures_before_the_load_what_the_load_would(tiny_model_path, fresh_choices):
+    calls = []
+
+    def fake_measure(dtype, shape):
+        calls.append(shape)
+        return {"row": {1: 2.0, 8: 8.0}, "transposed": {1: 1.0, 8: 4.0}}
+
+    fresh_choices.setattr(linears, "measure_layout", fake_measure)
+    fresh_choices.setattr(linears, "LAYOUT_MIN_ELEMENTS", 0)  # the tiny model's weights are measured too
+    path = tiny_model_path("tiny-llama")
+    assert prepare_layouts(path, LayerRange(1, 3), dtype="float32") == len(calls) == len(set(calls)) >= 3
+    shapes = set(calls)
+    middle = ShardModel(path, LayerRange(1, 3), dtype="float32")
+    assert set(calls) == shapes and len(calls) == len(shapes)  # the load measured nothing more
+    assert middle.blocks["1"].mlp.down_proj.weight.stride()[0] == 1  # and used what was measured
+    entry = prepare_layouts(path, LayerRange(0, 2), dtype="float32")
+    assert entry == len(shapes) + 1 and len(calls) == len(shapes) + 1  # the LM head's shape, once more
+    assert prepare_layouts(path, LayerRange(1, 3), dtype="float32", quantization="int8") == 0
