@@ -8,8 +8,8 @@ fresh KV cache, of a small sample of the model's own layers (the step doctor tim
 count, interleaved over a few rounds (medians: these machines are noisy). :func:`choose` is
 the decision, a pure function over those samples; flags the operator gave fix their axis and
 are never overridden. :func:`calibrate` ties the two together and keeps the samples in
-``<cache>/calibration.json`` (keyed by CPU, torch version, model and candidates, for
-:data:`CACHE_TTL_S`), so a host measures once, not at every start.
+``<cache>/calibration.json`` (keyed by CPU, torch version, weight layouts, model and
+candidates, for :data:`CACHE_TTL_S`), so a host measures once, not at every start.
 """
 
 from __future__ import annotations
@@ -160,10 +160,16 @@ def measure(model_path: Path, dtypes: Sequence[str], thread_counts: Sequence[int
 
 
 def host_key(model: str, dtypes: Sequence[str], thread_counts: Sequence[int]) -> str:
-    """Cache key of a measurement: CPU, torch version, model and the candidates measured."""
+    """Cache key of a measurement: CPU, torch version, the weight layouts a shard may choose from
+    (ADR-0048: a new layout changes what each dtype costs, so a measurement made without it is
+    not reused), model and the candidates measured."""
     import torch
 
-    return f"{cpu_name()}|torch {torch.__version__}|{model}|{','.join(dtypes)}|{','.join(map(str, thread_counts))}"
+    from meshnet.models.linears import LAYOUTS, packing_available
+
+    layouts = ",".join(name for name in LAYOUTS if name != "packed" or packing_available())
+    return (f"{cpu_name()}|torch {torch.__version__}|layouts {layouts}|{model}|{','.join(dtypes)}|"
+            f"{','.join(map(str, thread_counts))}")
 
 
 def cpu_name() -> str:

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from meshnet.node.calibration import (Sample, calibrate, choose, max_processes, thread_budget,
+from meshnet.models import linears
+from meshnet.node.calibration import (Sample, calibrate, choose, host_key, max_processes, thread_budget,
                                       thread_candidates)
 
 
@@ -86,6 +87,14 @@ def test_calibrate_measures_the_host_once_then_reads_the_cache(tiny_model_path, 
     again = calibrate("tiny-llama", 1, cache_file=cache, now=2000.0)
     assert (again.compute_dtype, again.threads) == (first.compute_dtype, first.threads)
     assert "cached measurement" in again.reason
+
+
+def test_a_measurement_made_without_a_weight_layout_is_not_reused_with_it(monkeypatch):
+    with_packing = host_key("tiny-llama", ["float32", "bfloat16"], [1, 2])
+    assert "|layouts row,transposed,packed|" in with_packing  # the CPU torch wheel has oneDNN
+    monkeypatch.setattr(linears, "packing_available", lambda: False)
+    without = host_key("tiny-llama", ["float32", "bfloat16"], [1, 2])
+    assert "|layouts row,transposed|" in without and without != with_packing
 
 
 def test_calibrate_with_both_flags_measures_nothing(tmp_path):
