@@ -7,7 +7,7 @@ memory is measured), not assumed, because they depend on the CPU's kernels.
 multiplies by its transpose. On x86 with MKL, a product of a few rows by a weight stored
 ``[in, out]`` (the same values, column-major as seen from ``nn.Linear``) ran about twice as
 fast: ``[8, 576] × [576, 1536]`` in float32 took 0.82 ms against 0.37 ms (0.28 ms against
-0.24 ms at 1 row). That is the batched decode step's shape. :func:`transpose_weights` stores
+0.24 ms at 1 row). That is the batched decode step's shape. :func:`transpose` stores
 the weights that way, as a transposed view, so the modules, the state dict and the values are
 unchanged. A third layout, ``packed``, hands the weight to oneDNN's own blocked format for a
 given row count (:class:`PackedLinear`, the reordered weights torch's CPU compiler uses): on a
@@ -92,13 +92,22 @@ class UpcastLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() < self.min_rows * self.in_features:
             return F.linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return _float32_product(x, self.weight, self.bias)
+
+
+def _float32_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` in float32, rounded once back to ``x``'s dtype (ADR-0047's path)."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
 def packing_available() -> bool:
     """Whether this torch build can run :class:`PackedLinear` (oneDNN on the CPU)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def available_layouts() -> tuple[str, ...]:
+    """The :data:`LAYOUTS` this torch build can store (``packed`` only with oneDNN)."""
+    return tuple(name for name in LAYOUTS if name != "packed" or packing_available())
 
 
 class PackedLinear(nn.Linear):
@@ -119,8 +128,7 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() >= self.min_rows * self.in_features:
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.to_dense().float(), bias).to(x.dtype)
+            return _float32_product(x, self.weight.to_dense(), self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -200,6 +208,15 @@ def transpose(linear: nn.Linear) -> None:
     linear.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
 
 
+def store(linear: nn.Linear, name: str) -> None:
+    """Store ``linear``'s weight in layout ``name`` (a :data:`LAYOUTS` name), in place: ``row``
+    leaves it as it is, ``transposed`` is :func:`transpose`, ``packed`` is :func:`pack`."""
+    if name == "transposed":
+        transpose(linear)
+    elif name == "packed":
+        pack(linear)
+
+
 def apply_layouts(module: nn.Module) -> dict[str, int]:
     """Give every ``nn.Linear`` under ``module`` the layout :func:`layout` measured for its dtype
     and shape; returns how many were stored in each layout other than ``row``. One weight is
@@ -209,7 +226,7 @@ def apply_layouts(module: nn.Module) -> dict[str, int]:
         if isinstance(child, nn.Linear) and not isinstance(child, PackedLinear):
             chosen = layout(child.weight.dtype, tuple(child.weight.shape))
             if chosen != "row":
-                (pack if chosen == "packed" else transpose)(child)
+                store(child, chosen)
                 count[chosen] = count.get(chosen, 0) + 1
     return count
 
@@ -254,9 +271,7 @@ def measure_layout(dtype: torch.dtype, shape: tuple[int, int], rows: tuple[int, 
     shape = (max(1, min(shape[0], total_bytes // row_bytes)), shape[1])
     count = min(LAYOUT_MAX_WEIGHTS, max(1, -(-total_bytes // (shape[0] * row_bytes))))
     weights = [torch.randn(shape, generator=gen).to(dtype) for _ in range(count)]
-    stored = {"row": [_probe(w, "row") for w in weights], "transposed": [_probe(w, "transposed") for w in weights]}
-    if packing_available():
-        stored["packed"] = [_probe(w, "packed") for w in weights]
+    stored = {name: [_probe(w, name) for w in weights] for name in available_layouts()}
     del weights
     inputs = {n: torch.randn(n, shape[1], generator=gen).to(dtype) for n in rows}
     times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in rows} for name in stored}
@@ -276,10 +291,7 @@ def _probe(weight: torch.Tensor, name: str) -> nn.Linear:
     """A bias-free linear holding ``weight`` ``[out, in]`` stored in layout ``name`` (no copy for ``row``)."""
     probe = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta", dtype=weight.dtype)
     probe.weight = nn.Parameter(weight, requires_grad=False)
-    if name == "transposed":
-        transpose(probe)
-    elif name == "packed":
-        pack(probe)
+    store(probe, name)
     return probe
 
 

@@ -165,11 +165,10 @@ def host_key(model: str, dtypes: Sequence[str], thread_counts: Sequence[int]) ->
     not reused), model and the candidates measured."""
     import torch
 
-    from meshnet.models.linears import LAYOUTS, packing_available
+    from meshnet.models.linears import available_layouts
 
-    layouts = ",".join(name for name in LAYOUTS if name != "packed" or packing_available())
-    return (f"{cpu_name()}|torch {torch.__version__}|layouts {layouts}|{model}|{','.join(dtypes)}|"
-            f"{','.join(map(str, thread_counts))}")
+    return (f"{cpu_name()}|torch {torch.__version__}|layouts {','.join(available_layouts())}|{model}|"
+            f"{','.join(dtypes)}|{','.join(map(str, thread_counts))}")
 
 
 def cpu_name() -> str:

@@ -179,9 +179,9 @@ class NodeRuntime:
         if len(self.slots) >= self.max_loaded_shards:
             raise MeshnetError(f"no free shard slot ({len(self.slots)}/{self.max_loaded_shards} used)",
                                code="no_free_slot", status=409)
-        shape = {"dtype": self.compute_dtype, "quantization": quantization}
-        shard, resident = measure_load(lambda: ShardModel(model_path, layers, **shape), self.compute_dtype,
-                                       lambda: prepare_layouts(model_path, layers, **shape))
+        recipe = {"dtype": self.compute_dtype, "quantization": quantization}
+        shard, resident = measure_load(lambda: ShardModel(model_path, layers, **recipe), self.compute_dtype,
+                                       lambda: prepare_layouts(model_path, layers, **recipe))
         slot = ShardSlot(model=model, layers=layers, quantization=quantization, shard=shard, tier=tier,
                          resident_bytes=resident)
         with self.lock:
