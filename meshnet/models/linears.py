@@ -75,7 +75,7 @@ PACK_ROWS = 8
 LAYOUT_MIN_ELEMENTS = 65_536
 #: the most distinct weights one timing pass cycles through
 LAYOUT_MAX_WEIGHTS = 512
-#: environment override of the layout: ``row`` or ``transposed``
+#: environment override of the layout: ``row``, ``transposed`` or ``packed``
 LAYOUT_ENV = "MESHNET_WEIGHT_LAYOUT"
 
 
@@ -100,14 +100,27 @@ def _float32_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
-def packing_available() -> bool:
-    """Whether this torch build can run :class:`PackedLinear` (oneDNN on the CPU)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+@functools.cache
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build and CPU can run :class:`PackedLinear` in ``dtype``: torch has
+    oneDNN, and a small weight of that dtype packs and multiplies (tried once per process and
+    dtype). oneDNN packs bfloat16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT: on an
+    AVX2-only CPU the reorder raises, and bfloat16 weights keep ``row`` or ``transposed``."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 16, dtype=dtype), PACK_ROWS)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 16, dtype=dtype), weight, None, "none", [], "")
+    except RuntimeError as exc:
+        log.info("%s weights cannot be packed on this CPU: %s", str(dtype).removeprefix("torch."), exc)
+        return False
+    return True
 
 
-def available_layouts() -> tuple[str, ...]:
-    """The :data:`LAYOUTS` this torch build can store (``packed`` only with oneDNN)."""
-    return tuple(name for name in LAYOUTS if name != "packed" or packing_available())
+def available_layouts(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
+    """The :data:`LAYOUTS` this torch build and CPU can store ``dtype`` weights in (``packed`` only
+    where :func:`packing_available` for ``dtype``)."""
+    return tuple(name for name in LAYOUTS if name != "packed" or packing_available(dtype))
 
 
 class PackedLinear(nn.Linear):
@@ -141,12 +154,13 @@ def pack(linear: nn.Linear) -> None:
     blocked format (one weight's bytes of peak above the layer). A no-op if it is packed already.
 
     Raises:
-        RuntimeError: this torch build has no oneDNN (:func:`packing_available`).
+        RuntimeError: this torch build or CPU cannot pack the weight's dtype (:func:`packing_available`).
     """
     if isinstance(linear, PackedLinear):
         return
-    if not packing_available():
-        raise RuntimeError("this torch build has no oneDNN: weights cannot be packed")
+    if not packing_available(linear.weight.dtype):
+        raise RuntimeError(f"{str(linear.weight.dtype).removeprefix('torch.')} weights cannot be packed with this "
+                           f"torch build on this CPU (oneDNN missing, or no bfloat16 support in it)")
     weight = linear.weight.detach().contiguous()
     del linear._parameters["weight"]
     linear.__class__ = PackedLinear
@@ -259,7 +273,7 @@ def choose_layout(samples: dict[str, dict[int, float]], gain: float = LAYOUT_GAI
 def measure_layout(dtype: torch.dtype, shape: tuple[int, int], rows: tuple[int, ...] = LAYOUT_ROWS,
                    repeats: int = 5, total_bytes: int | None = None) -> dict[str, dict[int, float]]:
     """Seconds per ``[rows, in] × [in, out]`` product in ``dtype``, for a weight of ``shape``
-    ``(out, in)`` stored each way (``packed`` only where :func:`packing_available`): layout →
+    ``(out, in)`` stored each way (``packed`` only where :func:`packing_available` for ``dtype``): layout →
     row count → median over ``repeats`` interleaved
     passes, each over distinct weights of ``total_bytes`` in all (default :func:`stream_bytes`,
     read from memory, not cache; at most :data:`LAYOUT_MAX_WEIGHTS`). A weight larger than that
@@ -271,7 +285,7 @@ def measure_layout(dtype: torch.dtype, shape: tuple[int, int], rows: tuple[int, 
     shape = (max(1, min(shape[0], total_bytes // row_bytes)), shape[1])
     count = min(LAYOUT_MAX_WEIGHTS, max(1, -(-total_bytes // (shape[0] * row_bytes))))
     weights = [torch.randn(shape, generator=gen).to(dtype) for _ in range(count)]
-    stored = {name: [_probe(w, name) for w in weights] for name in available_layouts()}
+    stored = {name: [_probe(w, name) for w in weights] for name in available_layouts(dtype)}
     del weights
     inputs = {n: torch.randn(n, shape[1], generator=gen).to(dtype) for n in rows}
     times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in rows} for name in stored}
@@ -304,14 +318,15 @@ def layout(dtype: torch.dtype, shape: tuple[int, int]) -> str:
 
     Raises:
         ValueError: :data:`LAYOUT_ENV` is set to something other than a :data:`LAYOUTS` name, or to
-            ``packed`` where :func:`packing_available` is false.
+            ``packed`` where :func:`packing_available` is false for ``dtype``.
     """
     forced = os.environ.get(LAYOUT_ENV, "").strip().lower()
     if forced:
         if forced not in LAYOUTS:
             raise ValueError(f"{LAYOUT_ENV} must be one of {', '.join(LAYOUTS)}, got {forced!r}")
-        if forced == "packed" and not packing_available():
-            raise ValueError(f"{LAYOUT_ENV}=packed needs a torch build with oneDNN, which this one lacks")
+        if forced == "packed" and not packing_available(dtype):
+            raise ValueError(f"{LAYOUT_ENV}=packed cannot store {str(dtype).removeprefix('torch.')} weights with "
+                             f"this torch build on this CPU (oneDNN missing, or no bfloat16 support in it)")
         return forced
     if shape[0] * shape[1] < LAYOUT_MIN_ELEMENTS:
         return "row"

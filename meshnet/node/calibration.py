@@ -167,7 +167,8 @@ def host_key(model: str, dtypes: Sequence[str], thread_counts: Sequence[int]) ->
 
     from meshnet.models.linears import available_layouts
 
-    return (f"{cpu_name()}|torch {torch.__version__}|layouts {','.join(available_layouts())}|{model}|"
+    layouts = ";".join(f"{d}:{','.join(available_layouts(getattr(torch, d)))}" for d in dtypes)
+    return (f"{cpu_name()}|torch {torch.__version__}|layouts {layouts}|{model}|"
             f"{','.join(dtypes)}|{','.join(map(str, thread_counts))}")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from meshnet.models import linears
 from meshnet.node.calibration import (Sample, calibrate, choose, host_key, max_processes, thread_budget,
@@ -91,10 +92,11 @@ def test_calibrate_measures_the_host_once_then_reads_the_cache(tiny_model_path, 
 
 def test_a_measurement_made_without_a_weight_layout_is_not_reused_with_it(monkeypatch):
     with_packing = host_key("tiny-llama", ["float32", "bfloat16"], [1, 2])
-    assert "|layouts row,transposed,packed|" in with_packing  # the CPU torch wheel has oneDNN
-    monkeypatch.setattr(linears, "packing_available", lambda: False)
+    half = "row,transposed,packed" if linears.packing_available(torch.bfloat16) else "row,transposed"  # AVX2: no
+    assert f"|layouts float32:row,transposed,packed;bfloat16:{half}|" in with_packing  # the torch wheel has oneDNN
+    monkeypatch.setattr(linears, "packing_available", lambda dtype: False)
     without = host_key("tiny-llama", ["float32", "bfloat16"], [1, 2])
-    assert "|layouts row,transposed|" in without and without != with_packing
+    assert "|layouts float32:row,transposed;bfloat16:row,transposed|" in without and without != with_packing
 
 
 def test_calibrate_with_both_flags_measures_nothing(tmp_path):

@@ -162,11 +162,44 @@ def test_small_weights_keep_row_unmeasured_and_large_ones_are_measured_once(fres
     assert calls == [(torch.float32, (1536, 576)), (torch.bfloat16, (1536, 576))]
 
 
+#: whether oneDNN packs bfloat16 on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not on AVX2 alone)
+BF16_PACKS = linears.packing_available(torch.bfloat16)
+NO_BF16_PACKING = "this CPU's oneDNN cannot pack bfloat16 (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)"
+
+
 def test_measure_layout_times_every_layout_at_every_count():
-    assert linears.available_layouts() == linears.LAYOUTS  # the CPU torch wheel the project installs has oneDNN
+    assert linears.available_layouts(torch.float32) == linears.LAYOUTS  # the CPU torch wheel has oneDNN
     samples = linears.measure_layout(torch.float32, (96, 64), rows=(1, 8), repeats=1, total_bytes=1 << 20)
     assert sorted(samples) == ["packed", "row", "transposed"]
     assert all(sorted(by_rows) == [1, 8] and min(by_rows.values()) > 0 for by_rows in samples.values())
+
+
+def test_bfloat16_is_packed_only_where_onednn_can():
+    # on an AVX2-only CPU, oneDNN's bfloat16 reorder raises: a bfloat16 shard's timing and load
+    # must leave packing out there, not fail
+    assert BF16_PACKS == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    want = linears.LAYOUTS if BF16_PACKS else ("row", "transposed")
+    assert linears.available_layouts(torch.bfloat16) == want
+    samples = linears.measure_layout(torch.bfloat16, (96, 64), rows=(1, 8), repeats=1, total_bytes=1 << 20)
+    assert tuple(samples) == want
+
+
+def test_a_bfloat16_shard_loads_with_every_weight_measured(tiny_model_path, fresh_choices):
+    fresh_choices.setattr(linears, "LAYOUT_MIN_ELEMENTS", 0)  # the tiny model's weights are measured too
+    shard = ShardModel(tiny_model_path("tiny-llama"), LayerRange(0, 2), dtype="bfloat16")
+    kinds = {type(m) for m in [*shard.blocks.modules(), shard.lm_head] if isinstance(m, torch.nn.Linear)}
+    assert kinds <= ({torch.nn.Linear, UpcastLinear, PackedLinear} if BF16_PACKS else {torch.nn.Linear, UpcastLinear})
+    logits = shard.logits(shard.forward(shard.embed_tokens(torch.tensor([[3, 1, 4]]), 0), KVCache(), 0))
+    assert logits.shape == (1, 3, shard.config.vocab_size) and torch.isfinite(logits).all()
+
+
+@pytest.mark.skipif(BF16_PACKS, reason="this CPU's oneDNN packs bfloat16: nothing is refused")
+def test_packing_bfloat16_where_onednn_cannot_is_refused_by_name(fresh_choices):
+    fresh_choices.setenv(linears.LAYOUT_ENV, "packed")
+    with pytest.raises(ValueError, match="cannot store bfloat16 weights"):
+        linears.layout(torch.bfloat16, (1536, 576))
+    with pytest.raises(RuntimeError, match="bfloat16 weights cannot be packed"):
+        pack(make_linear(torch.bfloat16))
 
 
 def test_stream_bytes_exceed_the_caches_within_bounds():
@@ -237,7 +270,8 @@ def test_a_packed_entry_keeps_plain_embeddings_beside_its_packed_head(tiny_model
     assert torch.equal(dense_weight(packed.lm_head), row.lm_head.weight)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not BF16_PACKS, reason=NO_BF16_PACKING))])
 def test_packed_weights_keep_their_values_state_and_products(fresh_choices, dtype):
     fresh_choices.setenv(linears.LAYOUT_ENV, "packed")
     module = torch.nn.Sequential(make_linear(dtype), torch.nn.GELU(), make_linear(dtype, bias=False))
@@ -262,6 +296,7 @@ def test_packed_weights_keep_their_values_state_and_products(fresh_choices, dtyp
     assert module[2].weight.is_mkldnn and torch.equal(dense_weight(module[2]), before[1] * 2)
 
 
+@pytest.mark.skipif(not BF16_PACKS, reason=NO_BF16_PACKING)
 def test_a_packed_half_linear_runs_long_products_in_float32_rounded_once():
     linear = make_linear(torch.bfloat16)
     weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
