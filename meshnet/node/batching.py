@@ -1,11 +1,15 @@
 """Batched decode on a node: steps of different sessions that meet within a short window run as
 one forward (ADR-0041).
 
-Callers are worker threads (HTTP hop calls, the entry node's own layers, hop streams). Each hands
-its step to :meth:`StepBatcher.submit` and blocks until the step has run. One waiting caller is
-the *leader*: it gathers the steps that can run together, has them run, and hands every caller
-its result. The others wait. While a batch runs, new steps queue; the next leader takes them all
-at once, so a busy node batches without waiting at all.
+Callers are event loops (hop streams, the entry node's own layers and LM head, HTTP hop calls)
+and threads. A loop hands its step to :meth:`StepBatcher.submit_soon` without blocking and awaits
+the future it gets; a thread calls :meth:`StepBatcher.submit` and blocks until the step has run.
+One caller at a time is the *leader*: it gathers the steps that can run together, has them run,
+and hands every caller its result. For loops' steps the leader is the batcher's own runner
+thread, and a batch's results reach each loop in one call (one thread hand-off per batch, not one
+per step: ADR-0041's event-loop amendment); a blocked thread may lead too. While a batch runs,
+new steps queue; the next leader takes them all at once, so a busy node batches without waiting
+at all.
 
 Policy (pure data in, list of steps out; :meth:`StepBatcher._collect`):
 
@@ -35,6 +39,7 @@ Policy (pure data in, list of steps out; :meth:`StepBatcher._collect`):
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,6 +50,9 @@ from meshnet.stats import EMA
 #: a leader may wait up to this share of its group's recent decode-batch compute time, when that is
 #: longer than ``window_s``: a step that joins saves a batch of its own, which costs about as much
 WINDOW_COMPUTE_SHARE = 0.5
+#: the batcher's runner thread ends after this many seconds without a loop's step to lead (a new
+#: step starts it again): an idle node, or a test's runtime, keeps no thread
+RUNNER_IDLE_S = 30.0
 #: a batch waits up to this share of a batch's compute time for a wave due right behind it: a wave
 #: that trails another queues behind its compute, about one batch time behind, so a shorter wait
 #: never closes the gap (measured with ``bench/batching.py``, ADR-0041's wave amendment)
@@ -70,6 +78,8 @@ class Step:
     result: object = None
     error: BaseException | None = None
     done: bool = False
+    #: where an event loop awaits the step (:meth:`StepBatcher.submit_soon`); None for a blocked thread
+    waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
 
     def finish(self, result: object) -> None:
         self.result, self.done = result, True
@@ -121,6 +131,7 @@ class StepBatcher:
         self._leading = False
         self._compute_s: dict[Hashable, EMA] = {}  # group -> seconds a decode batch of it takes to run
         self._batches = 0  # decode batches run, numbering the waves
+        self._runner: threading.Thread | None = None  # leads the batches of loops' steps (submit_soon)
 
     def submit(self, step: Step) -> object:
         """Queue ``step``, wait until it has run (leading a batch when no one else does) and
@@ -130,30 +141,73 @@ class StepBatcher:
             whatever the runner failed the step with.
         """
         with self._cond:
-            step.arrived_s = self.clock()
-            self._pending.append(step)
-            self._arrived(step)
-            self._cond.notify_all()
+            self._queue(step)
             while not step.done:
                 if self._leading:
                     self._cond.wait()
                     continue
-                self._leading = True
-                try:
-                    batch = self._collect()
-                    self._cond.release()
-                    started_s = self.clock()
-                    try:
-                        self._execute(batch, self.run)
-                    finally:
-                        self._cond.acquire()
-                        self._ran(batch, started_s)
-                finally:
-                    self._leading = False
-                    self._cond.notify_all()
+                self._lead()
         if step.error is not None:
             raise step.error
         return step.result
+
+    def submit_soon(self, step: Step) -> asyncio.Future:
+        """Queue ``step`` from the running event loop without blocking it; the future returned gets
+        the step's result (or its error) once it has run. The batcher's runner thread leads the
+        batch (started here when it is not running), and hands each loop the results of a batch
+        in one ``call_soon_threadsafe``. Cancelling the future does not unqueue the step.
+
+        Raises:
+            RuntimeError: no event loop runs in this thread.
+        """
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        step.waiter = (loop, future)
+        with self._cond:
+            self._queue(step)
+            if self._runner is None:
+                self._runner = threading.Thread(target=self._run_loop_steps, name="meshnet-batcher", daemon=True)
+                self._runner.start()
+        return future
+
+    def _queue(self, step: Step) -> None:
+        """Add ``step`` to the queue and wake whoever leads or may lead (holding the condition)."""
+        step.arrived_s = self.clock()
+        self._pending.append(step)
+        self._arrived(step)
+        self._cond.notify_all()
+
+    def _run_loop_steps(self) -> None:
+        """The runner thread: lead a batch whenever a loop's step is queued and nobody leads; end
+        after :data:`RUNNER_IDLE_S` without one."""
+        with self._cond:
+            try:
+                while True:
+                    if self._leading or not any(step.waiter for step in self._pending):
+                        if not self._cond.wait(RUNNER_IDLE_S) and not any(step.waiter for step in self._pending):
+                            return
+                        continue
+                    self._lead()
+            finally:
+                self._runner = None
+
+    def _lead(self) -> None:
+        """Collect a batch, run it with the condition released, then hand out its results: blocked
+        threads are woken, each loop gets its steps' results in one call (holding the condition)."""
+        self._leading = True
+        try:
+            batch = self._collect()
+            self._cond.release()
+            started_s = self.clock()
+            try:
+                self._execute(batch, self.run)
+            finally:
+                self._cond.acquire()
+                self._ran(batch, started_s)
+                _wake(batch)
+        finally:
+            self._leading = False
+            self._cond.notify_all()
 
     def try_now(self, step: Step, run: Callable[[list[Step]], None] | None = None) -> bool:
         """Run a decode step at once on the calling thread when it would run alone anyway: no batch
@@ -316,3 +370,29 @@ class StepBatcher:
         for step in batch:
             if not step.done:
                 step.fail(RuntimeError(f"the batch runner left the step of session {step.session_id} unfinished"))
+
+
+def _wake(batch: list[Step]) -> None:
+    """Hand the loops awaiting steps of ``batch`` their results: one ``call_soon_threadsafe`` per
+    loop (a closed loop's steps are dropped: nobody awaits them any more)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Step]] = {}
+    for step in batch:
+        if step.waiter is not None:
+            by_loop.setdefault(step.waiter[0], []).append(step)
+    for loop, steps in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_settle, steps)
+        except RuntimeError:  # the loop closed
+            pass
+
+
+def _settle(steps: list[Step]) -> None:
+    """Set each step's future (on its loop) from its outcome, unless the awaiting side gave up."""
+    for step in steps:
+        future = step.waiter[1]
+        if future.cancelled():
+            continue
+        if step.error is not None:
+            future.set_exception(step.error)
+        else:
+            future.set_result(step.result)

@@ -16,7 +16,6 @@ the figure and the tracker budgets with it where it exceeds the preset.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import threading
@@ -248,9 +247,10 @@ class NodeRuntime:
 
     async def _run_async(self, step: Step) -> torch.Tensor:
         """``step`` at once on the calling loop when it runs alone (:meth:`_now`: no thread
-        hand-off, ADR-0041), else submitted from a worker thread."""
+        hand-off, ADR-0041), else queued from the loop and run batched by the batcher's runner
+        thread (:meth:`StepBatcher.submit_soon`)."""
         out = self._now(step)
-        return out if out is not None else await asyncio.to_thread(self.batcher.submit, step)
+        return out if out is not None else await self.batcher.submit_soon(step)
 
     def _hidden_step(self, model: str | None, session_id: str, layers: LayerRange, position: int,
                      hidden: torch.Tensor) -> Step:

@@ -3,11 +3,13 @@ that every caller gets its own result. A fake runner records the batches; every 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import pytest
 
+from meshnet.node import batching
 from meshnet.node.batching import Step, StepBatcher
 
 WAIT_S = 10.0  # bound on every join and poll in these tests
@@ -315,3 +317,58 @@ def test_a_session_still_in_prefill_is_waited_for_by_a_first_decode_step_only():
     t0 = time.monotonic()
     assert batcher.submit(decode("c", 3)) == 30  # c's first decode step waits for a and b
     assert 0.3 <= time.monotonic() - t0 < 3.0
+
+
+def test_steps_queued_from_a_loop_run_as_one_batch_and_come_back_in_one_call():
+    recorder = Recorder()
+    batcher = StepBatcher(recorder, window_s=0.0)
+    results: dict = {}
+    gate = threading.Thread(target=lambda: results.update(gate=batcher.submit(Step("gatekeeper", "gg", 5, "gate"))),
+                            daemon=True)
+    gate.start()
+    deadline = time.monotonic() + WAIT_S
+    while not recorder.batches:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+    async def main() -> list:
+        loop = asyncio.get_running_loop()
+        calls = []
+        threadsafe = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a, **kw: (calls.append(a[0].__name__), threadsafe(*a, **kw))[1]
+        futures = [batcher.submit_soon(decode(f"s{i}", i)) for i in range(1, 6)]
+        assert batcher.pending() == 5  # queued without blocking the loop, behind the gate
+        recorder.open.set()
+        async with asyncio.timeout(WAIT_S):
+            outs = await asyncio.gather(*futures)
+        return outs, calls
+
+    outs, calls = asyncio.run(main())
+    gate.join(WAIT_S)
+    assert outs == [10, 20, 30, 40, 50] and results == {"gate": "gate"}
+    assert recorder.batches[1] == [(f"s{i}", i) for i in range(1, 6)]  # one batch, run by the runner thread
+    assert calls == ["_settle"]  # the loop was handed the five results once
+
+
+def test_a_loop_step_gets_its_error_and_the_runner_thread_ends_when_idle(monkeypatch):
+    monkeypatch.setattr(batching, "RUNNER_IDLE_S", 0.05)
+
+    def runner(steps):
+        for step in steps:
+            step.fail(ValueError(f"bad {step.session_id}")) if step.work == 0 else step.finish(step.work)
+
+    batcher = StepBatcher(runner)
+
+    async def main():
+        async with asyncio.timeout(WAIT_S):
+            ok = await batcher.submit_soon(decode("a", 7))
+            with pytest.raises(ValueError, match="bad b"):
+                await batcher.submit_soon(decode("b", 0))
+        return ok
+
+    assert asyncio.run(main()) == 7
+    deadline = time.monotonic() + WAIT_S
+    while batcher._runner is not None:  # no step for RUNNER_IDLE_S: the thread ends
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert asyncio.run(main()) == 7  # and a new step starts it again
