@@ -7,6 +7,11 @@ messages of many sessions are multiplexed on it (each carries its chain id), in 
 were sent. A reader task per connection hands whatever the peer sends back to the same
 ``on_message`` callback the node's own stream endpoint uses, so a connection works both ways.
 
+Messages sent to one peer in the same turn of the event loop leave together as one BUNDLE
+message (:func:`meshnet.protocol.stream.bundle`): the results of a node's batch reach their
+chains at once, and their steps go on to the next hop in one WebSocket message, not one each
+(ADR-0040's bundle amendment). A message sent alone goes as it is.
+
 A send that fails on a connection opened earlier (the peer restarted, an idle timeout) is tried
 once more on a fresh connection; a peer that cannot be reached raises :class:`PeerUnreachable`.
 """
@@ -22,7 +27,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
 from meshnet.errors import MeshnetError
-from meshnet.protocol.stream import stream_url
+from meshnet.protocol.stream import bundle, stream_url
 
 log = logging.getLogger(__name__)
 
@@ -60,19 +65,62 @@ class StreamPool:
         self._conns: dict[str, ClientConnection] = {}
         self._opening: dict[str, asyncio.Lock] = {}
         self._readers: set[asyncio.Task] = set()
+        self._queued: dict[str, list[tuple[bytes, asyncio.Future]]] = {}  # url -> messages not yet written
+        self._flushers: dict[str, asyncio.Task] = {}  # url -> the task writing its queued messages
         self.opened = 0  # connections opened since start (a test checks that sessions reuse them)
+        self.written = 0  # WebSocket messages written since start (a bundle counts once)
 
     def __len__(self) -> int:
         return len(self._conns)
 
     async def send(self, endpoint: str, data: bytes) -> None:
-        """Send one message to the node at ``endpoint`` (its base URL, which may carry a path prefix).
+        """Send one message to the node at ``endpoint`` (its base URL, which may carry a path
+        prefix); returns once it was handed to the socket. Messages sent to one peer in the same
+        turn of the loop go as one BUNDLE, in the order they were sent.
 
         Raises:
             PeerUnreachable: no stream could be opened, or the message could not be written on a
-                fresh one, within the timeouts.
+                fresh one, within the timeouts (each caller gets its own error).
         """
         url = stream_url(endpoint)
+        future = asyncio.get_running_loop().create_future()
+        self._queued.setdefault(url, []).append((data, future))
+        if url not in self._flushers:  # runs on the loop's next turn, after this turn's other sends
+            self._flushers[url] = asyncio.get_running_loop().create_task(self._flush(url))
+        await future
+
+    async def _flush(self, url: str) -> None:
+        """Write ``url``'s queued messages, one BUNDLE per batch of them (a lone one as it is),
+        until none is left; settle each sender's future."""
+        queued: list[tuple[bytes, asyncio.Future]] = []
+        try:
+            while url in self._queued:
+                queued = self._queued.pop(url)
+                messages = [data for data, _ in queued]
+                try:
+                    await self._write(url, messages[0] if len(messages) == 1 else bundle(messages))
+                except Exception as exc:  # noqa: BLE001 - every sender hears of it, none waits for ever
+                    message = exc.message if isinstance(exc, PeerUnreachable) else f"{type(exc).__name__}: {exc}"
+                    for _, future in queued:
+                        if not future.done():
+                            future.set_exception(PeerUnreachable(message, hint=getattr(exc, "hint", None)))
+                    continue
+                for _, future in queued:
+                    if not future.done():
+                        future.set_result(None)
+        finally:
+            for _, future in queued:  # cancelled while writing them (the pool closed)
+                if not future.done():
+                    future.set_exception(PeerUnreachable("the node's streams were closed"))
+            if self._flushers.get(url) is asyncio.current_task():
+                del self._flushers[url]
+
+    async def _write(self, url: str, data: bytes) -> None:
+        """Write one WebSocket message to ``url``, on a fresh connection when the open one fails.
+
+        Raises:
+            PeerUnreachable: see :meth:`send`.
+        """
         for attempt in (0, 1):
             conn, fresh = await self._connection(url)
             try:
@@ -84,6 +132,7 @@ class StreamPool:
                     raise PeerUnreachable(f"could not send on the stream to {url}: {type(exc).__name__}: {exc}",
                                           hint="the node stopped or its endpoint is unreachable") from exc
                 continue
+            self.written += 1
             if self.on_traffic is not None:
                 self.on_traffic("out", len(data))
             return
@@ -135,6 +184,13 @@ class StreamPool:
 
     async def close(self) -> None:
         """Close every stream and stop its reader (waits at most a second for each close)."""
+        for task in list(self._flushers.values()):
+            task.cancel()
+        for queued in self._queued.values():
+            for _, future in queued:
+                if not future.done():
+                    future.set_exception(PeerUnreachable("the node's streams were closed"))
+        self._queued.clear()
         conns, self._conns = list(self._conns.values()), {}
         for conn in conns:
             with contextlib.suppress(Exception):

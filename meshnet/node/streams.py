@@ -35,7 +35,7 @@ from meshnet.errors import Forbidden, MeshnetError, Unauthorized
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name
 from meshnet.protocol.route import Hop
-from meshnet.protocol.stream import ChainError, ChainOpen, Kind, Message, pack, unpack
+from meshnet.protocol.stream import ChainError, ChainOpen, Kind, Message, pack, unbundle, unpack
 from meshnet.protocol.tickets import check_hop
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,10 @@ class ChainHost:
         """Handle one received message (never blocks on compute or on a peer)."""
         try:
             message = unpack(data)
+            if message.kind == Kind.BUNDLE:  # several messages sent together: each in order, as if alone
+                for inner in unbundle(message):
+                    await self.dispatch(inner)
+                return
         except MeshnetError as exc:
             log.warning("dropped a stream message: %s", exc.message)
             return

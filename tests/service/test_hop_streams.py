@@ -339,3 +339,55 @@ async def test_a_hop_checks_its_ticket_at_open_and_one_that_does_not_cover_it_is
     assert nodes["c"][1].runtime.tokens_processed == 0  # before any KV cache was touched
     assert [h.node_id for h in stats.route] == ["entry", "b", "c2"]
     assert await sessions_left(nodes, ["b", "c2"]) == {"b": 0, "c2": 0}  # releases signed by the entry
+
+
+async def test_messages_sent_to_one_peer_in_one_turn_leave_as_one_bundle_in_order():
+    from starlette.applications import Starlette
+    from starlette.routing import WebSocketRoute
+
+    from meshnet.gateway.streams import PeerUnreachable, StreamPool
+    from meshnet.protocol.stream import Kind, pack, unbundle, unpack
+
+    received: list[bytes] = []
+
+    async def record(websocket):
+        await websocket.accept()
+        with contextlib.suppress(Exception):
+            while True:
+                received.append(await websocket.receive_bytes())
+
+    port = free_port()
+    app = Starlette(routes=[WebSocketRoute("/v1/stream", record)])
+    steps = [pack(Kind.STEP, "ab" * 16, position=p, body=b"x" * p) for p in (1, 2, 3)]
+    pool = StreamPool()
+    async with serving(app, port), asyncio.timeout(30):
+        endpoint = f"http://127.0.0.1:{port}"
+        await asyncio.gather(*(pool.send(endpoint, step) for step in steps))  # one turn of the loop
+        await pool.send(endpoint, steps[0])  # alone
+        for _ in range(500):
+            if len(received) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await pool.close()
+    assert pool.written == 2 and len(received) == 2
+    assert unpack(received[0]).kind == Kind.BUNDLE and unbundle(unpack(received[0])) == steps
+    assert received[1] == steps[0]
+
+    nobody = StreamPool(connect_timeout_s=1.0)
+    dead = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+    async with asyncio.timeout(30):
+        errors = await asyncio.gather(*(nobody.send(dead, s) for s in steps[:2]), return_exceptions=True)
+    assert all(isinstance(e, PeerUnreachable) for e in errors) and errors[0] is not errors[1]  # one error each
+    await nobody.close()
+
+
+async def test_a_node_handles_each_message_of_a_bundle_as_if_it_came_alone(nodes, tiny_hf_model):
+    from meshnet.protocol.stream import Kind, bundle, pack
+
+    _, node = nodes["b"]
+    delivered = []
+    node.inbox.deliver = lambda message: delivered.append((message.kind, message.position)) or True
+    results = [pack(Kind.RESULT, "cd" * 16, position=p, body=b"frame") for p in (7, 8)]
+    await node.chains.dispatch(bundle(results))
+    await node.chains.dispatch(bundle([b"short"]))  # a bad message inside: dropped alone, logged
+    assert delivered == [(Kind.RESULT, 7), (Kind.RESULT, 8)]

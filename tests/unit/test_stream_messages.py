@@ -10,7 +10,7 @@ import torch
 from meshnet import wire
 from meshnet.errors import InvalidRequest
 from meshnet.protocol.stream import FLAG_LAST_ONLY, FLAG_NO_RESULT, HEADER_BYTES, ChainError, ChainOpen, Kind, \
-    Message, pack, stream_url, unpack
+    Message, bundle, pack, stream_url, unbundle, unpack
 
 CHAIN = "0123456789abcdef0123456789abcdef"
 
@@ -101,3 +101,41 @@ def test_stream_urls_keep_the_endpoint_path(endpoint, url):
 def test_a_non_http_endpoint_has_no_stream_url():
     with pytest.raises(InvalidRequest, match="not an http:// or https:// URL"):
         stream_url("ftp://x")
+
+
+def test_a_bundle_carries_its_messages_in_order_for_4_bytes_each_plus_a_header():
+    steps = [pack(Kind.STEP, CHAIN, position=p, hop_index=1, body=bytes(range(p % 7))) for p in (5, 9, 40)]
+    data = bundle(steps)
+    assert len(data) == 24 + sum(4 + len(step) for step in steps)
+    message = unpack(data)
+    assert (message.kind, message.chain_id, message.position) == (Kind.BUNDLE, "0" * 32, 3)
+    assert unbundle(message) == steps
+    assert [unpack(inner).position for inner in unbundle(message)] == [5, 9, 40]
+
+
+def test_eight_bfloat16_decode_steps_in_a_bundle_stay_within_two_bytes_per_hidden_unit_plus_64_each():
+    hidden = 576  # SmolLM2-135M
+    step = pack(Kind.STEP, CHAIN, position=1000, hop_index=1, flags=FLAG_LAST_ONLY,
+                body=wire.encode(torch.randn(1, 1, hidden), dtype="bfloat16", compress=False))
+    assert len(bundle([step] * 8)) / 8 == 1196 + 4 + 3 <= 2 * hidden + 64
+
+
+def bundle_of(body: bytes, count: int) -> Message:
+    return unpack(pack(Kind.BUNDLE, "0" * 32, position=count, body=body))
+
+
+@pytest.mark.parametrize("body, count, reason", [
+    (b"\x05\x00", 1, "ends inside a length at byte 0"),
+    (struct.pack("<I", 30) + bytes(10), 1, "of 30 bytes runs past the bundle's end"),
+    (struct.pack("<I", 2) + b"ab", 2, "header counts 2 messages, its body holds 1"),
+    (struct.pack("<I", 24) + bytes([5, 1]) + bytes(22), 1, "bundled message 0 is itself a bundle"),
+])
+def test_a_malformed_bundle_is_refused_with_the_reason(body, count, reason):
+    with pytest.raises(InvalidRequest, match=reason) as info:
+        unbundle(bundle_of(body, count))
+    assert info.value.code == "invalid_stream_message"
+
+
+def test_an_empty_bundle_is_not_built():
+    with pytest.raises(InvalidRequest, match="at least one message"):
+        bundle([])
