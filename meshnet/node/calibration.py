@@ -1,15 +1,17 @@
 """Host-measured defaults: the compute dtype and torch threads a node runs with (ADR-0044).
 
 Which dtype decodes faster depends on the host (bfloat16 halves the bytes read per token but
-needs fast bf16 kernels; on some CPUs float32 wins at batch 1) and on how many threads there
-are, so it is measured, not assumed. :func:`measure` times single-token decode steps, on a
-fresh KV cache, of a small sample of the model's own layers (the step doctor times,
-:func:`meshnet.node.doctor.measure_decode_tokens_per_s`), for each candidate dtype and thread
-count, interleaved over a few rounds (medians: these machines are noisy). :func:`choose` is
-the decision, a pure function over those samples; flags the operator gave fix their axis and
-are never overridden. :func:`calibrate` ties the two together and keeps the samples in
-``<cache>/calibration.json`` (keyed by CPU, torch version, weight layouts, model and
-candidates, for :data:`CACHE_TTL_S`), so a host measures once, not at every start.
+needs fast bf16 kernels; on some CPUs float32 wins at batch 1), on how many sessions a node
+batches (on an AVX2 CPU without native bfloat16, bfloat16 wins alone and loses by more in a
+batch of 8) and on how many threads there are, so it is measured, not assumed. :func:`measure`
+times single-token decode steps, on fresh KV caches, of a small sample of the model's own
+layers (the step doctor times, :func:`meshnet.node.doctor.measure_decode_tokens_per_s`), for
+each candidate dtype, thread count and session count (:data:`SESSIONS`), interleaved over a few
+rounds (medians: these machines are noisy). :func:`choose` is the decision, a pure function
+over those samples; flags the operator gave fix their axis and are never overridden.
+:func:`calibrate` ties the two together and keeps the samples in ``<cache>/calibration.json``
+(keyed by CPU, torch version, weight layouts, model and candidates, for :data:`CACHE_TTL_S`),
+so a host measures once, not at every start.
 """
 
 from __future__ import annotations
@@ -35,17 +37,23 @@ BF16_MIN_GAIN = 1.10
 THREAD_TOLERANCE = 0.95
 #: a cached measurement is trusted this long, seconds (a week)
 CACHE_TTL_S = 7 * 86_400.0
-#: decoder layers the measurement runs (a middle sample: no embeddings, no LM head)
+#: fewest decoder layers the measurement runs (a middle sample: no embeddings, no LM head); more
+#: where that is needed to read the weights from memory (:func:`sample_layer_count`)
 SAMPLE_LAYERS = 2
+#: sessions decoded together in the measurement: a lone session, and a batch of 8 as a busy node
+#: runs them (ADR-0041; the same two counts the weight layouts are timed at, ADR-0048)
+SESSIONS = (1, 8)
 
 
 @dataclass(frozen=True)
 class Sample:
-    """Measured decode speed of the sample layers: ``tokens_per_s`` in ``dtype`` with ``threads``."""
+    """Measured decode speed of the sample layers: ``tokens_per_s`` of ``sessions`` sessions
+    together, decoding in ``dtype`` with ``threads``."""
 
     dtype: str
     threads: int
     tokens_per_s: float
+    sessions: int = 1
 
 
 @dataclass(frozen=True)
@@ -97,9 +105,12 @@ def choose(samples: Iterable[Sample], *, dtype: str | None = None, threads: int 
     """The compute dtype and thread count to run with, from measured ``samples``.
 
     ``dtype`` / ``threads`` given (operator flags) are kept as they are; only samples that
-    match them count. Of the rest: bfloat16 when its best speed is at least ``min_gain`` times
-    float32's best (else float32, which is exact), then the fewest threads within ``tolerance``
-    of that dtype's best speed.
+    match them count. Of the rest, each dtype's *worst slowdown* is the most times slower its
+    best thread count is than the other dtype's, over the session counts measured (a lone
+    session, a batch: the rule ADR-0048 uses for weight layouts). bfloat16 is chosen when
+    float32's worst slowdown is at least ``min_gain`` times bfloat16's (else float32, which is
+    exact). Then the fewest threads within ``tolerance`` of that dtype's best speed at every
+    session count.
 
     Raises:
         ValueError: no sample matches the fixed ``dtype``/``threads``.
@@ -108,29 +119,36 @@ def choose(samples: Iterable[Sample], *, dtype: str | None = None, threads: int 
               and s.tokens_per_s > 0]
     if not usable:
         raise ValueError(f"no decode measurement for dtype {dtype or 'any'} and threads {threads or 'any'}")
-    best = {d: max(s.tokens_per_s for s in usable if s.dtype == d) for d in {s.dtype for s in usable}}
+    dtypes, counts = {s.dtype for s in usable}, sorted({s.sessions for s in usable})
+    best = {(d, n): max((s.tokens_per_s for s in usable if (s.dtype, s.sessions) == (d, n)), default=0.0)
+            for d in dtypes for n in counts}
+    worst = {d: max(max(best[e, n] for e in dtypes) / best[d, n] if best[d, n] else float("inf") for n in counts)
+             for d in dtypes}
+    speeds = ", ".join(f"{d} " + " / ".join(f"{best[d, n]:.0f}" for n in counts) for d in sorted(dtypes))
+    measured = f"tokens/s at {' / '.join(map(str, counts))} session(s): {speeds}"
     if dtype is not None:
         chosen, why = dtype, f"{dtype} as given"
-    elif "bfloat16" in best and ("float32" not in best or best["bfloat16"] >= min_gain * best["float32"]):
+    elif "bfloat16" in dtypes and ("float32" not in dtypes or worst["float32"] >= min_gain * worst["bfloat16"]):
         chosen = "bfloat16"
-        why = (f"bfloat16 decodes {best['bfloat16']:.0f} tokens/s, float32 {best['float32']:.0f}"
-               if "float32" in best else "bfloat16, the only dtype measured")
+        why = (f"{measured}; float32's worst slowdown {worst['float32']:.2f}x" if "float32" in dtypes
+               else "bfloat16, the only dtype measured")
     else:
         chosen = "float32"
-        why = (f"float32 decodes {best['float32']:.0f} tokens/s, bfloat16 {best['bfloat16']:.0f} "
-               f"(bfloat16 must be {min_gain:.2f}x faster to win over exact float32)"
-               if "bfloat16" in best else "float32, the only dtype measured")
-    fastest = best[chosen]
-    count = min(s.threads for s in usable if s.dtype == chosen and s.tokens_per_s >= tolerance * fastest)
+        why = (f"{measured}; bfloat16's worst slowdown {worst['bfloat16']:.2f}x (float32's must reach "
+               f"{min_gain:.2f}x bfloat16's for it to win over exact float32)"
+               if "bfloat16" in dtypes else "float32, the only dtype measured")
+    mine = [s for s in usable if s.dtype == chosen]
+    count = min(t for t in {s.threads for s in mine}
+                if all(s.tokens_per_s >= tolerance * best[chosen, s.sessions] for s in mine if s.threads == t))
     how_many = "as given" if threads is not None else f"the fewest within {tolerance:.0%} of the fastest count"
     return Choice(chosen, count, f"{why}; {count} thread(s), {how_many}")
 
 
 def measure(model_path: Path, dtypes: Sequence[str], thread_counts: Sequence[int], *, rounds: int = 3,
-            steps: int = 8) -> list[Sample]:
+            steps: int = 8, sessions: Sequence[int] = SESSIONS) -> list[Sample]:
     """Decode tokens/s of :data:`SAMPLE_LAYERS` middle layers of the model at ``model_path``, for each
-    dtype and thread count: the median of ``rounds`` interleaved runs of ``steps`` decode steps.
-    torch's thread count is restored afterwards.
+    dtype, thread count and session count: the median of ``rounds`` interleaved runs of ``steps``
+    decode steps. torch's thread count is restored afterwards.
 
     Raises:
         ModelSourceError: the weights cannot be read.
@@ -144,32 +162,54 @@ def measure(model_path: Path, dtypes: Sequence[str], thread_counts: Sequence[int
     config = json.loads((Path(model_path) / "config.json").read_text())
     num_layers = int(config.get("num_hidden_layers") or config.get("n_layer"))
     start = 1 if num_layers > SAMPLE_LAYERS else 0
-    layers = LayerRange(start, min(num_layers, start + SAMPLE_LAYERS))
+    layers = LayerRange(start, min(num_layers, start + sample_layer_count(config)))
     shards = {d: ShardModel(model_path, layers, dtype=d, load_head=False) for d in dtypes}
     previous = torch.get_num_threads()
-    runs: dict[tuple[str, int], list[float]] = {}
+    runs: dict[tuple[str, int, int], list[float]] = {}
     try:
         for _ in range(rounds):
             for t in thread_counts:
                 torch.set_num_threads(t)
                 for d in dtypes:
-                    runs.setdefault((d, t), []).append(measure_decode_tokens_per_s(shards[d], steps))
+                    for n in sessions:
+                        runs.setdefault((d, t, n), []).append(measure_decode_tokens_per_s(shards[d], steps, n))
     finally:
         torch.set_num_threads(previous)
-    return [Sample(d, t, round(statistics.median(v), 2)) for (d, t), v in runs.items()]
+    return [Sample(d, t, round(statistics.median(v), 2), n) for (d, t, n), v in runs.items()]
+
+
+def sample_layer_count(config: dict) -> int:
+    """Decoder layers to measure: enough that their bfloat16 weights exceed
+    :func:`meshnet.models.linears.stream_bytes` (twice the largest CPU cache), so every step reads
+    them from memory as a node's shard does, at least :data:`SAMPLE_LAYERS`. A sample that fits
+    in cache hides what a batch costs: on a 2-core AVX2 host, two SmolLM2 layers (14 MiB in
+    bfloat16) ran a batch of 8 in bfloat16 as fast as in float32, while a 10-layer node ran it
+    1.4 times slower. Llama-style configs only (hidden, intermediate and key-value sizes);
+    others get :data:`SAMPLE_LAYERS`.
+    """
+    from meshnet.models.linears import stream_bytes
+
+    try:
+        hidden, inner = int(config["hidden_size"]), int(config["intermediate_size"])
+        heads = int(config["num_attention_heads"])
+        kv = int(config.get("num_key_value_heads") or heads) * int(config.get("head_dim") or hidden // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return SAMPLE_LAYERS
+    layer_bytes = 2 * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inner)  # bfloat16 projections
+    return max(SAMPLE_LAYERS, -(-stream_bytes() // max(1, layer_bytes)))
 
 
 def host_key(model: str, dtypes: Sequence[str], thread_counts: Sequence[int]) -> str:
     """Cache key of a measurement: CPU, torch version, the weight layouts a shard may choose from
     (ADR-0048: a new layout changes what each dtype costs, so a measurement made without it is
-    not reused), model and the candidates measured."""
+    not reused), model, the candidates measured and the session counts (:data:`SESSIONS`)."""
     import torch
 
     from meshnet.models.linears import available_layouts
 
     layouts = ";".join(f"{d}:{','.join(available_layouts(getattr(torch, d)))}" for d in dtypes)
     return (f"{cpu_name()}|torch {torch.__version__}|layouts {layouts}|{model}|"
-            f"{','.join(dtypes)}|{','.join(map(str, thread_counts))}")
+            f"{','.join(dtypes)}|{','.join(map(str, thread_counts))}|sessions {','.join(map(str, SESSIONS))}")
 
 
 def cpu_name() -> str:

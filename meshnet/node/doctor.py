@@ -53,17 +53,24 @@ def _probe(shard) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def measure_decode_tokens_per_s(shard, steps: int = DECODE_STEPS) -> float:
-    """Single-token decode steps per second of ``shard`` (a ShardModel): ``steps`` steps on a fresh
-    KV cache after one warm-up step, seeded standard-normal hidden states ``[1, 1, hidden]``."""
-    cache = KVCache()
+def measure_decode_tokens_per_s(shard, steps: int = DECODE_STEPS, sessions: int = 1) -> float:
+    """Decode tokens per second of ``shard`` (a ShardModel), all sessions together: ``steps``
+    single-token steps of ``sessions`` sessions, each on a fresh KV cache, after one warm-up step,
+    with seeded standard-normal hidden states ``[1, 1, hidden]`` per session. One session runs
+    :meth:`ShardModel.forward`; several run one :meth:`ShardModel.forward_batch` per step, as a
+    node batches them (ADR-0041)."""
+    caches = [KVCache() for _ in range(sessions)]
     gen = torch.Generator().manual_seed(1)
-    hidden = torch.randn(1, 1, shard.config.hidden_size, generator=gen)
-    shard.forward(hidden, cache, 0)  # warm-up
+    hidden = torch.randn(sessions, 1, shard.config.hidden_size, generator=gen)
+    for row, cache in enumerate(caches):  # warm-up: every cache holds one position
+        shard.forward(hidden[row:row + 1], cache, 0)
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
-        shard.forward(hidden, cache, step)
-    return steps / (time.perf_counter() - t0)
+        if sessions == 1:
+            shard.forward(hidden, caches[0], step)
+        else:
+            shard.forward_batch(hidden, caches, [step] * sessions)
+    return sessions * steps / (time.perf_counter() - t0)
 
 
 def _within_tolerance(slot, out: torch.Tensor, report: dict) -> bool:

@@ -41,6 +41,39 @@ def test_choose(table, expected):
     assert choice.reason
 
 
+def batched(table: dict[tuple[str, int, int], float]) -> list[Sample]:
+    return [Sample(d, t, v, n) for (d, t, n), v in table.items()]
+
+
+@pytest.mark.parametrize("table, expected", [
+    # a 2-core AVX2 host (2026-12-01, SmolLM2, two middle layers): bfloat16 1.38x faster alone,
+    # 1.4x slower in a batch of 8 (no native bfloat16): its worst slowdown is the larger -> float32
+    ({("float32", 1, 1): 271.0, ("bfloat16", 1, 1): 374.0, ("float32", 1, 8): 1400.0, ("bfloat16", 1, 8): 1000.0},
+     ("float32", 1)),
+    # bfloat16 faster at both counts (AVX-512 with native bfloat16) -> bfloat16
+    ({("float32", 1, 1): 200.0, ("bfloat16", 1, 1): 300.0, ("float32", 1, 8): 900.0, ("bfloat16", 1, 8): 1000.0},
+     ("bfloat16", 1)),
+    # bfloat16 2x faster alone and only 1.2x slower batched: float32's worst (2.0) beats 1.1 x 1.2
+    ({("float32", 1, 1): 100.0, ("bfloat16", 1, 1): 200.0, ("float32", 1, 8): 600.0, ("bfloat16", 1, 8): 500.0},
+     ("bfloat16", 1)),
+    # the thread count must hold at every session count: 1 thread is enough alone, not batched
+    ({("float32", 1, 1): 100.0, ("float32", 2, 1): 101.0, ("float32", 1, 8): 400.0, ("float32", 2, 8): 700.0,
+      ("bfloat16", 1, 1): 50.0, ("bfloat16", 2, 1): 50.0, ("bfloat16", 1, 8): 200.0, ("bfloat16", 2, 8): 300.0},
+     ("float32", 2)),
+])
+def test_choose_weighs_a_lone_session_and_a_batch(table, expected):
+    choice = choose(batched(table))
+    assert (choice.compute_dtype, choice.threads) == expected
+    assert "tokens/s at 1 / 8 session(s)" in choice.reason
+
+
+def test_the_reason_names_both_counts_and_the_worst_slowdown():
+    reason = choose(batched({("float32", 1, 1): 271.0, ("bfloat16", 1, 1): 374.0, ("float32", 1, 8): 1400.0,
+                             ("bfloat16", 1, 8): 1000.0})).reason
+    assert reason.startswith("tokens/s at 1 / 8 session(s): bfloat16 374 / 1000, float32 271 / 1400; "
+                             "bfloat16's worst slowdown 1.40x")
+
+
 def test_explicit_flags_win_over_the_measurement():
     table = samples({("float32", 1): 30.0, ("float32", 2): 60.0, ("bfloat16", 1): 10.0, ("bfloat16", 2): 20.0})
     assert (choose(table, dtype="bfloat16").compute_dtype, choose(table, dtype="bfloat16").threads) == ("bfloat16", 2)
@@ -83,7 +116,8 @@ def test_calibrate_measures_the_host_once_then_reads_the_cache(tiny_model_path, 
     stored = json.loads(cache.read_text())
     (key, entry), = stored.items()
     assert "tiny-llama" in key and entry["measured_at"] == 1000.0
-    assert sorted((s["dtype"], s["threads"]) for s in entry["samples"]) == [("bfloat16", 1), ("float32", 1)]
+    assert sorted((s["dtype"], s["threads"], s["sessions"]) for s in entry["samples"]) == [
+        ("bfloat16", 1, 1), ("bfloat16", 1, 8), ("float32", 1, 1), ("float32", 1, 8)]
     assert all(s["tokens_per_s"] > 0 for s in entry["samples"])
     again = calibrate("tiny-llama", 1, cache_file=cache, now=2000.0)
     assert (again.compute_dtype, again.threads) == (first.compute_dtype, first.threads)
