@@ -23,6 +23,7 @@ import functools
 import importlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,8 +199,78 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ``enable_gqa``), after Python checks that cost about 60 µs a call on a 2-core AMD EPYC host,
     as much as the kernel itself at a 150-token context (ADR-0041's attention amendment).
     """
-    return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale,
-                                                            enable_gqa=query.shape[1] != key.shape[1])
+    gqa = query.shape[1] != key.shape[1]
+    if query.dtype in _FLOAT32_ATTENTION:  # this host's half kernel is slower than casting (ADR-0047)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query.float(), key.float(), value.float(), scale=scale, enable_gqa=gqa).to(query.dtype)
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa)
+
+
+#: half dtypes whose decode attention this process runs in float32 (:func:`attention_in_float32`)
+_FLOAT32_ATTENTION: set[torch.dtype] = set()
+#: cached lengths a decode step's attention is timed at: a short chat, and a long one
+ATTENTION_LENGTHS = (128, 1024)
+#: query heads, key-value heads and head size of the timed attention (SmolLM2-135M's grouping of
+#: 3 query heads per key-value head, at the head size most Llama-style models use)
+ATTENTION_SHAPE = (9, 3, 64)
+
+
+@functools.cache
+def attention_in_float32(dtype: torch.dtype) -> bool:
+    """Whether this process runs a half-precision decode step's attention in float32: the query,
+    keys and values cast up, torch's SDPA in float32, the output rounded once back to ``dtype``.
+
+    Measured once per process and dtype (:func:`measure_attention`, about 0.1 s): chosen when the
+    float32 path is at least :data:`meshnet.models.linears.MIN_GAIN` times as fast as the half
+    kernel at every length timed. On a 2-core AVX2 host (no native bfloat16), torch's bfloat16
+    SDPA took 132 / 619 / 2701 µs for one query over 100 / 500 / 2000 cached positions, and the
+    cast float32 path 65 / 172 / 2225 µs. Where the CPU computes bfloat16 natively the half
+    kernel may win, and is kept. False for float32, and where ``MESHNET_UPCAST_MIN_ROWS=off``
+    keeps every product in half precision (ADR-0047).
+    """
+    from meshnet.models.linears import ENV, HALF, MIN_GAIN
+
+    if dtype not in HALF or os.environ.get(ENV, "").strip().lower() == "off":
+        return False
+    samples = measure_attention(dtype)
+    chosen = all(half >= MIN_GAIN * upcast for half, upcast in samples.values())
+    if chosen:
+        _FLOAT32_ATTENTION.add(dtype)
+    log.info("%s decode attention runs in %s (half / float32 path µs by cached length: %s)",
+             str(dtype).removeprefix("torch."), "float32" if chosen else "half precision",
+             ", ".join(f"{n}: {h * 1e6:.0f}/{u * 1e6:.0f}" for n, (h, u) in samples.items()))
+    return chosen
+
+
+def measure_attention(dtype: torch.dtype, lengths: tuple[int, ...] = ATTENTION_LENGTHS, calls: int = 50,
+                      repeats: int = 5) -> dict[int, tuple[float, float]]:
+    """Seconds per decode-step attention call in ``dtype``, at each cached length: ``(half kernel,
+    float32 path)``, medians of ``repeats`` interleaved passes of ``calls`` calls. Keys and values
+    are views of a longer buffer, as a KV cache holds them (:data:`ATTENTION_SHAPE` heads)."""
+    import statistics
+    import time
+
+    heads, kv_heads, head_dim = ATTENTION_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out: dict[int, tuple[float, float]] = {}
+    with torch.inference_mode():
+        for length in lengths:
+            query = torch.randn(1, heads, 1, head_dim, generator=gen).to(dtype)
+            key, value = (torch.randn(1, kv_heads, length + 64, head_dim, generator=gen).to(dtype)[..., :length, :]
+                          for _ in range(2))
+            paths = (lambda: sdpa(query, key, value, enable_gqa=True),
+                     lambda: sdpa(query.float(), key.float(), value.float(), enable_gqa=True).to(dtype))
+            times: list[list[float]] = [[], []]
+            for i in range(repeats + 1):
+                for path, into in zip(paths, times):
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        path()
+                    if i:  # the first pass warms both
+                        into.append((time.perf_counter() - start) / calls)
+            out[length] = (statistics.median(times[0]), statistics.median(times[1]))
+    return out
 
 
 def _register_attention() -> None:
@@ -274,6 +345,7 @@ def warm_runtime(dtype: str) -> None:
             model(torch.arange(16)[None], use_cache=True)
             model(torch.arange(1)[None] + 16)
     min_rows(DTYPES[dtype])
+    attention_in_float32(DTYPES[dtype])
     trim_heap()  # the crossover's timing allocated several times the last-level cache; give it back
 
 
@@ -334,8 +406,9 @@ def _meta_model(config, dtype: torch.dtype) -> nn.Module:
 
 def prepare_layouts(model_path: Path, layers: LayerRange, *, dtype: str = "float32", load_head: bool | None = None,
                     quantization: str = "bfloat16") -> int:
-    """Measure now the weight layouts (ADR-0048) that loading :class:`ShardModel` with the same
-    arguments will use, and hand back the heap the timing used.
+    """Measure now the weight layouts (ADR-0048), float32 crossover and attention path (ADR-0047)
+    that loading :class:`ShardModel` with the same arguments will use, and hand back the heap
+    the timing used.
 
     The timing is a cost of the process, once per dtype and weight shape: it allocates several
     times the last-level cache, and about 13 MiB of it stayed resident after a measured load of
@@ -360,8 +433,24 @@ def prepare_layouts(model_path: Path, layers: LayerRange, *, dtype: str = "float
               if isinstance(child, nn.Linear)}
     for weight_dtype, shape in shapes:
         layout(weight_dtype, shape)
+    min_rows(DTYPES[dtype])  # after forget_host_timings, these are measured again here too
+    attention_in_float32(DTYPES[dtype])
     trim_heap()
     return len(shapes)
+
+
+def forget_host_timings() -> None:
+    """Forget this process's measured weight layouts, float32 crossovers and attention paths
+    (:func:`meshnet.models.linears.layout`, :func:`~meshnet.models.linears.min_rows`,
+    :func:`attention_in_float32`), so that the next shard measures them again. They depend on
+    torch's thread count, and a node's calibration builds shards before it knows the count it
+    will run with."""
+    from meshnet.models import linears
+
+    linears.layout.cache_clear()
+    linears.min_rows.cache_clear()
+    attention_in_float32.cache_clear()
+    _FLOAT32_ATTENTION.clear()
 
 
 class ShardModel:
@@ -424,6 +513,7 @@ class ShardModel:
         else:  # the weight layout, and half-precision products in float32, that this host runs fastest
             apply_layouts(self.blocks)
             upcast_linears(self.blocks, min_rows(self.dtype))
+        attention_in_float32(self.dtype)  # measured once per process and dtype, like min_rows
         if self.lm_head is not None:
             tied = self.lm_head.weight is self.embed.weight
             if apply_layouts(self.lm_head).get("transposed") and tied:  # a tied lookup then reads strided values

@@ -156,7 +156,7 @@ def measure(model_path: Path, dtypes: Sequence[str], thread_counts: Sequence[int
     import torch
 
     from meshnet.layers import LayerRange
-    from meshnet.models.shard import ShardModel
+    from meshnet.models.shard import ShardModel, forget_host_timings
     from meshnet.node.doctor import measure_decode_tokens_per_s
 
     config = json.loads((Path(model_path) / "config.json").read_text())
@@ -175,6 +175,7 @@ def measure(model_path: Path, dtypes: Sequence[str], thread_counts: Sequence[int
                         runs.setdefault((d, t, n), []).append(measure_decode_tokens_per_s(shards[d], steps, n))
     finally:
         torch.set_num_threads(previous)
+        forget_host_timings()  # measured at this process's thread count, not the one the node will run with
     return [Sample(d, t, round(statistics.median(v), 2), n) for (d, t, n), v in runs.items()]
 
 

@@ -143,3 +143,16 @@ def test_calibrate_falls_back_to_the_documented_default_when_the_model_cannot_be
     choice = calibrate(str(tmp_path / "empty-model"), 2, cache_file=tmp_path / "c.json")
     assert (choice.compute_dtype, choice.threads) == ("bfloat16", 2)
     assert "not measured" in choice.reason and "has no config.json" in choice.reason
+
+
+def test_the_measurement_leaves_no_timing_made_at_its_own_thread_count(tiny_model_path, monkeypatch):
+    from meshnet.models import shard
+    from meshnet.node.calibration import measure
+
+    monkeypatch.setattr(linears, "LAYOUT_MIN_ELEMENTS", 0)  # the tiny model's weights are timed too
+    samples = measure(tiny_model_path("tiny-llama"), ["float32", "bfloat16"], [1], rounds=1, steps=2)
+    assert sorted((s.dtype, s.sessions) for s in samples) == [("bfloat16", 1), ("bfloat16", 8), ("float32", 1),
+                                                              ("float32", 8)]
+    # the node's own load, at the thread count chosen, measures them again
+    assert linears.layout.cache_info().currsize == linears.min_rows.cache_info().currsize == 0
+    assert shard.attention_in_float32.cache_info().currsize == 0 and not shard._FLOAT32_ATTENTION

@@ -9,6 +9,7 @@ from torch.testing import assert_close
 from meshnet import wire
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
+from meshnet.models import shard
 from meshnet.models.shard import KVCache, ShardModel, causal_mask
 
 FAMILIES = ["tiny-llama", "tiny-gpt2"]
@@ -196,3 +197,58 @@ def test_trim_heap_runs_on_glibc_and_is_a_no_op_elsewhere():
     from meshnet.models.shard import trim_heap
 
     assert trim_heap() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
+
+
+@pytest.fixture
+def fresh_attention(monkeypatch):
+    shard.attention_in_float32.cache_clear()
+    saved = set(shard._FLOAT32_ATTENTION)
+    shard._FLOAT32_ATTENTION.clear()
+    yield monkeypatch
+    shard.attention_in_float32.cache_clear()
+    shard._FLOAT32_ATTENTION.clear()
+    shard._FLOAT32_ATTENTION.update(saved)
+
+
+def attention_inputs(dtype):
+    gen = torch.Generator().manual_seed(5)
+    query = torch.randn(2, 6, 1, 16, generator=gen).to(dtype)
+    key, value = (torch.randn(2, 2, 40, 16, generator=gen).to(dtype)[..., :33, :] for _ in range(2))  # cache views
+    return query, key, value
+
+
+def test_half_decode_attention_in_float32_is_the_float32_result_rounded_once(fresh_attention):
+    query, key, value = attention_inputs(torch.bfloat16)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    half = shard.decode_attention(query, key, value, None)
+    assert torch.equal(half, sdpa(query, key, value, enable_gqa=True))  # not chosen: the half kernel
+    shard._FLOAT32_ATTENTION.add(torch.bfloat16)
+    cast = shard.decode_attention(query, key, value, None)
+    want = sdpa(query.float(), key.float(), value.float(), enable_gqa=True).to(torch.bfloat16)
+    assert cast.dtype == torch.bfloat16 and cast.shape == (2, 6, 1, 16) and torch.equal(cast, want)
+    assert torch.allclose(cast.float(), half.float(), rtol=2e-2, atol=1e-2)
+    q32, k32, v32 = attention_inputs(torch.float32)
+    assert torch.equal(shard.decode_attention(q32, k32, v32, None), sdpa(q32, k32, v32, enable_gqa=True))
+
+
+@pytest.mark.parametrize("samples, chosen", [
+    ({128: (154e-6, 41e-6), 1024: (1281e-6, 222e-6)}, True),   # 2-core AVX2 host, one thread (2026-12-01)
+    ({128: (154e-6, 41e-6), 1024: (250e-6, 222e-6)}, False),   # a length where casting gains under MIN_GAIN
+    ({128: (40e-6, 60e-6), 1024: (200e-6, 300e-6)}, False),    # native half kernels: kept
+])
+def test_decode_attention_runs_in_float32_only_where_that_wins_at_every_length(fresh_attention, samples, chosen):
+    fresh_attention.setattr(shard, "measure_attention", lambda dtype: samples)
+    assert shard.attention_in_float32(torch.bfloat16) is chosen
+    assert (torch.bfloat16 in shard._FLOAT32_ATTENTION) is chosen
+
+
+def test_float32_and_the_off_switch_measure_no_attention(fresh_attention):
+    fresh_attention.setattr(shard, "measure_attention", lambda dtype: pytest.fail("measured"))
+    assert shard.attention_in_float32(torch.float32) is False
+    fresh_attention.setenv("MESHNET_UPCAST_MIN_ROWS", "off")
+    assert shard.attention_in_float32(torch.bfloat16) is False and not shard._FLOAT32_ATTENTION
+
+
+def test_measure_attention_times_both_paths_at_each_length():
+    samples = shard.measure_attention(torch.bfloat16, lengths=(8, 32), calls=2, repeats=1)
+    assert sorted(samples) == [8, 32] and all(h > 0 and u > 0 for h, u in samples.values())
