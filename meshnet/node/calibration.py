@@ -163,10 +163,11 @@ def measure(model_path: Path, dtypes: Sequence[str], thread_counts: Sequence[int
     num_layers = int(config.get("num_hidden_layers") or config.get("n_layer"))
     start = 1 if num_layers > SAMPLE_LAYERS else 0
     layers = LayerRange(start, min(num_layers, start + sample_layer_count(config)))
-    shards = {d: ShardModel(model_path, layers, dtype=d, load_head=False) for d in dtypes}
     previous = torch.get_num_threads()
     runs: dict[tuple[str, int, int], list[float]] = {}
     try:
+        torch.set_num_threads(thread_counts[0])  # the shards' own timings (layouts, attention) at a candidate count
+        shards = {d: ShardModel(model_path, layers, dtype=d, load_head=False) for d in dtypes}
         for _ in range(rounds):
             for t in thread_counts:
                 torch.set_num_threads(t)
