@@ -220,11 +220,12 @@ def attention_in_float32(dtype: torch.dtype) -> bool:
     """Whether this process runs a half-precision decode step's attention in float32: the query,
     keys and values cast up, torch's SDPA in float32, the output rounded once back to ``dtype``.
 
-    Measured once per process and dtype (:func:`measure_attention`, about 0.1 s): chosen when the
-    float32 path is at least :data:`meshnet.models.linears.MIN_GAIN` times as fast as the half
-    kernel at every length timed. On a 2-core AVX2 host (no native bfloat16), torch's bfloat16
-    SDPA took 132 / 619 / 2701 µs for one query over 100 / 500 / 2000 cached positions, and the
-    cast float32 path 65 / 172 / 2225 µs. Where the CPU computes bfloat16 natively the half
+    Measured once per process and dtype (:func:`measure_attention`, about 0.5 s on the host
+    below): chosen when the float32 path is at least :data:`meshnet.models.linears.MIN_GAIN`
+    times as fast as the half kernel at every length timed. On a 2-core AVX2 host (no native
+    bfloat16), one thread, torch's bfloat16 SDPA took 154-172 / 1250-1281 µs for one query over
+    128 / 1024 cached positions, and the cast float32 path 39-43 / 215-222 µs (ADR-0047's
+    attention amendment). Where the CPU computes bfloat16 natively the half
     kernel may win, and is kept. False for float32, and where ``MESHNET_UPCAST_MIN_ROWS=off``
     keeps every product in half precision (ADR-0047).
     """
