@@ -117,6 +117,10 @@ def packing_available(dtype: torch.dtype = torch.float32) -> bool:
     return True
 
 
+#: why a dtype is not packed here (:func:`packing_available` false), for every refusal
+_NO_PACKING = "with this torch build on this CPU (oneDNN missing, or no bfloat16 support in it)"
+
+
 def available_layouts(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
     """The :data:`LAYOUTS` this torch build and CPU can store ``dtype`` weights in (``packed`` only
     where :func:`packing_available` for ``dtype``)."""
@@ -159,8 +163,7 @@ def pack(linear: nn.Linear) -> None:
     if isinstance(linear, PackedLinear):
         return
     if not packing_available(linear.weight.dtype):
-        raise RuntimeError(f"{str(linear.weight.dtype).removeprefix('torch.')} weights cannot be packed with this "
-                           f"torch build on this CPU (oneDNN missing, or no bfloat16 support in it)")
+        raise RuntimeError(f"{str(linear.weight.dtype).removeprefix('torch.')} weights cannot be packed {_NO_PACKING}")
     weight = linear.weight.detach().contiguous()
     del linear._parameters["weight"]
     linear.__class__ = PackedLinear
@@ -325,8 +328,8 @@ def layout(dtype: torch.dtype, shape: tuple[int, int]) -> str:
         if forced not in LAYOUTS:
             raise ValueError(f"{LAYOUT_ENV} must be one of {', '.join(LAYOUTS)}, got {forced!r}")
         if forced == "packed" and not packing_available(dtype):
-            raise ValueError(f"{LAYOUT_ENV}=packed cannot store {str(dtype).removeprefix('torch.')} weights with "
-                             f"this torch build on this CPU (oneDNN missing, or no bfloat16 support in it)")
+            name = str(dtype).removeprefix("torch.")
+            raise ValueError(f"{LAYOUT_ENV}=packed cannot store {name} weights {_NO_PACKING}")
         return forced
     if shape[0] * shape[1] < LAYOUT_MIN_ELEMENTS:
         return "row"

@@ -146,7 +146,7 @@ def choose(samples: Iterable[Sample], *, dtype: str | None = None, threads: int 
 
 def measure(model_path: Path, dtypes: Sequence[str], thread_counts: Sequence[int], *, rounds: int = 3,
             steps: int = 8, sessions: Sequence[int] = SESSIONS) -> list[Sample]:
-    """Decode tokens/s of :data:`SAMPLE_LAYERS` middle layers of the model at ``model_path``, for each
+    """Decode tokens/s of :func:`sample_layer_count` middle layers of the model at ``model_path``, for each
     dtype, thread count and session count: the median of ``rounds`` interleaved runs of ``steps``
     decode steps. torch's thread count is restored afterwards.
 

@@ -158,8 +158,8 @@ def unbundle(message: Message) -> list[bytes]:
     """The messages a BUNDLE carries, in order (each to :func:`unpack`).
 
     Raises:
-        InvalidRequest: a length runs past the body, bytes are left over, the count differs from
-            the header's, or a bundled message is itself a bundle.
+        InvalidRequest: the body ends inside a length, a message runs past the body, the count
+            differs from the header's, or a bundled message is itself a bundle.
     """
     body, out, at = message.body, [], 0
     view = memoryview(body)
