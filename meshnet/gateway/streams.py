@@ -10,7 +10,9 @@ were sent. A reader task per connection hands whatever the peer sends back to th
 Messages sent to one peer in the same turn of the event loop leave together as one BUNDLE
 message (:func:`meshnet.protocol.stream.bundle`): the results of a node's batch reach their
 chains at once, and their steps go on to the next hop in one WebSocket message, not one each
-(ADR-0040's bundle amendment). A message sent alone goes as it is.
+(ADR-0040's bundle amendment). A message sent alone goes as it is, and so does every message to
+a peer that did not accept the :data:`~meshnet.protocol.stream.READS_BUNDLES` subprotocol when
+its stream opened (a node from before bundles, which would drop them).
 
 A send that fails on a connection opened earlier (the peer restarted, an idle timeout) is tried
 once more on a fresh connection; a peer that cannot be reached raises :class:`PeerUnreachable`.
@@ -27,7 +29,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
 from meshnet.errors import MeshnetError
-from meshnet.protocol.stream import bundle, stream_url
+from meshnet.protocol.stream import READS_BUNDLES, bundle, stream_url
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ class StreamPool:
     async def send(self, endpoint: str, data: bytes) -> None:
         """Send one message to the node at ``endpoint`` (its base URL, which may carry a path
         prefix); returns once it was handed to the socket. Messages sent to one peer in the same
-        turn of the loop go as one BUNDLE, in the order they were sent.
+        turn of the loop go as one BUNDLE, in the order they were sent, where the peer reads bundles.
 
         Raises:
             PeerUnreachable: no stream could be opened, or the message could not be written on a
@@ -90,15 +92,14 @@ class StreamPool:
         await future
 
     async def _flush(self, url: str) -> None:
-        """Write ``url``'s queued messages, one BUNDLE per batch of them (a lone one as it is),
-        until none is left; settle each sender's future."""
+        """Write ``url``'s queued messages, a batch of them at a time (:meth:`_write`), until none
+        is left; settle each sender's future."""
         queued: list[tuple[bytes, asyncio.Future]] = []
         try:
             while url in self._queued:
                 queued = self._queued.pop(url)
-                messages = [data for data, _ in queued]
                 try:
-                    await self._write(url, messages[0] if len(messages) == 1 else bundle(messages))
+                    await self._write(url, [data for data, _ in queued])
                 except Exception as exc:  # noqa: BLE001 - every sender hears of it, none waits for ever
                     message = exc.message if isinstance(exc, PeerUnreachable) else f"{type(exc).__name__}: {exc}"
                     for _, future in queued:
@@ -115,26 +116,31 @@ class StreamPool:
             if self._flushers.get(url) is asyncio.current_task():
                 del self._flushers[url]
 
-    async def _write(self, url: str, data: bytes) -> None:
-        """Write one WebSocket message to ``url``, on a fresh connection when the open one fails.
+    async def _write(self, url: str, messages: list[bytes]) -> None:
+        """Write ``messages`` to ``url``: as one BUNDLE where the peer accepted
+        :data:`~meshnet.protocol.stream.READS_BUNDLES` and there are several, else one WebSocket
+        message each; all again on a fresh connection when the open one fails.
 
         Raises:
             PeerUnreachable: see :meth:`send`.
         """
         for attempt in (0, 1):
             conn, fresh = await self._connection(url)
+            frames = [bundle(messages)] if len(messages) > 1 and conn.subprotocol == READS_BUNDLES else messages
             try:
                 async with asyncio.timeout(self.send_timeout_s):
-                    await conn.send(data)
+                    for data in frames:
+                        await conn.send(data)
             except (WebSocketException, OSError, TimeoutError) as exc:
                 self._forget(url, conn)
                 if fresh or attempt:
                     raise PeerUnreachable(f"could not send on the stream to {url}: {type(exc).__name__}: {exc}",
                                           hint="the node stopped or its endpoint is unreachable") from exc
                 continue
-            self.written += 1
+            self.written += len(frames)
             if self.on_traffic is not None:
-                self.on_traffic("out", len(data))
+                for data in frames:
+                    self.on_traffic("out", len(data))
             return
 
     async def _connection(self, url: str) -> tuple[ClientConnection, bool]:
@@ -149,7 +155,8 @@ class StreamPool:
                 return conn, False
             try:
                 conn = await connect(url, open_timeout=self.connect_timeout_s, compression=None, proxy=None,
-                                     max_size=MAX_MESSAGE_BYTES, max_queue=None, ping_interval=20, ping_timeout=20)
+                                     subprotocols=[READS_BUNDLES], max_size=MAX_MESSAGE_BYTES, max_queue=None,
+                                     ping_interval=20, ping_timeout=20)
             except (WebSocketException, OSError, TimeoutError) as exc:
                 raise PeerUnreachable(f"could not open a stream to {url}: {type(exc).__name__}: {exc}",
                                       hint="the node stopped, or its endpoint is wrong or unreachable") from exc

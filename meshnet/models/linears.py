@@ -1,6 +1,6 @@
 """How a shard's linear layers run on this host: weight layout and half-precision products.
 
-Both choices are measured once per process and dtype (in ``warm_runtime``, before a shard's
+Both choices are measured once per process, dtype and torch thread count (in ``warm_runtime``, before a shard's
 memory is measured), not assumed, because they depend on the CPU's kernels.
 
 **Weight layout (ADR-0048).** ``nn.Linear`` stores its weight ``[out, in]`` row-major and
@@ -77,6 +77,24 @@ LAYOUT_MIN_ELEMENTS = 65_536
 LAYOUT_MAX_WEIGHTS = 512
 #: environment override of the layout: ``row``, ``transposed`` or ``packed``
 LAYOUT_ENV = "MESHNET_WEIGHT_LAYOUT"
+
+
+def per_thread_count(measured):
+    """Cache a host timing's result per argument tuple and torch intra-op thread count.
+
+    A kernel's speed, and so a layout or path chosen from timing it, depends on the threads it
+    runs on: a node's calibration builds shards at one candidate count and the node then runs at
+    the count it chose. Keyed by the count, a timing made at one count is never reused at another,
+    and one made at the node's own count is not made twice. ``cache_clear()`` forgets every count.
+    """
+    cached = functools.cache(lambda threads, *args: measured(*args))
+
+    @functools.wraps(measured)
+    def at_this_count(*args):
+        return cached(torch.get_num_threads(), *args)
+
+    at_this_count.cache_clear = cached.cache_clear
+    return at_this_count
 
 
 class UpcastLinear(nn.Linear):
@@ -312,10 +330,11 @@ def _probe(weight: torch.Tensor, name: str) -> nn.Linear:
     return probe
 
 
-@functools.cache
+@per_thread_count
 def layout(dtype: torch.dtype, shape: tuple[int, int]) -> str:
     """The layout this process stores ``dtype`` weights of ``shape`` ``(out, in)`` in:
-    :func:`choose_layout` over :func:`measure_layout`, once per process, dtype and shape (a
+    :func:`choose_layout` over :func:`measure_layout`, once per process, dtype, shape and thread
+    count (:func:`per_thread_count`; a
     shard has four or five shapes: its projections and, at the entry, the LM head). Weights of
     under :data:`LAYOUT_MIN_ELEMENTS` keep ``row`` unmeasured. :data:`LAYOUT_ENV` overrides it.
 
@@ -387,11 +406,11 @@ def measure(dtype: torch.dtype, rows: tuple[int, ...] = ROWS, repeats: int = 7,
     return out
 
 
-@functools.cache
+@per_thread_count
 def min_rows(dtype: torch.dtype) -> int | None:
     """Rows from which this host runs ``dtype`` products in float32 (:func:`choose_min_rows` over
     :func:`measure`), None for float32 itself or where the half kernels hold up. Measured once
-    per process and dtype; :data:`ENV` overrides it (``off`` or a row count).
+    per process, dtype and thread count (:func:`per_thread_count`); :data:`ENV` overrides it (``off`` or a row count).
 
     Raises:
         ValueError: :data:`ENV` is neither ``off`` nor a positive integer.

@@ -32,7 +32,7 @@ from torch import nn
 
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
-from meshnet.models.linears import apply_layouts, layout, min_rows, upcast_linears
+from meshnet.models.linears import apply_layouts, layout, min_rows, per_thread_count, upcast_linears
 
 log = logging.getLogger(__name__)
 
@@ -174,16 +174,18 @@ def attention(module: nn.Module, query: torch.Tensor, key, value, attention_mask
         ``([batch, q_len, heads, head_dim], None)``.
     """
     scale = kwargs.get("scaling")
+    in_float32 = getattr(module.config, IN_FLOAT32, False)
     if isinstance(key, RaggedKV):
-        rows = [decode_attention(query[b:b + 1], k, v, scale) for b, (k, v) in enumerate(zip(key.rows, value.rows))]
+        rows = [decode_attention(query[b:b + 1], k, v, scale, in_float32)
+                for b, (k, v) in enumerate(zip(key.rows, value.rows))]
         return torch.cat(rows).transpose(1, 2), None
     if query.shape[2] == 1 and attention_mask is None and not module.training and kwargs.get("softcap") is None:
-        return decode_attention(query, key, value, scale).transpose(1, 2), None
+        return decode_attention(query, key, value, scale, in_float32).transpose(1, 2), None
     return _sdpa(module, query, key, value, attention_mask, **kwargs)
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     scale: float | None) -> torch.Tensor:
+                     scale: float | None, in_float32: bool = False) -> torch.Tensor:
     """One query token attending to every cached position: torch's SDPA with no mask.
 
     Args:
@@ -191,6 +193,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         key, value: ``[batch, kv_heads, length, head_dim]``; ``heads`` a multiple of ``kv_heads``
             (grouped-query attention runs on the key/value heads as stored, no repeat).
         scale: the softmax scale (None: ``1 / sqrt(head_dim)``).
+        in_float32: a half-precision query, keys and values are cast to float32 and the output
+            rounded once back (:func:`attention_in_float32` chose it for this host; ADR-0047).
 
     Returns:
         ``[batch, heads, 1, head_dim]`` in the query's dtype.
@@ -200,14 +204,15 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     as much as the kernel itself at a 150-token context (ADR-0041's attention amendment).
     """
     gqa = query.shape[1] != key.shape[1]
-    if query.dtype in _FLOAT32_ATTENTION:  # this host's half kernel is slower than casting (ADR-0047)
+    if in_float32 and query.dtype != torch.float32:  # this host's half kernel is slower than casting (ADR-0047)
         return torch.nn.functional.scaled_dot_product_attention(
             query.float(), key.float(), value.float(), scale=scale, enable_gqa=gqa).to(query.dtype)
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa)
 
 
-#: half dtypes whose decode attention this process runs in float32 (:func:`attention_in_float32`)
-_FLOAT32_ATTENTION: set[torch.dtype] = set()
+#: the attribute of a shard's model config that says its decode attention runs in float32
+#: (:func:`attention_in_float32`, set at load; the layers' attention modules share the config)
+IN_FLOAT32 = "meshnet_attention_in_float32"
 #: cached lengths a decode step's attention is timed at: a short chat, and a long one
 ATTENTION_LENGTHS = (128, 1024)
 #: query heads, key-value heads and head size of the timed attention (SmolLM2-135M's grouping of
@@ -215,12 +220,12 @@ ATTENTION_LENGTHS = (128, 1024)
 ATTENTION_SHAPE = (9, 3, 64)
 
 
-@functools.cache
+@per_thread_count
 def attention_in_float32(dtype: torch.dtype) -> bool:
     """Whether this process runs a half-precision decode step's attention in float32: the query,
     keys and values cast up, torch's SDPA in float32, the output rounded once back to ``dtype``.
 
-    Measured once per process and dtype (:func:`measure_attention`, about 0.5 s on the host
+    Measured once per process, dtype and thread count (:func:`measure_attention`, about 0.5 s on the host
     below): chosen when the float32 path is at least :data:`meshnet.models.linears.MIN_GAIN`
     times as fast as the half kernel at every length timed. On a 2-core AVX2 host (no native
     bfloat16), one thread, torch's bfloat16 SDPA took 154-172 / 1250-1281 µs for one query over
@@ -235,8 +240,6 @@ def attention_in_float32(dtype: torch.dtype) -> bool:
         return False
     samples = measure_attention(dtype)
     chosen = all(half >= MIN_GAIN * upcast for half, upcast in samples.values())
-    if chosen:
-        _FLOAT32_ATTENTION.add(dtype)
     log.info("%s decode attention runs in %s (half / float32 path µs by cached length: %s)",
              str(dtype).removeprefix("torch."), "float32" if chosen else "half precision",
              ", ".join(f"{n}: {h * 1e6:.0f}/{u * 1e6:.0f}" for n, (h, u) in samples.items()))
@@ -434,24 +437,10 @@ def prepare_layouts(model_path: Path, layers: LayerRange, *, dtype: str = "float
               if isinstance(child, nn.Linear)}
     for weight_dtype, shape in shapes:
         layout(weight_dtype, shape)
-    min_rows(DTYPES[dtype])  # after forget_host_timings, these are measured again here too
+    min_rows(DTYPES[dtype])
     attention_in_float32(DTYPES[dtype])
     trim_heap()
     return len(shapes)
-
-
-def forget_host_timings() -> None:
-    """Forget this process's measured weight layouts, float32 crossovers and attention paths
-    (:func:`meshnet.models.linears.layout`, :func:`~meshnet.models.linears.min_rows`,
-    :func:`attention_in_float32`), so that the next shard measures them again. They depend on
-    torch's thread count, and a node's calibration builds shards before it knows the count it
-    will run with."""
-    from meshnet.models import linears
-
-    linears.layout.cache_clear()
-    linears.min_rows.cache_clear()
-    attention_in_float32.cache_clear()
-    _FLOAT32_ATTENTION.clear()
 
 
 class ShardModel:
@@ -487,6 +476,7 @@ class ShardModel:
         skeleton = _meta_model(self.config, self.dtype)
         _register_attention()
         skeleton.config._attn_implementation = ATTENTION  # the layers' attention modules read this config
+        setattr(skeleton.config, IN_FLOAT32, attention_in_float32(self.dtype))  # measured once per thread count
         all_layers = _get(skeleton, self.family.layers_path)
         self.blocks = nn.ModuleDict({str(i): all_layers[i] for i in range(layers.start, layers.end)})
         self.embed = self.norm = self.pos_embed = self.lm_head = None
@@ -514,7 +504,6 @@ class ShardModel:
         else:  # the weight layout, and half-precision products in float32, that this host runs fastest
             apply_layouts(self.blocks)
             upcast_linears(self.blocks, min_rows(self.dtype))
-        attention_in_float32(self.dtype)  # measured once per process and dtype, like min_rows
         if self.lm_head is not None:
             tied = self.lm_head.weight is self.embed.weight
             if apply_layouts(self.lm_head).get("transposed") and tied:  # a tied lookup then reads strided values

@@ -156,7 +156,7 @@ def measure(model_path: Path, dtypes: Sequence[str], thread_counts: Sequence[int
     import torch
 
     from meshnet.layers import LayerRange
-    from meshnet.models.shard import ShardModel, forget_host_timings
+    from meshnet.models.shard import ShardModel
     from meshnet.node.doctor import measure_decode_tokens_per_s
 
     config = json.loads((Path(model_path) / "config.json").read_text())
@@ -166,7 +166,7 @@ def measure(model_path: Path, dtypes: Sequence[str], thread_counts: Sequence[int
     previous = torch.get_num_threads()
     runs: dict[tuple[str, int, int], list[float]] = {}
     try:
-        torch.set_num_threads(thread_counts[0])  # the shards' own timings (layouts, attention) at a candidate count
+        torch.set_num_threads(thread_counts[0])  # the shards' host timings (layouts, attention) at a candidate count
         shards = {d: ShardModel(model_path, layers, dtype=d, load_head=False) for d in dtypes}
         for _ in range(rounds):
             for t in thread_counts:
@@ -176,7 +176,6 @@ def measure(model_path: Path, dtypes: Sequence[str], thread_counts: Sequence[int
                         runs.setdefault((d, t, n), []).append(measure_decode_tokens_per_s(shards[d], steps, n))
     finally:
         torch.set_num_threads(previous)
-        forget_host_timings()  # measured at this process's thread count, not the one the node will run with
     return [Sample(d, t, round(statistics.median(v), 2), n) for (d, t, n), v in runs.items()]
 
 

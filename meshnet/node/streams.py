@@ -35,7 +35,7 @@ from meshnet.errors import Forbidden, MeshnetError, Unauthorized
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name
 from meshnet.protocol.route import Hop
-from meshnet.protocol.stream import ChainError, ChainOpen, Kind, Message, pack, unbundle, unpack
+from meshnet.protocol.stream import READS_BUNDLES, ChainError, ChainOpen, Kind, Message, pack, unbundle, unpack
 from meshnet.protocol.tickets import check_hop
 
 log = logging.getLogger(__name__)
@@ -300,9 +300,10 @@ def _settle(future: asyncio.Future) -> None:
 
 
 async def stream_endpoint(websocket: WebSocket) -> None:
-    """``/v1/stream``: accept a peer's hop stream and dispatch every binary message it sends."""
+    """``/v1/stream``: accept a peer's hop stream and dispatch every binary message it sends. The
+    :data:`~meshnet.protocol.stream.READS_BUNDLES` subprotocol is accepted when the peer offers it."""
     node = websocket.app.state.node
-    await websocket.accept()
+    await websocket.accept(subprotocol=READS_BUNDLES if READS_BUNDLES in websocket.scope.get("subprotocols", ()) else None)
     try:
         while True:
             data = await websocket.receive_bytes()

@@ -40,10 +40,14 @@ from meshnet.protocol.control import Payload
 from meshnet.protocol.route import HopJSON
 
 __all__ = ["FLAG_LAST_ONLY", "FLAG_NO_RESULT", "HEADER_BYTES", "ChainError", "ChainOpen", "Kind", "Message",
-           "STREAM_PATH", "bundle", "new_chain_id", "pack", "stream_url", "unbundle", "unpack"]
+           "READS_BUNDLES", "STREAM_PATH", "bundle", "new_chain_id", "pack", "stream_url", "unbundle", "unpack"]
 
 #: the node route that accepts hop streams; appended to a hop's endpoint (which may carry a path prefix)
 STREAM_PATH = "/v1/stream"
+#: the WebSocket subprotocol (RFC 6455 section 1.9) a stream's opener offers and a node that reads
+#: BUNDLE messages accepts. A peer that accepts none (a node from before bundles) is sent every
+#: message alone: it would drop a bundle as an unknown kind (ADR-0040's bundle amendment).
+READS_BUNDLES = "meshnet-stream.bundles"
 VERSION = 1
 #: the last hop sends back only the last position ``[1, 1, hidden]`` (prefill chunks, decode)
 FLAG_LAST_ONLY = 1

@@ -341,37 +341,49 @@ async def test_a_hop_checks_its_ticket_at_open_and_one_that_does_not_cover_it_is
     assert await sessions_left(nodes, ["b", "c2"]) == {"b": 0, "c2": 0}  # releases signed by the entry
 
 
-async def test_messages_sent_to_one_peer_in_one_turn_leave_as_one_bundle_in_order():
+def record_stream(port: int, reads_bundles: bool, received: list[bytes]):
+    """A peer on ``port`` that records every stream message; it accepts the bundle subprotocol
+    when offered only where ``reads_bundles`` (a node from before bundles accepts none)."""
     from starlette.applications import Starlette
     from starlette.routing import WebSocketRoute
 
-    from meshnet.gateway.streams import PeerUnreachable, StreamPool
-    from meshnet.protocol.stream import Kind, pack, unbundle, unpack
-
-    received: list[bytes] = []
+    from meshnet.protocol.stream import READS_BUNDLES
 
     async def record(websocket):
-        await websocket.accept()
+        offered = websocket.scope.get("subprotocols", [])
+        await websocket.accept(subprotocol=READS_BUNDLES if reads_bundles and READS_BUNDLES in offered else None)
         with contextlib.suppress(Exception):
             while True:
                 received.append(await websocket.receive_bytes())
 
+    return serving(Starlette(routes=[WebSocketRoute("/v1/stream", record)]), port)
+
+
+@pytest.mark.parametrize("reads_bundles", [True, False])
+async def test_messages_sent_to_one_peer_in_one_turn_leave_as_one_bundle_where_it_reads_them(reads_bundles):
+    from meshnet.gateway.streams import PeerUnreachable, StreamPool
+    from meshnet.protocol.stream import Kind, pack, unbundle, unpack
+
+    received: list[bytes] = []
     port = free_port()
-    app = Starlette(routes=[WebSocketRoute("/v1/stream", record)])
     steps = [pack(Kind.STEP, "ab" * 16, position=p, body=b"x" * p) for p in (1, 2, 3)]
     pool = StreamPool()
-    async with serving(app, port), asyncio.timeout(30):
+    want = 2 if reads_bundles else 4
+    async with record_stream(port, reads_bundles, received), asyncio.timeout(30):
         endpoint = f"http://127.0.0.1:{port}"
         await asyncio.gather(*(pool.send(endpoint, step) for step in steps))  # one turn of the loop
         await pool.send(endpoint, steps[0])  # alone
         for _ in range(500):
-            if len(received) == 2:
+            if len(received) == want:
                 break
             await asyncio.sleep(0.01)
         await pool.close()
-    assert pool.written == 2 and len(received) == 2
-    assert unpack(received[0]).kind == Kind.BUNDLE and unbundle(unpack(received[0])) == steps
-    assert received[1] == steps[0]
+    assert pool.written == want and len(received) == want
+    if reads_bundles:
+        assert unpack(received[0]).kind == Kind.BUNDLE and unbundle(unpack(received[0])) == steps
+    else:  # each alone, in order: a node from before bundles would drop a bundle as an unknown kind
+        assert received[:3] == steps
+    assert received[-1] == steps[0]
 
     nobody = StreamPool(connect_timeout_s=1.0)
     dead = f"http://127.0.0.1:{free_port()}"  # nobody listens there
@@ -379,6 +391,19 @@ async def test_messages_sent_to_one_peer_in_one_turn_leave_as_one_bundle_in_orde
         errors = await asyncio.gather(*(nobody.send(dead, s) for s in steps[:2]), return_exceptions=True)
     assert all(isinstance(e, PeerUnreachable) for e in errors) and errors[0] is not errors[1]  # one error each
     await nobody.close()
+
+
+async def test_a_node_accepts_the_bundle_subprotocol_only_when_offered(nodes):
+    from websockets.asyncio.client import connect
+
+    from meshnet.protocol.stream import READS_BUNDLES, stream_url
+
+    url = stream_url(nodes["b"][0])
+    async with asyncio.timeout(30):
+        async with connect(url, subprotocols=["meshnet-stream.future", READS_BUNDLES], proxy=None) as offered:
+            assert offered.subprotocol == READS_BUNDLES
+        async with connect(url, proxy=None) as older:  # an opener from before bundles offers none
+            assert older.subprotocol is None
 
 
 async def test_a_node_handles_each_message_of_a_bundle_as_if_it_came_alone(nodes, tiny_hf_model):

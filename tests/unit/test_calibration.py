@@ -145,14 +145,30 @@ def test_calibrate_falls_back_to_the_documented_default_when_the_model_cannot_be
     assert "not measured" in choice.reason and "has no config.json" in choice.reason
 
 
-def test_the_measurement_leaves_no_timing_made_at_its_own_thread_count(tiny_model_path, monkeypatch):
-    from meshnet.models import shard
+def test_the_timings_a_measurement_made_serve_a_node_at_the_same_thread_count_only(tiny_model_path, monkeypatch):
+    import torch
+
+    from meshnet.layers import LayerRange
+    from meshnet.models.shard import ShardModel
     from meshnet.node.calibration import measure
 
     monkeypatch.setattr(linears, "LAYOUT_MIN_ELEMENTS", 0)  # the tiny model's weights are timed too
-    samples = measure(tiny_model_path("tiny-llama"), ["float32", "bfloat16"], [1], rounds=1, steps=2)
-    assert sorted((s.dtype, s.sessions) for s in samples) == [("bfloat16", 1), ("bfloat16", 8), ("float32", 1),
-                                                              ("float32", 8)]
-    # the node's own load, at the thread count chosen, measures them again
-    assert linears.layout.cache_info().currsize == linears.min_rows.cache_info().currsize == 0
-    assert shard.attention_in_float32.cache_info().currsize == 0 and not shard._FLOAT32_ATTENTION
+    timed = []
+    real = linears.measure_layout
+    monkeypatch.setattr(linears, "measure_layout", lambda *args: timed.append(torch.get_num_threads()) or real(*args))
+    linears.layout.cache_clear()
+    previous = torch.get_num_threads()
+    try:
+        samples = measure(tiny_model_path("tiny-llama"), ["float32"], [1, 2], rounds=1, steps=2)
+        assert sorted((s.threads, s.sessions) for s in samples) == [(1, 1), (1, 8), (2, 1), (2, 8)]
+        shapes = len(timed)
+        assert shapes > 0 and set(timed) == {1}  # the sample shards are built at the first candidate count
+        torch.set_num_threads(1)
+        ShardModel(tiny_model_path("tiny-llama"), LayerRange(1, 3), dtype="float32", load_head=False)
+        assert len(timed) == shapes  # a node at that count measures nothing again
+        torch.set_num_threads(2)
+        ShardModel(tiny_model_path("tiny-llama"), LayerRange(1, 3), dtype="float32", load_head=False)
+        assert timed == [1] * shapes + [2] * shapes  # at another count, every shape once more
+    finally:
+        torch.set_num_threads(previous)
+        linears.layout.cache_clear()

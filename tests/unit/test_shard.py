@@ -9,7 +9,7 @@ from torch.testing import assert_close
 from meshnet import wire
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
-from meshnet.models import shard
+from meshnet.models import linears, shard
 from meshnet.models.shard import KVCache, ShardModel, causal_mask
 
 FAMILIES = ["tiny-llama", "tiny-gpt2"]
@@ -202,12 +202,8 @@ def test_trim_heap_runs_on_glibc_and_is_a_no_op_elsewhere():
 @pytest.fixture
 def fresh_attention(monkeypatch):
     shard.attention_in_float32.cache_clear()
-    saved = set(shard._FLOAT32_ATTENTION)
-    shard._FLOAT32_ATTENTION.clear()
     yield monkeypatch
     shard.attention_in_float32.cache_clear()
-    shard._FLOAT32_ATTENTION.clear()
-    shard._FLOAT32_ATTENTION.update(saved)
 
 
 def attention_inputs(dtype):
@@ -217,18 +213,18 @@ def attention_inputs(dtype):
     return query, key, value
 
 
-def test_half_decode_attention_in_float32_is_the_float32_result_rounded_once(fresh_attention):
+def test_half_decode_attention_in_float32_is_the_float32_result_rounded_once():
     query, key, value = attention_inputs(torch.bfloat16)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     half = shard.decode_attention(query, key, value, None)
     assert torch.equal(half, sdpa(query, key, value, enable_gqa=True))  # not chosen: the half kernel
-    shard._FLOAT32_ATTENTION.add(torch.bfloat16)
-    cast = shard.decode_attention(query, key, value, None)
+    cast = shard.decode_attention(query, key, value, None, in_float32=True)
     want = sdpa(query.float(), key.float(), value.float(), enable_gqa=True).to(torch.bfloat16)
     assert cast.dtype == torch.bfloat16 and cast.shape == (2, 6, 1, 16) and torch.equal(cast, want)
     assert torch.allclose(cast.float(), half.float(), rtol=2e-2, atol=1e-2)
     q32, k32, v32 = attention_inputs(torch.float32)
-    assert torch.equal(shard.decode_attention(q32, k32, v32, None), sdpa(q32, k32, v32, enable_gqa=True))
+    for in_float32 in (False, True):
+        assert torch.equal(shard.decode_attention(q32, k32, v32, None, in_float32), sdpa(q32, k32, v32, enable_gqa=True))
 
 
 @pytest.mark.parametrize("samples, chosen", [
@@ -239,16 +235,54 @@ def test_half_decode_attention_in_float32_is_the_float32_result_rounded_once(fre
 def test_decode_attention_runs_in_float32_only_where_that_wins_at_every_length(fresh_attention, samples, chosen):
     fresh_attention.setattr(shard, "measure_attention", lambda dtype: samples)
     assert shard.attention_in_float32(torch.bfloat16) is chosen
-    assert (torch.bfloat16 in shard._FLOAT32_ATTENTION) is chosen
 
 
 def test_float32_and_the_off_switch_measure_no_attention(fresh_attention):
     fresh_attention.setattr(shard, "measure_attention", lambda dtype: pytest.fail("measured"))
     assert shard.attention_in_float32(torch.float32) is False
     fresh_attention.setenv("MESHNET_UPCAST_MIN_ROWS", "off")
-    assert shard.attention_in_float32(torch.bfloat16) is False and not shard._FLOAT32_ATTENTION
+    assert shard.attention_in_float32(torch.bfloat16) is False
 
 
 def test_measure_attention_times_both_paths_at_each_length():
     samples = shard.measure_attention(torch.bfloat16, lengths=(8, 32), calls=2, repeats=1)
     assert sorted(samples) == [8, 32] and all(h > 0 and u > 0 for h, u in samples.values())
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_a_shard_runs_its_decode_attention_as_its_host_timing_chose(fresh_attention, name, tiny_model_path):
+    fresh_attention.setattr(shard, "measure_attention", lambda dtype: {128: (154e-6, 41e-6), 1024: (1281e-6, 222e-6)})
+    calls = []
+    real = shard.decode_attention
+    fresh_attention.setattr(shard, "decode_attention", lambda *args: calls.append(args[-1]) or real(*args))
+    half = ShardModel(tiny_model_path(name), LayerRange(0, 2), dtype="bfloat16")
+    exact = ShardModel(tiny_model_path(name), LayerRange(0, 2), dtype="float32")
+    for model in (half, exact):
+        cache = KVCache()
+        with torch.inference_mode():
+            model.forward(model.embed_tokens(torch.tensor([[3, 5, 7]]), 0), cache, 0)
+            model.forward(model.embed_tokens(torch.tensor([[9]]), 3), cache, 3)
+    assert calls == [True, True, False, False]  # two layers' decode step each: bfloat16 cast up, float32 as it is
+
+
+def test_host_timings_are_kept_per_thread_count():
+    measured = []
+
+    @linears.per_thread_count
+    def timing(dtype, shape):
+        measured.append((dtype, shape, torch.get_num_threads()))
+        return len(measured)
+
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert timing(torch.float32, (4, 4)) == 1 and timing(torch.float32, (4, 4)) == 1  # once per count
+        torch.set_num_threads(2)
+        assert timing(torch.float32, (4, 4)) == 2 and timing(torch.float32, (4, 4)) == 2
+        torch.set_num_threads(1)
+        assert timing(torch.float32, (4, 4)) == 1 and timing(torch.bfloat16, (4, 4)) == 3
+        assert measured == [(torch.float32, (4, 4), 1), (torch.float32, (4, 4), 2), (torch.bfloat16, (4, 4), 1)]
+        timing.cache_clear()
+        assert timing(torch.float32, (4, 4)) == 4
+    finally:
+        torch.set_num_threads(previous)
