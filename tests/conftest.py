@@ -33,6 +33,22 @@ def _cache_env(path: Path):
             os.environ["MESHNET_CACHE"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def host_timings_of_this_session(tmp_path_factory):
+    """Host timings (layouts, crossovers, attention path: :mod:`meshnet.models.hosttimings`) in a
+    file of this test session, shared by the processes it starts: a developer's kept timings are
+    neither read nor written."""
+    from meshnet.models.hosttimings import ENV
+
+    old = os.environ.get(ENV)
+    os.environ[ENV] = str(tmp_path_factory.mktemp("host-timings") / "host-timings.json")
+    yield Path(os.environ[ENV])
+    if old is None:
+        os.environ.pop(ENV, None)
+    else:
+        os.environ[ENV] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """``tiny_model_path(name) -> Path``: the HF directory of a tiny seeded preset (built once)."""

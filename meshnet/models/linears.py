@@ -1,7 +1,8 @@
 """How a shard's linear layers run on this host: weight layout and half-precision products.
 
-Both choices are measured once per process, dtype and torch thread count (in ``warm_runtime``, before a shard's
-memory is measured), not assumed, because they depend on the CPU's kernels.
+Both choices are measured once per host, dtype and torch thread count (in ``warm_runtime``, before
+a shard's memory is measured; :mod:`meshnet.models.hosttimings` keeps them for the host's other
+processes), not assumed, because they depend on the CPU's kernels.
 
 **Weight layout (ADR-0048).** ``nn.Linear`` stores its weight ``[out, in]`` row-major and
 multiplies by its transpose. On x86 with MKL, a product of a few rows by a weight stored
@@ -43,6 +44,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from meshnet.models.hosttimings import remembered
 
 log = logging.getLogger(__name__)
 
@@ -333,8 +336,9 @@ def _probe(weight: torch.Tensor, name: str) -> nn.Linear:
 @per_thread_count
 def layout(dtype: torch.dtype, shape: tuple[int, int]) -> str:
     """The layout this process stores ``dtype`` weights of ``shape`` ``(out, in)`` in:
-    :func:`choose_layout` over :func:`measure_layout`, once per process, dtype, shape and thread
-    count (:func:`per_thread_count`; a
+    :func:`choose_layout` over :func:`measure_layout`, once per host, dtype, shape and thread
+    count (:func:`per_thread_count` in the process, :func:`~meshnet.models.hosttimings.remembered`
+    across the host's processes; a
     shard has four or five shapes: its projections and, at the entry, the LM head). Weights of
     under :data:`LAYOUT_MIN_ELEMENTS` keep ``row`` unmeasured. :data:`LAYOUT_ENV` overrides it.
 
@@ -352,13 +356,20 @@ def layout(dtype: torch.dtype, shape: tuple[int, int]) -> str:
         return forced
     if shape[0] * shape[1] < LAYOUT_MIN_ELEMENTS:
         return "row"
-    samples = measure_layout(dtype, shape)
-    chosen = choose_layout(samples)
-    log.info("%s weights %s stored %s (ms per product by rows, %s: %s)",
-             str(dtype).removeprefix("torch."), "x".join(map(str, shape)), chosen, " / ".join(samples),
-             ", ".join(f"{n}: " + "/".join(f"{by_rows[n] * 1e3:.3f}" for by_rows in samples.values())
-                       for n in samples["row"]))
-    return chosen
+    name = str(dtype).removeprefix("torch.")
+
+    def timed() -> str:
+        samples = measure_layout(dtype, shape)
+        chosen = choose_layout(samples)
+        log.info("%s weights %s stored %s (ms per product by rows, %s: %s)", name, "x".join(map(str, shape)), chosen,
+                 " / ".join(samples), ", ".join(f"{n}: " + "/".join(f"{by_rows[n] * 1e3:.3f}" for by_rows in
+                                                                 samples.values()) for n in samples["row"]))
+        return chosen
+
+    key = (f"layout|{name}|{shape[0]}x{shape[1]}|threads {torch.get_num_threads()}|"
+           f"of {','.join(available_layouts(dtype))}")
+    chosen, _ = remembered(key, timed)
+    return chosen if chosen in available_layouts(dtype) else timed()  # a damaged file: measured here
 
 
 def choose_min_rows(samples: dict[int, tuple[float, float]], gain: float = MIN_GAIN) -> int | None:
@@ -410,7 +421,7 @@ def measure(dtype: torch.dtype, rows: tuple[int, ...] = ROWS, repeats: int = 7,
 def min_rows(dtype: torch.dtype) -> int | None:
     """Rows from which this host runs ``dtype`` products in float32 (:func:`choose_min_rows` over
     :func:`measure`), None for float32 itself or where the half kernels hold up. Measured once
-    per process, dtype and thread count (:func:`per_thread_count`); :data:`ENV` overrides it (``off`` or a row count).
+    per host, dtype and thread count (as :func:`layout`); :data:`ENV` overrides it (``off`` or a row count).
 
     Raises:
         ValueError: :data:`ENV` is neither ``off`` nor a positive integer.
@@ -422,9 +433,14 @@ def min_rows(dtype: torch.dtype) -> int | None:
         if not forced.isdigit() or int(forced) < 1:
             raise ValueError(f"{ENV} must be 'off' or a positive row count, got {forced!r}")
         return int(forced)
-    samples = measure(dtype)
-    chosen = choose_min_rows(samples)
-    log.info("%s products from %s rows run in float32 (half ms / float32 path ms by rows: %s)",
-             str(dtype).removeprefix("torch."), chosen,
-             ", ".join(f"{r}: {h * 1e3:.2f}/{u * 1e3:.2f}" for r, (h, u) in samples.items()))
-    return chosen
+
+    def timed() -> int | None:
+        samples = measure(dtype)
+        chosen = choose_min_rows(samples)
+        log.info("%s products from %s rows run in float32 (half ms / float32 path ms by rows: %s)",
+                 str(dtype).removeprefix("torch."), chosen,
+                 ", ".join(f"{r}: {h * 1e3:.2f}/{u * 1e3:.2f}" for r, (h, u) in samples.items()))
+        return chosen
+
+    chosen, _ = remembered(f"min_rows|{str(dtype).removeprefix('torch.')}|threads {torch.get_num_threads()}", timed)
+    return chosen if chosen is None or (isinstance(chosen, int) and chosen > 0) else timed()

@@ -32,6 +32,7 @@ from torch import nn
 
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
+from meshnet.models.hosttimings import remembered
 from meshnet.models.linears import apply_layouts, layout, min_rows, per_thread_count, upcast_linears
 
 log = logging.getLogger(__name__)
@@ -225,7 +226,8 @@ def attention_in_float32(dtype: torch.dtype) -> bool:
     """Whether this process runs a half-precision decode step's attention in float32: the query,
     keys and values cast up, torch's SDPA in float32, the output rounded once back to ``dtype``.
 
-    Measured once per process, dtype and thread count (:func:`measure_attention`, about 0.5 s on the host
+    Measured once per host, dtype and thread count (:func:`measure_attention`, kept as
+    :func:`meshnet.models.linears.layout` keeps its timings; about 0.5 s on the host
     below): chosen when the float32 path is at least :data:`meshnet.models.linears.MIN_GAIN`
     times as fast as the half kernel at every length timed. On a 2-core AVX2 host (no native
     bfloat16), one thread, torch's bfloat16 SDPA took 154-172 / 1250-1281 µs for one query over
@@ -238,12 +240,18 @@ def attention_in_float32(dtype: torch.dtype) -> bool:
 
     if dtype not in HALF or os.environ.get(ENV, "").strip().lower() == "off":
         return False
-    samples = measure_attention(dtype)
-    chosen = all(half >= MIN_GAIN * upcast for half, upcast in samples.values())
-    log.info("%s decode attention runs in %s (half / float32 path µs by cached length: %s)",
-             str(dtype).removeprefix("torch."), "float32" if chosen else "half precision",
-             ", ".join(f"{n}: {h * 1e6:.0f}/{u * 1e6:.0f}" for n, (h, u) in samples.items()))
-    return chosen
+    name = str(dtype).removeprefix("torch.")
+
+    def timed() -> bool:
+        samples = measure_attention(dtype)
+        chosen = all(half >= MIN_GAIN * upcast for half, upcast in samples.values())
+        log.info("%s decode attention runs in %s (half / float32 path µs by cached length: %s)", name,
+                 "float32" if chosen else "half precision",
+                 ", ".join(f"{n}: {h * 1e6:.0f}/{u * 1e6:.0f}" for n, (h, u) in samples.items()))
+        return chosen
+
+    chosen, _ = remembered(f"attention in float32|{name}|threads {torch.get_num_threads()}", timed)
+    return chosen if isinstance(chosen, bool) else timed()
 
 
 def measure_attention(dtype: torch.dtype, lengths: tuple[int, ...] = ATTENTION_LENGTHS, calls: int = 50,

@@ -11,7 +11,8 @@ rounds (medians: these machines are noisy). :func:`choose` is the decision, a pu
 over those samples; flags the operator gave fix their axis and are never overridden.
 :func:`calibrate` ties the two together and keeps the samples in ``<cache>/calibration.json``
 (keyed by CPU, torch version, weight layouts, model and candidates, for :data:`CACHE_TTL_S`),
-so a host measures once, not at every start.
+so a host measures once, not at every start: nodes that start together wait for the first one's
+measurement and read it (:func:`meshnet.models.hosttimings.remembered`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import statistics
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -201,27 +200,17 @@ def sample_layer_count(config: dict) -> int:
 
 
 def host_key(model: str, dtypes: Sequence[str], thread_counts: Sequence[int]) -> str:
-    """Cache key of a measurement: CPU, torch version, the weight layouts a shard may choose from
-    (ADR-0048: a new layout changes what each dtype costs, so a measurement made without it is
-    not reused), model, the candidates measured and the session counts (:data:`SESSIONS`)."""
+    """Cache key of a measurement, under the CPU and torch version that
+    :func:`meshnet.models.hosttimings.remembered` adds: the model, the candidates measured, the
+    session counts (:data:`SESSIONS`) and the weight layouts a shard may choose from (ADR-0048:
+    a new layout changes what each dtype costs, so a measurement made without it is not reused)."""
     import torch
 
     from meshnet.models.linears import available_layouts
 
     layouts = ";".join(f"{d}:{','.join(available_layouts(getattr(torch, d)))}" for d in dtypes)
-    return (f"{cpu_name()}|torch {torch.__version__}|layouts {layouts}|{model}|"
-            f"{','.join(dtypes)}|{','.join(map(str, thread_counts))}|sessions {','.join(map(str, SESSIONS))}")
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return (f"calibration|{model}|{','.join(dtypes)}|{','.join(map(str, thread_counts))}|"
+            f"sessions {','.join(map(str, SESSIONS))}|layouts {layouts}")
 
 
 def calibrate(model: str, budget: int, *, dtype: str | None = None, threads: int | None = None,
@@ -234,6 +223,7 @@ def calibrate(model: str, budget: int, *, dtype: str | None = None, threads: int
     ``budget`` threads, saying so in the reason.
     """
     from meshnet.errors import MeshnetError
+    from meshnet.models.hosttimings import remembered
     from meshnet.models.sources import cache_dir, resolve
 
     if dtype is not None and threads is not None:
@@ -244,34 +234,11 @@ def calibrate(model: str, budget: int, *, dtype: str | None = None, threads: int
         path = resolve(model, progress=lambda _msg: None)
     except MeshnetError as exc:
         return Choice(dtype or "bfloat16", threads or budget, f"not measured ({exc.message}); ADR-0006 defaults")
-    cache_file = cache_file or cache_dir() / "calibration.json"
-    key, now = host_key(model, dtypes, counts), time.time() if now is None else now
-    cached = _read_cache(cache_file).get(key)
-    if cached and now - cached["measured_at"] < CACHE_TTL_S:
-        samples = [Sample(**s) for s in cached["samples"]]
-        source = "cached measurement"
-    else:
-        samples = measure(path, dtypes, counts)
-        _write_cache(cache_file, key, {"measured_at": now, "samples": [asdict(s) for s in samples]})
-        source = "measured now"
+    stored, measured_now = remembered(host_key(model, dtypes, counts),
+                                      lambda: [asdict(s) for s in measure(path, dtypes, counts)],
+                                      path=cache_file or cache_dir() / "calibration.json", now=now, ttl_s=CACHE_TTL_S)
+    samples = [Sample(**s) for s in stored]
+    source = "measured now" if measured_now else "cached measurement"
     choice = choose(samples, dtype=dtype, threads=threads)
     log.info("compute defaults for %s (%s): %s", model, source, choice.reason)
     return Choice(choice.compute_dtype, choice.threads, f"{choice.reason} ({source})")
-
-
-def _read_cache(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_cache(path: Path, key: str, entry: dict) -> None:
-    """Add ``entry`` under ``key`` (replace, then rename: a concurrent reader sees old or new)."""
-    data = _read_cache(path)
-    data[key] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)

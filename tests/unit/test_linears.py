@@ -16,7 +16,8 @@ from meshnet.node.doctor import weights_digest
 
 
 @pytest.fixture
-def fresh_choices(monkeypatch):
+def fresh_choices(monkeypatch, tmp_path):
+    monkeypatch.setenv("MESHNET_HOST_TIMINGS", str(tmp_path / "host-timings.json"))  # nothing measured yet
     linears.min_rows.cache_clear()
     linears.layout.cache_clear()
     yield monkeypatch

@@ -200,7 +200,8 @@ def test_trim_heap_runs_on_glibc_and_is_a_no_op_elsewhere():
 
 
 @pytest.fixture
-def fresh_attention(monkeypatch):
+def fresh_attention(monkeypatch, tmp_path):
+    monkeypatch.setenv("MESHNET_HOST_TIMINGS", str(tmp_path / "host-timings.json"))  # nothing measured yet
     shard.attention_in_float32.cache_clear()
     yield monkeypatch
     shard.attention_in_float32.cache_clear()
@@ -224,7 +225,8 @@ def test_half_decode_attention_in_float32_is_the_float32_result_rounded_once():
     assert torch.allclose(cast.float(), half.float(), rtol=2e-2, atol=1e-2)
     q32, k32, v32 = attention_inputs(torch.float32)
     for in_float32 in (False, True):
-        assert torch.equal(shard.decode_attention(q32, k32, v32, None, in_float32), sdpa(q32, k32, v32, enable_gqa=True))
+        want = sdpa(q32, k32, v32, enable_gqa=True)
+        assert torch.equal(shard.decode_attention(q32, k32, v32, None, in_float32), want)
 
 
 @pytest.mark.parametrize("samples, chosen", [

@@ -1,0 +1,150 @@
+"""What a timing on this host found, kept for the host's other processes (ADR-0048's host amendment).
+
+A node chooses its weight layouts (:func:`meshnet.models.linears.layout`), its float32 crossover
+(:func:`~meshnet.models.linears.min_rows`) and its attention path
+(:func:`meshnet.models.shard.attention_in_float32`) by timing kernels, and its compute dtype and
+threads by timing decode steps (:mod:`meshnet.node.calibration`). Node processes that start
+together time the same kernels at the same moment, each slowing the others: on a 2-core host
+three nodes starting at once stored the same ``1536x576`` weight ``row`` on one node and
+``transposed`` on another.
+
+:func:`remembered` makes one measurement per host serve them all. The first process that needs
+a value takes an exclusive lock on the host's file (``fcntl.flock``), measures while the others
+wait for the lock instead of competing for the cores, and writes the value; the others then
+read it. Values are kept :data:`TTL_S` and keyed by the CPU, the torch version and what the
+caller names (dtype, shape, thread count…). ``MESHNET_HOST_TIMINGS`` names another file, or
+``off`` to measure in every process and keep nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: each process measures for itself, the file still serves later starts
+    fcntl = None
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: the host's timings file, under :func:`meshnet.models.sources.cache_dir`
+FILE = "host-timings.json"
+#: environment override: ``off``, or the path of the file to keep the timings in
+ENV = "MESHNET_HOST_TIMINGS"
+#: a value is trusted this long, seconds (a week: the calibration's own lifetime, ADR-0044)
+TTL_S = 7 * 86_400.0
+
+_process_lock = threading.RLock()  # one measurement at a time in this process; re-entrant (a
+_held: list = []                   # calibration's sample shards time their layouts inside it)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_id() -> str:
+    """What a timing depends on besides its own arguments: the CPU and the torch version."""
+    import torch
+
+    return f"{cpu_name()}|torch {torch.__version__}"
+
+
+def default_path() -> Path | None:
+    """The host's timings file, or None where :data:`ENV` is ``off``."""
+    forced = os.environ.get(ENV, "").strip()
+    if forced.lower() == "off":
+        return None
+    if forced:
+        return Path(forced)
+    from meshnet.models.sources import cache_dir
+
+    return cache_dir() / FILE
+
+
+def remembered(key: str, measure: Callable[[], T], *, path: Path | None = None, now: float | None = None,
+               ttl_s: float = TTL_S) -> tuple[T, bool]:
+    """The value this host keeps for ``key`` (prefixed with :func:`host_id`), else ``measure()``,
+    kept for the host's other processes. Returns ``(value, measured_here)``.
+
+    While one process measures, another asking for any value waits for it (an exclusive lock on
+    the file), so measurements never overlap. ``measure`` may itself call :func:`remembered`.
+    A value must survive JSON (strings, numbers, None, lists, dicts).
+
+    Args:
+        path: the file (default :func:`default_path`; None there: measure, keep nothing).
+        now: the time, seconds since the epoch (default: the clock); values older than ``ttl_s``
+            are measured again.
+
+    Raises:
+        Whatever ``measure`` raises. A file that cannot be read is measured over; one that cannot
+        be written is logged and left.
+    """
+    path = path or default_path()
+    if path is None:
+        return measure(), True
+    full = f"{host_id()}|{key}"
+    with _process_lock:
+        opened = None
+        if not _held and fcntl is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                opened = open(path.with_name(path.name + ".lock"), "a+")
+                fcntl.flock(opened, fcntl.LOCK_EX)  # released when the file closes
+            except OSError as exc:
+                log.warning("host timings lock %s not taken (%s): measuring without it", path, exc)
+        _held.append(opened)
+        try:
+            now = time.time() if now is None else now
+            entry = read(path).get(full)
+            if isinstance(entry, dict) and "value" in entry and now - entry.get("measured_at", 0) < ttl_s:
+                return entry["value"], False
+            value = measure()
+            try:
+                write(path, full, {"measured_at": now, "value": value})
+            except (OSError, TypeError, ValueError) as exc:
+                log.warning("host timing %s not kept in %s: %s", key, path, exc)
+            return value, True
+        finally:
+            _held.pop()
+            if opened is not None:
+                opened.close()
+
+
+def read(path: Path) -> dict:
+    """The file's entries (an empty dict where it is missing or not a JSON object)."""
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write(path: Path, key: str, entry: dict) -> None:
+    """Add ``entry`` under ``key`` (replace, then rename: a concurrent reader sees old or new).
+
+    Raises:
+        OSError: the directory cannot be written; TypeError, ValueError: ``entry`` is not JSON.
+    """
+    data = read(path)
+    data[key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
