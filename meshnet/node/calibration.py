@@ -184,19 +184,32 @@ def sample_layer_count(config: dict) -> int:
     them from memory as a node's shard does, at least :data:`SAMPLE_LAYERS`. A sample that fits
     in cache hides what a batch costs: on a 2-core AVX2 host, two SmolLM2 layers (14 MiB in
     bfloat16) ran a batch of 8 in bfloat16 as fast as in float32, while a 10-layer node ran it
-    1.4 times slower. Llama-style configs only (hidden, intermediate and key-value sizes);
-    others get :data:`SAMPLE_LAYERS`.
+    1.4 times slower. Reads Llama-style configs (hidden, intermediate and key-value sizes) and
+    GPT-2's (``n_embd``, ``n_inner``); others get :data:`SAMPLE_LAYERS`.
     """
     from meshnet.models.linears import stream_bytes
 
+    layer_bytes = 2 * layer_weights(config)  # bfloat16
+    if layer_bytes <= 0:
+        return SAMPLE_LAYERS
+    return max(SAMPLE_LAYERS, -(-stream_bytes() // layer_bytes))
+
+
+def layer_weights(config: dict) -> int:
+    """Weights of one decoder layer's linear projections, from a ``config.json``: Llama-style
+    ``2h² + 2h·kv + 3h·inner`` (query and output, key and value over the key-value heads, the
+    gated MLP) or GPT-2's ``4h² + 2h·inner`` (``inner`` defaults to ``4h``); 0 where the config
+    names neither."""
     try:
+        if config.get("model_type") == "gpt2" or "n_embd" in config:
+            hidden = int(config["n_embd"])
+            return 4 * hidden * hidden + 2 * hidden * int(config.get("n_inner") or 4 * hidden)
         hidden, inner = int(config["hidden_size"]), int(config["intermediate_size"])
         heads = int(config["num_attention_heads"])
         kv = int(config.get("num_key_value_heads") or heads) * int(config.get("head_dim") or hidden // heads)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return SAMPLE_LAYERS
-    layer_bytes = 2 * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inner)  # bfloat16 projections
-    return max(SAMPLE_LAYERS, -(-stream_bytes() // max(1, layer_bytes)))
+        return 0
+    return 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inner
 
 
 def host_key(model: str, dtypes: Sequence[str], thread_counts: Sequence[int]) -> str:

@@ -174,3 +174,19 @@ def test_the_timings_a_measurement_made_serve_a_node_at_the_same_thread_count_on
     finally:
         torch.set_num_threads(previous)
         linears.layout.cache_clear()
+
+
+@pytest.mark.parametrize("config, weights, layers", [
+    # SmolLM2-135M: 9 heads of 64 over 3 key-value heads, a 1536-wide gated MLP; 6.75 MiB a layer in bfloat16
+    ({"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+      "num_key_value_heads": 3}, 3_538_944, 10),
+    # GPT-2 small: 13.5 MiB a layer in bfloat16
+    ({"model_type": "gpt2", "n_embd": 768, "n_inner": None, "n_head": 12}, 7_077_888, 5),
+    ({"model_type": "mystery"}, 0, 2),  # sizes it cannot read: the 2-layer floor
+])
+def test_the_sample_holds_enough_layers_to_be_read_from_memory(monkeypatch, config, weights, layers):
+    from meshnet.node.calibration import layer_weights, sample_layer_count
+
+    monkeypatch.setattr(linears, "stream_bytes", lambda: 64 << 20)  # twice a 32 MiB last-level cache
+    assert layer_weights(config) == weights
+    assert sample_layer_count(config) == layers
