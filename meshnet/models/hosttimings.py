@@ -43,6 +43,9 @@ FILE = "host-timings.json"
 ENV = "MESHNET_HOST_TIMINGS"
 #: a value is trusted this long, seconds (a week: the calibration's own lifetime, ADR-0044)
 TTL_S = 7 * 86_400.0
+#: the longest wait for another process's measurement, seconds; past it this one measures
+#: without the lock (the holder may be stopped: SIGSTOP keeps a lock, only exit frees it)
+LOCK_WAIT_S = 120.0
 
 _process_lock = threading.RLock()  # one measurement at a time in this process; re-entrant (a
 _held: list = []                   # calibration's sample shards time their layouts inside it)
@@ -79,12 +82,13 @@ def default_path() -> Path | None:
 
 
 def remembered(key: str, measure: Callable[[], T], *, path: Path | None = None, now: float | None = None,
-               ttl_s: float = TTL_S) -> tuple[T, bool]:
+               ttl_s: float = TTL_S, lock_wait_s: float = LOCK_WAIT_S) -> tuple[T, bool]:
     """The value this host keeps for ``key`` (prefixed with :func:`host_id`), else ``measure()``,
     kept for the host's other processes. Returns ``(value, measured_here)``.
 
     While one process measures, another asking for any value waits for it (an exclusive lock on
-    the file), so measurements never overlap. ``measure`` may itself call :func:`remembered`.
+    the file, at most ``lock_wait_s``), so measurements do not overlap. ``measure`` may itself
+    call :func:`remembered`.
     A value must survive JSON (strings, numbers, None, lists, dicts).
 
     Args:
@@ -106,7 +110,9 @@ def remembered(key: str, measure: Callable[[], T], *, path: Path | None = None, 
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 opened = open(path.with_name(path.name + ".lock"), "a+")
-                fcntl.flock(opened, fcntl.LOCK_EX)  # released when the file closes
+                if not _lock(opened, lock_wait_s):
+                    log.warning("host timings %s: still locked after %.0f s, measuring without the lock",
+                                path, lock_wait_s)
             except OSError as exc:
                 log.warning("host timings lock %s not taken (%s): measuring without it", path, exc)
         _held.append(opened)
@@ -125,6 +131,20 @@ def remembered(key: str, measure: Callable[[], T], *, path: Path | None = None, 
             _held.pop()
             if opened is not None:
                 opened.close()
+
+
+def _lock(opened, wait_s: float) -> bool:
+    """Take an exclusive ``flock`` on ``opened`` (released when it closes), trying every 20 ms
+    for at most ``wait_s`` seconds; whether it was taken."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(opened, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
 
 
 def read(path: Path) -> dict:

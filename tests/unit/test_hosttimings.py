@@ -117,3 +117,16 @@ def test_a_weight_layout_timed_by_one_process_serves_the_next(tmp_path, monkeypa
     finally:
         torch.set_num_threads(previous)
         linears.layout.cache_clear()
+
+
+def test_a_lock_held_too_long_is_waited_for_a_bounded_time(tmp_path):
+    import fcntl
+    import time
+
+    path = tmp_path / "timings.json"
+    with open(tmp_path / "timings.json.lock", "a+") as holder:  # a process stopped while it measures
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        start = time.monotonic()
+        assert remembered("k", lambda: "row", path=path, lock_wait_s=0.2) == ("row", True)
+        assert 0.2 <= time.monotonic() - start < 10
+    assert remembered("k", lambda: "packed", path=path) == ("row", False)  # kept all the same
