@@ -47,6 +47,9 @@ TTL_S = 7 * 86_400.0
 #: without the lock (the holder may be stopped: SIGSTOP keeps a lock, only exit frees it)
 LOCK_WAIT_S = 120.0
 
+#: how a log line names a value read from the host's file
+KEPT = f"kept in {FILE}; delete it or set {ENV}=off to measure again"
+
 _process_lock = threading.RLock()  # one measurement at a time in this process; re-entrant (a
 _held: list = []                   # calibration's sample shards time their layouts inside it)
 

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshnet.models.hosttimings import remembered
+from meshnet.models.hosttimings import KEPT, remembered
 
 log = logging.getLogger(__name__)
 
@@ -338,8 +338,8 @@ def layout(dtype: torch.dtype, shape: tuple[int, int]) -> str:
     """The layout this process stores ``dtype`` weights of ``shape`` ``(out, in)`` in:
     :func:`choose_layout` over :func:`measure_layout`, once per host, dtype, shape and thread
     count (:func:`per_thread_count` in the process, :func:`~meshnet.models.hosttimings.remembered`
-    across the host's processes; a
-    shard has four or five shapes: its projections and, at the entry, the LM head). Weights of
+    across the host's processes; a shard has four or five shapes: its projections and, at the
+    entry, the LM head). Weights of
     under :data:`LAYOUT_MIN_ELEMENTS` keep ``row`` unmeasured. :data:`LAYOUT_ENV` overrides it.
 
     Raises:
@@ -368,8 +368,12 @@ def layout(dtype: torch.dtype, shape: tuple[int, int]) -> str:
 
     key = (f"layout|{name}|{shape[0]}x{shape[1]}|threads {torch.get_num_threads()}|"
            f"of {','.join(available_layouts(dtype))}")
-    chosen, _ = remembered(key, timed)
-    return chosen if chosen in available_layouts(dtype) else timed()  # a damaged file: measured here
+    chosen, measured = remembered(key, timed)
+    if chosen not in available_layouts(dtype):  # a damaged file: measured here
+        return timed()
+    if not measured:
+        log.info("%s weights %s stored %s (this host's timing, %s)", name, "x".join(map(str, shape)), chosen, KEPT)
+    return chosen
 
 
 def choose_min_rows(samples: dict[int, tuple[float, float]], gain: float = MIN_GAIN) -> int | None:
@@ -442,5 +446,10 @@ def min_rows(dtype: torch.dtype) -> int | None:
                  ", ".join(f"{r}: {h * 1e3:.2f}/{u * 1e3:.2f}" for r, (h, u) in samples.items()))
         return chosen
 
-    chosen, _ = remembered(f"min_rows|{str(dtype).removeprefix('torch.')}|threads {torch.get_num_threads()}", timed)
-    return chosen if chosen is None or (isinstance(chosen, int) and chosen > 0) else timed()
+    name = str(dtype).removeprefix("torch.")
+    chosen, measured = remembered(f"min_rows|{name}|threads {torch.get_num_threads()}", timed)
+    if not (chosen is None or (type(chosen) is int and chosen > 0)):  # a damaged file: measured here
+        return timed()
+    if not measured:
+        log.info("%s products from %s rows run in float32 (this host's timing, %s)", name, chosen, KEPT)
+    return chosen

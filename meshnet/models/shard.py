@@ -32,7 +32,7 @@ from torch import nn
 
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
-from meshnet.models.hosttimings import remembered
+from meshnet.models.hosttimings import KEPT, remembered
 from meshnet.models.linears import apply_layouts, layout, min_rows, per_thread_count, upcast_linears
 
 log = logging.getLogger(__name__)
@@ -250,8 +250,13 @@ def attention_in_float32(dtype: torch.dtype) -> bool:
                  ", ".join(f"{n}: {h * 1e6:.0f}/{u * 1e6:.0f}" for n, (h, u) in samples.items()))
         return chosen
 
-    chosen, _ = remembered(f"attention in float32|{name}|threads {torch.get_num_threads()}", timed)
-    return chosen if isinstance(chosen, bool) else timed()
+    chosen, measured = remembered(f"attention in float32|{name}|threads {torch.get_num_threads()}", timed)
+    if not isinstance(chosen, bool):  # a damaged file: measured here
+        return timed()
+    if not measured:
+        log.info("%s decode attention runs in %s (this host's timing, %s)", name,
+                 "float32" if chosen else "half precision", KEPT)
+    return chosen
 
 
 def measure_attention(dtype: torch.dtype, lengths: tuple[int, ...] = ATTENTION_LENGTHS, calls: int = 50,

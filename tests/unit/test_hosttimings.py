@@ -114,6 +114,10 @@ def test_a_weight_layout_timed_by_one_process_serves_the_next(tmp_path, monkeypa
         assert linears.layout(torch.float32, (1536, 576)) == "transposed" and timed == [(1536, 576)]
         torch.set_num_threads(2)
         assert linears.layout(torch.float32, (1536, 576)) == "transposed" and len(timed) == 2  # another count
+        kept = json.loads((tmp_path / "timings.json").read_text())
+        (tmp_path / "timings.json").write_text(json.dumps({k: {**v, "value": "diagonal"} for k, v in kept.items()}))
+        linears.layout.cache_clear()
+        assert linears.layout(torch.float32, (1536, 576)) == "transposed" and len(timed) == 3  # no such layout
     finally:
         torch.set_num_threads(previous)
         linears.layout.cache_clear()
