@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import typer
 
-from meshnet.cli import models, ops, serve, services, traffic
+from meshnet.cli import models, ops, serve, services, timings, traffic
 
 app = typer.Typer(name="meshnet", no_args_is_help=True, add_completion=False,
                   help="meshnet: a distributed LLM inference network. Nodes serve layer shards of a "
                        "transformer; a tracker covers every model and routes chat across nodes.")
 app.add_typer(models.app, name="models")
+services.node_app.command("timings")(timings.timings)
 app.add_typer(services.node_app, name="node")
 app.add_typer(services.tracker_app, name="tracker")
 app.command("serve")(serve.serve)

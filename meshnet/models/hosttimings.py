@@ -171,3 +171,25 @@ def write(path: Path, key: str, entry: dict) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     tmp.replace(path)
+
+
+def entries(paths: list[Path], now: float | None = None) -> list[dict]:
+    """Every value kept in ``paths`` for this host (:func:`host_id`), oldest first: ``file``,
+    ``kind`` (``layout``, ``min_rows``, ``attention in float32``, ``calibration``), ``what`` (the
+    rest of its key: dtype, shape, thread count…), ``value``, ``measured_at`` and ``age_s``
+    (seconds), and ``expired`` (older than :data:`TTL_S`). Entries of other CPUs or torch
+    versions are left out."""
+    now = time.time() if now is None else now
+    prefix = host_id() + "|"
+    out = []
+    for path in paths:
+        for key, entry in read(path).items():
+            if not key.startswith(prefix) or not isinstance(entry, dict):
+                continue
+            kind, _, what = key[len(prefix):].partition("|")
+            measured_at = float(entry.get("measured_at", 0))
+            out.append({"file": str(path), "kind": kind, "what": what.replace("|", " "), "value": entry.get("value"),
+                        "measured_at": measured_at, "age_s": round(now - measured_at, 1),
+                        "expired": now - measured_at >= TTL_S})
+    return sorted(out, key=lambda e: e["measured_at"])
+

@@ -212,3 +212,30 @@ def test_chat_moves_on_to_the_next_tracker_url(monkeypatch):
     assert result.exit_code == 0, result.output
     assert result.output.strip() == "Paris"
     assert asked == ["http://t1:8700/v1/chat/completions", "http://t2:8700/v1/chat/completions"]
+
+
+def test_node_timings_shows_what_this_host_keeps_and_clear_forgets_it(tmp_path, monkeypatch):
+    from meshnet.models.hosttimings import host_id, remembered
+    from meshnet.node.calibration import Sample
+
+    monkeypatch.setenv("MESHNET_CACHE", str(tmp_path))
+    monkeypatch.setenv("MESHNET_HOST_TIMINGS", str(tmp_path / "host-timings.json"))
+    remembered("layout|float32|1536x576|threads 1|of row,transposed,packed", lambda: "packed", now=1000.0)
+    remembered("attention in float32|bfloat16|threads 1", lambda: True, now=2000.0)
+    samples = [Sample("bfloat16", 1, 99.0, 1).__dict__, Sample("bfloat16", 1, 571.0, 8).__dict__]
+    remembered("calibration|tiny|bfloat16|1|sessions 1,8|layouts bfloat16:row", lambda: samples,
+               path=tmp_path / "calibration.json", now=3000.0)
+    remembered("min_rows|bfloat16|threads 1", lambda: 16, path=tmp_path / "host-timings.json")  # now: not expired
+    shown = json.loads(runner.invoke(app, ["node", "timings", "--json"]).stdout)
+    assert shown["host"] == host_id() and not shown["cleared"]
+    assert [(t["kind"], t["what"], t["value"], t["expired"]) for t in shown["timings"]] == [
+        ("layout", "float32 1536x576 threads 1 of row,transposed,packed", "packed", True),
+        ("attention in float32", "bfloat16 threads 1", True, True),
+        ("calibration", "tiny bfloat16 1 sessions 1,8 layouts bfloat16:row", samples, True),
+        ("min_rows", "bfloat16 threads 1", 16, False)]
+    table = runner.invoke(app, ["node", "timings"], env={"COLUMNS": "200"}).stdout
+    assert "bfloat16 99 / 571 tok/s" in table and "1536x576 threads 1" in table and "(expired)" in table
+    cleared = runner.invoke(app, ["node", "timings", "--clear", "--json"])
+    assert cleared.exit_code == 0 and json.loads(cleared.stdout)["cleared"]
+    assert not (tmp_path / "host-timings.json").exists() and not (tmp_path / "calibration.json").exists()
+    assert json.loads(runner.invoke(app, ["node", "timings", "--json"]).stdout)["timings"] == []

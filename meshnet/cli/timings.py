@@ -1,0 +1,57 @@
+"""``meshnet node timings``: what this host's node processes measured and keep (ADR-0048, ADR-0044)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from meshnet.cli.output import JsonOpt, console, emit
+
+
+def _files() -> list[Path]:
+    from meshnet.models.hosttimings import default_path
+    from meshnet.models.sources import cache_dir
+
+    kept = default_path()
+    return [p for p in (kept, cache_dir() / "calibration.json") if p is not None]
+
+
+def timings(clear: bool = typer.Option(False, "--clear", help="Forget them all: the next node (or `meshnet serve`) "
+                                       "on this host measures again."),
+            as_json: bool = JsonOpt) -> None:
+    """Show what this host's nodes measured and keep for a week: weight layouts, the float32
+    crossover, the attention path and the compute-dtype calibration, by dtype, shape and threads."""
+    from meshnet.models.hosttimings import entries, host_id
+
+    files = _files()
+    rows = entries(files)
+    if clear:
+        for path in files:
+            path.unlink(missing_ok=True)
+
+    def human(data: dict) -> None:
+        table = Table("kind", "what", "value", "age", title=f"kept timings of {data['host']}")
+        for r in data["timings"]:
+            what = r["what"].split(" of ")[0].split(" layouts ")[0]  # the layouts on offer: --json has them
+            value = _speeds(r["value"]) if r["kind"] == "calibration" else str(r["value"])
+            age = f"{r['age_s'] / 3600:.1f} h" + (" (expired)" if r["expired"] else "")
+            table.add_row(r["kind"], what, value, age)
+        console.print(table if data["timings"] else "no timings kept for this host yet")
+        console.print(f"files: {', '.join(data['files'])}" + ("  [yellow]cleared[/]" if data["cleared"] else ""))
+
+    emit({"host": host_id(), "files": [str(p) for p in files], "timings": rows, "cleared": clear}, as_json, human)
+
+
+def _speeds(samples) -> str:
+    """A calibration's samples as ``dtype a / b tok/s`` (best over thread counts, at each session
+    count), one dtype per line."""
+    best: dict[str, dict[int, float]] = {}
+    for sample in samples if isinstance(samples, list) else []:
+        by_sessions = best.setdefault(str(sample.get("dtype")), {})
+        sessions = int(sample.get("sessions", 1))
+        by_sessions[sessions] = max(by_sessions.get(sessions, 0.0), float(sample.get("tokens_per_s", 0.0)))
+    return "\n".join(f"{dtype} " + " / ".join(f"{v:.0f}" for _, v in sorted(by.items())) + " tok/s"
+                     for dtype, by in sorted(best.items())) or "no samples"
+
