@@ -65,11 +65,26 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+#: CPU flags that change which half-precision kernels run (``/proc/cpuinfo``): two CPUs of one
+#: model name can differ in them (a name such as ``AMD EPYC`` covers several generations)
+HALF_FLAGS = ("avx512_bf16", "avx512_fp16", "avx_ne_convert", "amx_bf16", "amx_fp16")
+
+
 def host_id() -> str:
-    """What a timing depends on besides its own arguments: the CPU and the torch version."""
+    """What a timing depends on besides its own arguments: the CPU (model name, the kernels torch
+    dispatches to, its half-precision flags) and the torch version."""
     import torch
 
-    return f"{cpu_name()}|torch {torch.__version__}"
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    half = ",".join(f for f in HALF_FLAGS if f in flags) or "none"
+    return f"{cpu_name()}|{torch.backends.cpu.get_cpu_capability()} half {half}|torch {torch.__version__}"
 
 
 def default_path() -> Path | None:
