@@ -88,67 +88,119 @@ def host_id() -> str:
 
 
 def default_path() -> Path | None:
-    """The host's timings file, or None where :data:`ENV` is ``off``."""
+    """The host's timings file, or None where :data:`ENV` is ``off``. :data:`ENV` may name a file
+    (``~`` expanded) or a directory (the file :data:`FILE` in it)."""
     forced = os.environ.get(ENV, "").strip()
     if forced.lower() == "off":
         return None
     if forced:
-        return Path(forced)
+        path = Path(forced).expanduser()
+        return path / FILE if path.is_dir() else path
     from meshnet.models.sources import cache_dir
 
     return cache_dir() / FILE
 
 
+_MISSING = object()  # no usable value kept
+_gave_up: set[Path] = set()  # lock files this process stopped waiting for (a stuck holder)
+_warned: set[tuple[Path, str]] = set()  # (file, what) warned about once already
+
+
+def _warn_once(path: Path, what: str, message: str, *args) -> None:
+    if (path, what) not in _warned:
+        _warned.add((path, what))
+        log.warning(message, *args)
+
+
 def remembered(key: str, measure: Callable[[], T], *, path: Path | None = None, now: float | None = None,
-               ttl_s: float = TTL_S, lock_wait_s: float = LOCK_WAIT_S) -> tuple[T, bool]:
+               ttl_s: float = TTL_S, lock_wait_s: float = LOCK_WAIT_S,
+               valid: Callable[[object], bool] | None = None) -> tuple[T, bool]:
     """The value this host keeps for ``key`` (prefixed with :func:`host_id`), else ``measure()``,
     kept for the host's other processes. Returns ``(value, measured_here)``.
 
-    While one process measures, another asking for any value waits for it (an exclusive lock on
-    the file, at most ``lock_wait_s``), so measurements do not overlap. ``measure`` may itself
-    call :func:`remembered`.
-    A value must survive JSON (strings, numbers, None, lists, dicts).
+    A kept value is read without waiting (the file is replaced whole, never written in place).
+    To measure, a process takes an exclusive lock on the file, waiting at most ``lock_wait_s``
+    (once per process: after a wait runs out, it measures without the lock from then on), and
+    reads again under it, so processes that start together measure once. ``measure`` may itself
+    call :func:`remembered`. A value must survive JSON (strings, numbers, None, lists, dicts).
 
     Args:
         path: the file (default :func:`default_path`; None there: measure, keep nothing).
-        now: the time, seconds since the epoch (default: the clock); values older than ``ttl_s``
-            are measured again.
+        now: the time, seconds since the epoch (default: the clock); a value measured more than
+            ``ttl_s`` before it, after it, or at a time that is not a number is measured again.
+        valid: whether a kept value can be used (a layout this host can store, a row count…);
+            one that cannot is measured again and replaced, with a warning.
 
     Raises:
         Whatever ``measure`` raises. A file that cannot be read is measured over; one that cannot
-        be written is logged and left.
+        be written is logged (once per file) and left.
     """
     path = path or default_path()
     if path is None:
         return measure(), True
     full = f"{host_id()}|{key}"
+    now = time.time() if now is None else now
+    kept = _usable(path, key, read(path).get(full), now, ttl_s, valid)
+    if kept is not _MISSING:
+        return kept, False
     with _process_lock:
-        opened = None
-        if not _held and fcntl is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                opened = open(path.with_name(path.name + ".lock"), "a+")
-                if not _lock(opened, lock_wait_s):
-                    log.warning("host timings %s: still locked after %.0f s, measuring without the lock",
-                                path, lock_wait_s)
-            except OSError as exc:
-                log.warning("host timings lock %s not taken (%s): measuring without it", path, exc)
+        opened = _take_lock(path, lock_wait_s) if not _held else None
         _held.append(opened)
         try:
-            now = time.time() if now is None else now
-            entry = read(path).get(full)
-            if isinstance(entry, dict) and "value" in entry and now - entry.get("measured_at", 0) < ttl_s:
-                return entry["value"], False
+            kept = _usable(path, key, read(path).get(full), now, ttl_s, valid)  # measured while this one waited
+            if kept is not _MISSING:
+                return kept, False
             value = measure()
             try:
                 write(path, full, {"measured_at": now, "value": value})
             except (OSError, TypeError, ValueError) as exc:
-                log.warning("host timing %s not kept in %s: %s", key, path, exc)
+                _warn_once(path, "write", "host timings not kept in %s (%s): every process measures them", path, exc)
             return value, True
         finally:
             _held.pop()
             if opened is not None:
                 opened.close()
+
+
+def _usable(path: Path, key: str, entry: object, now: float, ttl_s: float, valid) -> object:
+    """``entry``'s value where it can be used, else :data:`_MISSING` (a warning says why, unless
+    it is simply missing or old)."""
+    if not isinstance(entry, dict) or "value" not in entry:
+        if entry is not None:
+            log.warning("host timing %s in %s is not an entry (%r): measured again", key, path, entry)
+        return _MISSING
+    measured_at = entry.get("measured_at")
+    if isinstance(measured_at, bool) or not isinstance(measured_at, (int, float)) or measured_at > now:
+        log.warning("host timing %s in %s has no usable time (%r): measured again", key, path, measured_at)
+        return _MISSING
+    if now - measured_at >= ttl_s:
+        return _MISSING
+    if valid is not None and not valid(entry["value"]):
+        log.warning("host timing %s in %s holds %r, which this host cannot use: measured again", key, path,
+                    entry["value"])
+        return _MISSING
+    return entry["value"]
+
+
+def _take_lock(path: Path, wait_s: float):
+    """The open lock file of ``path``, locked (closing it unlocks), or None where no lock could
+    be taken: no ``fcntl``, an unwritable directory, or a holder that kept it past ``wait_s``
+    (then this process no longer waits for that lock)."""
+    if fcntl is None or path in _gave_up:
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        opened = open(path.with_name(path.name + ".lock"), "a+")
+    except OSError as exc:
+        _warn_once(path, "lock", "host timings lock of %s not taken (%s): going on without it", path, exc)
+        return None
+    if _lock(opened, wait_s):
+        return opened
+    opened.close()
+    _gave_up.add(path)
+    log.warning("host timings %s: still locked after %.0f s (its holder may be stopped); this process measures "
+                "without the lock from now on", path, wait_s)
+    return None
 
 
 def _lock(opened, wait_s: float) -> bool:
@@ -166,12 +218,21 @@ def _lock(opened, wait_s: float) -> bool:
 
 
 def read(path: Path) -> dict:
-    """The file's entries (an empty dict where it is missing or not a JSON object)."""
+    """The file's entries: an empty dict where it is missing, and where it is not a JSON object
+    (a warning then says it will be replaced)."""
     try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+        text = path.read_text()
+    except OSError:
         return {}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        _warn_once(path, "damaged", "host timings file %s is not a JSON object: its values are measured again "
+                   "and it is replaced", path)
+        return {}
+    return data
 
 
 def write(path: Path, key: str, entry: dict) -> None:
@@ -192,8 +253,9 @@ def entries(paths: list[Path], now: float | None = None) -> list[dict]:
     """Every value kept in ``paths`` for this host (:func:`host_id`), oldest first: ``file``,
     ``kind`` (``layout``, ``min_rows``, ``attention in float32``, ``calibration``), ``what`` (the
     rest of its key: dtype, shape, thread count…), ``value``, ``measured_at`` and ``age_s``
-    (seconds), and ``expired`` (older than :data:`TTL_S`). Entries of other CPUs or torch
-    versions are left out."""
+    (seconds; None where the time is not a number), and ``expired`` (older than :data:`TTL_S`, in
+    the future, or with no time: measured again at the next start). Entries of other CPUs or
+    torch versions are left out."""
     now = time.time() if now is None else now
     prefix = host_id() + "|"
     out = []
@@ -202,9 +264,11 @@ def entries(paths: list[Path], now: float | None = None) -> list[dict]:
             if not key.startswith(prefix) or not isinstance(entry, dict):
                 continue
             kind, _, what = key[len(prefix):].partition("|")
-            measured_at = float(entry.get("measured_at", 0))
+            measured_at = entry.get("measured_at")
+            if isinstance(measured_at, bool) or not isinstance(measured_at, (int, float)):
+                measured_at = None
+            age_s = None if measured_at is None else round(now - measured_at, 1)
             out.append({"file": str(path), "kind": kind, "what": what.replace("|", " "), "value": entry.get("value"),
-                        "measured_at": measured_at, "age_s": round(now - measured_at, 1),
-                        "expired": now - measured_at >= TTL_S})
-    return sorted(out, key=lambda e: e["measured_at"])
+                        "measured_at": measured_at, "age_s": age_s, "expired": age_s is None or not 0 <= age_s < TTL_S})
+    return sorted(out, key=lambda e: e["measured_at"] or 0.0)
 

@@ -368,9 +368,7 @@ def layout(dtype: torch.dtype, shape: tuple[int, int]) -> str:
 
     key = (f"layout|{name}|{shape[0]}x{shape[1]}|threads {torch.get_num_threads()}|"
            f"of {','.join(available_layouts(dtype))}")
-    chosen, measured = remembered(key, timed)
-    if chosen not in available_layouts(dtype):  # a damaged file: measured here
-        return timed()
+    chosen, measured = remembered(key, timed, valid=available_layouts(dtype).__contains__)
     if not measured:
         log.info("%s weights %s stored %s (this host's timing, %s)", name, "x".join(map(str, shape)), chosen, KEPT)
     return chosen
@@ -441,15 +439,19 @@ def min_rows(dtype: torch.dtype) -> int | None:
     def timed() -> int | None:
         samples = measure(dtype)
         chosen = choose_min_rows(samples)
-        log.info("%s products from %s rows run in float32 (half ms / float32 path ms by rows: %s)",
-                 str(dtype).removeprefix("torch."), chosen,
+        log.info("%s products %s (half ms / float32 path ms by rows: %s)", str(dtype).removeprefix("torch."),
+                 _from_rows(chosen),
                  ", ".join(f"{r}: {h * 1e3:.2f}/{u * 1e3:.2f}" for r, (h, u) in samples.items()))
         return chosen
 
     name = str(dtype).removeprefix("torch.")
-    chosen, measured = remembered(f"min_rows|{name}|threads {torch.get_num_threads()}", timed)
-    if not (chosen is None or (type(chosen) is int and chosen > 0)):  # a damaged file: measured here
-        return timed()
+    chosen, measured = remembered(f"min_rows|{name}|threads {torch.get_num_threads()}", timed,
+                                  valid=lambda rows: rows is None or (type(rows) is int and rows > 0))
     if not measured:
-        log.info("%s products from %s rows run in float32 (this host's timing, %s)", name, chosen, KEPT)
+        log.info("%s products %s (this host's timing, %s)", name, _from_rows(chosen), KEPT)
     return chosen
+
+
+def _from_rows(rows: int | None) -> str:
+    """How a :func:`min_rows` answer reads in a log line."""
+    return "stay in half precision at every row count" if rows is None else f"from {rows} rows run in float32"

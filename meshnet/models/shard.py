@@ -250,9 +250,8 @@ def attention_in_float32(dtype: torch.dtype) -> bool:
                  ", ".join(f"{n}: {h * 1e6:.0f}/{u * 1e6:.0f}" for n, (h, u) in samples.items()))
         return chosen
 
-    chosen, measured = remembered(f"attention in float32|{name}|threads {torch.get_num_threads()}", timed)
-    if not isinstance(chosen, bool):  # a damaged file: measured here
-        return timed()
+    chosen, measured = remembered(f"attention in float32|{name}|threads {torch.get_num_threads()}", timed,
+                                  valid=lambda value: isinstance(value, bool))
     if not measured:
         log.info("%s decode attention runs in %s (this host's timing, %s)", name,
                  "float32" if chosen else "half precision", KEPT)

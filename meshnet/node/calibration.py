@@ -249,9 +249,25 @@ def calibrate(model: str, budget: int, *, dtype: str | None = None, threads: int
         return Choice(dtype or "bfloat16", threads or budget, f"not measured ({exc.message}); ADR-0006 defaults")
     stored, measured_now = remembered(host_key(model, dtypes, counts),
                                       lambda: [asdict(s) for s in measure(path, dtypes, counts)],
-                                      path=cache_file or cache_dir() / "calibration.json", now=now, ttl_s=CACHE_TTL_S)
-    samples = [Sample(**s) for s in stored]
+                                      path=cache_file or cache_dir() / "calibration.json", now=now, ttl_s=CACHE_TTL_S,
+                                      valid=lambda kept: samples_of(kept) is not None)
+    samples = samples_of(stored) or []
     source = "measured now" if measured_now else "cached measurement"
     choice = choose(samples, dtype=dtype, threads=threads)
     log.info("compute defaults for %s (%s): %s", model, source, choice.reason)
     return Choice(choice.compute_dtype, choice.threads, f"{choice.reason} ({source})")
+
+
+def samples_of(kept: object) -> list[Sample] | None:
+    """The :class:`Sample` list a calibration kept (a JSON list of their fields), or None where
+    it is not one: a hand-edited or damaged entry, which is then measured again."""
+    if not isinstance(kept, list) or not kept:
+        return None
+    try:
+        samples = [Sample(**s) for s in kept]
+    except TypeError:  # not a mapping, or missing or unknown fields
+        return None
+    ok = all(isinstance(s.dtype, str) and type(s.threads) is int and type(s.sessions) is int
+             and isinstance(s.tokens_per_s, (int, float)) and not isinstance(s.tokens_per_s, bool) for s in samples)
+    return samples if ok else None
+

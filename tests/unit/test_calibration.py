@@ -190,3 +190,23 @@ def test_the_sample_holds_enough_layers_to_be_read_from_memory(monkeypatch, conf
     monkeypatch.setattr(linears, "stream_bytes", lambda: 64 << 20)  # twice a 32 MiB last-level cache
     assert layer_weights(config) == weights
     assert sample_layer_count(config) == layers
+
+
+@pytest.mark.parametrize("kept", ["fast", [], ["x"], [{"dtype": "float32"}],
+                                  [{"dtype": "float32", "threads": 1, "tokens_per_s": "fast", "sessions": 1}],
+                                  [{"dtype": "float32", "threads": 1, "tokens_per_s": 9.0, "sessions": 1, "x": 2}]])
+def test_a_damaged_calibration_is_measured_again_not_a_crash(tiny_model_path, tmp_path, monkeypatch, kept):
+    from meshnet.models.hosttimings import host_id
+    from meshnet.node import calibration
+
+    monkeypatch.setenv("MESHNET_CACHE", str(tiny_model_path("tiny-llama").parent.parent))
+    measured = [Sample("float32", 1, 60.0, 1), Sample("float32", 1, 300.0, 8), Sample("bfloat16", 1, 99.0, 1),
+                Sample("bfloat16", 1, 200.0, 8)]
+    monkeypatch.setattr(calibration, "measure", lambda *args, **kwargs: measured)
+    cache = tmp_path / "calibration.json"
+    key = f"{host_id()}|{host_key('tiny-llama', ['float32', 'bfloat16'], [1])}"
+    cache.write_text(json.dumps({key: {"measured_at": 1000.0, "value": kept}}))
+    choice = calibrate("tiny-llama", 1, cache_file=cache, now=2000.0)
+    assert (choice.compute_dtype, choice.threads) == ("float32", 1) and "measured now" in choice.reason
+    assert json.loads(cache.read_text())[key]["value"][0] == {"dtype": "float32", "threads": 1, "tokens_per_s": 60.0,
+                                                              "sessions": 1}

@@ -235,6 +235,13 @@ def test_node_timings_shows_what_this_host_keeps_and_clear_forgets_it(tmp_path, 
         ("min_rows", "bfloat16 threads 1", 16, False)]
     table = runner.invoke(app, ["node", "timings"], env={"COLUMNS": "200"}).stdout
     assert "bfloat16 99 / 571 tok/s" in table and "1536x576 threads 1" in table and "(expired)" in table
+    assert "from 16 rows" in table and "float32" in table
+    kept = json.loads((tmp_path / "host-timings.json").read_text())  # as a hand edit might leave it
+    (tmp_path / "host-timings.json").write_text(json.dumps({k: {"measured_at": "yesterday", "value": [1]}
+                                                            for k in kept}))
+    damaged = json.loads(runner.invoke(app, ["node", "timings", "--json"]).stdout)["timings"]
+    assert [(t["age_s"], t["expired"]) for t in damaged if t["kind"] != "calibration"] == [(None, True)] * 3
+    assert "?" in runner.invoke(app, ["node", "timings"], env={"COLUMNS": "200"}).stdout
     cleared = runner.invoke(app, ["node", "timings", "--clear", "--json"])
     assert cleared.exit_code == 0 and json.loads(cleared.stdout)["cleared"]
     assert not (tmp_path / "host-timings.json").exists() and not (tmp_path / "calibration.json").exists()

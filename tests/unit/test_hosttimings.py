@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 
+import pytest
 import torch
 
 from meshnet.models import hosttimings, linears
@@ -123,14 +124,50 @@ def test_a_weight_layout_timed_by_one_process_serves_the_next(tmp_path, monkeypa
         linears.layout.cache_clear()
 
 
-def test_a_lock_held_too_long_is_waited_for_a_bounded_time(tmp_path):
+def test_a_stuck_lock_is_waited_for_once_and_kept_values_never_wait(tmp_path):
     import fcntl
     import time
 
     path = tmp_path / "timings.json"
+    remembered("kept", lambda: "transposed", path=path)
     with open(tmp_path / "timings.json.lock", "a+") as holder:  # a process stopped while it measures
         fcntl.flock(holder, fcntl.LOCK_EX)
         start = time.monotonic()
-        assert remembered("k", lambda: "row", path=path, lock_wait_s=0.2) == ("row", True)
-        assert 0.2 <= time.monotonic() - start < 10
+        assert remembered("kept", lambda: "row", path=path, lock_wait_s=60) == ("transposed", False)
+        assert time.monotonic() - start < 5  # read without the lock
+        assert remembered("k", lambda: "row", path=path, lock_wait_s=0.3) == ("row", True)
+        waited = time.monotonic() - start
+        assert 0.3 <= waited < 10
+        assert remembered("k2", lambda: "packed", path=path, lock_wait_s=60) == ("packed", True)
+        assert time.monotonic() - start - waited < 5  # this process waits for that lock no more
     assert remembered("k", lambda: "packed", path=path) == ("row", False)  # kept all the same
+
+
+@pytest.mark.parametrize("measured_at", ["yesterday", None, True, 10_000.0])  # 10,000: after `now`
+def test_a_kept_value_without_a_usable_time_is_measured_again_and_replaced(tmp_path, measured_at):
+    path = tmp_path / "timings.json"
+    path.write_text(json.dumps({hosttimings.host_id() + "|k": {"measured_at": measured_at, "value": "diagonal"}}))
+    (shown,) = hosttimings.entries([path], now=5000.0)
+    assert shown["expired"] and shown["value"] == "diagonal"
+    assert remembered("k", lambda: "row", path=path, now=5000.0) == ("row", True)
+    assert remembered("k", lambda: "packed", path=path, now=5001.0) == ("row", False)  # replaced
+
+
+def test_a_kept_value_this_host_cannot_use_is_measured_again_and_replaced(tmp_path, caplog):
+    path = tmp_path / "timings.json"
+    usable = ("row", "transposed").__contains__
+    remembered("k", lambda: "diagonal", path=path, now=1.0)  # as a hand edit would leave it
+    with caplog.at_level("WARNING"):
+        assert remembered("k", lambda: "row", path=path, now=2.0, valid=usable) == ("row", True)
+    assert "holds 'diagonal', which this host cannot use" in caplog.text
+    assert remembered("k", lambda: "transposed", path=path, now=3.0, valid=usable) == ("row", False)
+
+
+def test_the_environment_names_a_file_a_directory_or_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(hosttimings.ENV, "~/timings.json")
+    assert hosttimings.default_path() == tmp_path / "timings.json"
+    monkeypatch.setenv(hosttimings.ENV, str(tmp_path))
+    assert hosttimings.default_path() == tmp_path / hosttimings.FILE
+    monkeypatch.setenv(hosttimings.ENV, "OFF")
+    assert hosttimings.default_path() is None
