@@ -40,13 +40,10 @@ def host_timings_of_this_session(tmp_path_factory):
     neither read nor written."""
     from meshnet.models.hosttimings import ENV
 
-    old = os.environ.get(ENV)
-    os.environ[ENV] = str(tmp_path_factory.mktemp("host-timings") / "host-timings.json")
-    yield Path(os.environ[ENV])
-    if old is None:
-        os.environ.pop(ENV, None)
-    else:
-        os.environ[ENV] = old
+    path = tmp_path_factory.mktemp("host-timings") / "host-timings.json"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(ENV, str(path))
+        yield path
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,9 @@ from meshnet.errors import MeshnetError
 
 def _files() -> list[Path]:
     from meshnet.models.hosttimings import default_path
-    from meshnet.models.sources import cache_dir
+    from meshnet.node.calibration import default_cache_file
 
-    kept = default_path()
-    return [p for p in (kept, cache_dir() / "calibration.json") if p is not None]
+    return [p for p in (default_path(), default_cache_file()) if p is not None]
 
 
 def timings(clear: bool = typer.Option(False, "--clear", help="Forget them all: the next node (or `meshnet serve`) "

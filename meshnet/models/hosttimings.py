@@ -18,6 +18,7 @@ caller names (dtype, shape, thread count…). ``MESHNET_HOST_TIMINGS`` names ano
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -48,21 +49,27 @@ TTL_S = 7 * 86_400.0
 LOCK_WAIT_S = 120.0
 
 #: how a log line names a value read from the host's file
-KEPT = f"kept in {FILE}; delete it or set {ENV}=off to measure again"
+KEPT = f"kept in {FILE}; `meshnet node timings --clear` or {ENV}=off measures again"
 
 _process_lock = threading.RLock()  # one measurement at a time in this process; re-entrant (a
 _held: list = []                   # calibration's sample shards time their layouts inside it)
 
 
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` says."""
+def _cpuinfo() -> tuple[str | None, set[str]]:
+    """The first CPU's model name and flags in ``/proc/cpuinfo`` (None and no flags where it
+    cannot be read: not Linux)."""
+    name, flags = None, set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if line.startswith("model name") and name is None:
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+            if name is not None and flags:
+                break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return name, flags
 
 
 #: CPU flags that change which half-precision kernels run (``/proc/cpuinfo``): two CPUs of one
@@ -70,21 +77,17 @@ def cpu_name() -> str:
 HALF_FLAGS = ("avx512_bf16", "avx512_fp16", "avx_ne_convert", "amx_bf16", "amx_fp16")
 
 
+@functools.cache
 def host_id() -> str:
-    """What a timing depends on besides its own arguments: the CPU (model name, the kernels torch
-    dispatches to, its half-precision flags) and the torch version."""
+    """What a timing depends on besides its own arguments: the CPU (model name, else what
+    :mod:`platform` says; the kernels torch dispatches to; its half-precision flags) and the torch
+    version. Read once per process."""
     import torch
 
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    name, flags = _cpuinfo()
+    name = name or platform.processor() or platform.machine()
     half = ",".join(f for f in HALF_FLAGS if f in flags) or "none"
-    return f"{cpu_name()}|{torch.backends.cpu.get_cpu_capability()} half {half}|torch {torch.__version__}"
+    return f"{name}|{torch.backends.cpu.get_cpu_capability()} half {half}|torch {torch.__version__}"
 
 
 def default_path() -> Path | None:
@@ -169,9 +172,10 @@ def _usable(path: Path, key: str, entry: object, now: float, ttl_s: float, valid
         if entry is not None:
             log.warning("host timing %s in %s is not an entry (%r): measured again", key, path, entry)
         return _MISSING
-    measured_at = entry.get("measured_at")
-    if isinstance(measured_at, bool) or not isinstance(measured_at, (int, float)) or measured_at > now:
-        log.warning("host timing %s in %s has no usable time (%r): measured again", key, path, measured_at)
+    measured_at = _time_of(entry)
+    if measured_at is None or measured_at > now:
+        log.warning("host timing %s in %s has no usable time (%r): measured again", key, path,
+                    entry.get("measured_at"))
         return _MISSING
     if now - measured_at >= ttl_s:
         return _MISSING
@@ -180,6 +184,12 @@ def _usable(path: Path, key: str, entry: object, now: float, ttl_s: float, valid
                     entry["value"])
         return _MISSING
     return entry["value"]
+
+
+def _time_of(entry: dict) -> float | None:
+    """When ``entry`` was measured, seconds since the epoch; None where that is not a number."""
+    measured_at = entry.get("measured_at")
+    return None if isinstance(measured_at, bool) or not isinstance(measured_at, (int, float)) else measured_at
 
 
 def _take_lock(path: Path, wait_s: float):
@@ -264,9 +274,7 @@ def entries(paths: list[Path], now: float | None = None) -> list[dict]:
             if not key.startswith(prefix) or not isinstance(entry, dict):
                 continue
             kind, _, what = key[len(prefix):].partition("|")
-            measured_at = entry.get("measured_at")
-            if isinstance(measured_at, bool) or not isinstance(measured_at, (int, float)):
-                measured_at = None
+            measured_at = _time_of(entry)
             age_s = None if measured_at is None else round(now - measured_at, 1)
             out.append({"file": str(path), "kind": kind, "what": what.replace("|", " "), "value": entry.get("value"),
                         "measured_at": measured_at, "age_s": age_s, "expired": age_s is None or not 0 <= age_s < TTL_S})

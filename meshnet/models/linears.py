@@ -366,9 +366,9 @@ def layout(dtype: torch.dtype, shape: tuple[int, int]) -> str:
                                                                  samples.values()) for n in samples["row"]))
         return chosen
 
-    key = (f"layout|{name}|{shape[0]}x{shape[1]}|threads {torch.get_num_threads()}|"
-           f"of {','.join(available_layouts(dtype))}")
-    chosen, measured = remembered(key, timed, valid=available_layouts(dtype).__contains__)
+    offered = available_layouts(dtype)
+    key = f"layout|{name}|{shape[0]}x{shape[1]}|threads {torch.get_num_threads()}|of {','.join(offered)}"
+    chosen, measured = remembered(key, timed, valid=offered.__contains__)
     if not measured:
         log.info("%s weights %s stored %s (this host's timing, %s)", name, "x".join(map(str, shape)), chosen, KEPT)
     return chosen
@@ -429,27 +429,32 @@ def min_rows(dtype: torch.dtype) -> int | None:
         ValueError: :data:`ENV` is neither ``off`` nor a positive integer.
     """
     forced = os.environ.get(ENV, "").strip().lower()
-    if dtype not in HALF or forced == "off":
+    if dtype not in HALF or upcast_off():
         return None
     if forced:
         if not forced.isdigit() or int(forced) < 1:
             raise ValueError(f"{ENV} must be 'off' or a positive row count, got {forced!r}")
         return int(forced)
+    name = str(dtype).removeprefix("torch.")
 
     def timed() -> int | None:
         samples = measure(dtype)
         chosen = choose_min_rows(samples)
-        log.info("%s products %s (half ms / float32 path ms by rows: %s)", str(dtype).removeprefix("torch."),
-                 _from_rows(chosen),
+        log.info("%s products %s (half ms / float32 path ms by rows: %s)", name, _from_rows(chosen),
                  ", ".join(f"{r}: {h * 1e3:.2f}/{u * 1e3:.2f}" for r, (h, u) in samples.items()))
         return chosen
 
-    name = str(dtype).removeprefix("torch.")
     chosen, measured = remembered(f"min_rows|{name}|threads {torch.get_num_threads()}", timed,
                                   valid=lambda rows: rows is None or (type(rows) is int and rows > 0))
     if not measured:
         log.info("%s products %s (this host's timing, %s)", name, _from_rows(chosen), KEPT)
     return chosen
+
+
+def upcast_off() -> bool:
+    """Whether :data:`ENV` is ``off``: every half-precision product and decode attention stays in
+    half precision (ADR-0047)."""
+    return os.environ.get(ENV, "").strip().lower() == "off"
 
 
 def _from_rows(rows: int | None) -> str:

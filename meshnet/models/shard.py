@@ -23,7 +23,6 @@ import functools
 import importlib
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,9 +235,9 @@ def attention_in_float32(dtype: torch.dtype) -> bool:
     kernel may win, and is kept. False for float32, and where ``MESHNET_UPCAST_MIN_ROWS=off``
     keeps every product in half precision (ADR-0047).
     """
-    from meshnet.models.linears import ENV, HALF, MIN_GAIN
+    from meshnet.models.linears import HALF, MIN_GAIN, upcast_off
 
-    if dtype not in HALF or os.environ.get(ENV, "").strip().lower() == "off":
+    if dtype not in HALF or upcast_off():
         return False
     name = str(dtype).removeprefix("torch.")
 

@@ -226,6 +226,13 @@ def host_key(model: str, dtypes: Sequence[str], thread_counts: Sequence[int]) ->
             f"sessions {','.join(map(str, SESSIONS))}|layouts {layouts}")
 
 
+def default_cache_file() -> Path:
+    """Where :func:`calibrate` keeps its measurements: ``<cache>/calibration.json``."""
+    from meshnet.models.sources import cache_dir
+
+    return cache_dir() / "calibration.json"
+
+
 def calibrate(model: str, budget: int, *, dtype: str | None = None, threads: int | None = None,
               cache_file: Path | None = None, now: float | None = None) -> Choice:
     """The compute dtype and threads for a node serving ``model`` with at most ``budget`` threads.
@@ -237,7 +244,7 @@ def calibrate(model: str, budget: int, *, dtype: str | None = None, threads: int
     """
     from meshnet.errors import MeshnetError
     from meshnet.models.hosttimings import remembered
-    from meshnet.models.sources import cache_dir, resolve
+    from meshnet.models.sources import resolve
 
     if dtype is not None and threads is not None:
         return Choice(dtype, threads, "dtype and threads as given")
@@ -249,7 +256,7 @@ def calibrate(model: str, budget: int, *, dtype: str | None = None, threads: int
         return Choice(dtype or "bfloat16", threads or budget, f"not measured ({exc.message}); ADR-0006 defaults")
     stored, measured_now = remembered(host_key(model, dtypes, counts),
                                       lambda: [asdict(s) for s in measure(path, dtypes, counts)],
-                                      path=cache_file or cache_dir() / "calibration.json", now=now, ttl_s=CACHE_TTL_S,
+                                      path=cache_file or default_cache_file(), now=now, ttl_s=CACHE_TTL_S,
                                       valid=lambda kept: samples_of(kept) is not None)
     samples = samples_of(stored) or []
     source = "measured now" if measured_now else "cached measurement"

@@ -303,7 +303,8 @@ async def stream_endpoint(websocket: WebSocket) -> None:
     """``/v1/stream``: accept a peer's hop stream and dispatch every binary message it sends. The
     :data:`~meshnet.protocol.stream.READS_BUNDLES` subprotocol is accepted when the peer offers it."""
     node = websocket.app.state.node
-    await websocket.accept(subprotocol=READS_BUNDLES if READS_BUNDLES in websocket.scope.get("subprotocols", ()) else None)
+    offered = websocket.scope.get("subprotocols", ())
+    await websocket.accept(subprotocol=READS_BUNDLES if READS_BUNDLES in offered else None)
     try:
         while True:
             data = await websocket.receive_bytes()

@@ -5,8 +5,6 @@ goes to a cache of the test session, which links the default cache's converted m
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from meshnet.models.sources import cache_dir, is_ready, model_dir
@@ -22,13 +20,9 @@ def session_cache(tmp_path_factory):
     private = tmp_path_factory.mktemp("meshnet-cache")
     if shared.is_dir():
         (private / "models").symlink_to(shared.resolve(), target_is_directory=True)
-    old = os.environ.get("MESHNET_CACHE")
-    os.environ["MESHNET_CACHE"] = str(private)
-    yield private
-    if old is None:
-        os.environ.pop("MESHNET_CACHE", None)
-    else:
-        os.environ["MESHNET_CACHE"] = old
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MESHNET_CACHE", str(private))
+        yield private
 
 
 @pytest.fixture(scope="session")
