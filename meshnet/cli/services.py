@@ -247,11 +247,6 @@ def node_start(
                                                    "a batch's compute time on a slow host)."),
         max_batch: int = typer.Option(N.max_batch_size, "--max-batch", min=1, envvar="MESHNET_MAX_BATCH",
                                       help="Most sessions' steps in one batched forward."),
-        inline_decode: bool = typer.Option(N.inline_decode, "--inline-decode/--no-inline-decode",
-                                           envvar="MESHNET_INLINE_DECODE",
-                                           help="Run a decode step that has nothing to batch with on the event "
-                                                "loop, without a hand-off to a worker thread (off: every step "
-                                                "goes through a worker thread)."),
         spot_check_rate: float = typer.Option(N.spot_check_rate, "--spot-check-rate", min=0.0, max=1.0,
                                               envvar="MESHNET_SPOT_CHECK_RATE",
                                               help="As an entry: share of sessions whose hops are also run on a "
@@ -314,7 +309,7 @@ def node_start(
                             session_cache_bytes=session_cache_mb * 1024 * 1024, session_ttl_s=session_ttl,
                             hop_timeout_s=hop_timeout, hop_connect_timeout_s=hop_connect_timeout, wallet=wallet,
                             hop_streams=hop_streams, drain_grace_s=drain_grace, relay=relay or relay_url is not None, relay_url=relay_url,
-                            batch_window_s=batch_window_ms / 1000, max_batch_size=max_batch, inline_decode=inline_decode,
+                            batch_window_s=batch_window_ms / 1000, max_batch_size=max_batch,
                             auto_relay=not no_auto_relay, offer_relay=offer_relay, spot_check_rate=spot_check_rate, **_body_limit(max_body_bytes))
     from meshnet.node.app import build_app
 

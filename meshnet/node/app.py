@@ -380,8 +380,7 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
         rt = runtime or NodeRuntime(max_loaded_shards=settings.max_loaded_shards,
                                     compute_dtype=settings.compute_dtype,
                                     sessions=SessionStore(settings.session_ttl_s, settings.session_cache_bytes),
-                                    batch_window_s=settings.batch_window_s, max_batch_size=settings.max_batch_size,
-                                    inline_decode=settings.inline_decode)
+                                    batch_window_s=settings.batch_window_s, max_batch_size=settings.max_batch_size)
         # callers block in worker threads while their step is batched: the default pool (cores + 4)
         # would cap a batch at a handful of sessions (ADR-0041)
         asyncio.get_running_loop().set_default_executor(

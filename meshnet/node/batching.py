@@ -209,44 +209,6 @@ class StepBatcher:
             self._leading = False
             self._cond.notify_all()
 
-    def try_now(self, step: Step, run: Callable[[list[Step]], None] | None = None) -> bool:
-        """Run a decode step at once on the calling thread when it would run alone anyway: no batch
-        runs or waits, and no other session of its group is expected (:meth:`_wait_share`). A lone
-        session's step then costs no hand-off to a worker thread (about 0.2-0.5 ms each way on a
-        loaded 2-core host, measured in ADR-0041's amendment), and the batching policy is unchanged.
-
-        Args:
-            step: a decode step (``tokens == 1``); a prefill chunk never runs here.
-            run: the batch runner to use (default ``run``): a caller already holding the
-                runner's lock passes one that does not take it again.
-
-        Returns:
-            True when the step ran (its ``result`` or ``error`` is set), False when the caller
-            must :meth:`submit` it instead.
-        """
-        with self._cond:
-            if step.tokens != 1 or self._leading or self._pending:
-                return False
-            step.arrived_s = self.clock()
-            self._pending.append(step)
-            try:
-                waits = self._wait_share([step])
-            finally:
-                self._pending.remove(step)
-            if waits is not None:
-                return False
-            self._arrived(step)
-            self._leading = True
-        started_s = self.clock()
-        try:
-            self._execute([step], run or self.run)
-        finally:
-            with self._cond:
-                self._ran([step], started_s)
-                self._leading = False
-                self._cond.notify_all()
-        return True
-
     def _ran(self, batch: list[Step], started_s: float) -> None:
         """Bookkeeping after a batch ran (holding the condition): its sessions' last step here, and
         for a decode batch their wave and the group's decode-batch compute time."""

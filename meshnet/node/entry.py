@@ -1,8 +1,8 @@
 """The entry node's own layers behind the gateway's interface (:class:`meshnet.gateway.entry.EntryLayers`).
 
 :class:`LocalEntry` runs embeddings and the entry shard's layers in the node's runtime, the
-LM head and the token choice (:mod:`meshnet.node.sampling`), each in a worker thread so the
-event loop stays free. :class:`WireCodec` turns activations into wire frames (ADR-0001).
+LM head and the token choice (:mod:`meshnet.node.sampling`); every forward runs in the runtime's
+batcher thread, so the event loop stays free (ADR-0049). :class:`WireCodec` turns activations into wire frames (ADR-0001).
 """
 
 from __future__ import annotations
@@ -100,5 +100,7 @@ class LocalEntry:
         return chooser.pick(logits[0, -1])
 
     def release(self, session_id: str) -> None:
-        self.runtime.batcher.forget(session_id)  # batches stop waiting for its steps, head steps included
-        self.runtime.sessions.release(session_id)
+        """End the session's local KV cache for good (:meth:`NodeRuntime.end_session_soon`): a step
+        of it still queued in the batcher (a generation cancelled while its prefill chunk waited)
+        is refused when it runs instead of creating the session again; returns at once."""
+        self.runtime.end_session_soon(session_id)

@@ -16,6 +16,7 @@ the figure and the tracker budgets with it where it exceeds the preset.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import threading
@@ -137,8 +138,6 @@ class NodeRuntime:
         sessions: the KV-cache session store.
         batch_window_s, max_batch_size: decode batching (:class:`meshnet.node.batching.StepBatcher`):
             longest wait for other sessions' steps, seconds, and most steps per forward.
-        inline_decode: whether :meth:`forward_now` and the ``*_async`` methods may run a lone
-            decode step on the calling thread (off: every step goes through a worker thread).
 
     Raises:
         InvalidRequest: ``max_loaded_shards`` < 1. ValueError: a batching setting out of range.
@@ -146,7 +145,7 @@ class NodeRuntime:
 
     def __init__(self, *, max_loaded_shards: int = 1, compute_dtype: str = "float32",
                  sessions: SessionStore | None = None, batch_window_s: float = DEFAULT_BATCH_WINDOW_S,
-                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, inline_decode: bool = True) -> None:
+                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> None:
         if max_loaded_shards < 1:
             raise InvalidRequest("max_loaded_shards must be >= 1")
         self.max_loaded_shards = max_loaded_shards
@@ -155,7 +154,6 @@ class NodeRuntime:
         self.slots: dict[str, ShardSlot] = {}
         self.lock = threading.Lock()  # the compute lock: one batch (or doctor run) at a time, and the session store
         self.tokens_processed = 0
-        self.inline_decode = inline_decode
         self.batcher = StepBatcher(self._run_batch, window_s=batch_window_s, max_batch=max_batch_size)
         #: (monotonic time, steps) of each forward run, newest last (the console reads it)
         self.batch_sizes: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
@@ -230,27 +228,17 @@ class NodeRuntime:
         """
         return self.batcher.submit(self._hidden_step(model, session_id, layers, position, hidden))
 
-    def forward_now(self, *, model: str | None, session_id: str, layers: LayerRange, position: int,
-                    hidden: torch.Tensor) -> torch.Tensor | None:
-        """:meth:`forward` on the calling thread (an event loop's), when it can run at once and
-        alone: a decode step, the compute lock free, no batch running or queued and no other
-        session expected to join (:meth:`StepBatcher.try_now`). None when it cannot: the caller
-        runs :meth:`forward` in a worker thread. Same results and errors as :meth:`forward`;
-        blocks for one decode step's compute at most, never for another caller's."""
-        return self._now(self._hidden_step(model, session_id, layers, position, hidden))
-
     async def forward_async(self, *, model: str | None, session_id: str, layers: LayerRange, position: int,
                             hidden: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` for an event loop: at once on the loop when the step runs alone
-        (:meth:`forward_now`), else in a worker thread, batched. Same results and errors."""
+        """:meth:`forward` for an event loop, which never computes: the step is queued without
+        blocking and runs in the batcher's runner thread, batched with others' (ADR-0049). Same
+        results and errors."""
         return await self._run_async(self._hidden_step(model, session_id, layers, position, hidden))
 
     async def _run_async(self, step: Step) -> torch.Tensor:
-        """``step`` at once on the calling loop when it runs alone (:meth:`_now`: no thread
-        hand-off, ADR-0041), else queued from the loop and run batched by the batcher's runner
-        thread (:meth:`StepBatcher.submit_soon`)."""
-        out = self._now(step)
-        return out if out is not None else await self.batcher.submit_soon(step)
+        """``step`` queued from the calling loop and run by the batcher's runner thread
+        (:meth:`StepBatcher.submit_soon`); the loop only waits (ADR-0049)."""
+        return await self.batcher.submit_soon(step)
 
     def _hidden_step(self, model: str | None, session_id: str, layers: LayerRange, position: int,
                      hidden: torch.Tensor) -> Step:
@@ -259,22 +247,6 @@ class NodeRuntime:
         if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] < 1 or hidden.shape[-1] != size:
             raise InvalidRequest(f"activation shape {list(hidden.shape)} does not match [1, seq >= 1, {size}]")
         return Step(session_id, (slot.key, layers, HIDDEN), hidden.shape[1], _Work(slot, layers, position, hidden))
-
-    def _now(self, step: Step) -> torch.Tensor | None:
-        """Run ``step`` on the calling thread if it can run at once and alone (see :meth:`forward_now`)."""
-        if not self.inline_decode or step.tokens != 1 or not self.lock.acquire(blocking=False):
-            return None
-        try:
-            ran = self.batcher.try_now(step, self._run_locked)
-        finally:
-            self.lock.release()
-        if not ran:
-            return None
-        if step.error is not None:
-            raise step.error
-        if step.work.kind != HEAD and self.on_batch is not None:
-            self.on_batch(1)
-        return step.result
 
     def run_entry(self, slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
                   layers: LayerRange) -> torch.Tensor:
@@ -387,6 +359,23 @@ class NodeRuntime:
         self.batcher.forget(session_id)
         with self.lock:
             return self.sessions.end(session_id)
+
+    def end_session_soon(self, session_id: str) -> None:
+        """:meth:`end_session` without blocking the caller (an event loop, or a generation being
+        cancelled): batches stop waiting for the session at once, and its caches are ended in a
+        worker thread once the running forward is over. Its ``end`` tombstone refuses a step of it
+        still queued, so nothing re-creates the session (ADR-0031). Never raises."""
+        self.batcher.forget(session_id)
+        if self.lock.acquire(blocking=False):  # no forward runs: end it now, without a thread hop
+            try:
+                self.sessions.end(session_id)
+            finally:
+                self.lock.release()
+            return
+        try:
+            asyncio.get_running_loop().run_in_executor(None, self.end_session, session_id)
+        except RuntimeError:  # no running loop, or its executor is shut down: end it here
+            self.end_session(session_id)
 
     def check_room(self) -> None:
         """Whether a new session may start here now (blocking: waits for a running forward).

@@ -43,8 +43,8 @@ class NodeSettings:
         batch_window_s: longest wait, seconds, for other sessions' decode steps after one reaches an
             idle node (none when only one session is active; stretched to half a batch's recent
             compute time when that is longer); ``max_batch_size``: most steps in one batched
-            forward (ADR-0041). ``inline_decode``: a lone decode step (nothing to batch it with) runs
-            on the event loop, without a worker-thread hand-off (ADR-0041's amendment).
+            forward (ADR-0041). Every step, a lone one included, runs in the batcher's worker
+            thread: an event loop only moves bytes (ADR-0049).
         spot_check_rate: as an entry node, the share of sessions whose first call to each hop is
             also run on a second holder and compared (ADR-0042; 0 disables).
         drain_hop_idle_s: while draining, a hop session untouched this long counts as over
@@ -87,7 +87,6 @@ class NodeSettings:
     offer_relay: bool = False
     batch_window_s: float = 0.005
     max_batch_size: int = 16
-    inline_decode: bool = True
 
     @property
     def worker_threads(self) -> int:

@@ -228,48 +228,6 @@ def test_the_window_stretches_to_half_the_groups_recent_decode_compute():
     assert batcher.window("g") == pytest.approx(1.0)
 
 
-def test_a_lone_decode_step_runs_now_on_the_callers_thread():
-    ran_on: list[int] = []
-
-    def runner(steps: list[Step]) -> None:
-        ran_on.append(threading.get_ident())
-        for step in steps:
-            step.finish(step.work * 10)
-
-    batcher = StepBatcher(runner, window_s=30.0)
-    step = decode("a", 4)
-    assert batcher.try_now(step) is True
-    assert (step.result, step.error, ran_on) == (40, None, [threading.get_ident()])
-    assert batcher.try_now(decode("a", 5)) is True  # its own last step is no one to wait for
-
-
-def test_try_now_declines_a_prefill_chunk_a_running_batch_and_an_expected_session():
-    recorder = Recorder()
-    batcher = StepBatcher(recorder, window_s=30.0)
-    assert batcher.try_now(Step("a", "g", 8, 1)) is False  # a prefill chunk
-    results: dict = {}
-    gate = start(batcher, Step("gatekeeper", "gate-group", 5, "gate"), results)
-    deadline = time.monotonic() + WAIT_S
-    while not recorder.batches:
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
-    assert batcher.try_now(decode("a", 1)) is False  # a batch runs: the caller must queue
-    recorder.open.set()
-    gate.join(WAIT_S)
-    assert batcher.submit(decode("b", 0)) == 0  # b is active in group g now
-    assert batcher.try_now(decode("a", 2)) is False  # a would wait for b: the batching path takes it
-    assert [[s for s, _ in batch] for batch in recorder.batches] == [["gatekeeper"], ["b"]]
-
-
-def test_a_step_run_now_counts_as_its_sessions_last_step_for_batching():
-    recorder = Recorder()
-    batcher = StepBatcher(recorder, window_s=0.3)
-    assert batcher.try_now(decode("b", 0)) is True
-    t0 = time.monotonic()
-    assert batcher.submit(decode("a", 1)) == 10  # waits the window for b, as after a submitted step
-    assert 0.3 <= time.monotonic() - t0 < 3.0
-
-
 def test_the_wave_ahead_waits_for_the_wave_due_behind_it_and_they_merge():
     shift = [0.0]  # the clock runs with real time, and jumps where the test moves it
     batches: list[list[str]] = []

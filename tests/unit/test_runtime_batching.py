@@ -5,6 +5,7 @@ one forward, each caller gets exactly its session's rows, and session admission 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -189,51 +190,41 @@ def test_the_lm_head_needs_an_entry_slot_and_one_position(shard_path):
         entry.logits(next(iter(entry.slots.values())), "g", prompt(3, 0))
 
 
-def test_forward_now_runs_a_lone_decode_step_and_equals_forward(shard_path):
+async def test_a_lone_decode_step_awaited_from_a_loop_runs_off_the_loop_and_equals_forward(shard_path):
+    """An event loop never computes (ADR-0049): even a step with nothing to batch with runs in the
+    batcher's runner thread, and gives what the blocking :meth:`forward` gives."""
     layers = LayerRange(2, 4)
-    now, queued = runtime_of(shard_path, layers), runtime_of(shard_path, layers)
+    loop_side, blocking = runtime_of(shard_path, layers), runtime_of(shard_path, layers)
+    ran_on: list[int] = []
+    run = loop_side._run_locked
+    loop_side._run_locked = lambda steps: (ran_on.append(threading.get_ident()), run(steps))[1]
     hidden = prompt(5, 7)
-    for runtime in (now, queued):
-        runtime.forward(model=MODEL, session_id="s", layers=layers, position=0, hidden=hidden)
+    blocking.forward(model=MODEL, session_id="s", layers=layers, position=0, hidden=hidden)
+    await loop_side.forward_async(model=MODEL, session_id="s", layers=layers, position=0, hidden=hidden)
     step = prompt(1, 8)
-    out = now.forward_now(model=MODEL, session_id="s", layers=layers, position=5, hidden=step)
-    assert_close(out, queued.forward(model=MODEL, session_id="s", layers=layers, position=5, hidden=step),
+    out = await loop_side.forward_async(model=MODEL, session_id="s", layers=layers, position=5, hidden=step)
+    assert_close(out, blocking.forward(model=MODEL, session_id="s", layers=layers, position=5, hidden=step),
                  rtol=0, atol=0)
-    assert [sess.length for sess in now.sessions._sessions.values()] == [6]
-    assert now.forward_now(model=MODEL, session_id="s", layers=layers, position=6, hidden=prompt(2, 9)) is None
-
-
-def test_forward_now_declines_while_the_compute_lock_is_held_and_raises_what_forward_raises(shard_path):
-    layers = LayerRange(2, 4)
-    runtime = runtime_of(shard_path, layers)
-    runtime.forward(model=MODEL, session_id="s", layers=layers, position=0, hidden=prompt(3, 1))
-    with runtime.lock:  # a doctor run, say: the event loop must not block behind it
-        assert runtime.forward_now(model=MODEL, session_id="s", layers=layers, position=3, hidden=prompt(1, 2)) is None
-    with pytest.raises(SessionConflict):
-        runtime.forward_now(model=MODEL, session_id="s", layers=layers, position=7, hidden=prompt(1, 2))
-
-
-def test_forward_now_is_off_with_inline_decode_off(shard_path):
-    layers = LayerRange(2, 4)
-    runtime = runtime_of(shard_path, layers, inline_decode=False)
-    runtime.forward(model=MODEL, session_id="s", layers=layers, position=0, hidden=prompt(3, 1))
-    assert runtime.forward_now(model=MODEL, session_id="s", layers=layers, position=3, hidden=prompt(1, 2)) is None
+    assert len(ran_on) == 2 and threading.get_ident() not in ran_on
+    assert [sess.length for sess in loop_side.sessions._sessions.values()] == [6]
 
 
 async def test_a_released_session_is_not_waited_for_by_the_next_sessions_lm_head(shard_path):
     """The entry names its LM-head steps by the session, so releasing the session ends the wait for
-    them: a generation that starts within ``active_s`` of another's end runs its head at once, on
-    the calling loop, instead of waiting a batch window for the ended one at every token."""
+    them: a generation that starts within ``active_s`` of another's end runs its head at once
+    instead of waiting a batch window for the ended one at every token."""
     from meshnet.node.entry import LocalEntry
     from meshnet.protocol.openai import SamplingParams
 
     rt = runtime_of(shard_path, LayerRange(0, 4))
     slot = next(iter(rt.slots.values()))
     entry = LocalEntry(rt, slot, wire_dtype="float32")
-    rt.batcher.active_s = JOIN_S  # the ended session stays "recent" however slow the host
+    rt.batcher.active_s = rt.batcher.window_s = JOIN_S  # "ended" stays expected, however slow the host
     await entry.choose(prompt(1, 60), entry.new_chooser(SamplingParams(max_tokens=1)), "ended")
-    waiting = rt._head_step(slot, "next", prompt(1, 61))
-    assert rt._now(waiting) is None  # "ended" is still expected: this step would queue and wait
+    assert rt.batcher._wait_share([rt._head_step(slot, "next", prompt(1, 61))]) is not None  # would wait
     entry.release("ended")
-    ran = rt._head_step(slot, "next", prompt(1, 61))
-    assert_close(rt._now(ran), slot.shard.logits(prompt(1, 61)))
+    assert rt.batcher._wait_share([rt._head_step(slot, "next", prompt(1, 61))]) is None
+    t0 = time.monotonic()
+    logits = await rt.logits_async(slot, "next", prompt(1, 61))
+    assert time.monotonic() - t0 < JOIN_S / 2  # ran at once, not after the window
+    assert_close(logits, slot.shard.logits(prompt(1, 61)))
