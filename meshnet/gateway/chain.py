@@ -38,7 +38,7 @@ from meshnet.gateway.streams import StreamPool
 from meshnet.layers import LayerRange
 from meshnet.protocol.route import Hop, Route
 from meshnet.protocol.stream import FLAG_LAST_ONLY, FLAG_NO_RESULT, ChainError, ChainOpen, Kind, Message, \
-    new_chain_id, pack
+    new_chain_id, new_chain_key, pack, same_key
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,7 @@ class ChainRoute:
         if self.chain_id is not None:
             self.inbox.unregister(self.chain_id)
         self.hops, self.ticket, self.chain_id = list(route.hops), route.ticket, chain_id
+        self.key = new_chain_key()  # every chain its own: a failed-over chain's hops cannot speak for the new one
         self.epoch += 1
         self.broken: asyncio.Future = asyncio.get_running_loop().create_future()
         self.inbox.register(chain_id, self)
@@ -170,8 +171,10 @@ class ChainRoute:
     # ---- messages in ------------------------------------------------------------------
 
     def deliver(self, message: Message) -> None:
-        """A RESULT or ERROR of this chain (called by :class:`ChainInbox`; never blocks)."""
-        if message.chain_id != self.chain_id:
+        """A RESULT or ERROR of this chain (called by :class:`ChainInbox`; never blocks). One that
+        does not carry the current chain's key is dropped: only the chain's hops know it (ADR-0049)."""
+        if message.chain_id != self.chain_id or not same_key(message, self.key):
+            log.warning("%s for chain %s without its key dropped", message.kind.name, message.chain_id)
             return
         if message.kind == Kind.RESULT:
             fut = self._futures.get(message.position)
@@ -200,7 +203,8 @@ class ChainRoute:
         """One message to the first hop of the current chain; a failure breaks the chain."""
         first = self.hops[0]
         try:
-            await self.pool.send(first.endpoint, pack(kind, self.chain_id, position=position, flags=flags, body=body))
+            await self.pool.send(first.endpoint, pack(kind, self.chain_id, key=self.key, position=position, flags=flags,
+                                                      body=body))
         except MeshnetError as exc:
             if not self.broken.done():
                 self.broken.set_result(HopFailed(f"{_describe(first)} is unreachable: {exc.message}",

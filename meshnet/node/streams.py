@@ -7,9 +7,10 @@ on one the node opened itself (:class:`meshnet.gateway.streams.StreamPool`), goe
 
 - OPEN: the node checks that the route names it at the message's hop index and, when it knows
   the tracker's key, that the session ticket covers exactly that hop (ADR-0038), before any KV
-  cache exists; then it keeps the chain's state and starts the chain's worker, which first
-  passes the OPEN on to the next hop.
-- STEP: queued to the chain's worker. The worker runs a chain's steps one at a time, in order,
+  cache exists; then it keeps the chain's state and key and starts the chain's worker, which
+  first passes the OPEN on to the next hop. A refused OPEN is reported to the entry it names only
+  once its ticket's signature verified for the chain: no URL of an unverified OPEN is dialled.
+- STEP: queued to the chain's worker when it carries the chain's key (ADR-0049); else dropped. The worker runs a chain's steps one at a time, in order,
   each through :meth:`NodeRuntime.forward` in a worker thread (several chains' steps may run at
   once), and pushes the output to the next hop, or, on the last hop, the RESULT to the entry.
 - RESULT, ERROR: for a chain this node drives as entry (:class:`meshnet.gateway.chain.ChainInbox`).
@@ -35,7 +36,8 @@ from meshnet.errors import Forbidden, MeshnetError, Unauthorized
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name
 from meshnet.protocol.route import Hop
-from meshnet.protocol.stream import READS_BUNDLES, ChainError, ChainOpen, Kind, Message, pack, unbundle, unpack
+from meshnet.protocol.stream import READS_BUNDLES, ChainError, ChainOpen, Kind, Message, pack, same_key, unbundle, \
+    unpack
 from meshnet.protocol.tickets import check_hop
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class HopChain:
     """This node's hop of one chain: where it sits, where outputs go, its queued steps."""
 
     chain_id: str
+    key: str                    # the chain key of its OPEN: every STEP must carry it (ADR-0049)
     opened: ChainOpen
     body: bytes                 # the OPEN body, passed on unchanged
     index: int
@@ -110,6 +113,10 @@ class ChainHost:
             if chain is None:  # released, expired, refused, or never opened here: the entry's deadline sees it
                 log.debug("step of unknown chain %s at %d dropped", message.chain_id, message.position)
                 return
+            if not same_key(message, chain.key):  # not from the chain's own hops (ADR-0049)
+                log.warning("step of chain %s at %d without the chain's key dropped", message.chain_id,
+                            message.position)
+                return
             # decoding starts now, so a chunk's frame is decoded while the step before it computes
             chain.queue.put_nowait((message, wire.decode_soon(message.body)))
         elif not self.node.inbox.deliver(message):
@@ -124,8 +131,11 @@ class ChainHost:
         try:
             chain = self._admit(message, opened)
         except MeshnetError as exc:
-            self._report_soon(opened.entry_endpoint, message.chain_id, message.position, message.hop_index,
-                              self.node.settings.node_id, exc)
+            if not self._ticket_signed(message, opened):  # dial no URL an unverified OPEN names
+                log.warning("refused chain OPEN %s: %s", message.chain_id, exc.message)
+                return
+            self._report_soon(opened.entry_endpoint, message.chain_id, message.key, message.position,
+                              message.hop_index, self.node.settings.node_id, exc)
             return
         self.drop(message.chain_id)
         self.chains[chain.chain_id] = chain
@@ -147,8 +157,22 @@ class ChainHost:
         claims = verify_hop_ticket(self.node, opened.tickets[message.hop_index], message.chain_id, hop.layers,
                                    opened.model)
         self.node.drain.refuse_new("new hop sessions")
-        return HopChain(message.chain_id, opened, message.body, message.hop_index, hop, opened.model,
+        return HopChain(message.chain_id, message.key, opened, message.body, message.hop_index, hop, opened.model,
                         None if claims is None else claims.expires_at)
+
+    def _ticket_signed(self, message: Message, opened: ChainOpen) -> bool:
+        """Whether the OPEN's ticket at its hop index is the tracker's, unexpired and for this chain
+        (its scope aside): then the entry it names is the one the tracker routed, and may be told
+        why the OPEN was refused. True on a mesh without tickets (nothing to verify)."""
+        if self.node.tracker_key is None:
+            return True
+        if message.hop_index >= len(opened.tickets):
+            return False
+        try:
+            claims = self.node.tickets.read(opened.tickets[message.hop_index], self.node.tracker_key)
+        except MeshnetError:
+            return False
+        return claims.session == message.chain_id
 
     def drop(self, chain_id: str) -> None:
         """Forget a chain and stop its worker (its KV cache is the runtime's to release)."""
@@ -175,7 +199,7 @@ class ChainHost:
         try:
             nxt = chain.next_hop
             if nxt is not None and not await self._push(chain, nxt, pack(
-                    Kind.OPEN, chain.chain_id, hop_index=chain.index + 1, body=chain.body)):
+                    Kind.OPEN, chain.chain_id, key=chain.key, hop_index=chain.index + 1, body=chain.body)):
                 return
             chain.sender = asyncio.get_running_loop().create_task(self._send_outputs(chain))
             while True:
@@ -201,7 +225,7 @@ class ChainHost:
         except MeshnetError as exc:  # the frame is the sender's fault: the hop before, or the entry itself
             sender = chain.opened.hops[chain.index - 1].node_id if chain.index > 0 else chain.opened.entry
             exc.message = f"{node.settings.node_id} received an unreadable frame from {sender}: {exc.message}"
-            await self._report(chain.opened.entry_endpoint, chain.chain_id, message.position, chain.index, sender, exc)
+            await self._report(chain, message.position, sender, exc)
             return False
         try:
             if chain.expires_at is not None and time.time() >= chain.expires_at:
@@ -212,8 +236,7 @@ class ChainHost:
                                                    layers=chain.hop.layers, position=message.position, hidden=hidden)
             node.metrics.observe_forward(hidden.shape[1], time.perf_counter() - t0, message.position)
         except MeshnetError as exc:
-            await self._report(chain.opened.entry_endpoint, chain.chain_id, message.position, chain.index,
-                               node.settings.node_id, exc)
+            await self._report(chain, message.position, node.settings.node_id, exc)
             return False
         if chain.next_hop is None:
             if message.no_result:
@@ -250,12 +273,13 @@ class ChainHost:
         if nxt is None:
             try:
                 await node.streams.send(chain.opened.entry_endpoint, pack(
-                    Kind.RESULT, chain.chain_id, position=message.position, hop_index=chain.index + 1, body=frame))
+                    Kind.RESULT, chain.chain_id, key=chain.key, position=message.position, hop_index=chain.index + 1,
+                    body=frame))
             except MeshnetError as exc:  # the entry is gone or unreachable: nobody waits for this chain
                 log.warning("could not return chain %s's result to its entry: %s", chain.chain_id, exc.message)
                 return False
             return True
-        return await self._push(chain, nxt, pack(Kind.STEP, chain.chain_id, position=message.position,
+        return await self._push(chain, nxt, pack(Kind.STEP, chain.chain_id, key=chain.key, position=message.position,
                                                  hop_index=chain.index + 1, flags=message.flags, body=frame))
 
     async def _push(self, chain: HopChain, nxt: Hop, data: bytes) -> bool:
@@ -265,25 +289,30 @@ class ChainHost:
             return True
         except MeshnetError as exc:
             exc.message = f"{self.node.settings.node_id} could not reach its next hop: {exc.message}"
-            await self._report(chain.opened.entry_endpoint, chain.chain_id, 0, chain.index, nxt.node_id, exc)
+            await self._report(chain, 0, nxt.node_id, exc)
             return False
 
-    async def _report(self, entry_endpoint: str, chain_id: str, position: int, index: int, node_id: str,
-                      exc: MeshnetError) -> None:
+    async def _report(self, chain: HopChain, position: int, node_id: str, exc: MeshnetError) -> None:
+        """Tell the entry of ``chain`` that its step at ``position`` failed at ``node_id``."""
+        await self._tell_entry(chain.opened.entry_endpoint, chain.chain_id, chain.key, position, chain.index,
+                               node_id, exc)
+
+    async def _tell_entry(self, entry_endpoint: str, chain_id: str, key: str, position: int, index: int,
+                          node_id: str, exc: MeshnetError) -> None:
         """Send the entry one ERROR naming ``node_id``, from this node as hop ``index`` of the chain
-        (best effort: the entry's deadline covers a loss). The header carries ``index + 1``, so an
-        entry that cannot read the body still knows which hop sent it."""
+        with key ``key`` (best effort: the entry's deadline covers a loss). The header carries
+        ``index + 1``, so an entry that cannot read the body still knows which hop sent it."""
         body = ChainError(node_id=node_id, code=exc.code, message=exc.message, status=exc.status).to_body()
         try:
-            await self.node.streams.send(entry_endpoint, pack(Kind.ERROR, chain_id, position=position,
+            await self.node.streams.send(entry_endpoint, pack(Kind.ERROR, chain_id, key=key, position=position,
                                                               hop_index=min(index + 1, 255), body=body))
         except MeshnetError as send_exc:
             log.warning("could not tell the entry of chain %s about %s: %s", chain_id, exc.message, send_exc.message)
 
-    def _report_soon(self, entry_endpoint: str, chain_id: str, position: int, index: int, node_id: str,
+    def _report_soon(self, entry_endpoint: str, chain_id: str, key: str, position: int, index: int, node_id: str,
                      exc: MeshnetError) -> None:
-        task = asyncio.get_running_loop().create_task(self._report(entry_endpoint, chain_id, position, index,
-                                                                   node_id, exc))
+        task = asyncio.get_running_loop().create_task(self._tell_entry(entry_endpoint, chain_id, key, position, index,
+                                                                       node_id, exc))
         _background.add(task)
         task.add_done_callback(_background.discard)
 

@@ -1,27 +1,34 @@
 """Hop stream messages: what travels on the WebSocket streams between nodes (ADR-0040).
 
-Every message is one binary WebSocket message: a fixed 24-byte header, then a body::
+Every message is one binary WebSocket message: a fixed 32-byte header, then a body::
 
     offset size  field
     0      1     kind (1 OPEN, 2 STEP, 3 RESULT, 4 ERROR, 5 BUNDLE)
-    1      1     version (1)
+    1      1     version (2)
     2      1     hop index: the receiver's place in the route (OPEN, STEP), from 0; the
                  sender's place plus one (RESULT, ERROR), 0 when not given
     3      1     flags (bit 0 LAST_ONLY: the last hop returns only the last position;
                          bit 1 NO_RESULT: it returns nothing, e.g. a failover's replay chunks)
     4      16    chain id: the session id of this chain on every hop, as 16 raw bytes (a uuid)
-    20     4     position, uint32 little-endian (the first token's place in the session)
+    20     8     chain key: a random 64-bit secret the entry draws for the chain, sent in its OPEN
+    28     4     position, uint32 little-endian (the first token's place in the session)
+
+The chain key authenticates every message after the OPEN (ADR-0049): a hop takes a STEP, and the
+entry a RESULT or ERROR, only when it carries the key of the chain's verified OPEN. The chain id
+is no secret (it names the session in tickets, releases and the operator's views); the key
+travels only inside the chain, so a peer that is not on the route cannot forge a message of it:
+it would have to guess 64 random bits, one message per guess, within the chain's lifetime.
 
 The body of STEP and RESULT is one activation frame (ADR-0001) passed on as it is; the body
 of OPEN is :class:`ChainOpen` and that of ERROR :class:`ChainError`, both JSON. A decode step
-thus costs 24 bytes plus the frame (a 20-byte frame header and the hidden state) on each hop.
+thus costs 32 bytes plus the frame (a 20-byte frame header and the hidden state) on each hop.
 
 A BUNDLE carries several messages to the same peer in one WebSocket message (the steps of a
 batch leave a node together, ADR-0040's bundle amendment): its chain id is all zeros, its
 position the number of messages, and its body each message in order, as a uint32 little-endian
 length and the message's bytes. A bundle holds no bundle. Its receiver handles the messages in
-order, as if they had come one by one. A bundle of n decode steps costs 24 + 4n bytes more than
-its messages: 4 bytes per step, plus 24 shared.
+order, as if they had come one by one. A bundle of n decode steps costs 32 + 4n bytes more than
+its messages: 4 bytes per step, plus 32 shared.
 
 Torch-free and service-free: the entry and every hop parse and build messages here.
 """
@@ -29,6 +36,8 @@ Torch-free and service-free: the entry and every hop parse and build messages he
 from __future__ import annotations
 
 import enum
+import hmac
+import secrets
 import struct
 import uuid
 from dataclasses import dataclass
@@ -40,7 +49,8 @@ from meshnet.protocol.control import Payload
 from meshnet.protocol.route import HopJSON
 
 __all__ = ["FLAG_LAST_ONLY", "FLAG_NO_RESULT", "HEADER_BYTES", "ChainError", "ChainOpen", "Kind", "Message",
-           "READS_BUNDLES", "STREAM_PATH", "bundle", "new_chain_id", "pack", "stream_url", "unbundle", "unpack"]
+           "NO_KEY", "READS_BUNDLES", "STREAM_PATH", "bundle", "new_chain_id", "new_chain_key", "pack", "same_key",
+           "stream_url", "unbundle", "unpack"]
 
 #: the node route that accepts hop streams; appended to a hop's endpoint (which may carry a path prefix)
 STREAM_PATH = "/v1/stream"
@@ -48,13 +58,16 @@ STREAM_PATH = "/v1/stream"
 #: BUNDLE messages accepts. A peer that accepts none (a node from before bundles) is sent every
 #: message alone: it would drop a bundle as an unknown kind (ADR-0040's bundle amendment).
 READS_BUNDLES = "meshnet-stream.bundles"
-VERSION = 1
+#: 2: the header carries the chain key (ADR-0049); a version-1 message is refused
+VERSION = 2
 #: the last hop sends back only the last position ``[1, 1, hidden]`` (prefill chunks, decode)
 FLAG_LAST_ONLY = 1
 #: the last hop sends nothing back (a failover's replay chunks: only the KV caches matter)
 FLAG_NO_RESULT = 2
-_HEADER = struct.Struct("<BBBB16sI")
-HEADER_BYTES = _HEADER.size  # 24
+_HEADER = struct.Struct("<BBBB16s8sI")
+HEADER_BYTES = _HEADER.size  # 32
+#: the key of a message that belongs to no chain (a BUNDLE), or that a test leaves unkeyed
+NO_KEY = "0" * 16
 _LENGTH = struct.Struct("<I")  # a bundled message's length
 
 
@@ -70,7 +83,8 @@ class Kind(enum.IntEnum):
 
 @dataclass(frozen=True)
 class Message:
-    """One stream message. ``chain_id`` is a 32-character hex session id; ``body`` the raw body."""
+    """One stream message. ``chain_id`` is a 32-character hex session id, ``key`` the chain's
+    16-character hex secret (:func:`new_chain_key`); ``body`` the raw body."""
 
     kind: Kind
     chain_id: str
@@ -78,6 +92,7 @@ class Message:
     hop_index: int = 0
     flags: int = 0
     body: bytes = b""
+    key: str = NO_KEY
 
     @property
     def last_only(self) -> bool:
@@ -107,20 +122,45 @@ def new_chain_id() -> str:
     return uuid.uuid4().hex
 
 
-def pack(kind: Kind, chain_id: str, *, position: int = 0, hop_index: int = 0, flags: int = 0,
-         body: bytes = b"") -> bytes:
-    """One message's bytes (header + ``body``).
+def new_chain_key() -> str:
+    """A fresh chain key: 64 random bits as 16 lowercase hex characters (the entry draws one
+    for every chain it opens, a failover's new chain included)."""
+    return secrets.token_hex(8)
 
-    Raises:
-        InvalidRequest: ``chain_id`` is not 32 hex characters, or a field is out of its range
-            (``hop_index`` and ``flags`` 0..255, ``position`` 0..2**32-1).
-    """
+
+def same_key(message: Message, key: str) -> bool:
+    """Whether ``message`` carries the chain key ``key`` (compared in constant time)."""
+    return hmac.compare_digest(message.key, key)
+
+
+def _chain_id_bytes(chain_id: str) -> bytes:
     try:
-        raw_id = uuid.UUID(hex=chain_id).bytes
+        return uuid.UUID(hex=chain_id).bytes
     except (ValueError, TypeError, AttributeError):
         raise InvalidRequest(f"chain id must be 32 hex characters, got {chain_id!r}", code="invalid_field") from None
+
+
+def _key_bytes(key: str) -> bytes:
     try:
-        return _HEADER.pack(int(kind), VERSION, hop_index, flags, raw_id, position) + body
+        raw = bytes.fromhex(key)
+    except (ValueError, TypeError):
+        raw = b""
+    if len(raw) != 8 or len(key) != 16:
+        raise InvalidRequest(f"chain key must be 16 hex characters, got {key!r}", code="invalid_field")
+    return raw
+
+
+def pack(kind: Kind, chain_id: str, *, key: str = NO_KEY, position: int = 0, hop_index: int = 0, flags: int = 0,
+         body: bytes = b"") -> bytes:
+    """One message's bytes (header + ``body``); ``key`` is the chain's key (:func:`new_chain_key`).
+
+    Raises:
+        InvalidRequest: ``chain_id`` is not 32 hex characters, ``key`` not 16, or a field is out of its
+            range (``hop_index`` and ``flags`` 0..255, ``position`` 0..2**32-1).
+    """
+    raw_id, raw_key = _chain_id_bytes(chain_id), _key_bytes(key)
+    try:
+        return _HEADER.pack(int(kind), VERSION, hop_index, flags, raw_id, raw_key, position) + body
     except struct.error as exc:
         raise InvalidRequest(f"stream message field out of range: {exc}", code="invalid_field") from None
 
@@ -134,14 +174,15 @@ def unpack(data: bytes) -> Message:
     if len(data) < HEADER_BYTES:
         raise InvalidRequest(f"stream message of {len(data)} bytes is shorter than its {HEADER_BYTES}-byte header",
                              code="invalid_stream_message")
-    kind, version, hop_index, flags, raw_id, position = _HEADER.unpack_from(data)
+    kind, version, hop_index, flags, raw_id, raw_key, position = _HEADER.unpack_from(data)
     if version != VERSION:
         raise InvalidRequest(f"unsupported stream message version {version}", code="invalid_stream_message")
     try:
         kind = Kind(kind)
     except ValueError:
         raise InvalidRequest(f"unknown stream message kind {kind}", code="invalid_stream_message") from None
-    return Message(kind, uuid.UUID(bytes=raw_id).hex, position, hop_index, flags, bytes(data[HEADER_BYTES:]))
+    return Message(kind, uuid.UUID(bytes=raw_id).hex, position, hop_index, flags, bytes(data[HEADER_BYTES:]),
+                   raw_key.hex())
 
 
 def bundle(messages: list[bytes]) -> bytes:

@@ -416,3 +416,39 @@ async def test_a_node_handles_each_message_of_a_bundle_as_if_it_came_alone(nodes
     await node.chains.dispatch(bundle(results))
     await node.chains.dispatch(bundle([b"short"]))  # a bad message inside: dropped alone, logged
     assert delivered == [(Kind.RESULT, 7), (Kind.RESULT, 8)]
+
+
+async def test_messages_without_the_chain_key_are_dropped_at_the_entry_and_at_a_hop(nodes, tiny_hf_model):
+    """ADR-0049: an outsider who knows a chain's id (it names the session in tickets, releases and
+    the operator's views) but not its key can neither fail the chain with an ERROR, nor answer for
+    it with a RESULT, nor feed a hop a STEP: the generation is the monolithic one, nobody is
+    reported, and the hop ran exactly the chain's own tokens."""
+    from websockets.asyncio.client import connect
+
+    from meshnet.protocol.stream import ChainError, Kind, pack, stream_url
+
+    reported: list[str] = []
+    orch = orchestrator(nodes, routes_over(nodes, ["b", "c"]), reported)
+    hidden = next(iter(nodes["c"][1].runtime.slots.values())).shard.config.hidden_size
+    junk = wire.encode(torch.full((1, 1, hidden), 7.0), dtype="float32")
+    error = ChainError(node_id="b", code="forward_failed", message="forged", status=502).to_body()
+    stats, got = GenerationStats(), []
+    async with asyncio.timeout(60):
+        async for token in orch.generate(PROMPT, SamplingParams(max_tokens=6), stats):
+            got.append(token)
+            if len(got) != 2:
+                continue
+            (chain_id,) = nodes["c"][1].chains.chains  # the id the outsider learnt
+            positions = range(len(PROMPT), len(PROMPT) + 8)
+            async with connect(stream_url(nodes["entry"][0]), proxy=None) as ws:
+                for position in positions:
+                    await ws.send(pack(Kind.RESULT, chain_id, position=position, hop_index=2, body=junk))
+                await ws.send(pack(Kind.ERROR, chain_id, hop_index=1, body=error))
+            async with connect(stream_url(nodes["c"][0]), proxy=None) as ws:
+                for position in positions:
+                    await ws.send(pack(Kind.STEP, chain_id, position=position, hop_index=1, body=junk))
+            await asyncio.sleep(0.2)  # the forged messages were read before the next step goes out
+    assert got == monolithic(tiny_hf_model)
+    assert reported == [] and stats.failovers == 0
+    assert nodes["c"][1].runtime.tokens_processed == len(PROMPT) + 5  # the prompt and five decode steps, no more
+    assert await sessions_left(nodes, ["entry", "b", "c"]) == {"entry": 0, "b": 0, "c": 0}

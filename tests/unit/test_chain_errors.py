@@ -29,7 +29,7 @@ def chain_route() -> ChainRoute:
 
 async def test_an_unreadable_error_blames_the_hop_that_sent_it():
     chain = chain_route()
-    chain.deliver(unpack(pack(Kind.ERROR, chain.chain_id, hop_index=2, body=b"\x00not json")))
+    chain.deliver(unpack(pack(Kind.ERROR, chain.chain_id, key=chain.key, hop_index=2, body=b"\x00not json")))
     failure = chain.broken.result()
     assert type(failure) is HopFailed
     assert failure.node_id == "node-b"
@@ -40,7 +40,7 @@ async def test_an_unreadable_error_blames_the_hop_that_sent_it():
 async def test_an_unreadable_error_without_its_sender_blames_nobody():
     for index in (0, 3):  # not given; beyond the chain
         chain = chain_route()
-        chain.deliver(unpack(pack(Kind.ERROR, chain.chain_id, hop_index=index, body=b"{}")))
+        chain.deliver(unpack(pack(Kind.ERROR, chain.chain_id, key=chain.key, hop_index=index, body=b"{}")))
         failure = chain.broken.result()
         assert failure.node_id is None
         assert failure.message.startswith("the chain sent an unreadable error: bad chain ERROR")
@@ -50,10 +50,10 @@ async def test_a_readable_error_names_the_hop_in_its_body_not_its_sender():
     chain = chain_route()
     body = ChainError(node_id="node-b", code="hop_unreachable", message="node-a could not reach its next hop",
                       status=502).to_body()
-    chain.deliver(unpack(pack(Kind.ERROR, chain.chain_id, hop_index=1, body=body)))
+    chain.deliver(unpack(pack(Kind.ERROR, chain.chain_id, key=chain.key, hop_index=1, body=body)))
     failure = chain.broken.result()
     assert failure.node_id == "node-b" and failure.code == "hop_failed"
     busy = chain_route()
     body = ChainError(node_id="node-a", code="node_busy", message="full", status=503).to_body()
-    busy.deliver(unpack(pack(Kind.ERROR, busy.chain_id, hop_index=1, body=body)))
+    busy.deliver(unpack(pack(Kind.ERROR, busy.chain_id, key=busy.key, hop_index=1, body=body)))
     assert type(busy.broken.result()) is HopBusy and busy.broken.result().node_id == "node-a"
