@@ -187,15 +187,36 @@ def check_release(node: NodeContext, request: Request, session: str) -> None:
     if signer != claims.entry:
         raise Forbidden(f"only the session's entry node {claims.entry} may release it, not {signer}",
                         code="not_your_session")
-    key = decode_public_key(claims.entry_key)
+    verify_signed_call(node, decode_public_key(claims.entry_key), request)
+
+
+def verify_signed_call(node: NodeContext, key, request: Request) -> None:
+    """Check that a bodiless call is signed with ``key`` (ADR-0035) for the path the caller called:
+    this node's own path, or its advertised endpoint's path followed by it (through a relay, the
+    relayed endpoint's path comes first).
+
+    Raises:
+        Unauthorized (401): unsigned, stale, or not signed with ``key``.
+    """
     try:
         verify_request(key, request.headers, request.method, request.url.path, b"")
     except Unauthorized:
         prefix = advertised_path(node)
         if not prefix:
             raise
-        # the entry signed the path it called: through a relay, the relayed endpoint's path comes first
         verify_request(key, request.headers, request.method, prefix + request.url.path, b"")
+
+
+def asked_by_tracker(node: NodeContext, request: Request) -> bool:
+    """Whether ``request`` comes from this node's tracker: signed with the tracker's key (ADR-0049),
+    or the node has no tracker key (a mesh without tickets: nothing is kept from anyone)."""
+    if node.tracker_key is None:
+        return True
+    try:
+        verify_signed_call(node, node.tracker_key, request)
+    except (Unauthorized, InvalidRequest):
+        return False
+    return True
 
 
 def advertised_path(node: NodeContext) -> str:
@@ -335,14 +356,15 @@ async def doctor(request: Request) -> JSONResponse:
 
 async def traffic(request: Request) -> JSONResponse:
     """This node's traffic (:class:`NodeTraffic`): sessions it drives as entry, its latest failovers,
-    and the last minutes of TTFT, TPOT, forward tokens and batch sizes in buckets."""
+    and the last minutes of TTFT, TPOT, forward tokens and batch sizes in buckets. Session ids
+    only to its tracker (:func:`asked_by_tracker`); anyone else sees their aliases (ADR-0049)."""
     node = _state(request)
     now = node.metrics.clock()
     body = NodeTraffic(node_id=node.settings.node_id, at_s=now,
                        buckets=node.metrics.traffic_buckets(node.runtime.batch_sizes, now_s=now),
                        sessions=node.traffic.sessions(), kv_sessions=len(node.runtime.sessions),
                        failovers=node.traffic.failovers())
-    return JSONResponse(body.model_dump())
+    return JSONResponse((body if asked_by_tracker(node, request) else body.redacted()).model_dump())
 
 
 async def metrics(request: Request) -> Response:

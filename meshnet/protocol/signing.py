@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from meshnet.errors import InvalidRequest, Unauthorized
 
-__all__ = ["HEADER_JOIN_TOKEN", "HEADER_NODE", "HEADER_NONCE", "HEADER_SIGNATURE", "HEADER_TIMESTAMP", "MAX_SKEW_S", "SignedCall", "b64url",
+__all__ = ["HEADER_JOIN_TOKEN", "HEADER_NODE", "HEADER_NONCE", "HEADER_SIGNATURE", "HEADER_TIMESTAMP", "MAX_SKEW_S", "SignedCall", "TRACKER_SIGNER", "b64url",
            "decode_public_key", "encode_public_key", "sign_request", "signed_message", "signer_of", "unb64url", "verify_request"]
 
 #: a registration's proof that the node may join (the tracker's join token)
@@ -38,6 +38,9 @@ HEADER_NONCE = "X-Meshnet-Nonce"
 HEADER_SIGNATURE = "X-Meshnet-Signature"
 #: a signed call whose timestamp is further than this from the receiver's clock is refused, seconds
 MAX_SKEW_S = 60.0
+#: the signer name of a call the tracker signs with its key (a node checks it against the tracker's
+#: key, whatever the name; ADR-0049)
+TRACKER_SIGNER = "tracker"
 #: domain separation: a meshnet request signature is never valid as anything else
 _CONTEXT = "meshnet-request/1"
 

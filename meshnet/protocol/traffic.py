@@ -9,6 +9,8 @@ layer numbers are inclusive (ADR-0002).
 
 from __future__ import annotations
 
+import hashlib
+
 from pydantic import BaseModel, ConfigDict, Field
 
 #: seconds covered by one history bucket
@@ -108,6 +110,11 @@ class NodeTraffic(BaseModel):
     error: str | None = None
 
 
+    def redacted(self) -> "NodeTraffic":
+        """This answer with every session id replaced by its :func:`session_alias`."""
+        return self.model_copy(update={"sessions": _aliased(self.sessions), "failovers": _aliased(self.failovers)})
+
+
 class MeshTraffic(BaseModel):
     """Body of the tracker's ``GET /v1/traffic[?buckets=N]``: every registered node's traffic
     (sorted by node id; its last ``N`` buckets, all :data:`BUCKET_COUNT` by default), the sessions in
@@ -118,6 +125,26 @@ class MeshTraffic(BaseModel):
     nodes: list[NodeTraffic]
     sessions: list[SessionInFlight]
     failovers: list[FailoverEvent]
+
+    def redacted(self) -> "MeshTraffic":
+        """This answer with every session id replaced by its :func:`session_alias`."""
+        return self.model_copy(update={"sessions": _aliased(self.sessions), "failovers": _aliased(self.failovers)})
+
+
+#: what an alias starts with, so nobody takes it for a session id
+ALIAS_PREFIX = "s-"
+
+
+def session_alias(session_id: str) -> str:
+    """The name a session goes by in views for anyone but the operator (ADR-0049): ``s-`` and the
+    first 12 hex digits of the id's SHA-256. The same session keeps its alias in every view and on
+    every node, so a console can follow it, but the id (which names the session in tickets, releases
+    and a node's health probe) cannot be read back from it."""
+    return ALIAS_PREFIX + hashlib.sha256(session_id.encode()).hexdigest()[:12]
+
+
+def _aliased(items: list) -> list:
+    return [item.model_copy(update={"session_id": session_alias(item.session_id)}) for item in items]
 
 
 def recent_summary(buckets: list[dict], last: int = 6) -> dict:

@@ -57,7 +57,7 @@ from meshnet.protocol.control import (AssignResponse, FailureReport, HeartbeatRe
 from meshnet.protocol.traffic import BUCKET_COUNT
 from meshnet.protocol.views import CoverageList, DemandList, DemandRow
 from meshnet.protocol.route import RouteResponse
-from meshnet.protocol.signing import HEADER_NODE
+from meshnet.protocol.signing import HEADER_NODE, TRACKER_SIGNER, sign_request
 from meshnet.relay.hub import DEFAULT_RELAY_BODY_BYTES, RelayHub
 from meshnet.tracker.service import TrackerService, TrackerSettings
 from meshnet.tracker.traffic import TrafficGatherer, last_buckets
@@ -273,12 +273,14 @@ async def nodes(request: Request) -> JSONResponse:
 
 async def traffic(request: Request) -> JSONResponse:
     """The mesh's traffic, gathered from the nodes on demand (cached briefly, ADR-0046); with
-    ``buckets=N`` (1..60) each node's last N history buckets only."""
+    ``buckets=N`` (1..60) each node's last N history buckets only. Session ids only to the operator
+    (its token, when the tracker has one); anyone else sees their aliases (ADR-0049)."""
     count = _int_param(request, "buckets", BUCKET_COUNT)
     if not 1 <= count <= BUCKET_COUNT:
         raise InvalidRequest(f"query parameter 'buckets' must be 1..{BUCKET_COUNT}, got {count}",
                              code="invalid_field", status=422)
-    return JSONResponse(last_buckets(await request.app.state.traffic.traffic(), count).model_dump())
+    body = last_buckets(await request.app.state.traffic.traffic(), count)
+    return JSONResponse((body if operator.is_operator(request) else body.redacted()).model_dump())
 
 
 async def coverage_one(request: Request) -> JSONResponse:
@@ -389,7 +391,8 @@ async def chat(request: Request) -> Response:
 
     def forward(nodes) -> Awaitable[Response]:
         return proxy.forward_chat(svc, request.app.state.http, nodes, body,
-                                  lambda node: probe_soon(request.app, node.node_id, node.endpoint))
+                                  lambda node: probe_soon(request.app, node.node_id, node.endpoint),
+                                  request.is_disconnected)
 
     if local is not None and len(remote) < len(entries):
         others = remote[:proxy.ENTRY_TRIES - 1]
@@ -519,7 +522,8 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
                                         Exception: _unexpected_error})
     app.state.auth = NodeAuth(settings.join_token)
     app.state.traffic = TrafficGatherer(lambda: app.state.http, lambda: [
-        (n.node_id, n.endpoint) for n in app.state.service.nodes.values()])  # ADR-0046
+        (n.node_id, n.endpoint) for n in app.state.service.nodes.values()],  # ADR-0046
+        sign=lambda method, path: sign_request(app.state.service.tickets.key, TRACKER_SIGNER, method, path, b""))
     app.state.local_node = local_node
     app.state.local_node_error = None  # set by the composition when that node fails to start
     app.state.relay = relay_hub(app, DEFAULT_RELAY_BODY_BYTES)

@@ -7,6 +7,12 @@ URL) is reported and probed, one that answers 503 ``draining`` is marked drainin
 answers 503 ``session_cache_full`` has no room; each time the next one is tried. A stream
 whose entry connection breaks ends with an SSE error event rather than stopping mid-event.
 
+A proxied chat has a connect timeout but no read timeout: a non-streamed generation sends nothing
+until it is over, and a slow entry that is still generating has not failed (its own hop deadlines
+catch a frozen hop). The client decides how long to wait: while the entry's answer has not begun,
+the proxy watches the client, and when it hangs up the upstream request is cancelled, which the
+entry sees as its own client's disconnect and stops the generation (ADR-0049).
+
 A tracker that serves the first layers itself (ADR-0044) holds an entry node in its own
 process (:class:`LocalNode`): a chat it can serve goes to that node's app in-process
 (:class:`LocalChat`), with no network hop, and only to the remote entries when the local one
@@ -15,6 +21,8 @@ refuses it (draining, out of session room).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -36,14 +44,50 @@ log = logging.getLogger(__name__)
 ENTRY_TRIES = 3
 #: 503 codes of an entry node after which the next entry node is tried
 NEXT_ENTRY_CODES = frozenset({Draining.code, "session_cache_full"})
+#: seconds to connect to an entry node; reading its answer has no limit (see the module docstring)
+CONNECT_TIMEOUT_S = 5.0
+#: how often the client is checked for a hang-up while the entry's answer has not begun, seconds
+DISCONNECT_POLL_S = 0.25
+#: the status logged for a chat whose client left before its answer began (nobody receives it)
+CLIENT_CLOSED = 499
+
+Disconnected = Callable[[], Awaitable[bool]]
+
+
+async def send_watching(http: httpx.AsyncClient, upstream: httpx.Request,
+                        disconnected: Disconnected | None) -> httpx.Response | None:
+    """``http.send(upstream, stream=True)``, cancelled when ``disconnected()`` turns true (checked
+    every :data:`DISCONNECT_POLL_S`) before the answer's headers arrive; None then.
+
+    Raises:
+        whatever ``http.send`` raises.
+    """
+    sending = asyncio.ensure_future(http.send(upstream, stream=True))
+    try:
+        while disconnected is not None:
+            done, _ = await asyncio.wait({sending}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await disconnected():
+                sending.cancel()
+                with contextlib.suppress(BaseException):
+                    await sending
+                return None
+        return await sending
+    finally:
+        if not sending.done():  # this call was cancelled itself
+            sending.cancel()
 
 
 async def forward_chat(svc: TrackerService, http: httpx.AsyncClient, entries: list[NodeRecord], body: bytes,
-                       on_unreachable: Callable[[NodeRecord], None]) -> Response:
+                       on_unreachable: Callable[[NodeRecord], None],
+                       disconnected: Disconnected | None = None) -> Response:
     """Send a chat body to the first entry node of ``entries`` that takes it; its answer, streamed.
 
     ``on_unreachable(node)`` runs for each entry node that could not be reached (the app probes it).
-    The last entry node's answer is returned whatever it is.
+    The last entry node's answer is returned whatever it is. ``disconnected()`` tells whether the
+    client hung up: the entry's request is then cancelled (:func:`send_watching`) and an empty
+    :data:`CLIENT_CLOSED` answer returned.
 
     Raises:
         MeshnetError: 502 ``entry_unreachable`` when the last entry node tried could not be reached.
@@ -53,8 +97,12 @@ async def forward_chat(svc: TrackerService, http: httpx.AsyncClient, entries: li
         last = i + 1 == len(entries)
         try:
             upstream = http.build_request("POST", f"{node.endpoint}/v1/chat/completions", content=body,
-                                          headers={"Content-Type": "application/json"})
-            resp = await http.send(upstream, stream=True)
+                                          headers={"Content-Type": "application/json"},
+                                          timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
+            resp = await send_watching(http, upstream, disconnected)
+            if resp is None:
+                log.info("the client of a chat proxied to %s hung up; its generation was cancelled", node.node_id)
+                return Response(status_code=CLIENT_CLOSED)
         except Exception as exc:  # noqa: BLE001 - refused, timed out, bad URL...: the entry node failed
             svc.report_failure(node.node_id, str(exc))
             on_unreachable(node)

@@ -26,17 +26,23 @@ NODE_TIMEOUT_S = 2.0
 MAX_FAILOVERS = 200
 
 
+#: ``(method, path) -> headers`` that sign a call as the tracker (ADR-0049)
+Signer = Callable[[str, str], dict[str, str]]
+
+
 async def fetch_node_traffic(http: httpx.AsyncClient, node_id: str, endpoint: str, timeout_s: float,
-                             now_s: float) -> NodeTraffic:
-    """``GET {endpoint}/v1/traffic`` of one node, within ``timeout_s`` seconds.
+                             now_s: float, sign: Signer | None = None) -> NodeTraffic:
+    """``GET {endpoint}/v1/traffic`` of one node, within ``timeout_s`` seconds, signed with ``sign``
+    when given (a node shows session ids only to its tracker; others get aliases).
 
     Returns the node's answer, or a :class:`NodeTraffic` naming the ``error`` (never raises for a
     network or protocol error). An answer that names another node is an error too.
     """
     url = f"{endpoint}/v1/traffic"
     try:
+        headers = sign("GET", httpx.URL(url).path) if sign is not None else None
         async with asyncio.timeout(timeout_s):  # in-process transports ignore httpx's own timeout
-            resp = await http.get(url, timeout=timeout_s)
+            resp = await http.get(url, timeout=timeout_s, headers=headers)
         if resp.status_code != 200:
             raise ValueError(f"answered HTTP {resp.status_code}")
         body = NodeTraffic.model_validate_json(resp.content)
@@ -78,13 +84,14 @@ class TrafficGatherer:
         http: ``() ->`` the tracker's outbound client (read at each gathering).
         endpoints: ``() -> [(node_id, endpoint)]`` of the registered nodes now.
         cache_s: seconds an answer is served again; ``node_timeout_s``: per node.
+        sign: signs each node's call as the tracker (None: unsigned; nodes then show aliases).
         clock: wall-clock seconds (for ``at_s``); the cache runs on ``time.monotonic``.
     """
 
     def __init__(self, http: Callable[[], httpx.AsyncClient], endpoints: Callable[[], list[tuple[str, str]]], *,
                  cache_s: float = CACHE_S, node_timeout_s: float = NODE_TIMEOUT_S,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.http, self.endpoints = http, endpoints
+                 clock: Callable[[], float] = time.time, sign: Signer | None = None) -> None:
+        self.http, self.endpoints, self.sign = http, endpoints, sign
         self.cache_s, self.node_timeout_s = cache_s, node_timeout_s
         self.clock = clock
         self._cached: tuple[float, MeshTraffic] | None = None
@@ -101,7 +108,7 @@ class TrafficGatherer:
     async def _gather(self) -> MeshTraffic:
         now = self.clock()
         http = self.http()
-        answers = await asyncio.gather(*(fetch_node_traffic(http, node_id, endpoint, self.node_timeout_s, now)
+        answers = await asyncio.gather(*(fetch_node_traffic(http, node_id, endpoint, self.node_timeout_s, now, self.sign)
                                          for node_id, endpoint in self.endpoints()))
         merged = merge_traffic(list(answers), now)
         self._cached = (time.monotonic(), merged)

@@ -150,3 +150,47 @@ async def test_the_tracker_gathers_every_nodes_traffic_and_caches_it(asgi_client
         for bad in ("0", "61", "x"):
             resp = await tracker.get("/v1/traffic", params={"buckets": bad})
             assert resp.status_code == 422 and "buckets" in resp.json()["error"]["message"]
+
+
+async def test_session_ids_are_shown_only_to_the_tracker_and_the_operator(asgi_client, full_runtime):
+    """ADR-0049: a session id names the session in tickets, releases and health probes, so a node
+    shows it only to a call its tracker signed, and the tracker only to the operator; everyone else
+    sees the session's alias, the same on every view."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from meshnet.protocol.signing import TRACKER_SIGNER, sign_request
+    from meshnet.protocol.traffic import session_alias
+
+    session = "ab" * 16
+    n1 = build_app(NodeSettings(node_id="n1", port=1, wire_dtype="float32"), runtime=full_runtime)
+    app = build_tracker(TrackerSettings(models=(MODEL,), db_path=":memory:", admission_challenges=False,
+                                        operator_token="op-secret"),
+                        run_loop=False, transport=HealthyNodes(NodeNetwork(n1)))
+    tracker = await asgi_client(app, "http://tracker", auth=SignAsNodes())
+    tracker_key = app.state.service.tickets.key
+    direct = await asgi_client(n1, "http://n1")
+    node = n1.state.node
+    node.tracker_key = tracker_key.public_key()
+    node.traffic.session_started(session, MODEL, GenerationStats(prompt_tokens=3), lambda: [])
+
+    def signed(key) -> dict[str, str]:
+        return sign_request(key, TRACKER_SIGNER, "GET", "/v1/traffic", b"")
+
+    async def ids(client, headers=None) -> list[str]:
+        resp = await client.get("/v1/traffic", headers=headers)
+        assert resp.status_code == 200, resp.text
+        return [s["session_id"] for s in resp.json()["sessions"]]
+
+    assert session_alias(session).startswith("s-") and len(session_alias(session)) == 14
+    assert await ids(direct) == [session_alias(session)]
+    assert await ids(direct, signed(Ed25519PrivateKey.generate())) == [session_alias(session)]  # not the tracker
+    assert await ids(direct, signed(tracker_key)) == [session]
+
+    shard = {"model": MODEL, "shard_start": 0, "shard_end": 3, "entry": True,
+             "report": capability_report(MODEL, 0, 3)}
+    resp = await tracker.post("/v1/nodes/register", json=registration("n1", "http://n1", shards=[shard]))
+    assert resp.status_code == 200, resp.text
+    assert await ids(tracker) == [session_alias(session)]
+    assert await ids(tracker, {"Authorization": "Bearer wrong"}) == [session_alias(session)]
+    assert await ids(tracker, {"Authorization": "Bearer op-secret"}) == [session]  # the tracker's call was signed
+    node.traffic.session_ended(session)
