@@ -20,14 +20,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from meshnet.errors import Conflict, Unavailable
+from meshnet.errors import SessionConflict, Unavailable
 from meshnet.models.shard import KVCache
-
-
-class SessionConflict(Conflict):
-    """Position does not continue the cached session (expired, released or out of order; HTTP 409)."""
-
-    code = "session_conflict"
 
 
 class SessionCacheFull(Unavailable):
@@ -152,6 +146,12 @@ class SessionStore:
         self._ended[session_id] = now
         self._ended.move_to_end(session_id)
         return self.release(session_id)
+
+    def was_ended(self, session_id: str, now: float | None = None) -> bool:
+        """Whether the entry ended ``session_id`` here less than ``ttl_s`` ago (:meth:`end`). A
+        read only (one dict lookup): safe from the event loop while a batch runs."""
+        at = self._ended.get(session_id)
+        return at is not None and (time.monotonic() if now is None else now) - at <= self.ttl_s
 
     def release_slot(self, slot_key: str) -> None:
         for key in [k for k in self._sessions if k[1] == slot_key]:

@@ -32,7 +32,7 @@ from functools import cached_property
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from meshnet import wire
-from meshnet.errors import Forbidden, MeshnetError, Unauthorized
+from meshnet.errors import Forbidden, MeshnetError, SessionConflict, TicketExpired
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name
 from meshnet.protocol.route import Hop
@@ -147,6 +147,7 @@ class ChainHost:
         Raises:
             Forbidden: the route does not name this node at the message's hop index.
             Unauthorized, Forbidden: the ticket (:func:`verify_hop_ticket`).
+            SessionConflict: the entry already ended this chain here (its release came first).
             Draining: the node takes no new sessions.
         """
         me = self.node.settings.node_id
@@ -156,6 +157,9 @@ class ChainHost:
         hop = Hop.from_json(opened.hops[message.hop_index])
         claims = verify_hop_ticket(self.node, opened.tickets[message.hop_index], message.chain_id, hop.layers,
                                    opened.model)
+        if self.node.runtime.sessions.was_ended(message.chain_id):  # its release overtook this OPEN
+            raise SessionConflict(f"chain {message.chain_id} was ended by its entry",
+                                  hint="a late OPEN of a generation that is over; nothing to do")
         self.node.drain.refuse_new("new hop sessions")
         return HopChain(message.chain_id, message.key, opened, message.body, message.hop_index, hop, opened.model,
                         None if claims is None else claims.expires_at)
@@ -229,7 +233,7 @@ class ChainHost:
             return False
         try:
             if chain.expires_at is not None and time.time() >= chain.expires_at:
-                raise Unauthorized(f"session ticket of {chain.chain_id} expired", code="ticket_expired",
+                raise TicketExpired(f"session ticket of {chain.chain_id} expired",
                                    hint="the entry asks the tracker for a new route and ticket")
             t0 = time.perf_counter()
             out = await node.runtime.forward_async(model=chain.model, session_id=chain.chain_id,

@@ -118,8 +118,9 @@ def test_a_three_hop_chain_gives_transformers_greedy_tokens_over_streams(mesh, r
     assert abs(per_token - (4 * HIDDEN + 52)) < 1  # the OPENs of the two runs may differ by a digit or two
 
 
-def test_a_client_that_disconnects_mid_stream_leaves_no_session_on_any_hop(mesh):
-    body = {"model": REAL, "messages": STORY, "max_tokens": 400, "temperature": 0, "stream": True}
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_client_that_disconnects_mid_stream_leaves_no_session_on_any_hop(mesh, n):
+    body = {"model": REAL, "messages": STORY, "max_tokens": 400, "temperature": 0.7, "seed": 3, "stream": True, "n": n}
     count = 0
     with httpx.stream("POST", f"{mesh.url}/v1/chat/completions", json=body, timeout=120) as resp:
         assert resp.status_code == 200
@@ -129,9 +130,10 @@ def test_a_client_that_disconnects_mid_stream_leaves_no_session_on_any_hop(mesh)
                 if count == 5:
                     break
     gone = time.monotonic()
-    names = ["entry", "tail"] + sorted(n for n in mesh.procs if n.startswith("mid-"))
-    mesh.wait(lambda: all(sessions(mesh, n) == 0 for n in names), 2.0, "every hop at 0 sessions", interval_s=0.05)
-    print(f"every hop at 0 sessions {time.monotonic() - gone:.2f} s after the client left")
+    names = ["entry", "tail"] + sorted(name for name in mesh.procs if name.startswith("mid-"))
+    mesh.wait(lambda: all(sessions(mesh, name) == 0 for name in names), 2.0, "every hop at 0 sessions",
+              interval_s=0.05)
+    print(f"n={n}: every hop at 0 sessions {time.monotonic() - gone:.2f} s after the client left")
 
 
 def test_freezing_the_middle_node_costs_under_two_seconds_and_keeps_the_tokens(mesh):

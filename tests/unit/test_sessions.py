@@ -163,3 +163,12 @@ def test_an_ended_session_is_not_started_again_by_a_late_first_chunk_until_the_t
     assert len(store) == 0 and store.nbytes == 0
     store.acquire("s2", "slot", 0, now=2.0)     # other sessions are not affected
     assert store.acquire("s1", "slot", 0, now=11.5).length == 0  # the tombstone expired with the TTL
+
+
+def test_an_ended_session_is_known_as_ended_for_the_ttl():
+    store = SessionStore(ttl_s=10.0)
+    store.acquire("s", "slot", 0, now=100.0)
+    assert not store.was_ended("s", now=100.0)
+    store.end("s", now=101.0)
+    assert store.was_ended("s", now=105.0) and store.was_ended("s", now=111.0)
+    assert not store.was_ended("s", now=111.5) and not store.was_ended("other", now=105.0)
