@@ -141,6 +141,26 @@ class Conflict(MeshnetError):
     type = "invalid_request_error"
 
 
+class TicketExpired(Unauthorized):
+    """A session ticket ran out (HTTP 401 ``ticket_expired``, ADR-0038): the entry asks the tracker
+    for a new route and ticket and replays; the hop that said so is healthy."""
+
+    code = "ticket_expired"
+
+
+class SessionConflict(Conflict):
+    """A position does not continue the session a hop holds: expired, released, ended by its entry
+    or out of order (HTTP 409 ``session_conflict``, ADR-0031). The hop is healthy; the entry
+    replays the session there or elsewhere."""
+
+    code = "session_conflict"
+
+
+#: codes of a hop error after which the hop stays eligible: it is healthy, it lost the session or
+#: its ticket ran out, and a replay with a fresh route and ticket restarts the session there
+HEALTHY_HOP_CODES = frozenset({SessionConflict.code, TicketExpired.code})
+
+
 class Draining(Unavailable):
     """The service is draining before it exits: it takes no new work (HTTP 503 ``draining``).
 

@@ -28,7 +28,7 @@ import time
 
 import httpx
 
-from meshnet.errors import HopBusy, HopFailed, MeshnetError, WireError
+from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed, MeshnetError, WireError
 from meshnet.gateway.deadlines import DeadlinePolicy, StepTimes, deadline_s
 from meshnet.gateway.entry import Activation, ActivationCodec
 from meshnet.gateway.hops import ABANDONED_RELEASE_TIMEOUT_S, RELEASE_TIMEOUT_S, FailoverListener, FailureReporter, \
@@ -44,8 +44,6 @@ log = logging.getLogger(__name__)
 
 _reports: set[asyncio.Task] = set()  # failure reports in flight (kept referenced until they end)
 
-#: error codes after which the hop stays eligible (it lost the session or its ticket ran out; healthy)
-HEALTHY_CODES = ("session_conflict", "ticket_expired")
 #: the code of a hop that answers its probe but no longer holds the chain: kept out of this
 #: session's new routes, not reported (it may be healthy: restarted, or unable to reach the entry)
 CHAIN_LOST = "chain_lost"
@@ -195,7 +193,7 @@ class ChainRoute:
         blamed = None if err.node_id == self.entry_id else err.node_id  # this node's own frame: nobody to exclude
         if err.status == 503:
             return HopBusy(text, node_id=blamed)
-        return HopFailed(text, node_id=blamed, code=err.code if err.code in HEALTHY_CODES else None)
+        return HopFailed(text, node_id=blamed, code=err.code if err.code in HEALTHY_HOP_CODES else None)
 
     # ---- messages out -----------------------------------------------------------------
 
@@ -322,7 +320,7 @@ class ChainRoute:
     def _exclude(self, exc: HopFailed) -> None:
         """Keep the failed hop out of new routes and report it in the background, so the new
         route is asked for at once (not when it was busy or healthy)."""
-        if exc.node_id is None or exc.code in HEALTHY_CODES:
+        if exc.node_id is None or exc.code in HEALTHY_HOP_CODES:
             return
         self.failed.add(exc.node_id)
         if isinstance(exc, HopBusy) or exc.code == CHAIN_LOST:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshnet.stats import EMA
+
 
 @dataclass(frozen=True)
 class DeadlinePolicy:
@@ -51,48 +53,30 @@ class DeadlinePolicy:
             raise ValueError(f"invalid hop deadline policy: {self}")
 
 
-class Ema:
-    """Bias-corrected exponential moving average: the first observation is taken as is, not
-    pulled towards zero. ``value`` is None until something was observed."""
-
-    def __init__(self, alpha: float) -> None:
-        self.alpha = alpha
-        self._raw = 0.0
-        self._weight = 0.0  # 1 - (1 - alpha) ** n
-
-    def observe(self, x: float) -> None:
-        self._raw = self.alpha * x + (1 - self.alpha) * self._raw
-        self._weight = self.alpha + (1 - self.alpha) * self._weight
-
-    @property
-    def value(self) -> float | None:
-        return self._raw / self._weight if self._weight else None
-
-
 class StepTimes:
     """What one hop took so far: a decode step (seconds per single-token call), a prefill token
     (seconds per token of multi-token calls), and the longest multi-token call (seconds)."""
 
     def __init__(self, alpha: float = DeadlinePolicy.ema_alpha) -> None:
-        self._step = Ema(alpha)
-        self._token = Ema(alpha)
+        self._step = EMA(alpha)  # bias-corrected (ADR-0013): the first observation is taken as is
+        self._token = EMA(alpha)
         self.longest_chunk_s: float | None = None
 
     def observe(self, tokens: int, seconds: float) -> None:
         """Record one successful call of ``tokens`` tokens that took ``seconds``."""
         if tokens <= 1:
-            self._step.observe(seconds)
+            self._step.update(seconds)
         else:
-            self._token.observe(seconds / tokens)
+            self._token.update(seconds / tokens)
             self.longest_chunk_s = max(seconds, self.longest_chunk_s or 0.0)
 
     @property
     def step_s(self) -> float | None:
-        return self._step.value
+        return self._step.value if self._step.count else None
 
     @property
     def token_s(self) -> float | None:
-        return self._token.value
+        return self._token.value if self._token.count else None
 
 
 def expected_s(times: StepTimes, tokens: int) -> float | None:

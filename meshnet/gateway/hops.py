@@ -39,7 +39,7 @@ from typing import Awaitable, Callable
 
 import httpx
 
-from meshnet.errors import HopBusy, HopFailed, MeshnetError
+from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed, MeshnetError
 from meshnet.gateway.deadlines import DeadlinePolicy, StepTimes, deadline_s
 from meshnet.gateway.entry import Activation, ActivationCodec
 from meshnet.gateway.replay import rechunk
@@ -58,13 +58,6 @@ FailureReporter = Callable[[str, str], Awaitable[None]]
 FailoverListener = Callable[[Hop, list[Hop], str], None]
 
 
-#: a hop's 409 code: it no longer holds the session (expired, released, restarted) but is healthy
-LOST_SESSION = "session_conflict"
-#: a hop's 401 code when the session's ticket ran out (ADR-0038): the entry asks the tracker again
-#: and replays; the hop is healthy, so neither reported nor excluded
-TICKET_EXPIRED = "ticket_expired"
-#: answers after which the hop stays eligible: the replay (with a fresh route and ticket) restarts it there
-_HEALTHY_CODES = (LOST_SESSION, TICKET_EXPIRED)
 #: seconds a release of a hop still in the route may take (it answered a moment ago)
 RELEASE_TIMEOUT_S = 5.0
 #: seconds a release of an excluded hop may wait: a frozen node that resumes within it frees the
@@ -137,7 +130,7 @@ async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, sessi
     if resp.status_code != 200:
         code, message = _error_of(resp)
         raise HopFailed(f"{_describe(hop)} answered {resp.status_code} ({code}): {message}", node_id=hop.node_id,
-                        code=code if code in _HEALTHY_CODES else None)
+                        code=code if code in HEALTHY_HOP_CODES else None)
     try:
         out = await codec.decode(resp.content)
     except MeshnetError as exc:
@@ -377,7 +370,7 @@ class RemoteRoute:
         (never waiting on it), and report it unless it was only busy.
         A hop that lost the session, or refused an expired ticket, stays eligible: the replay
         (after a new route and ticket) restarts the session on it."""
-        if exc.node_id is None or exc.code in _HEALTHY_CODES:
+        if exc.node_id is None or exc.code in HEALTHY_HOP_CODES:
             return
         self.failed.add(exc.node_id)
         touched = self._touched.pop(exc.node_id, None)

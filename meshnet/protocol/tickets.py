@@ -22,7 +22,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import Field, ValidationError
 
-from meshnet.errors import Forbidden, Unauthorized
+from meshnet.errors import Forbidden, TicketExpired, Unauthorized
 from meshnet.layers import LayerRange
 from meshnet.protocol.control import Payload
 from meshnet.protocol.route import Hop
@@ -112,8 +112,8 @@ def check_unexpired(claims: "TicketClaims", now: float | None = None) -> "Ticket
     """
     now = time.time() if now is None else now
     if now >= claims.expires_at:
-        raise Unauthorized(f"session ticket of {claims.session} expired {now - claims.expires_at:.0f} s ago",
-                           code="ticket_expired", hint="the entry asks the tracker for a new route and ticket")
+        raise TicketExpired(f"session ticket of {claims.session} expired {now - claims.expires_at:.0f} s ago",
+                            hint="the entry asks the tracker for a new route and ticket")
     return claims
 
 

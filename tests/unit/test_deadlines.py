@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshnet.gateway.deadlines import DeadlinePolicy, Ema, StepTimes, deadline_s
+from meshnet.gateway.deadlines import DeadlinePolicy, StepTimes, deadline_s
 
 POLICY = DeadlinePolicy()  # floor 0.5 s, 4x, cold 2.0 s
 
@@ -36,18 +36,18 @@ def test_deadline_from_observed_times(observed, tokens, expected_s):
     assert deadline_s(POLICY, observed, tokens) == pytest.approx(expected_s)
 
 
-def test_the_ema_is_bias_corrected_and_follows_a_slowdown():
-    ema = Ema(0.1)
-    assert ema.value is None
-    ema.observe(0.1)
-    assert ema.value == pytest.approx(0.1)  # the first observation as is, not 0.01
+def test_step_times_average_with_the_one_bias_corrected_ema_and_follow_a_slowdown():
+    times = StepTimes(0.1)
+    assert (times.step_s, times.token_s) == (None, None)
+    times.observe(1, 0.1)
+    assert times.step_s == pytest.approx(0.1) and times.token_s is None  # the first observation as is, not 0.01
     for _ in range(3):
-        ema.observe(0.1)
-    assert ema.value == pytest.approx(0.1)
-    ema.observe(1.1)
+        times.observe(1, 0.1)
+    times.observe(1, 1.1)
     # 0.1 x the newest + 0.9 x the earlier sum, over the weights' total 1 - 0.9^5
-    assert ema.value == pytest.approx((0.1 * 1.1 + 0.9 * 0.1 * (1 - 0.9 ** 4)) / (1 - 0.9 ** 5))
-    assert 0.1 < ema.value < 1.1
+    assert times.step_s == pytest.approx((0.1 * 1.1 + 0.9 * 0.1 * (1 - 0.9 ** 4)) / (1 - 0.9 ** 5))
+    times.observe(8, 0.8)
+    assert times.token_s == pytest.approx(0.1) and times.longest_chunk_s == 0.8
 
 
 def test_a_slow_call_lengthens_the_next_deadline():
