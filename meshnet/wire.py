@@ -1,45 +1,22 @@
-"""Binary activation frames: how hidden states travel between hops.
-
-A frame is a 16-byte-aligned fixed header followed by the raw tensor bytes
-(little-endian, C order), the whole frame zstd-compressed when that pays::
-
-    offset size  field
-    0      4     magic  b"MSHN"
-    4      1     version (1)
-    5      1     dtype code (1 = bfloat16, 2 = float32, 3 = float16)
-    6      1     ndim (1..4)
-    7      1     reserved (0)
-    8      4*n   shape, uint32 little-endian per dimension
-    ...          tensor bytes (prod(shape) * itemsize)
-
-A compressed body starts with the zstd frame magic ``28 b5 2f fd``; the decoder
-recognises it and decompresses with a hard output limit before parsing. Decisions and
-numbers: docs/adr/0001-wire-format.md.
+"""Activation frames to and from torch tensors: the nodes' adapter of
+:mod:`meshnet.dataplane.frames`, which defines the format (header, dtype codes, zstd rules and
+limits; ADR-0001). Encoding and decoding big frames runs off the event loop
+(:func:`encode_async`, :func:`decode_async`, :func:`decode_soon`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
-import struct
 
 import torch
-import zstandard
 
-from meshnet.errors import PayloadTooLarge, WireError
+from meshnet.dataplane import frames
+from meshnet.dataplane.frames import DEFAULT_MAX_BYTES, MAGIC, MAX_NDIM, MIN_SAVING, VERSION, ZSTD_MAGIC  # noqa: F401 - re-exported
+from meshnet.errors import WireError
 
-MAGIC = b"MSHN"
-VERSION = 1
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-DTYPE_CODES: dict[torch.dtype, int] = {torch.bfloat16: 1, torch.float32: 2, torch.float16: 3}
-CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+#: torch dtype of each wire dtype name of :data:`meshnet.dataplane.frames.CODES`
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-MAX_NDIM = 4
-#: default cap on a decoded frame: 256 MiB, far above a 128-token chunk of any served model
-DEFAULT_MAX_BYTES = 256 * 1024 * 1024
-#: compress only when it saves at least this fraction (ADR-0001: bfloat16 activations rarely do)
-MIN_SAVING = 0.10
-_HEADER = struct.Struct("<4sBBBB")
+_WIRE_NAMES = {dtype: name for name, dtype in DTYPE_NAMES.items()}
 
 
 def encode(tensor: torch.Tensor, *, dtype: torch.dtype | str = torch.bfloat16,
@@ -57,31 +34,13 @@ def encode(tensor: torch.Tensor, *, dtype: torch.dtype | str = torch.bfloat16,
     Raises:
         WireError: unsupported dtype or rank.
     """
-    dtype = DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if dtype not in DTYPE_CODES:
+    name = dtype if isinstance(dtype, str) else _WIRE_NAMES.get(dtype)
+    if name not in DTYPE_NAMES:
         raise WireError(f"unsupported wire dtype {dtype}")
-    if not 1 <= tensor.dim() <= MAX_NDIM:
-        raise WireError(f"tensor rank {tensor.dim()} outside 1..{MAX_NDIM}")
-    data = tensor.detach().to("cpu", dtype).contiguous()
-    header = _HEADER.pack(MAGIC, VERSION, DTYPE_CODES[dtype], data.dim(), 0)
-    header += struct.pack(f"<{data.dim()}I", *data.shape)
+    header = frames.pack_header(name, tuple(tensor.shape))
+    data = tensor.detach().to("cpu", DTYPE_NAMES[name]).contiguous()
     raw = header + data.view(torch.uint8).numpy().tobytes()
-    if compress:
-        packed = zstandard.ZstdCompressor(level=level).compress(raw)
-        if len(packed) <= len(raw) * (1 - MIN_SAVING):
-            return packed
-    return raw
-
-
-def _decompress(body: bytes, max_bytes: int) -> bytes:
-    try:
-        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body))
-        out = reader.read(max_bytes + 1)
-    except zstandard.ZstdError as exc:
-        raise WireError(f"corrupt zstd body: {exc}") from exc
-    if len(out) > max_bytes:
-        raise PayloadTooLarge(f"decompressed activation exceeds the {max_bytes}-byte limit")
-    return out
+    return frames.compress(raw, level) if compress else raw
 
 
 def decode(body: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, check_finite: bool = True) -> torch.Tensor:
@@ -90,34 +49,13 @@ def decode(body: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, check_finite: boo
     Raises:
         PayloadTooLarge: body or decompressed body larger than ``max_bytes`` (HTTP 413).
         WireError: bad magic, unknown version or dtype, bad rank, a shape that does not
-            match the byte count, or non-finite values (HTTP 400).
+            match the byte count (:func:`meshnet.dataplane.frames.read_frame`), or non-finite
+            values (HTTP 400).
     """
-    if len(body) > max_bytes:
-        raise PayloadTooLarge(f"activation body of {len(body)} bytes exceeds the {max_bytes}-byte limit")
-    if body[:4] == ZSTD_MAGIC:
-        body = _decompress(body, max_bytes)
-    if len(body) < _HEADER.size:
-        raise WireError(f"truncated activation: {len(body)} bytes is shorter than the header")
-    magic, version, code, ndim, _ = _HEADER.unpack_from(body)
-    if magic != MAGIC:
-        raise WireError(f"bad magic {magic!r}: not a meshnet activation frame")
-    if version != VERSION:
-        raise WireError(f"unsupported frame version {version}")
-    if code not in CODE_DTYPES:
-        raise WireError(f"unknown dtype code {code}")
-    if not 1 <= ndim <= MAX_NDIM:
-        raise WireError(f"rank {ndim} outside 1..{MAX_NDIM}")
-    offset = _HEADER.size + 4 * ndim
-    if len(body) < offset:
-        raise WireError("truncated activation: shape field incomplete")
-    shape = struct.unpack_from(f"<{ndim}I", body, _HEADER.size)
-    dtype = CODE_DTYPES[code]
-    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    payload = memoryview(body)[offset:]
-    if len(payload) != expected:
-        raise WireError(f"shape {list(shape)} needs {expected} bytes of {dtype}, body has {len(payload)}")
-    tensor = torch.frombuffer(bytearray(payload), dtype=dtype).reshape(shape) if expected else \
-        torch.empty(shape, dtype=dtype)
+    frame = frames.read_frame(body, max_bytes)
+    dtype = DTYPE_NAMES[frame.dtype]
+    tensor = torch.frombuffer(bytearray(frame.payload), dtype=dtype).reshape(frame.shape) if len(frame.payload) \
+        else torch.empty(frame.shape, dtype=dtype)
     if check_finite and not bool(torch.isfinite(tensor).all()):
         raise WireError("activation contains NaN or infinite values")
     return tensor

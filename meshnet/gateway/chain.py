@@ -3,8 +3,8 @@
 The entry sends OPEN (route, tickets, its own endpoint) and then one STEP per prefill chunk or
 decode step to the first remote hop; each hop runs its layers and pushes its output to the
 next hop; the last hop sends the RESULT straight back to the entry (its stream endpoint, not
-back along the chain). Messages are :mod:`meshnet.protocol.stream`; connections come from the
-node's :class:`meshnet.gateway.streams.StreamPool` and are shared with other sessions.
+back along the chain). Messages are :mod:`meshnet.dataplane.messages`; connections come from the
+node's :class:`meshnet.dataplane.transport.StreamPool` and are shared with other sessions.
 
 A step's deadline is derived from the chain's own observed step times (floor 0.5 s,
 :mod:`meshnet.gateway.deadlines`, ADR-0036). When it passes, every hop is probed
@@ -34,10 +34,10 @@ from meshnet.gateway.entry import Activation, ActivationCodec
 from meshnet.gateway.hops import ABANDONED_RELEASE_TIMEOUT_S, RELEASE_TIMEOUT_S, FailoverListener, FailureReporter, \
     RouteProvider, probe_hop, release_soon
 from meshnet.gateway.replay import rechunk
-from meshnet.gateway.streams import StreamPool
+from meshnet.dataplane.transport import StreamPool
 from meshnet.layers import LayerRange
 from meshnet.protocol.route import Hop, Route
-from meshnet.protocol.stream import FLAG_LAST_ONLY, FLAG_NO_RESULT, ChainError, ChainOpen, Kind, Message, \
+from meshnet.dataplane.messages import FLAG_LAST_ONLY, FLAG_NO_RESULT, ChainError, ChainOpen, Kind, Message, \
     new_chain_id, new_chain_key, pack, same_key
 
 log = logging.getLogger(__name__)

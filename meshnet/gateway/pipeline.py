@@ -27,7 +27,7 @@ from meshnet.gateway.entry import Activation, EntryLayers, GenerationObserver, T
 from meshnet.gateway.hops import FailureReporter, Hop, RemoteRoute, RouteProvider
 from meshnet.gateway.traffic import TrafficLog
 from meshnet.gateway.spotcheck import SpotChecker
-from meshnet.gateway.streams import StreamPool
+from meshnet.dataplane.transport import StreamPool
 from meshnet.layers import LayerRange
 from meshnet.protocol.openai import SamplingParams
 

@@ -3,9 +3,9 @@
 With probability ``rate`` per session, the first prefill call of a hop (position 0, so a fresh
 session elsewhere computes exactly the same thing) is also sent to a second holder of the
 same layers and recipe, under a fresh session id and its own ticket. The two output frames are compared
-(:func:`meshnet.protocol.evidence.frame_distance`). Within ``limit`` they agree and the
+(:func:`meshnet.dataplane.evidence.frame_distance`). Within ``limit`` they agree and the
 generation goes on. Otherwise a third holder (neither of the first two) runs the same input
-and the majority decides (:func:`meshnet.protocol.evidence.outvoted`): the outvoted node is
+and the majority decides (:func:`meshnet.dataplane.evidence.outvoted`): the outvoted node is
 reported to the tracker for quarantine with the distances as evidence. When the checked hop
 itself lost, the caller fails it over (its replacement replays the session), so no answer of
 this generation passes through it afterwards.
@@ -29,7 +29,7 @@ import httpx
 from meshnet.gateway.entry import ActivationCodec
 from meshnet.gateway.hops import post_forward, release_soon
 from meshnet.layers import LayerRange
-from meshnet.protocol.evidence import frame_distance, outvoted, tolerance
+from meshnet.dataplane.evidence import frame_distance, outvoted, tolerance
 from meshnet.protocol.route import Hop, Route
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 of every chain that passes through it.
 
 Every message that reaches the node, on a stream a peer opened (:func:`stream_endpoint`) or
-on one the node opened itself (:class:`meshnet.gateway.streams.StreamPool`), goes to
+on one the node opened itself (:class:`meshnet.dataplane.transport.StreamPool`), goes to
 :meth:`ChainHost.dispatch`:
 
 - OPEN: the node checks that the route names it at the message's hop index and, when it knows
@@ -36,7 +36,7 @@ from meshnet.errors import Forbidden, MeshnetError, SessionConflict, TicketExpir
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name
 from meshnet.protocol.route import Hop
-from meshnet.protocol.stream import READS_BUNDLES, ChainError, ChainOpen, Kind, Message, pack, same_key, unbundle, \
+from meshnet.dataplane.messages import READS_BUNDLES, ChainError, ChainOpen, Kind, Message, pack, same_key, unbundle, \
     unpack
 from meshnet.protocol.tickets import check_hop
 
@@ -334,7 +334,7 @@ def _settle(future: asyncio.Future) -> None:
 
 async def stream_endpoint(websocket: WebSocket) -> None:
     """``/v1/stream``: accept a peer's hop stream and dispatch every binary message it sends. The
-    :data:`~meshnet.protocol.stream.READS_BUNDLES` subprotocol is accepted when the peer offers it."""
+    :data:`~meshnet.dataplane.messages.READS_BUNDLES` subprotocol is accepted when the peer offers it."""
     node = websocket.app.state.node
     offered = websocket.scope.get("subprotocols", ())
     await websocket.accept(subprotocol=READS_BUNDLES if READS_BUNDLES in offered else None)

@@ -34,7 +34,8 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshnet.layers import LayerRange
-from meshnet.protocol.evidence import challenge_frame, frame_distance, read_frame, tolerance
+from meshnet.dataplane.evidence import challenge_frame, frame_distance, tolerance
+from meshnet.dataplane.frames import read_array
 from meshnet.protocol.route import Hop
 from meshnet.protocol.signing import encode_public_key, sign_request
 from meshnet.protocol.tickets import HEADER_TICKET, TicketClaims, issue_ticket
@@ -175,7 +176,7 @@ async def run_challenge(http: httpx.AsyncClient, key: Ed25519PrivateKey, challen
     frame = challenge_frame(secrets.randbits(63), CHALLENGE_TOKENS, challenge.hidden_size)
     try:
         out = await _run_on(http, key, c, challenge.model, challenge.layers, frame, timeout_s)
-        read_frame(out)
+        read_array(out)
     except Exception as exc:  # noqa: BLE001 - refused, timed out, an error answer, not a frame: no evidence of working
         return Verdict("failed", f"the challenge on {c.node_id} failed: {type(exc).__name__}: {exc}"[:500]), None
     distances: dict[str, float] = {}
@@ -183,7 +184,7 @@ async def run_challenge(http: httpx.AsyncClient, key: Ed25519PrivateKey, challen
     for ref in challenge.references:
         try:
             ref_out = await _run_on(http, key, ref, challenge.model, challenge.layers, frame, timeout_s)
-            read_frame(ref_out)
+            read_array(ref_out)
         except Exception:  # noqa: BLE001 - the reference failed or sent no frame: try the next
             continue
         limit = tolerance(c.quantization, c.compute_dtype, ref.quantization, ref.compute_dtype)

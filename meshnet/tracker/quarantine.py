@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from meshnet.protocol.control import QuarantineReport
-from meshnet.protocol.evidence import outvoted, tolerance
+from meshnet.dataplane.evidence import outvoted, tolerance
 
 __all__ = ["Quarantine", "judge"]
 

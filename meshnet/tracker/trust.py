@@ -15,7 +15,7 @@ import logging
 from meshnet.errors import Forbidden, InvalidRequest
 from meshnet.presets import canonical_model_name, find_preset
 from meshnet.protocol.control import QuarantineReport
-from meshnet.protocol.evidence import tolerance
+from meshnet.dataplane.evidence import tolerance
 from meshnet.tracker.admission import ADMITTING, Challenge, Holder, Verdict, decide, digest_key
 from meshnet.tracker.quarantine import Quarantine, judge
 from meshnet.tracker.registry import NodeRecord, ShardRecord

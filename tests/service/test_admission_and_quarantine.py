@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from meshnet.protocol.evidence import read_frame
+from meshnet.dataplane.frames import read_array as read_frame
 from meshnet.tracker.app import build_app
 from meshnet.tracker.service import TrackerSettings
 from tests.payloads import SignAsNodes, capability_report, registration, signed

@@ -347,7 +347,7 @@ def record_stream(port: int, reads_bundles: bool, received: list[bytes]):
     from starlette.applications import Starlette
     from starlette.routing import WebSocketRoute
 
-    from meshnet.protocol.stream import READS_BUNDLES
+    from meshnet.dataplane.messages import READS_BUNDLES
 
     async def record(websocket):
         offered = websocket.scope.get("subprotocols", [])
@@ -361,8 +361,8 @@ def record_stream(port: int, reads_bundles: bool, received: list[bytes]):
 
 @pytest.mark.parametrize("reads_bundles", [True, False])
 async def test_messages_sent_to_one_peer_in_one_turn_leave_as_one_bundle_where_it_reads_them(reads_bundles):
-    from meshnet.gateway.streams import PeerUnreachable, StreamPool
-    from meshnet.protocol.stream import Kind, pack, unbundle, unpack
+    from meshnet.dataplane.transport import PeerUnreachable, StreamPool
+    from meshnet.dataplane.messages import Kind, pack, unbundle, unpack
 
     received: list[bytes] = []
     port = free_port()
@@ -396,7 +396,7 @@ async def test_messages_sent_to_one_peer_in_one_turn_leave_as_one_bundle_where_i
 async def test_a_node_accepts_the_bundle_subprotocol_only_when_offered(nodes):
     from websockets.asyncio.client import connect
 
-    from meshnet.protocol.stream import READS_BUNDLES, stream_url
+    from meshnet.dataplane.messages import READS_BUNDLES, stream_url
 
     url = stream_url(nodes["b"][0])
     async with asyncio.timeout(30):
@@ -407,7 +407,7 @@ async def test_a_node_accepts_the_bundle_subprotocol_only_when_offered(nodes):
 
 
 async def test_a_node_handles_each_message_of_a_bundle_as_if_it_came_alone(nodes, tiny_hf_model):
-    from meshnet.protocol.stream import Kind, bundle, pack
+    from meshnet.dataplane.messages import Kind, bundle, pack
 
     _, node = nodes["b"]
     delivered = []
@@ -425,7 +425,7 @@ async def test_messages_without_the_chain_key_are_dropped_at_the_entry_and_at_a_
     reported, and the hop ran exactly the chain's own tokens."""
     from websockets.asyncio.client import connect
 
-    from meshnet.protocol.stream import ChainError, Kind, pack, stream_url
+    from meshnet.dataplane.messages import ChainError, Kind, pack, stream_url
 
     reported: list[str] = []
     orch = orchestrator(nodes, routes_over(nodes, ["b", "c"]), reported)

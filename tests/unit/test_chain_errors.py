@@ -9,7 +9,7 @@ from meshnet.errors import HopBusy, HopFailed
 from meshnet.gateway.chain import ChainInbox, ChainRoute
 from meshnet.layers import LayerRange
 from meshnet.protocol.route import Hop, Route
-from meshnet.protocol.stream import ChainError, Kind, new_chain_id, pack, unpack
+from meshnet.dataplane.messages import ChainError, Kind, new_chain_id, pack, unpack
 
 HOPS = [Hop("node-a", "http://127.0.0.1:9001", LayerRange(10, 20)),
         Hop("node-b", "http://127.0.0.1:9002", LayerRange(20, 30))]

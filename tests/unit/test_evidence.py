@@ -8,7 +8,8 @@ import torch
 
 from meshnet import wire
 from meshnet.errors import WireError
-from meshnet.protocol.evidence import challenge_frame, frame_distance, outvoted, read_frame, tolerance
+from meshnet.dataplane.evidence import challenge_frame, frame_distance, outvoted, tolerance
+from meshnet.dataplane.frames import read_array as read_frame
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])

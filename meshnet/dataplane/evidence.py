@@ -1,7 +1,7 @@
 """Evidence that two holders of one layer range computed the same thing (ADR-0042).
 
 Torch-free, so the tracker (admission challenges) and the gateway (spot-checks) share one
-measure. Both compare activation frames (the wire format of ADR-0001, read here with numpy)
+measure. Both compare activation frames (:mod:`meshnet.dataplane.frames`, read with numpy)
 that two holders returned for the same input:
 
     distance = ||a - b||_2 / max(||b||_2, 1e-12)      (relative L2, float32 arithmetic)
@@ -13,23 +13,14 @@ three-holder dispute.
 
 from __future__ import annotations
 
-import io
-import struct
-
 import numpy as np
-import zstandard
 
-from meshnet.errors import WireError
+from meshnet.dataplane.frames import DEFAULT_MAX_BYTES, pack_header, read_array
 
-__all__ = ["TOLERANCE", "challenge_frame", "frame_distance", "outvoted", "read_frame", "tolerance"]
+__all__ = ["TOLERANCE", "challenge_frame", "frame_distance", "outvoted", "tolerance"]
 
-_MAGIC = b"MSHN"
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-_HEADER = struct.Struct("<4sBBBB")
-#: wire dtype code -> (numpy dtype of the raw bytes, bytes per value)
-_CODES = {1: (np.uint16, 2), 2: (np.float32, 4), 3: (np.float16, 2)}
 #: the largest frame this module reads, bytes (a challenge or a prefill chunk is far smaller)
-MAX_FRAME_BYTES = 256 * 1024 * 1024
+MAX_FRAME_BYTES = DEFAULT_MAX_BYTES
 
 #: largest relative L2 distance between honest holders' outputs of one hop, by the looser of the
 #: two holders' recipes. Measured on SmolLM2-135M (ADR-0042): bfloat16 holders on one host agree
@@ -44,33 +35,6 @@ def tolerance(*recipes: str) -> float:
     return max((TOLERANCE.get(r, TOLERANCE["nf4"]) for r in recipes), default=TOLERANCE["bfloat16"])
 
 
-def read_frame(body: bytes, max_bytes: int = MAX_FRAME_BYTES) -> np.ndarray:
-    """An activation frame (ADR-0001, zstd or raw) as a float32 array of its shape.
-
-    Raises:
-        WireError: not a frame (magic, version, dtype, rank, byte count), or larger than ``max_bytes``.
-    """
-    if body[:4] == _ZSTD_MAGIC:
-        try:
-            body = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)).read(max_bytes + 1)
-        except zstandard.ZstdError as exc:
-            raise WireError(f"corrupt zstd body: {exc}") from exc
-    if len(body) > max_bytes or len(body) < _HEADER.size:
-        raise WireError(f"activation frame of {len(body)} bytes is not readable")
-    magic, version, code, ndim, _ = _HEADER.unpack_from(body)
-    if magic != _MAGIC or version != 1 or code not in _CODES or not 1 <= ndim <= 4:
-        raise WireError(f"not a meshnet activation frame (magic {magic!r}, version {version}, dtype {code})")
-    shape = struct.unpack_from(f"<{ndim}I", body, _HEADER.size)
-    raw_dtype, size = _CODES[code]
-    payload = body[_HEADER.size + 4 * ndim:]
-    if len(payload) != int(np.prod(shape)) * size:
-        raise WireError(f"shape {list(shape)} does not match {len(payload)} bytes")
-    values = np.frombuffer(payload, dtype=raw_dtype)
-    if code == 1:  # bfloat16: the high half of a float32
-        values = (values.astype(np.uint32) << 16).view(np.float32)
-    return values.astype(np.float32).reshape(shape)
-
-
 def frame_distance(frame: bytes, reference: bytes) -> float:
     """Relative L2 distance of two activation frames (see the module doc); ``inf`` when their
     shapes differ or a value is not finite.
@@ -78,7 +42,7 @@ def frame_distance(frame: bytes, reference: bytes) -> float:
     Raises:
         WireError: either is not a frame.
     """
-    a, b = read_frame(frame), read_frame(reference)
+    a, b = read_array(frame, MAX_FRAME_BYTES), read_array(reference, MAX_FRAME_BYTES)
     if a.shape != b.shape or not (np.isfinite(a).all() and np.isfinite(b).all()):
         return float("inf")
     return float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), 1e-12))
@@ -89,8 +53,7 @@ def challenge_frame(seed: int, tokens: int, hidden_size: int) -> bytes:
     the input of an admission challenge (the caller picks the seed at random, so a node cannot
     know it in advance)."""
     data = np.random.default_rng(seed).standard_normal((1, tokens, hidden_size), dtype=np.float32)
-    header = _HEADER.pack(_MAGIC, 1, 2, 3, 0) + struct.pack("<3I", 1, tokens, hidden_size)
-    return header + data.astype("<f4").tobytes()
+    return pack_header("float32", (1, tokens, hidden_size)) + data.astype("<f4").tobytes()
 
 
 def outvoted(checked: str, second: str, third: str, distances: dict[tuple[str, str], float],
