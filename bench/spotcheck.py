@@ -4,7 +4,7 @@ Part 1, distances (in-process, real SmolLM2, bfloat16): layers 0-9 turn real pro
 hidden states (and the tracker's challenges are random ones); layers 10-29 run each input
 as two honest holders would: with 1 and with 2 torch threads, and in float32 and in bfloat16
 compute (holders may differ in either), and the two bfloat16 frames are compared with the very measure the entry
-uses (:func:`meshnet.protocol.evidence.frame_distance`). The same inputs through copies with
+uses (:func:`meshnet.dataplane.evidence.frame_distance`). The same inputs through copies with
 noise on layer 15's MLP down-projection (the test-only corruption, scale x weight std) give the
 dishonest distances. Prints min/median/max per kind and the margin to the tolerance.
 
@@ -49,8 +49,8 @@ def distances(probes: int) -> None:
     from meshnet.layers import LayerRange
     from meshnet.models.shard import KVCache, ShardModel
     from meshnet.models.sources import resolve
-    from meshnet.node.corrupt import Corruption
-    from meshnet.protocol.evidence import challenge_frame, frame_distance, tolerance
+    from tests.corrupt import Corruption
+    from meshnet.dataplane.evidence import challenge_frame, frame_distance, tolerance
 
     path = resolve(MODEL)
     entry = ShardModel(path, LayerRange(0, 10), dtype="bfloat16")

@@ -60,12 +60,13 @@ class LocalMesh:
     # ---- processes --------------------------------------------------------------------
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
-              prefix: list[str] | None = None) -> subprocess.Popen:
+              prefix: list[str] | None = None, module: str = "meshnet.cli.main") -> subprocess.Popen:
         """Start ``meshnet <args>`` as child ``name`` (its output goes to ``<log_dir>/<name>.log``).
         ``prefix`` runs it under a command that execs it in place, keeping the PID (e.g.
-        ``["ip", "netns", "exec", "ns1"]`` to start it in a network namespace)."""
+        ``["ip", "netns", "exec", "ns1"]`` to start it in a network namespace); ``module`` is the
+        Python module run as ``meshnet`` (a test may pass its own wrapper of the CLI)."""
         with open(self.log_dir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "meshnet.cli.main", *args], stdout=log,
+            proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", module, *args], stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=self.detach,
                                     env={**os.environ, "MESHNET_LOG_LEVEL": "INFO", **self.env, **(env or {})})
         self.procs[name] = proc
@@ -103,16 +104,16 @@ class LocalMesh:
         return url
 
     def start_node(self, name: str, *args: str, threads: int = 1, env: dict[str, str] | None = None,
-                   prefix: list[str] | None = None) -> None:
+                   prefix: list[str] | None = None, module: str = "meshnet.cli.main") -> None:
         """Start node ``name`` (its ``--node-id``) joining this mesh's trackers (all of them, the
         first one first); ``args`` as for ``meshnet node start`` (for example ``--model M
-        --shard-start 0 --shard-end 9``); ``prefix`` as for :meth:`spawn`."""
+        --shard-start 0 --shard-end 9``); ``prefix`` and ``module`` as for :meth:`spawn`."""
         state = ["--state-dir", str(self.state_dir / name)] if self.state_dir is not None else []
         token = {"MESHNET_JOIN_TOKEN": self.join_token} if self.join_token else {}
         trackers = [arg for url in (self.trackers.values() or [self.url]) for arg in ("--tracker", url)]
         self.spawn(name, ["node", "start", *trackers, "--node-id", name, *state,
                           "--heartbeat-interval", str(self.heartbeat_s), "--threads", str(threads), *args],
-                   {**token, **(env or {})}, prefix)
+                   {**token, **(env or {})}, prefix, module)
 
     def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 10.0) -> int:
         """Send ``sig`` to child ``name``, wait for it to exit and forget it; returns its exit code."""

@@ -10,7 +10,7 @@ tokenized, and non-streamed responses are serialised in the request pool
 text is decoded incrementally (:class:`~meshnet.gateway.detokenize.TextDecoder`).
 
 ``n`` choices run concurrently, each its own generation (and session on every hop); choice
-``i`` of a seeded request is seeded ``(seed + i) mod 2**63`` (:func:`schema.for_choice`).
+``i`` of a seeded request is seeded ``(seed + i) mod 2**63`` (:func:`meshnet.protocol.openai.for_choice`).
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@ A node chooses its weight layouts (:func:`meshnet.models.linears.layout`), its f
 (:func:`~meshnet.models.linears.min_rows`) and its attention path
 (:func:`meshnet.models.shard.attention_in_float32`) by timing kernels, and its compute dtype and
 threads by timing decode steps (:mod:`meshnet.node.calibration`). Node processes that start
-together time the same kernels at the same moment, each slowing the others: on a 2-core host
-three nodes starting at once stored the same ``1536x576`` weight ``row`` on one node and
-``transposed`` on another.
+together time the same kernels at the same moment, each slowing the others, and may then choose
+different layouts for the same weight (ADR-0048's host amendment).
 
 :func:`remembered` makes one measurement per host serve them all. The first process that needs
 a value takes an exclusive lock on the host's file (``fcntl.flock``), measures while the others

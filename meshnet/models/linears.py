@@ -5,29 +5,22 @@ a shard's memory is measured; :mod:`meshnet.models.hosttimings` keeps them for t
 processes), not assumed, because they depend on the CPU's kernels.
 
 **Weight layout (ADR-0048).** ``nn.Linear`` stores its weight ``[out, in]`` row-major and
-multiplies by its transpose. On x86 with MKL, a product of a few rows by a weight stored
-``[in, out]`` (the same values, column-major as seen from ``nn.Linear``) ran about twice as
-fast: ``[8, 576] × [576, 1536]`` in float32 took 0.82 ms against 0.37 ms (0.28 ms against
-0.24 ms at 1 row). That is the batched decode step's shape. :func:`transpose` stores
-the weights that way, as a transposed view, so the modules, the state dict and the values are
-unchanged. A third layout, ``packed``, hands the weight to oneDNN's own blocked format for a
-given row count (:class:`PackedLinear`, the reordered weights torch's CPU compiler uses): on a
-2-core AVX-512 host (AMD EPYC), a ``[8, 576] × [576, 49152]`` LM-head product took 7.6 ms
-packed against 18.7 ms ``row`` and 22.8 ms ``transposed`` (ADR-0048's packed amendment).
-:func:`layout` picks the layout from :func:`measure_layout`, timed on weights larger than the
-cache, as a decode step reads them.
+multiplies by its transpose. A product of a few rows (a decode step, a batch of them) may run
+faster with the weight stored ``[in, out]`` (:func:`transpose`: a transposed view, so the
+modules, the state dict and the values are unchanged), or in oneDNN's own blocked format for a
+given row count (``packed``: :class:`PackedLinear`, the reordered weights torch's CPU compiler
+uses). Which one wins depends on the CPU's kernels, so :func:`layout` picks it from
+:func:`measure_layout`, timed on weights larger than the cache, as a decode step reads them.
+ADR-0048 gives the figures that led to each layout.
 
 **Half-precision products in float32 (ADR-0047).** A bfloat16 (or float16) node keeps its
 weights in half precision: half the memory and half the bytes read per decode token, which is
 what makes a one-token step fast. But a CPU without native bfloat16 instructions (AVX2,
 AVX-512 without ``avx512_bf16``, no AMX) runs a half matrix product at a cost linear in its
-rows: measured on a 2-core AVX-512F host, a ``[rows, 576] × [576, 1536]`` product took
-0.22 ms at 1 row and 25 ms at 256 rows in bfloat16, 5.3 ms at 256 rows in float32. Prefill, a
-failover's replay and large decode batches paid four times float32's compute.
-:class:`UpcastLinear` casts the input and the weight to float32 for products of at least
-``min_rows`` rows and rounds the result back to the compute dtype. The cast of the weight is
-paid per call (about 0.3 ms for 0.9 M weights), which is why single-token steps keep the half
-kernel. Both paths accumulate in float32 and round the output once, so they differ only in
+rows, so prefill, a failover's replay and large decode batches pay several times float32's
+compute. :class:`UpcastLinear` casts the input and the weight to float32 for products of at
+least ``min_rows`` rows and rounds the result back to the compute dtype. The cast of the weight
+is paid per call, which is why single-token steps keep the half kernel. Both paths accumulate in float32 and round the output once, so they differ only in
 summation order. :func:`min_rows` finds the crossover on the host by timing both paths
 (:func:`choose_min_rows` is the decision), so a CPU with fast half kernels keeps them.
 """
@@ -70,8 +63,8 @@ LAYOUT_ROWS = (1, 8)
 #: its own (a margin for noise: within it, ``nn.Linear``'s own layout; see :func:`choose_layout`)
 LAYOUT_GAIN = 1.05
 #: the row count oneDNN blocks a packed weight for (its ``batch_size`` hint): a batch of 8
-#: sessions. Measured on a 2-core AVX-512 host, float32 ``[rows, 576] × [576, 1536]``: packed for 1
-#: row, 0.264 / 0.435 ms at 1 / 8 rows; for 8 rows, 0.232 / 0.244 ms; for 32, 0.233 / 0.246 ms.
+#: sessions. Blocked for 8 rows, a weight serves 1 row about as fast as blocked for 1, and 8 or more
+#: rows far faster (ADR-0048).
 PACK_ROWS = 8
 #: weights of fewer elements than this keep ``row`` unmeasured: a shard of them sits in cache,
 #: where the layout barely matters (the tiny test models), and timing them would cost more
@@ -275,10 +268,8 @@ def choose_layout(samples: dict[str, dict[int, float]], gain: float = LAYOUT_GAI
 
     A node runs both regimes: a lone session's step (1 row), where latency counts, and a batch
     of 8 sessions, where throughput does. The rule avoids a layout that is much slower in one
-    to save a little in the other. Measured on a 2-core AVX-512 host, float32 ``[576, 1536]``
-    products at 1 / 8 rows: ``transposed`` 0.197 / 0.477 ms, ``packed`` 0.232 / 0.244 ms. Worst
-    slowdowns 1.96 and 1.18: ``packed``. (The mean cost per row, this rule's predecessor, chose
-    ``transposed``: 0.128 against 0.131 ms.)
+    to save a little in the other (the mean cost per row, this rule's predecessor, could pick a
+    layout twice as slow for a lone session; ADR-0048).
 
     Args:
         samples: layout → row count → seconds per product (:func:`measure_layout`); layouts

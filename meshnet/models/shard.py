@@ -200,8 +200,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         ``[batch, heads, 1, head_dim]`` in the query's dtype.
 
     transformers' ``sdpa_attention_forward`` makes this same call for a decode step (no mask,
-    ``enable_gqa``), after Python checks that cost about 60 µs a call on a 2-core AMD EPYC host,
-    as much as the kernel itself at a 150-token context (ADR-0041's attention amendment).
+    ``enable_gqa``) after Python checks that cost as much as the kernel itself at a short context,
+    so a decode step calls the kernel directly (ADR-0041's attention amendment).
     """
     gqa = query.shape[1] != key.shape[1]
     if in_float32 and query.dtype != torch.float32:  # this host's half kernel is slower than casting (ADR-0047)
@@ -226,13 +226,11 @@ def attention_in_float32(dtype: torch.dtype) -> bool:
     keys and values cast up, torch's SDPA in float32, the output rounded once back to ``dtype``.
 
     Measured once per host, dtype and thread count (:func:`measure_attention`, kept as
-    :func:`meshnet.models.linears.layout` keeps its timings; about 0.5 s on the host
-    below): chosen when the float32 path is at least :data:`meshnet.models.linears.MIN_GAIN`
-    times as fast as the half kernel at every length timed. On a 2-core AVX2 host (no native
-    bfloat16), one thread, torch's bfloat16 SDPA took 154-172 / 1250-1281 µs for one query over
-    128 / 1024 cached positions, and the cast float32 path 39-43 / 215-222 µs (ADR-0047's
-    attention amendment). Where the CPU computes bfloat16 natively the half
-    kernel may win, and is kept. False for float32, and where ``MESHNET_UPCAST_MIN_ROWS=off``
+    :func:`meshnet.models.linears.layout` keeps its timings): chosen when the float32 path is at
+    least :data:`meshnet.models.linears.MIN_GAIN` times as fast as the half kernel at every length
+    timed. A CPU without native bfloat16 runs the cast float32 path several times faster
+    (ADR-0047's attention amendment gives the figures); where the CPU computes bfloat16 natively
+    the half kernel may win, and is kept. False for float32, and where ``MESHNET_UPCAST_MIN_ROWS=off``
     keeps every product in half precision (ADR-0047).
     """
     from meshnet.models.linears import HALF, MIN_GAIN, upcast_off

@@ -51,14 +51,13 @@ from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import Forbidden, InvalidRequest, MeshnetError, NotFound, Unauthorized
 from meshnet.gateway import openai_api
 from meshnet.gateway.chain import ChainInbox
-from meshnet.gateway.streams import StreamPool
+from meshnet.dataplane.transport import StreamPool
 from meshnet.protocol.http import BodyLimit, http_error
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
 from meshnet.gateway.traffic import TrafficLog
 from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
-from meshnet.node.corrupt import Corruption
 from meshnet.node.entry import LocalEntry
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.readiness import gather_facts, node_readiness
@@ -98,8 +97,6 @@ class NodeContext:
     chains: ChainHost | None = None  # this node's hop of every chain through it
     inbox: ChainInbox = field(default_factory=ChainInbox)  # chains this node drives as entry
     spot_checker: SpotChecker | None = None  # made with the first orchestrator (ADR-0042)
-    #: test-only dishonesty (:mod:`meshnet.node.corrupt`, from the environment); None normally
-    corruption: Corruption | None = field(default_factory=Corruption.from_env)
     traffic: TrafficLog = field(init=False)  # sessions in flight as entry, failovers (ADR-0046)
 
     def __post_init__(self) -> None:
@@ -142,8 +139,6 @@ async def forward(request: Request) -> Response:
     if position == 0:  # a new session (or a replay): a draining node takes none, the entry fails over
         node.drain.refuse_new("new hop sessions")
     node.last_forward_s = time.monotonic()
-    if node.corruption is not None:
-        node.corruption.on_hop_call(node.runtime)
     body = await request.body()
     hidden = await wire.decode_async(body)
     t0 = time.perf_counter()

@@ -182,9 +182,8 @@ def sample_layer_count(config: dict) -> int:
     """Decoder layers to measure: enough that their bfloat16 weights exceed
     :func:`meshnet.models.linears.stream_bytes` (twice the largest CPU cache), so every step reads
     them from memory as a node's shard does, at least :data:`SAMPLE_LAYERS`. A sample that fits
-    in cache hides what a batch costs: on a 2-core AVX2 host, two SmolLM2 layers (14 MiB in
-    bfloat16) ran a batch of 8 in bfloat16 as fast as in float32, while a 10-layer node ran it
-    1.4 times slower. Reads Llama-style configs (hidden, intermediate and key-value sizes) and
+    in cache hides what a batch costs (a batch read from cache runs as fast in bfloat16 as in
+    float32 where a real shard read from memory does not; ADR-0044). Reads Llama-style configs (hidden, intermediate and key-value sizes) and
     GPT-2's (``n_embd``, ``n_inner``); others get :data:`SAMPLE_LAYERS`.
     """
     from meshnet.models.linears import stream_bytes

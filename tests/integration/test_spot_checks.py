@@ -47,7 +47,8 @@ def test_a_node_that_turns_dishonest_is_quarantined_and_serves_no_later_answer(r
         mesh.start_node("h2", *HOLDERS)
         honest = verification(mesh, "h2")
         assert honest["state"] == "verified" and honest["references"] == ["h1"]
-        mesh.start_node("x-bad", *HOLDERS, env={"MESHNET_TEST_CORRUPT_LAYER": "15", "MESHNET_TEST_CORRUPT_AFTER": "1"})
+        mesh.start_node("x-bad", *HOLDERS, env={"MESHNET_TEST_CORRUPT_LAYER": "15", "MESHNET_TEST_CORRUPT_AFTER": "1"},
+                        module="tests.corrupt")  # the test's dishonest wrapper of meshnet
         assert verification(mesh, "x-bad")["state"] == "verified"  # honest for its challenge
         print(f"admission challenge distances: h2 {honest['distances']}, "
               f"x-bad {node_view(mesh, 'x-bad')['shards'][0]['verification']['distances']}")

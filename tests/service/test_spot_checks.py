@@ -1,7 +1,7 @@
 """Spot-checks at the entry (ADR-0042): real node apps over ASGI with the tiny seeded model.
 
 The entry holds layers [0, 2); ``c1``, ``c2`` hold [2, 4) honestly, ``bad`` holds [2, 4) with
-noise on one weight (:class:`meshnet.node.corrupt.Corruption`). Every session is checked
+noise on one weight (:class:`tests.corrupt.Corruption`). Every session is checked
 (rate 1). The generation's tokens are those of an honest route whatever the check finds.
 """
 
@@ -18,7 +18,7 @@ from meshnet.gateway.pipeline import GenerationStats, Orchestrator, Orchestrator
 from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.layers import LayerRange
 from meshnet.node.app import build_app
-from meshnet.node.corrupt import Corruption
+from tests.corrupt import Corruption
 from meshnet.node.entry import LocalEntry
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings

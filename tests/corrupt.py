@@ -1,6 +1,9 @@
-"""Test-only: make this node a dishonest holder, to prove that admission and spot-checks catch it.
+"""Test-only: make a node a dishonest holder, to prove that admission and spot-checks catch it.
 
-Set by environment only (never a CLI flag), read once at start:
+Never part of the product: service tests call :meth:`Corruption.on_hop_call` on a runtime, and
+integration tests start a dishonest node process with ``python -m tests.corrupt node start ...``
+(:func:`main`: ``meshnet`` itself, with every ``POST /v1/forward`` hop call counted and the
+corruption applied). The environment says where and when:
 
     MESHNET_TEST_CORRUPT_LAYER=L      add noise to layer L's MLP down-projection (absolute index)
     MESHNET_TEST_CORRUPT_AFTER=N      ... from the (N+1)-th hop call on (default 0: from the first);
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -61,3 +65,26 @@ class Corruption:
             log.warning("TEST: corrupted layer %d of %s (noise %.2f x std) after %d hop call(s)", self.layer,
                         slot.key, self.scale, self.after_calls)
             self.done = True
+
+
+def main() -> None:
+    """``meshnet`` with :class:`Corruption` from the environment installed on the node's hop calls
+    (``POST /v1/forward``: admission challenges, spot-checks and the HTTP hop path)."""
+    import meshnet.node.app as node_app
+    from meshnet.cli.main import app
+
+    corruption = Corruption.from_env()
+    if corruption is not None:
+        honest = node_app.forward
+
+        async def forward(request):
+            corruption.on_hop_call(request.app.state.node.runtime)
+            return await honest(request)
+
+        node_app.forward = forward  # build_app routes /v1/forward to this module attribute
+    sys.argv[0] = "meshnet"
+    app()
+
+
+if __name__ == "__main__":
+    main()
