@@ -83,8 +83,10 @@ def test_sigterm_to_a_tracker_serving_layers_finishes_the_stream_then_exits(real
         for name, (a, b) in (("node-1", (10, 19)), ("node-2", (20, 29))):
             mesh.start_node(name, "--model", REAL, "--shard-start", str(a), "--shard-end", str(b), *float32)
         mesh.wait_routable(REAL, 300)
-        expected, meta, _ = mesh.stream_chat(REAL, STORY, 16)
-        assert meta["route"][0]["node_id"] == "tracker" and len(expected) == 16
+        # long enough that the stream is still in flight well after the signal: the entry's loop is
+        # free (ADR-0049), so 12 tokens after the 4th would be over within the half second below
+        expected, meta, _ = mesh.stream_chat(REAL, STORY, 64)
+        assert meta["route"][0]["node_id"] == "tracker" and len(expected) == 64
         signalled: dict = {}
 
         def on_token(count: int) -> None:
@@ -95,7 +97,7 @@ def test_sigterm_to_a_tracker_serving_layers_finishes_the_stream_then_exits(real
                 time.sleep(0.5)  # the signal handler starts the drain on the event loop
                 signalled["meanwhile"] = mesh.chat(REAL, max_tokens=2)
 
-        tokens, _, lines = mesh.stream_chat(REAL, STORY, 16, on_token)
+        tokens, _, lines = mesh.stream_chat(REAL, STORY, 64, on_token)
         assert lines[-1] == "[DONE]" and tokens == expected
         refused = signalled["meanwhile"]
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining", refused.text
