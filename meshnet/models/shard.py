@@ -5,8 +5,10 @@ memory), the layers outside the shard are discarded, and only the shard's tensor
 read from the safetensors cache and materialised. An entry shard (one that starts at
 layer 0) also holds the embeddings, final norm, LM head and tokenizer.
 
-Two families are supported: Llama-style decoders (``model.layers``, rotary positions;
-SmolLM2, Llama, Mistral, Qwen2) and GPT-2 (``transformer.h``, learned positions).
+The model's family (:mod:`meshnet.models.families`) is chosen from its ``config.json``: where
+its layers, embeddings, norm and positions live. A type no certified family serves is refused.
+A sliding-window layer attends to its window only (:func:`attention`), whatever mask the shard
+builds for its full-attention layers.
 
 Memory (ADR-0039): a shard holds its own parameters and nothing else. Tensors are read one
 at a time from the safetensors file (the mapping is closed after the shard is read) and cast
@@ -31,6 +33,7 @@ from torch import nn
 
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
+from meshnet.models.families import family_of
 from meshnet.models.hosttimings import KEPT, remembered
 from meshnet.models.linears import apply_layouts, layout, min_rows, per_thread_count, upcast_linears
 
@@ -175,13 +178,40 @@ def attention(module: nn.Module, query: torch.Tensor, key, value, attention_mask
     """
     scale = kwargs.get("scaling")
     in_float32 = getattr(module.config, IN_FLOAT32, False)
+    window = kwargs.pop("sliding_window", None)
     if isinstance(key, RaggedKV):
-        rows = [decode_attention(query[b:b + 1], k, v, scale, in_float32)
+        rows = [decode_attention(query[b:b + 1], *_last(k, v, window), scale, in_float32)
                 for b, (k, v) in enumerate(zip(key.rows, value.rows))]
         return torch.cat(rows).transpose(1, 2), None
+    if window is not None:
+        if query.shape[2] == 1:  # one query: the window is the last ``window`` keys
+            key, value = _last(key, value, window)
+        else:
+            attention_mask = sliding_mask(attention_mask, query.shape[2], key.shape[2], window, query.dtype)
     if query.shape[2] == 1 and attention_mask is None and not module.training and kwargs.get("softcap") is None:
         return decode_attention(query, key, value, scale, in_float32).transpose(1, 2), None
     return _sdpa(module, query, key, value, attention_mask, **kwargs)
+
+
+def _last(key: torch.Tensor, value: torch.Tensor, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last ``window`` cached positions of ``key`` and ``value`` ``[.., length, head_dim]``
+    (all of them with no window): what a decode step's query attends to in a sliding layer."""
+    if window is None or key.shape[-2] <= window:
+        return key, value
+    return key[..., -window:, :], value[..., -window:, :]
+
+
+def sliding_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, window: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask ``[1, 1, q_len, kv_len]`` of a sliding-window layer: ``mask`` (the
+    shard's causal mask; None: causal) with every key at or before ``q - window`` blocked too,
+    for the query at absolute position ``q`` (the queries are the last ``q_len`` of ``kv_len``
+    positions). transformers' rule: a query attends to keys in ``(q - window, q]``."""
+    q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
+    k_pos = torch.arange(kv_len)[None, :]
+    blocked = (k_pos > q_pos) | (k_pos <= q_pos - window)
+    out = torch.zeros(q_len, kv_len, dtype=dtype).masked_fill_(blocked, torch.finfo(dtype).min)[None, None]
+    return out if mask is None else torch.minimum(out, mask.to(dtype))
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -296,21 +326,6 @@ def _register_attention() -> None:
         AttentionInterface.register(ATTENTION, attention)
 
 
-@dataclass(frozen=True)
-class _Family:
-    layers_path: str        # attribute path of the ModuleList of decoder layers
-    embed_path: str
-    norm_path: str
-    pos_embed_path: str | None  # learned absolute positions (GPT-2)
-    rotary_path: str | None     # rotary embedding module (Llama)
-
-
-FAMILIES = {
-    "gpt2": _Family("transformer.h", "transformer.wte", "transformer.ln_f", "transformer.wpe", None),
-    "llama": _Family("model.layers", "model.embed_tokens", "model.norm", None, "model.rotary_emb"),
-}
-
-
 #: transformers modules every node needs whatever its shard: the modeling base (it imports
 #: torch.distributed, torch._dynamo, sympy and accelerate: ~86 MiB resident) and the families' layers
 RUNTIME_MODULES = ("transformers.modeling_utils", "transformers.models.llama.modeling_llama",
@@ -385,11 +400,6 @@ def position_ids(position: int | list[int], seq: int) -> torch.Tensor:
     return torch.tensor(position)[:, None] + torch.arange(seq)[None]
 
 
-def family_of(config) -> str:
-    """``gpt2`` for GPT-2 configs, else ``llama`` (any ``model.layers`` decoder)."""
-    return "gpt2" if config.model_type == "gpt2" else "llama"
-
-
 def _get(module: nn.Module, path: str) -> nn.Module:
     for part in path.split("."):
         module = getattr(module, part)
@@ -438,7 +448,7 @@ def prepare_layouts(model_path: Path, layers: LayerRange, *, dtype: str = "float
     skeleton = _meta_model(config, DTYPES[dtype])
     modules: list[nn.Module] = []
     if quantization in ("bfloat16", "float32"):
-        all_layers = _get(skeleton, FAMILIES[family_of(config)].layers_path)
+        all_layers = _get(skeleton, family_of(config).layers_path)
         modules += [all_layers[i] for i in range(layers.start, min(layers.end, len(all_layers)))]
     if (layers.start == 0) if load_head is None else load_head:
         modules.append(skeleton.get_output_embeddings())
@@ -480,7 +490,7 @@ class ShardModel:
             raise ModelSourceError(f"shard {layers} beyond the model's {self.num_layers} layers")
         self.layers = layers
         self.dtype = DTYPES[dtype]
-        self.family = FAMILIES[family_of(self.config)]
+        self.family = family_of(self.config)
         self.is_entry = layers.start == 0 if load_head is None else load_head
         skeleton = _meta_model(self.config, self.dtype)
         _register_attention()

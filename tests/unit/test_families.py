@@ -1,0 +1,134 @@
+"""Model families (meshnet.models.families): each certified by split parity, unknown types refused.
+
+Split parity: a tiny seeded model of the family, split at every layer boundary into an entry
+shard ``[0, b)`` (embeddings, LM head) and a second shard ``[b, L)``, runs a prompt longer than
+any sliding window as chunked prefill and then decodes token by token, one session alone and
+two sessions batched; the float32 logits at every position equal the unsplit transformers
+model's.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from meshnet.errors import ModelSourceError
+from meshnet.layers import LayerRange
+from meshnet.models.families import FAMILIES, FULL, SLIDING, family_of, layer_kinds
+
+#: 13 prompt tokens (longer than the tiny sliding windows of 6), prefilled in chunks of 5, then 4 decoded
+PROMPT = [5, 17, 300, 42, 7, 99, 123, 64, 8, 250, 31, 77, 410]
+DECODED = [12, 501, 3, 88]
+OTHER = [9, 400, 23, 11, 301, 6, 44, 45, 46]  # a second session's prompt, of another length
+CHUNK = 5
+ATOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def family_model(tmp_path_factory):
+    """``family_model(name) -> (path, the unsplit transformers model)``, built once per family."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from meshnet.models.sources import byte_tokenizer
+
+    built: dict = {}
+
+    def get(name: str):
+        if name not in built:
+            cfg = dict(FAMILIES[name].tiny_config)
+            config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config).eval()
+            path = tmp_path_factory.mktemp(f"family-{name}")
+            model.save_pretrained(path)
+            byte_tokenizer(config.vocab_size).save_pretrained(path)
+            reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            built[name] = (path, reference)
+        return built[name]
+
+    return get
+
+
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def split_logits(entry, rest, ids: list[int], decode_from: int) -> torch.Tensor:
+    """Logits of ``ids`` through ``entry`` then ``rest``: chunked prefill up to ``decode_from``,
+    then one token per step (each shard with its own cache, as two nodes hold them)."""
+    from meshnet.models.shard import KVCache
+
+    caches, out = (KVCache(), KVCache()), []
+    steps = [(p, ids[p:min(p + CHUNK, decode_from)]) for p in range(0, decode_from, CHUNK)]
+    steps += [(p, [ids[p]]) for p in range(decode_from, len(ids))]
+    for position, chunk in steps:
+        hidden = entry.forward(entry.embed_tokens(torch.tensor([chunk]), position), caches[0], position)
+        if rest is not None:
+            hidden = rest.forward(hidden, caches[1], position)
+        out.append(entry.logits(hidden)[0])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_split_of_the_family_gives_the_unsplit_models_logits(family_model, name):
+    from meshnet.models.shard import ShardModel
+
+    path, reference = family_model(name)
+    ids = PROMPT + DECODED
+    expected = reference_logits(reference, ids)
+    layers = reference.config.num_hidden_layers
+    for boundary in range(1, layers + 1):
+        entry = ShardModel(path, LayerRange(0, boundary), dtype="float32")
+        rest = ShardModel(path, LayerRange(boundary, layers), dtype="float32", load_head=False) \
+            if boundary < layers else None
+        got = split_logits(entry, rest, ids, len(PROMPT))
+        assert_close(got, expected, atol=ATOL, rtol=0, msg=lambda m: f"{name} split at {boundary}: {m}")
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_batched_decode_step_of_sessions_of_different_lengths_gives_each_its_own_logits(family_model, name):
+    from meshnet.models.shard import KVCache, ShardModel
+
+    path, reference = family_model(name)
+    layers = reference.config.num_hidden_layers
+    entry = ShardModel(path, LayerRange(0, 2), dtype="float32")
+    rest = ShardModel(path, LayerRange(2, layers), dtype="float32", load_head=False)
+    prompts, nxt = [PROMPT, OTHER], [DECODED[0], DECODED[1]]
+    caches = [(KVCache(), KVCache()) for _ in prompts]
+    for (a, b), prompt in zip(caches, prompts):
+        rest.forward(entry.forward(entry.embed_tokens(torch.tensor([prompt]), 0), a, 0), b, 0)
+    positions = [len(p) for p in prompts]
+    hidden = entry.forward_batch(entry.embed_tokens(torch.tensor([[t] for t in nxt]), positions),
+                                 [a for a, _ in caches], positions)
+    hidden = rest.forward_batch(hidden, [b for _, b in caches], positions)
+    got = entry.logits(hidden)[:, -1]
+    for row, (prompt, token) in enumerate(zip(prompts, nxt)):
+        assert_close(got[row], reference_logits(reference, prompt + [token])[-1], atol=ATOL, rtol=0,
+                     msg=lambda m: f"{name} row {row}: {m}")
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_next", "mixtral", "mystery", None])
+def test_a_model_type_no_family_serves_is_refused_naming_the_supported_ones(model_type):
+    with pytest.raises(ModelSourceError, match=f"model type {model_type!r} is not supported") as info:
+        family_of(types.SimpleNamespace(model_type=model_type))
+    assert "gpt2, llama, mistral, qwen2, qwen3" in info.value.hint
+
+
+def test_families_are_chosen_by_model_type():
+    assert [family_of(types.SimpleNamespace(model_type=t)).name for t in ("llama", "gpt2", "qwen2")] == \
+        ["llama", "gpt2", "qwen2"]
+
+
+@pytest.mark.parametrize("config, kinds", [
+    ({"num_hidden_layers": 3}, [FULL] * 3),
+    ({"num_hidden_layers": 2, "sliding_window": 4096}, [SLIDING] * 2),
+    ({"num_hidden_layers": 3, "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention",
+                                                                    "full_attention"]}, [FULL, SLIDING, FULL]),
+    ({"n_layer": 2}, [FULL] * 2),
+])
+def test_layer_kinds_follow_the_configs_layer_types(config, kinds):
+    assert layer_kinds(types.SimpleNamespace(**config)) == kinds
