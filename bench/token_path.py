@@ -42,8 +42,10 @@ def chunk_times(url: str, tokens: int) -> tuple[float, list[float]]:
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
-            if line.startswith("data: {") and '"content"' in line:
-                arrivals.append(time.time())
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("delta", {}).get("content"):  # not the role-only first chunk
+                    arrivals.append(time.time())
     return sent, arrivals
 
 
@@ -84,7 +86,8 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="meshnet-token-path-") as tmp:
         trace_dir = Path(tmp)
-        mesh = LocalMesh(trace_dir / "logs", env={"MESHNET_TRACE_DIR": str(trace_dir)})
+        # heartbeats every 5 s: a token's window (tens of ms) rarely holds one
+        mesh = LocalMesh(trace_dir / "logs", heartbeat_s=5.0, env={"MESHNET_TRACE_DIR": str(trace_dir)})
         try:
             mesh.start_tracker(MODEL)
             for name, (start, end) in NODES.items():
