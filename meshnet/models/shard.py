@@ -25,7 +25,6 @@ import functools
 import importlib
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch

@@ -48,7 +48,7 @@ from starlette.routing import Route, WebSocketRoute
 
 from meshnet import wire
 from meshnet.drain import Drain, DrainMiddleware
-from meshnet.errors import Forbidden, InvalidRequest, MeshnetError, NotFound, Unauthorized
+from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.gateway import openai_api
 from meshnet.gateway.chain import ChainInbox
 from meshnet.dataplane.transport import StreamPool
@@ -64,11 +64,11 @@ from meshnet.node.readiness import gather_facts, node_readiness
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.sessions import SessionStore
 from meshnet.node.settings import NodeSettings
-from meshnet.node.streams import ChainHost, stream_endpoint, verify_hop_ticket
+from meshnet.node.callers import asked_by_tracker, check_release, check_ticket
+from meshnet.node.streams import ChainHost, stream_endpoint
 from meshnet.protocol.control import CapabilityReport, DoctorResponse, QuarantineReport
 from meshnet.protocol.route import Route as MeshRoute
-from meshnet.protocol.signing import decode_public_key, signer_of, verify_request
-from meshnet.protocol.tickets import HEADER_TICKET, VerifiedTickets, check_hop, read_ticket
+from meshnet.protocol.tickets import VerifiedTickets
 from meshnet.protocol.traffic import NodeTraffic
 from meshnet.presets import canonical_model_name, model_aliases
 
@@ -148,78 +148,6 @@ async def forward(request: Request) -> Response:
     if request.headers.get("X-Meshnet-Last-Only") == "1":
         out = out[:, -1:]
     return Response(await wire.encode_async(out, dtype=hidden.dtype), media_type="application/octet-stream")
-
-
-def check_ticket(node: NodeContext, request: Request, session: str, layers: LayerRange, model: str | None) -> None:
-    """A hop call's ticket, when the node has a tracker key: signed by the tracker, not expired, and
-    naming this node for exactly ``layers`` of ``session`` (and ``model`` when the call names one).
-
-    Raises:
-        Unauthorized (401): the ticket is missing, invalid or expired.
-        Forbidden (403 ``ticket_scope``): it does not cover this call.
-    """
-    verify_hop_ticket(node, request.headers.get(HEADER_TICKET), session, layers, model)
-
-
-def check_release(node: NodeContext, request: Request, session: str) -> None:
-    """A release, when the node has a tracker key: the session's valid ticket, naming this node, and
-    the call signed by the entry node that ticket names (ADR-0038).
-
-    Raises:
-        Unauthorized (401): the ticket is missing, invalid or expired, or the call is unsigned, stale
-            or not signed by the ticket's entry key.
-        Forbidden (403): the ticket is for another session or does not name this node, or the call
-            is signed by another node than the ticket's entry.
-    """
-    if node.tracker_key is None:
-        return
-    claims = read_ticket(request.headers.get(HEADER_TICKET), node.tracker_key)
-    if claims.session != session:
-        raise Forbidden(f"the ticket is for session {claims.session}, not {session}", code="ticket_scope")
-    if not any(h.node_id == node.settings.node_id for h in claims.hops):
-        raise Forbidden(f"the ticket of session {session} does not name {node.settings.node_id}", code="ticket_scope")
-    signer = signer_of(request.headers)
-    if signer != claims.entry:
-        raise Forbidden(f"only the session's entry node {claims.entry} may release it, not {signer}",
-                        code="not_your_session")
-    verify_signed_call(node, decode_public_key(claims.entry_key), request)
-
-
-def verify_signed_call(node: NodeContext, key, request: Request) -> None:
-    """Check that a bodiless call is signed with ``key`` (ADR-0035) for the path the caller called:
-    this node's own path, or its advertised endpoint's path followed by it (through a relay, the
-    relayed endpoint's path comes first).
-
-    Raises:
-        Unauthorized (401): unsigned, stale, or not signed with ``key``.
-    """
-    try:
-        verify_request(key, request.headers, request.method, request.url.path, b"")
-    except Unauthorized:
-        prefix = advertised_path(node)
-        if not prefix:
-            raise
-        verify_request(key, request.headers, request.method, prefix + request.url.path, b"")
-
-
-def asked_by_tracker(node: NodeContext, request: Request) -> bool:
-    """Whether ``request`` comes from this node's tracker: signed with the tracker's key (ADR-0049),
-    or the node has no tracker key (a mesh without tickets: nothing is kept from anyone)."""
-    if node.tracker_key is None:
-        return True
-    try:
-        verify_signed_call(node, node.tracker_key, request)
-    except (Unauthorized, InvalidRequest):
-        return False
-    return True
-
-
-def advertised_path(node: NodeContext) -> str:
-    """The path part of the endpoint this node advertises ("" for ``http://host:port``): a relayed
-    node's ``/v1/relay/{node_id}`` (ADR-0045), or a reverse proxy's prefix given in ``--public-url``."""
-    agent = node.agent
-    endpoint = getattr(agent, "endpoint", None) or node.settings.endpoint
-    return httpx.URL(endpoint).path.rstrip("/")
 
 
 async def release_session(request: Request) -> JSONResponse:

@@ -32,13 +32,11 @@ from functools import cached_property
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from meshnet import wire
+from meshnet.node.callers import verify_hop_ticket
 from meshnet.errors import Forbidden, MeshnetError, SessionConflict, TicketExpired
-from meshnet.layers import LayerRange
-from meshnet.presets import canonical_model_name
 from meshnet.protocol.route import Hop
 from meshnet.dataplane.messages import READS_BUNDLES, ChainError, ChainOpen, Kind, Message, pack, same_key, unbundle, \
     unpack
-from meshnet.protocol.tickets import check_hop
 
 log = logging.getLogger(__name__)
 
@@ -67,21 +65,6 @@ class HopChain:
         from the OPEN, not on every step."""
         hops = self.opened.hops
         return Hop.from_json(hops[self.index + 1]) if self.index + 1 < len(hops) else None
-
-
-def verify_hop_ticket(node, token: str | None, session: str, layers: LayerRange, model: str | None):
-    """The verified claims of a hop's ``token`` when the node has a tracker key (None otherwise).
-
-    Raises:
-        Unauthorized (401): the ticket is missing, invalid or expired.
-        Forbidden (403 ``ticket_scope``): it does not name this node for exactly ``layers`` of ``session``.
-    """
-    if node.tracker_key is None:
-        return None
-    claims = node.tickets.read(token, node.tracker_key)
-    check_hop(claims, node_id=node.settings.node_id, session=session, layers=layers,
-              model=None if model is None else canonical_model_name(model))
-    return claims
 
 
 class ChainHost:

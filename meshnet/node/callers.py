@@ -1,0 +1,123 @@
+"""Who may call a node, and what they may see (ADR-0035, ADR-0038, ADR-0049).
+
+- A hop call (``POST /v1/forward``, a stream's OPEN) needs the session's ticket naming this node
+  for exactly the asked layers (:func:`verify_hop_ticket`, :func:`check_ticket`).
+- A release needs the session's ticket and a call signed by the entry node it names
+  (:func:`check_release`).
+- Session ids in ``/v1/traffic`` are shown only to a call signed by the node's tracker
+  (:func:`asked_by_tracker`).
+
+A node without a tracker key (tests, a standalone node) checks none of these.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from starlette.requests import Request
+
+from meshnet.errors import Forbidden, InvalidRequest, Unauthorized
+from meshnet.layers import LayerRange
+from meshnet.node.settings import NodeSettings
+from meshnet.presets import canonical_model_name
+from meshnet.protocol.signing import decode_public_key, signer_of, verify_request
+from meshnet.protocol.tickets import HEADER_TICKET, TicketClaims, VerifiedTickets, check_hop, read_ticket
+
+
+class Caller(Protocol):
+    """What these checks read of a node (its :class:`meshnet.node.app.NodeContext`)."""
+
+    settings: NodeSettings
+    tracker_key: Ed25519PublicKey | None
+    tickets: VerifiedTickets
+    agent: object | None  # its endpoint may carry a relay's path (ADR-0045)
+
+
+def verify_hop_ticket(node: Caller, token: str | None, session: str, layers: LayerRange,
+                      model: str | None) -> TicketClaims | None:
+    """The verified claims of a hop's ``token`` when the node has a tracker key (None otherwise).
+
+    Raises:
+        Unauthorized (401): the ticket is missing, invalid or expired.
+        Forbidden (403 ``ticket_scope``): it does not name this node for exactly ``layers`` of ``session``.
+    """
+    if node.tracker_key is None:
+        return None
+    claims = node.tickets.read(token, node.tracker_key)
+    check_hop(claims, node_id=node.settings.node_id, session=session, layers=layers,
+              model=None if model is None else canonical_model_name(model))
+    return claims
+
+
+def check_ticket(node: Caller, request: Request, session: str, layers: LayerRange, model: str | None) -> None:
+    """A hop call's ticket, when the node has a tracker key: signed by the tracker, not expired, and
+    naming this node for exactly ``layers`` of ``session`` (and ``model`` when the call names one).
+
+    Raises:
+        Unauthorized (401): the ticket is missing, invalid or expired.
+        Forbidden (403 ``ticket_scope``): it does not cover this call.
+    """
+    verify_hop_ticket(node, request.headers.get(HEADER_TICKET), session, layers, model)
+
+
+def check_release(node: Caller, request: Request, session: str) -> None:
+    """A release, when the node has a tracker key: the session's valid ticket, naming this node, and
+    the call signed by the entry node that ticket names (ADR-0038).
+
+    Raises:
+        Unauthorized (401): the ticket is missing, invalid or expired, or the call is unsigned, stale
+            or not signed by the ticket's entry key.
+        Forbidden (403): the ticket is for another session or does not name this node, or the call
+            is signed by another node than the ticket's entry.
+    """
+    if node.tracker_key is None:
+        return
+    claims = read_ticket(request.headers.get(HEADER_TICKET), node.tracker_key)
+    if claims.session != session:
+        raise Forbidden(f"the ticket is for session {claims.session}, not {session}", code="ticket_scope")
+    if not any(h.node_id == node.settings.node_id for h in claims.hops):
+        raise Forbidden(f"the ticket of session {session} does not name {node.settings.node_id}", code="ticket_scope")
+    signer = signer_of(request.headers)
+    if signer != claims.entry:
+        raise Forbidden(f"only the session's entry node {claims.entry} may release it, not {signer}",
+                        code="not_your_session")
+    verify_signed_call(node, decode_public_key(claims.entry_key), request)
+
+
+def verify_signed_call(node: Caller, key, request: Request) -> None:
+    """Check that a bodiless call is signed with ``key`` (ADR-0035) for the path the caller called:
+    this node's own path, or its advertised endpoint's path followed by it (through a relay, the
+    relayed endpoint's path comes first).
+
+    Raises:
+        Unauthorized (401): unsigned, stale, or not signed with ``key``.
+    """
+    try:
+        verify_request(key, request.headers, request.method, request.url.path, b"")
+    except Unauthorized:
+        prefix = advertised_path(node)
+        if not prefix:
+            raise
+        verify_request(key, request.headers, request.method, prefix + request.url.path, b"")
+
+
+def asked_by_tracker(node: Caller, request: Request) -> bool:
+    """Whether ``request`` comes from this node's tracker: signed with the tracker's key (ADR-0049),
+    or the node has no tracker key (a mesh without tickets: nothing is kept from anyone)."""
+    if node.tracker_key is None:
+        return True
+    try:
+        verify_signed_call(node, node.tracker_key, request)
+    except (Unauthorized, InvalidRequest):
+        return False
+    return True
+
+
+def advertised_path(node: Caller) -> str:
+    """The path part of the endpoint this node advertises ("" for ``http://host:port``): a relayed
+    node's ``/v1/relay/{node_id}`` (ADR-0045), or a reverse proxy's prefix given in ``--public-url``."""
+    agent = node.agent
+    endpoint = getattr(agent, "endpoint", None) or node.settings.endpoint
+    return httpx.URL(endpoint).path.rstrip("/")
