@@ -25,14 +25,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-
-import httpx
+from dataclasses import dataclass
 
 from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed, MeshnetError, WireError
-from meshnet.gateway.deadlines import DeadlinePolicy, StepTimes, deadline_s
-from meshnet.gateway.entry import Activation, ActivationCodec
-from meshnet.gateway.hops import ABANDONED_RELEASE_TIMEOUT_S, RELEASE_TIMEOUT_S, FailoverListener, FailureReporter, \
-    RouteProvider, probe_hop, release_soon
+from meshnet.gateway.deadlines import StepTimes, deadline_s
+from meshnet.gateway.entry import Activation
+from meshnet.gateway.remote import ABANDONED_RELEASE_TIMEOUT_S, RELEASE_TIMEOUT_S, FailoverListener, RemoteContext, \
+    probe_hop, release_soon, report_soon
 from meshnet.gateway.replay import rechunk
 from meshnet.dataplane.transport import StreamPool
 from meshnet.layers import LayerRange
@@ -41,8 +40,6 @@ from meshnet.dataplane.messages import FLAG_LAST_ONLY, FLAG_NO_RESULT, ChainErro
     new_chain_id, new_chain_key, pack, same_key
 
 log = logging.getLogger(__name__)
-
-_reports: set[asyncio.Task] = set()  # failure reports in flight (kept referenced until they end)
 
 #: the code of a hop that answers its probe but no longer holds the chain: kept out of this
 #: session's new routes, not reported (it may be healthy: restarted, or unable to reach the entry)
@@ -73,6 +70,18 @@ class ChainInbox:
         return len(self._chains)
 
 
+@dataclass(frozen=True)
+class ChainEnd:
+    """An entry node as its chains see it: its ``node_id`` and ``endpoint`` (the last hop returns
+    results there, any hop sends errors there), its outbound stream ``pool`` and the ``inbox`` its
+    stream endpoint hands RESULT and ERROR messages to (both None: no hop streams, the HTTP path)."""
+
+    node_id: str
+    endpoint: str
+    pool: StreamPool | None = None
+    inbox: ChainInbox | None = None
+
+
 def _describe(hop: Hop) -> str:
     return f"hop {hop.node_id} at {hop.endpoint} (layers {hop.layers})"
 
@@ -81,37 +90,26 @@ class ChainRoute:
     """The remote part of one session's route, driven as a chain of hop streams.
 
     Args:
-        pool: the node's outbound streams; ``inbox``: where this node's stream endpoint hands
-            RESULT and ERROR messages.
-        client: httpx client for liveness probes and session releases.
-        model: the model's name; ``entry_id``/``entry_endpoint``: this node (results come back there).
+        ctx: the entry's link to the mesh and hop settings (:class:`RemoteContext`).
+        end: this entry node as its chains see it (:class:`ChainEnd`: results come back there).
         route: the first route over ``layers`` (its ticket for ``chain_id``).
+        layers: the remote layers the chain covers.
         chain_id: the session id the hops use for the first chain (32 hex characters).
-        routes, report: tracker callbacks (new routes, failure reports).
-        codec: activations to and from frames.
-        timeout_s: the longest a step may take while every hop answers probes, seconds.
-        max_failovers: chain replacements per step before giving up.
-        deadlines: when a step is late enough to probe the hops (:class:`DeadlinePolicy`).
-        replay_chunk_tokens: tokens per replay chunk (the prefill chunk, 128).
-        release_auth: signs session releases as this node (ADR-0038; None: unsigned).
         on_failover: told of the failed hop and the new chain's hops over its layers after each
             chain replacement (the traffic log, ADR-0046; None: nobody).
     """
 
-    def __init__(self, *, pool: StreamPool, inbox: ChainInbox, client: httpx.AsyncClient, model: str,
-                 entry_id: str, entry_endpoint: str, route: Route, layers: LayerRange, chain_id: str,
-                 routes: RouteProvider, report: FailureReporter, codec: ActivationCodec,
-                 timeout_s: float = 60.0, max_failovers: int = 3, deadlines: DeadlinePolicy = DeadlinePolicy(),
-                 replay_chunk_tokens: int = 128, release_auth: httpx.Auth | None = None,
+    def __init__(self, ctx: RemoteContext, end: "ChainEnd", *, route: Route, layers: LayerRange, chain_id: str,
                  on_failover: FailoverListener | None = None) -> None:
-        self.pool, self.inbox, self.client = pool, inbox, client
+        link = ctx.link
+        self.pool, self.inbox, self.client = end.pool, end.inbox, link.client
         self.on_failover = on_failover
-        self.model, self.entry_id, self.entry_endpoint = model, entry_id, entry_endpoint
+        self.model, self.entry_id, self.entry_endpoint = ctx.model, end.node_id, end.endpoint
         self.layers = layers
-        self.routes, self.report, self.codec = routes, report, codec
-        self.timeout_s, self.max_failovers, self.deadlines = timeout_s, max_failovers, deadlines
-        self.replay_chunk_tokens, self.release_auth = replay_chunk_tokens, release_auth
-        self.times = StepTimes(deadlines.ema_alpha)
+        self.routes, self.report, self.codec = link.routes, link.report, ctx.codec
+        self.timeout_s, self.max_failovers, self.deadlines = ctx.timeout_s, ctx.max_failovers, ctx.deadlines
+        self.replay_chunk_tokens, self.release_auth = ctx.replay_chunk_tokens, link.release_auth
+        self.times = StepTimes(ctx.deadlines.ema_alpha)
         #: everything sent so far, contiguous from position 0: ``(position, frame, tokens, flags)``
         self.history: list[tuple[int, bytes, int, int]] = []
         self.sent_len = 0
@@ -325,15 +323,7 @@ class ChainRoute:
         self.failed.add(exc.node_id)
         if isinstance(exc, HopBusy) or exc.code == CHAIN_LOST:
             return
-        task = asyncio.get_running_loop().create_task(self._report(exc.node_id, exc.message))
-        _reports.add(task)
-        task.add_done_callback(_reports.discard)
-
-    async def _report(self, node_id: str, reason: str) -> None:
-        try:
-            await self.report(node_id, reason)
-        except Exception:  # noqa: BLE001 - a lost report must not fail the generation
-            log.warning("could not report the failure of %s", node_id, exc_info=True)
+        report_soon(self.report, exc.node_id, exc.message)
 
     async def _failover(self, epoch: int, exc: HopFailed, also: list[str] = (), frozen: bool = False) -> None:
         """Replace the chain of ``epoch`` (once, however many steps saw it fail): exclude and

@@ -35,36 +35,20 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 import httpx
 
 from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed, MeshnetError
-from meshnet.gateway.deadlines import DeadlinePolicy, StepTimes, deadline_s
+from meshnet.gateway.deadlines import StepTimes, deadline_s
 from meshnet.gateway.entry import Activation, ActivationCodec
+from meshnet.gateway.remote import ABANDONED_RELEASE_TIMEOUT_S, RELEASE_TIMEOUT_S, FailoverListener, RemoteContext, \
+    Touched, probe_hop, release_soon
 from meshnet.gateway.replay import rechunk
 from meshnet.layers import LayerRange
 from meshnet.protocol.route import Hop, Route
 from meshnet.protocol.tickets import HEADER_TICKET
 
 log = logging.getLogger(__name__)
-
-
-#: async (model, layers, exclude node ids, session id) -> hops covering exactly ``layers`` and their ticket
-RouteProvider = Callable[[str, LayerRange, frozenset[str], str], Awaitable[Route]]
-#: async (node id, reason) -> None; tells the tracker a hop failed
-FailureReporter = Callable[[str, str], Awaitable[None]]
-#: (failed hop, its replacement hops, why it failed) -> None; told after each failover (the traffic log)
-FailoverListener = Callable[[Hop, list[Hop], str], None]
-
-
-#: seconds a release of a hop still in the route may take (it answered a moment ago)
-RELEASE_TIMEOUT_S = 5.0
-#: seconds a release of an excluded hop may wait: a frozen node that resumes within it frees the
-#: session at once instead of holding it until its TTL (300 s); nothing waits for it meanwhile
-ABANDONED_RELEASE_TIMEOUT_S = 60.0
-
-_releases: set[asyncio.Task] = set()  # releases in flight (kept referenced until they end)
 
 
 @dataclass
@@ -141,43 +125,6 @@ async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, sessi
     return resp.content, out
 
 
-#: where a session was opened: ``(endpoint, ticket naming that node or None)``
-Touched = tuple[str, "str | None"]
-
-
-async def _delete_session(client: httpx.AsyncClient, endpoint: str, ticket: str | None, session_id: str,
-                          timeout_s: float, auth: httpx.Auth | None) -> None:
-    headers = {HEADER_TICKET: ticket} if ticket else {}
-    try:
-        async with asyncio.timeout(timeout_s):  # in-process transports ignore httpx's own timeout
-            await client.delete(f"{endpoint}/v1/sessions/{session_id}", timeout=timeout_s, headers=headers,
-                                **({"auth": auth} if auth is not None else {}))
-    except Exception:  # noqa: BLE001 - best effort: an unreachable hop expires the session by its TTL
-        log.debug("could not release session %s at %s", session_id, endpoint, exc_info=True)
-
-
-def release_soon(client: httpx.AsyncClient, touched: list[Touched], session_id: str, timeout_s: float,
-                 auth: httpx.Auth | None = None) -> None:
-    """Start ``DELETE {endpoint}/v1/sessions/{session_id}`` on each ``(endpoint, ticket)`` in the
-    background and return at once (never raises, never waits: a frozen node must not hold up
-    anyone). ``timeout_s``: how long each release may wait for its answer, seconds; ``auth``
-    signs the release as the entry node (ADR-0038; None: unsigned)."""
-    loop = asyncio.get_running_loop()
-    for endpoint, ticket in touched:
-        task = loop.create_task(_delete_session(client, endpoint, ticket, session_id, timeout_s, auth))
-        _releases.add(task)
-        task.add_done_callback(_releases.discard)
-
-
-async def settle_releases(timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` seconds for the background releases of this event loop to end
-    (tests; a service that wants its releases sent before it closes its client)."""
-    loop = asyncio.get_running_loop()
-    pending = [t for t in _releases if t.get_loop() is loop]
-    if pending:
-        await asyncio.wait(pending, timeout=timeout_s)
-
-
 def _settle(call: asyncio.Future) -> None:
     """Cancel an abandoned call; mark its outcome as seen when it had already ended."""
     if not call.done():
@@ -186,65 +133,33 @@ def _settle(call: asyncio.Future) -> None:
         call.exception()
 
 
-async def probe_hop(client: httpx.AsyncClient, hop: Hop, limit_s: float, chain_id: str | None = None) -> bool | None:
-    """The liveness probe of a hop that missed its deadline (ADR-0036): ``GET /v1/health`` within
-    ``limit_s`` seconds. None: no answer in time (refused, reset, silent). Otherwise True, or
-    False when asked about hop stream chain ``chain_id`` and the node answers that it does not
-    hold it (ADR-0040; a node that does not say is taken to hold it)."""
-    try:
-        async with asyncio.timeout(limit_s):
-            resp = await client.get(f"{hop.endpoint}/v1/health", timeout=limit_s,
-                                    params=None if chain_id is None else {"chain": chain_id})
-    except Exception:  # noqa: BLE001 - no answer in time, refused, reset: not alive
-        return None
-    if chain_id is None:
-        return True
-    try:
-        body = resp.json()
-    except ValueError:  # alive, but not a JSON answer (a proxy's error page): nothing known of the chain
-        return True
-    return not (isinstance(body, dict) and body.get("chain") is False)
-
-
 class RemoteRoute:
     """The remote part of one session's route, with deadlines and failover.
 
     Args:
-        client: shared httpx client.
-        model: model id sent in ``X-Meshnet-Model``.
+        ctx: the entry's link to the mesh and hop settings (:class:`RemoteContext`; ``timeout_s``
+            is per hop call here).
         session_id: id of the generation (``X-Meshnet-Session``).
-        hops: initial hops, in layer order.
-        routes: provider of replacement hops; ``report``: failure reporter.
-        codec: activations to and from frames (the entry node's :class:`ActivationCodec`).
-        timeout_s: per hop call, seconds (the ceiling for a slow but live hop);
-            ``connect_timeout_s``: to connect to a hop, seconds.
-        max_failovers: replacements per hop call before giving up.
-        deadlines: when to probe a hop that takes longer than usual (:class:`DeadlinePolicy`).
-        replay_chunk_tokens: tokens per replay call to a replacement (the prefill chunk, 128).
-        release_auth: signs session releases as the entry node (its key; None: unsigned).
+        route: the initial hops, in layer order, and their ticket.
         on_failover: told of each hop replaced, once its replacement has taken the replay (or None).
         spot_check: checks this session's first call to each hop against other holders; given only
             for a session the caller drew for checking (ADR-0042, :mod:`meshnet.gateway.spotcheck`;
             None: not checked).
     """
 
-    def __init__(self, client: httpx.AsyncClient, *, model: str, session_id: str, route: Route,
-                 routes: RouteProvider, report: FailureReporter, codec: ActivationCodec,
-                 timeout_s: float = 60.0, connect_timeout_s: float = 5.0, max_failovers: int = 3,
-                 deadlines: DeadlinePolicy = DeadlinePolicy(), replay_chunk_tokens: int = 128,
-                 release_auth: httpx.Auth | None = None, on_failover: FailoverListener | None = None,
-                 spot_check=None) -> None:
-        self.client, self.model, self.session_id = client, model, session_id
+    def __init__(self, ctx: RemoteContext, *, session_id: str, route: Route,
+                 on_failover: FailoverListener | None = None, spot_check=None) -> None:
+        self.ctx, self.session_id = ctx, session_id
+        link = ctx.link
+        self.client, self.model, self.release_auth = link.client, ctx.model, link.release_auth
+        self.routes, self.report, self.codec = link.routes, link.report, ctx.codec
+        self.deadlines, self.max_failovers = ctx.deadlines, ctx.max_failovers
+        self.replay_chunk_tokens = ctx.replay_chunk_tokens
+        self.timeout = httpx.Timeout(ctx.timeout_s, connect=min(ctx.connect_timeout_s, ctx.timeout_s))
         self.on_failover = on_failover
         self.spot_check = spot_check  # this session was drawn for a spot-check (the caller draws)
-        self.deadlines = deadlines
-        self.release_auth = release_auth
         hops = route.hops
         self.states = [self._new_state(h, route.ticket) for h in hops]
-        self.routes, self.report = routes, report
-        self.codec, self.max_failovers = codec, max_failovers
-        self.replay_chunk_tokens = replay_chunk_tokens
-        self.timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
         self.failed: set[str] = set()   # nodes excluded from this session's routes (failed or busy)
         self.failovers = 0
         self.deadline_misses = 0         # calls failed over because the hop froze

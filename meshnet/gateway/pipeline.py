@@ -21,15 +21,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from meshnet.gateway.chain import ChainInbox, ChainRoute
+from meshnet.gateway.chain import ChainEnd, ChainRoute
 from meshnet.gateway.deadlines import DeadlinePolicy
 from meshnet.gateway.entry import Activation, EntryLayers, GenerationObserver, TokenChooser, TokenLogprob
-from meshnet.gateway.hops import FailureReporter, Hop, RemoteRoute, RouteProvider
+from meshnet.gateway.hops import RemoteRoute
+from meshnet.gateway.remote import MeshLink, RemoteContext
 from meshnet.gateway.traffic import TrafficLog
 from meshnet.gateway.spotcheck import SpotChecker
-from meshnet.dataplane.transport import StreamPool
 from meshnet.layers import LayerRange
 from meshnet.protocol.openai import SamplingParams
+from meshnet.protocol.route import Hop
 
 log = logging.getLogger(__name__)
 
@@ -84,32 +85,27 @@ class Orchestrator:
 
     Args:
         entry: the entry node's layers, LM head and tokenizer (:class:`EntryLayers`).
-        node_id, endpoint: this node, shown as the first hop of every route.
-        client: httpx client for hops; ``routes``/``report``: tracker callbacks.
+        end: this node (shown as the first hop of every route), with its hop stream pool and
+            inbox when it has them (:class:`ChainEnd`): then, with ``settings.chain``, the remote
+            hops run as a chain.
+        link: how this node reaches the mesh (:class:`MeshLink`: client, tracker callbacks, the
+            signature on releases).
         observer: counts generations started and finished (the node's metrics), or None.
-        release_auth: httpx auth that signs session releases as this node (ADR-0038), or None.
         traffic: the node's log of sessions in flight and failovers (ADR-0046), or None.
         spot_check: re-runs a share of sessions' first hop calls on other holders (ADR-0042,
             :class:`meshnet.gateway.spotcheck.SpotChecker`), or None.
-        streams, inbox: the node's hop stream pool and the inbox its stream endpoint delivers
-            results to; with both (and ``settings.chain``) the remote hops run as a chain.
     """
 
-    def __init__(self, entry: EntryLayers, *, node_id: str, endpoint: str, client,
-                 routes: RouteProvider, report: FailureReporter,
+    def __init__(self, entry: EntryLayers, *, end: ChainEnd, link: MeshLink,
                  settings: OrchestratorSettings = OrchestratorSettings(),
-                 observer: GenerationObserver | None = None, release_auth=None,
-                 traffic: TrafficLog | None = None, spot_check: SpotChecker | None = None,
-                 streams: StreamPool | None = None, inbox: ChainInbox | None = None) -> None:
-        self.entry = entry
-        self.node_id, self.endpoint = node_id, endpoint
-        self.client, self.routes, self.report = client, routes, report
+                 observer: GenerationObserver | None = None, traffic: TrafficLog | None = None,
+                 spot_check: SpotChecker | None = None) -> None:
+        self.entry, self.end, self.link = entry, end, link
+        self.node_id, self.endpoint = end.node_id, end.endpoint
         self.settings = settings
         self.observer = observer
-        self.release_auth = release_auth
         self.traffic = traffic
         self.spot_check = spot_check
-        self.streams, self.inbox = streams, inbox
         self.model = entry.model
         self.num_layers = entry.num_layers
         self.tokenizer = entry.tokenizer
@@ -130,17 +126,12 @@ class Orchestrator:
         checked = self.spot_check is not None and self.spot_check.draw()
         on_failover = None if self.traffic is None else \
             (lambda old, new, why: self.traffic.failover(session_id, old, new, why))
-        if s.chain and self.streams is not None and self.inbox is not None and not checked:
-            return ChainRoute(pool=self.streams, inbox=self.inbox, client=self.client, model=self.model,
-                              entry_id=self.node_id, entry_endpoint=self.endpoint, route=route, layers=layers,
-                              chain_id=session_id, routes=self.routes, report=self.report, codec=self.entry.codec,
-                              timeout_s=s.hop_timeout_s, deadlines=s.deadlines, replay_chunk_tokens=s.chunk_tokens,
-                              release_auth=self.release_auth, on_failover=on_failover)
-        return RemoteRoute(self.client, model=self.model, session_id=session_id, route=route,
-                           routes=self.routes, report=self.report, codec=self.entry.codec,
-                           timeout_s=s.hop_timeout_s, connect_timeout_s=s.hop_connect_timeout_s,
-                           deadlines=s.deadlines, replay_chunk_tokens=s.chunk_tokens,
-                           release_auth=self.release_auth, on_failover=on_failover,
+        ctx = RemoteContext(self.link, self.model, self.entry.codec, timeout_s=s.hop_timeout_s,
+                            connect_timeout_s=s.hop_connect_timeout_s, deadlines=s.deadlines,
+                            replay_chunk_tokens=s.chunk_tokens)
+        if s.chain and self.end.pool is not None and self.end.inbox is not None and not checked:
+            return ChainRoute(ctx, self.end, route=route, layers=layers, chain_id=session_id, on_failover=on_failover)
+        return RemoteRoute(ctx, session_id=session_id, route=route, on_failover=on_failover,
                            spot_check=self.spot_check if checked else None)
 
     async def _step(self, session_id: str, remote: RemoteRoute | ChainRoute | None, ids: list[int], position: int,
@@ -188,7 +179,7 @@ class Orchestrator:
         remote = None
         if local_end < self.num_layers:
             layers = LayerRange(local_end, self.num_layers)
-            route = await self.routes(self.model, layers, frozenset(), session_id)
+            route = await self.link.routes(self.model, layers, frozenset(), session_id)
             remote = self._remote(session_id, layers, route)
         chooser: TokenChooser = self.entry.new_chooser(params)
         local_turn, local_len = asyncio.Condition(), [0]

@@ -50,10 +50,11 @@ from meshnet import wire
 from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.gateway import openai_api
-from meshnet.gateway.chain import ChainInbox
+from meshnet.gateway.chain import ChainEnd, ChainInbox
 from meshnet.dataplane.transport import StreamPool
 from meshnet.protocol.http import BodyLimit, http_error
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
+from meshnet.gateway.remote import MeshLink
 from meshnet.gateway.traffic import TrafficLog
 from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.layers import LayerRange
@@ -226,11 +227,10 @@ def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | Non
                                     chain=node.settings.hop_streams)
     entry = LocalEntry(node.runtime, slot, wire_dtype=node.settings.wire_dtype, metrics=node.metrics)
     advertised = getattr(agent, "endpoint", None) or node.settings.endpoint  # relayed: the relay's URL (ADR-0045)
-    return slot.model, Orchestrator(entry, node_id=node.settings.node_id, endpoint=advertised,
-                                    client=node.http, routes=routes, report=report, settings=settings,
-                                    observer=node.metrics, release_auth=getattr(agent, "signer", None),
-                                    traffic=node.traffic, spot_check=node.spot_checker,
-                                    streams=node.streams, inbox=node.inbox)
+    end = ChainEnd(node.settings.node_id, advertised, node.streams, node.inbox)
+    link = MeshLink(node.http, routes, report, getattr(agent, "signer", None))
+    return slot.model, Orchestrator(entry, end=end, link=link, settings=settings, observer=node.metrics,
+                                    traffic=node.traffic, spot_check=node.spot_checker)
 
 
 def spot_checker_for(node: NodeContext) -> SpotChecker:

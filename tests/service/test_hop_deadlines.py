@@ -20,7 +20,9 @@ from asgi_lifespan import LifespanManager
 from meshnet import wire
 from meshnet.errors import HopFailed, NotFound
 from meshnet.gateway.deadlines import DeadlinePolicy
-from meshnet.gateway.hops import settle_releases
+from meshnet.gateway.remote import settle_releases
+from meshnet.gateway.remote import MeshLink
+from meshnet.gateway.chain import ChainEnd
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
 from meshnet.layers import LayerRange
 from meshnet.node.app import build_app
@@ -112,7 +114,7 @@ def orchestrator(runtimes, client, routes, reported: list) -> Orchestrator:
 
     entry = runtimes["entry"]
     return Orchestrator(LocalEntry(entry, next(iter(entry.slots.values())), wire_dtype="float32"),
-                        node_id="entry", endpoint="http://entry", client=client, routes=routes, report=report,
+                        end=ChainEnd("entry", "http://entry"), link=MeshLink(client, routes, report),
                         settings=OrchestratorSettings(chunk_tokens=CHUNK, deadlines=POLICY))
 
 

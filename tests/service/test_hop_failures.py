@@ -22,6 +22,8 @@ from starlette.routing import Route
 from meshnet import wire
 from meshnet.errors import HopFailed, NotFound
 from meshnet.node.entry import LocalEntry
+from meshnet.gateway.remote import MeshLink
+from meshnet.gateway.chain import ChainEnd
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
 from meshnet.protocol.openai import SamplingParams
 from meshnet.layers import LayerRange
@@ -87,8 +89,8 @@ def orchestrator(entry, client, routes, reported: list | None = None, **settings
             reported.append(node_id)
 
     slot = next(iter(entry.slots.values()))
-    return Orchestrator(LocalEntry(entry, slot, wire_dtype="float32"), node_id="entry", endpoint="http://entry",
-                        client=client, routes=routes, report=report,
+    return Orchestrator(LocalEntry(entry, slot, wire_dtype="float32"), end=ChainEnd("entry", "http://entry"),
+                        link=MeshLink(client, routes, report),
                         settings=OrchestratorSettings(chunk_tokens=8, **settings))
 
 

@@ -8,6 +8,7 @@ and ``c2`` [3, 4). The orchestrator drives the entry node's own runtime and stre
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import time
 
@@ -19,7 +20,9 @@ import uvicorn
 from meshnet import wire
 from meshnet.endpoints import free_port
 from meshnet.errors import HopFailed, NotFound
-from meshnet.gateway.hops import settle_releases
+from meshnet.gateway.remote import settle_releases
+from meshnet.gateway.remote import MeshLink
+from meshnet.gateway.chain import ChainEnd
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
 from meshnet.layers import LayerRange
 from meshnet.node.app import build_app
@@ -95,10 +98,10 @@ def orchestrator(nodes, routes, reported: list | None = None, chain: bool = True
             reported.append(node_id)
 
     slot = next(iter(node.runtime.slots.values()))
-    return Orchestrator(LocalEntry(node.runtime, slot, wire_dtype="float32"), node_id="entry", endpoint=endpoint,
-                        client=client or node.http, routes=routes, report=report,
-                        settings=OrchestratorSettings(chunk_tokens=8, chain=chain),
-                        streams=node.streams, inbox=node.inbox)
+    return Orchestrator(LocalEntry(node.runtime, slot, wire_dtype="float32"),
+                        end=ChainEnd("entry", endpoint, node.streams, node.inbox),
+                        link=MeshLink(client or node.http, routes, report),
+                        settings=OrchestratorSettings(chunk_tokens=8, chain=chain))
 
 
 async def generate(orch, max_tokens: int = 6) -> tuple[list[int], GenerationStats]:
@@ -332,7 +335,7 @@ async def test_a_hop_checks_its_ticket_at_open_and_one_that_does_not_cover_it_is
     reported = []
     orch = orchestrator(nodes, ticketed(nodes, ["b", "c"], ["b", "c2"], issuer=TicketIssuer(tracker), bad_for="c"),
                         reported)
-    orch.release_auth = NodeSigner("entry", node_key("entry"))
+    orch.link = dataclasses.replace(orch.link, release_auth=NodeSigner("entry", node_key("entry")))
     got, stats = await generate(orch)
     assert got == monolithic(tiny_hf_model)
     assert reported == ["c"] and stats.failovers == 1  # c answered 403 ticket_scope at OPEN

@@ -19,7 +19,9 @@ from asgi_lifespan import LifespanManager
 from meshnet import wire
 from meshnet.client import NodeSigner
 from meshnet.errors import NotFound
-from meshnet.gateway.hops import settle_releases
+from meshnet.gateway.remote import settle_releases
+from meshnet.gateway.remote import MeshLink
+from meshnet.gateway.chain import ChainEnd
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
 from meshnet.layers import LayerRange
 from meshnet.node.app import build_app
@@ -85,10 +87,10 @@ def orchestrator(runtimes, client, routes, reported: list | None = None) -> Orch
             reported.append(node_id)
 
     entry = runtimes["entry"]
-    return Orchestrator(LocalEntry(entry, next(iter(entry.slots.values())), wire_dtype="float32"), node_id="entry",
-                        endpoint="http://entry", client=client, routes=routes, report=report,
-                        settings=OrchestratorSettings(chunk_tokens=8),
-                        release_auth=NodeSigner("entry", node_key("entry")))
+    return Orchestrator(LocalEntry(entry, next(iter(entry.slots.values())), wire_dtype="float32"),
+                        end=ChainEnd("entry", "http://entry"),
+                        link=MeshLink(client, routes, report, NodeSigner("entry", node_key("entry"))),
+                        settings=OrchestratorSettings(chunk_tokens=8))
 
 
 async def generate(orch) -> tuple[list[int], GenerationStats]:

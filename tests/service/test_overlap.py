@@ -12,6 +12,8 @@ import pytest
 from asgi_lifespan import LifespanManager
 
 from meshnet.node.entry import LocalEntry
+from meshnet.gateway.remote import MeshLink
+from meshnet.gateway.chain import ChainEnd
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
 from meshnet.protocol.openai import SamplingParams
 from meshnet.layers import LayerRange
@@ -47,8 +49,8 @@ def orchestrator(runtimes, client, routes, reported=None):
             reported.append(node_id)
 
     slot = next(iter(runtimes["entry"].slots.values()))
-    return Orchestrator(LocalEntry(runtimes["entry"], slot, wire_dtype="float32"), node_id="entry",
-                        endpoint="http://entry", client=client, routes=routes, report=report,
+    return Orchestrator(LocalEntry(runtimes["entry"], slot, wire_dtype="float32"),
+                        end=ChainEnd("entry", "http://entry"), link=MeshLink(client, routes, report),
                         settings=OrchestratorSettings(chunk_tokens=8))
 
 

@@ -14,6 +14,8 @@ import httpx
 import pytest
 
 from meshnet.errors import NotFound
+from meshnet.gateway.remote import MeshLink
+from meshnet.gateway.chain import ChainEnd
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
 from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.layers import LayerRange
@@ -74,8 +76,8 @@ async def generate(entry, client, routes, *, checked: bool = True):
     checker = SpotChecker(1.0 if checked else 0.0, client=client, routes=routes, report=quarantine,
                           rng=random.Random(0))
     slot = next(iter(entry.slots.values()))
-    orch = Orchestrator(LocalEntry(entry, slot, wire_dtype="float32"), node_id="entry", endpoint="http://entry",
-                        client=client, routes=routes, report=report, settings=OrchestratorSettings(chunk_tokens=8),
+    orch = Orchestrator(LocalEntry(entry, slot, wire_dtype="float32"), end=ChainEnd("entry", "http://entry"),
+                        link=MeshLink(client, routes, report), settings=OrchestratorSettings(chunk_tokens=8),
                         spot_check=checker)
     stats = GenerationStats()
     tokens = [t async for t in orch.generate(PROMPT, SamplingParams(max_tokens=6), stats)]

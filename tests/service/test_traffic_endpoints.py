@@ -10,6 +10,8 @@ import pytest
 from asgi_lifespan import LifespanManager
 
 from meshnet.errors import NotFound
+from meshnet.gateway.remote import MeshLink
+from meshnet.gateway.chain import ChainEnd
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
 from meshnet.gateway.traffic import TrafficLog
 from meshnet.layers import LayerRange
@@ -84,8 +86,8 @@ async def test_the_traffic_log_follows_a_session_through_its_failover(split_mesh
 
     log = TrafficLog("entry", clock=lambda: 1000.0)
     slot = next(iter(entry.slots.values()))
-    orch = Orchestrator(LocalEntry(entry, slot, wire_dtype="float32"), node_id="entry", endpoint="http://entry",
-                        client=client, routes=routes, report=report, traffic=log,
+    orch = Orchestrator(LocalEntry(entry, slot, wire_dtype="float32"), end=ChainEnd("entry", "http://entry"),
+                        link=MeshLink(client, routes, report), traffic=log,
                         settings=OrchestratorSettings(chunk_tokens=8))
     stats, seen = GenerationStats(), []
     async for _ in orch.generate(list(range(3, 20)), SamplingParams(max_tokens=4), stats):

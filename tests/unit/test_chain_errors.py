@@ -6,7 +6,8 @@ from __future__ import annotations
 import httpx
 
 from meshnet.errors import HopBusy, HopFailed
-from meshnet.gateway.chain import ChainInbox, ChainRoute
+from meshnet.gateway.chain import ChainEnd, ChainInbox, ChainRoute
+from meshnet.gateway.remote import MeshLink, RemoteContext
 from meshnet.layers import LayerRange
 from meshnet.protocol.route import Hop, Route
 from meshnet.dataplane.messages import ChainError, Kind, new_chain_id, pack, unpack
@@ -22,9 +23,9 @@ def chain_route() -> ChainRoute:
     async def no_report(*_args, **_kwargs):
         return None
 
-    return ChainRoute(pool=None, inbox=ChainInbox(), client=httpx.AsyncClient(), model="tiny", entry_id="entry",
-                      entry_endpoint="http://127.0.0.1:9000", route=Route(list(HOPS)), layers=LayerRange(10, 30),
-                      chain_id=new_chain_id(), routes=no_route, report=no_report, codec=None)
+    ctx = RemoteContext(MeshLink(httpx.AsyncClient(), no_route, no_report), "tiny", codec=None)
+    return ChainRoute(ctx, ChainEnd("entry", "http://127.0.0.1:9000", None, ChainInbox()), route=Route(list(HOPS)),
+                      layers=LayerRange(10, 30), chain_id=new_chain_id())
 
 
 async def test_an_unreadable_error_blames_the_hop_that_sent_it():

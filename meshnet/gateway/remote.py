@@ -1,0 +1,149 @@
+"""What both remote-hop drivers of a session share (the chain of hop streams,
+:class:`meshnet.gateway.chain.ChainRoute`, and the HTTP path, :class:`meshnet.gateway.hops.RemoteRoute`):
+the entry's link to the mesh and its hop settings (:class:`RemoteContext`), the releases of a
+session's hops, and the liveness probe of a hop that missed its deadline (ADR-0036).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import httpx
+
+from meshnet.gateway.deadlines import DeadlinePolicy
+from meshnet.gateway.entry import ActivationCodec
+from meshnet.layers import LayerRange
+from meshnet.protocol.route import Hop, Route
+from meshnet.protocol.tickets import HEADER_TICKET
+
+log = logging.getLogger(__name__)
+
+
+#: async (model, layers, exclude node ids, session id) -> hops covering exactly ``layers`` and their ticket
+RouteProvider = Callable[[str, LayerRange, frozenset[str], str], Awaitable[Route]]
+#: async (node id, reason) -> None; tells the tracker a hop failed
+FailureReporter = Callable[[str, str], Awaitable[None]]
+#: (failed hop, its replacement hops, why it failed) -> None; told after each failover (the traffic log)
+FailoverListener = Callable[[Hop, list[Hop], str], None]
+
+
+#: seconds a release of a hop still in the route may take (it answered a moment ago)
+RELEASE_TIMEOUT_S = 5.0
+#: seconds a release of an excluded hop may wait: a frozen node that resumes within it frees the
+#: session at once instead of holding it until its TTL (300 s); nothing waits for it meanwhile
+ABANDONED_RELEASE_TIMEOUT_S = 60.0
+
+_releases: set[asyncio.Task] = set()  # releases in flight (kept referenced until they end)
+
+
+@dataclass(frozen=True)
+class MeshLink:
+    """How an entry node reaches the mesh: its HTTP ``client``, the tracker's ``routes`` and failure
+    ``report`` callbacks, and ``release_auth``, which signs session releases as the entry
+    (ADR-0038; None: unsigned)."""
+
+    client: httpx.AsyncClient
+    routes: RouteProvider
+    report: FailureReporter
+    release_auth: httpx.Auth | None = None
+
+
+@dataclass(frozen=True)
+class RemoteContext:
+    """What the remote hops of one session need from their entry.
+
+    Attributes:
+        link: the entry's :class:`MeshLink`; ``model``: the model's name (``X-Meshnet-Model``).
+        codec: activations to and from frames (the entry's :class:`ActivationCodec`).
+        timeout_s: the longest a step may take while its hops answer probes, seconds (the ceiling
+            for a slow but live hop); ``connect_timeout_s``: to connect to a hop, seconds.
+        max_failovers: replacements per step before giving up.
+        deadlines: when a step is late enough to probe its hops (:class:`DeadlinePolicy`, ADR-0036).
+        replay_chunk_tokens: tokens per replay chunk to a replacement (the prefill chunk, 128).
+    """
+
+    link: MeshLink
+    model: str
+    codec: ActivationCodec
+    timeout_s: float = 60.0
+    connect_timeout_s: float = 5.0
+    max_failovers: int = 3
+    deadlines: DeadlinePolicy = DeadlinePolicy()
+    replay_chunk_tokens: int = 128
+
+
+_reports: set[asyncio.Task] = set()  # failure reports in flight (kept referenced until they end)
+
+
+def report_soon(report: FailureReporter, node_id: str, reason: str) -> None:
+    """Tell the tracker that ``node_id`` failed, in the background: the new route is asked for at
+    once, and a lost report never fails the generation."""
+    async def send() -> None:
+        try:
+            await report(node_id, reason)
+        except Exception:  # noqa: BLE001 - a lost report must not fail the generation
+            log.warning("could not report the failure of %s", node_id, exc_info=True)
+
+    task = asyncio.get_running_loop().create_task(send())
+    _reports.add(task)
+    task.add_done_callback(_reports.discard)
+
+
+#: where a session was opened: ``(endpoint, ticket naming that node or None)``
+Touched = tuple[str, "str | None"]
+
+
+async def _delete_session(client: httpx.AsyncClient, endpoint: str, ticket: str | None, session_id: str,
+                          timeout_s: float, auth: httpx.Auth | None) -> None:
+    headers = {HEADER_TICKET: ticket} if ticket else {}
+    try:
+        async with asyncio.timeout(timeout_s):  # in-process transports ignore httpx's own timeout
+            await client.delete(f"{endpoint}/v1/sessions/{session_id}", timeout=timeout_s, headers=headers,
+                                **({"auth": auth} if auth is not None else {}))
+    except Exception:  # noqa: BLE001 - best effort: an unreachable hop expires the session by its TTL
+        log.debug("could not release session %s at %s", session_id, endpoint, exc_info=True)
+
+
+def release_soon(client: httpx.AsyncClient, touched: list[Touched], session_id: str, timeout_s: float,
+                 auth: httpx.Auth | None = None) -> None:
+    """Start ``DELETE {endpoint}/v1/sessions/{session_id}`` on each ``(endpoint, ticket)`` in the
+    background and return at once (never raises, never waits: a frozen node must not hold up
+    anyone). ``timeout_s``: how long each release may wait for its answer, seconds; ``auth``
+    signs the release as the entry node (ADR-0038; None: unsigned)."""
+    loop = asyncio.get_running_loop()
+    for endpoint, ticket in touched:
+        task = loop.create_task(_delete_session(client, endpoint, ticket, session_id, timeout_s, auth))
+        _releases.add(task)
+        task.add_done_callback(_releases.discard)
+
+
+async def settle_releases(timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` seconds for the background releases of this event loop to end
+    (tests; a service that wants its releases sent before it closes its client)."""
+    loop = asyncio.get_running_loop()
+    pending = [t for t in _releases if t.get_loop() is loop]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout_s)
+
+
+async def probe_hop(client: httpx.AsyncClient, hop: Hop, limit_s: float, chain_id: str | None = None) -> bool | None:
+    """The liveness probe of a hop that missed its deadline (ADR-0036): ``GET /v1/health`` within
+    ``limit_s`` seconds. None: no answer in time (refused, reset, silent). Otherwise True, or
+    False when asked about hop stream chain ``chain_id`` and the node answers that it does not
+    hold it (ADR-0040; a node that does not say is taken to hold it)."""
+    try:
+        async with asyncio.timeout(limit_s):
+            resp = await client.get(f"{hop.endpoint}/v1/health", timeout=limit_s,
+                                    params=None if chain_id is None else {"chain": chain_id})
+    except Exception:  # noqa: BLE001 - no answer in time, refused, reset: not alive
+        return None
+    if chain_id is None:
+        return True
+    try:
+        body = resp.json()
+    except ValueError:  # alive, but not a JSON answer (a proxy's error page): nothing known of the chain
+        return True
+    return not (isinstance(body, dict) and body.get("chain") is False)
