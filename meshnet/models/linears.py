@@ -1,28 +1,25 @@
 """How a shard's linear layers run on this host: weight layout and half-precision products.
 
-Both choices are measured once per host, dtype and torch thread count (in ``warm_runtime``, before
-a shard's memory is measured; :mod:`meshnet.models.hosttimings` keeps them for the host's other
-processes), not assumed, because they depend on the CPU's kernels.
+Both are measured once per host, dtype and torch thread count (in ``warm_runtime``, before a
+shard's memory is measured; :mod:`meshnet.models.hosttimings` keeps them for the host's other
+processes), because they depend on the CPU's kernels.
 
-**Weight layout (ADR-0048).** ``nn.Linear`` stores its weight ``[out, in]`` row-major and
-multiplies by its transpose. A product of a few rows (a decode step, a batch of them) may run
-faster with the weight stored ``[in, out]`` (:func:`transpose`: a transposed view, so the
-modules, the state dict and the values are unchanged), or in oneDNN's own blocked format for a
-given row count (``packed``: :class:`PackedLinear`, the reordered weights torch's CPU compiler
-uses). Which one wins depends on the CPU's kernels, so :func:`layout` picks it from
-:func:`measure_layout`, timed on weights larger than the cache, as a decode step reads them.
-ADR-0048 gives the figures that led to each layout.
+**Weight layout (ADR-0048).** ``nn.Linear`` multiplies by the transpose of its ``[out, in]``
+weight. A product of a few rows (a decode step, a batch of them) may run faster with the weight
+stored ``[in, out]`` (:func:`transpose`: a transposed view; modules, state dict and values are
+unchanged), or in oneDNN's blocked format for a given row count (``packed``:
+:class:`PackedLinear`, the reordered weights torch's CPU compiler uses). :func:`layout` picks
+one from :func:`measure_layout`, timed on weights larger than the cache (ADR-0048 has the figures).
 
 **Half-precision products in float32 (ADR-0047).** A bfloat16 (or float16) node keeps its
-weights in half precision: half the memory and half the bytes read per decode token, which is
-what makes a one-token step fast. But a CPU without native bfloat16 instructions (AVX2,
-AVX-512 without ``avx512_bf16``, no AMX) runs a half matrix product at a cost linear in its
-rows, so prefill, a failover's replay and large decode batches pay several times float32's
-compute. :class:`UpcastLinear` casts the input and the weight to float32 for products of at
-least ``min_rows`` rows and rounds the result back to the compute dtype. The cast of the weight
-is paid per call, which is why single-token steps keep the half kernel. Both paths accumulate in float32 and round the output once, so they differ only in
-summation order. :func:`min_rows` finds the crossover on the host by timing both paths
-(:func:`choose_min_rows` is the decision), so a CPU with fast half kernels keeps them.
+weights in half precision: half the memory and bytes read per decode token. A CPU without
+native bfloat16 instructions (AVX2, AVX-512 without ``avx512_bf16``, no AMX) runs a half matrix
+product at a cost linear in its rows, so prefill, a replay and large batches pay several times
+float32's compute. :class:`UpcastLinear` casts the input and the weight to float32 for products
+of at least ``min_rows`` rows and rounds the result back; the weight's cast is paid per call, so
+single-token steps keep the half kernel. Both paths accumulate in float32 and round once, so they
+differ only in summation order. :func:`min_rows` finds the crossover by timing both paths
+(:func:`choose_min_rows` decides), so a CPU with fast half kernels keeps them.
 """
 
 from __future__ import annotations

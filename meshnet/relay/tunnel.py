@@ -42,6 +42,12 @@ def ws_url(http_url: str) -> str:
     return http_url
 
 
+#: keepalive of a tunnel, seconds: a silent relay is given up after about their sum
+PING_INTERVAL_S, PING_TIMEOUT_S = 2.0, 4.0
+#: the longest a tunnelled request may take on the node's own listener, seconds (a long generation)
+LOCAL_TIMEOUT_S = 600.0
+
+
 class NodeTunnel:
     """Keeps node ``node_id`` attached to the relay at ``relay_url``.
 
@@ -50,7 +56,6 @@ class NodeTunnel:
         node_id, key: who attaches; the attach is signed with ``key`` (ADR-0035).
         local_url: the node's own listener, where tunnelled requests are replayed.
         on_attached: called after every successful attach (the node re-registers or the host probes).
-        ping_interval_s, ping_timeout_s: keepalive; a silent relay is given up after about their sum.
         backoff: delays between attempts to dial again.
 
     Attributes:
@@ -61,16 +66,14 @@ class NodeTunnel:
     """
 
     def __init__(self, relay_url: str, node_id: str, key: Ed25519PrivateKey, local_url: str, *,
-                 on_attached: Callable[[], None] | None = None, ping_interval_s: float = 2.0,
-                 ping_timeout_s: float = 4.0, backoff: Backoff | None = None,
-                 local_timeout_s: float = 600.0) -> None:
+                 on_attached: Callable[[], None] | None = None, backoff: Backoff | None = None) -> None:
         self.relay_url, self.node_id, self.key = relay_url.rstrip("/"), node_id, key
         self.local_url = local_url.rstrip("/")
         self.endpoint = relay_prefix(self.relay_url, node_id)
         self.on_attached = on_attached
-        self.ping_interval_s, self.ping_timeout_s = ping_interval_s, ping_timeout_s
+        self.ping_interval_s, self.ping_timeout_s = PING_INTERVAL_S, PING_TIMEOUT_S
         self.backoff = backoff or Backoff(0.5, 5.0)
-        self.local_timeout_s = local_timeout_s
+        self.local_timeout_s = LOCAL_TIMEOUT_S
         self.attached = asyncio.Event()
         self.attaches = 0
         self._down_since: float | None = time.monotonic()  # not attached since (None: attached)
