@@ -40,6 +40,7 @@ import json, sys
 import psutil, torch, transformers
 from meshnet.layers import LayerRange
 from meshnet.models import shard as shard_mod
+from meshnet.models.attention import KVCache
 from meshnet.node.runtime import measure_load
 
 def smaps():
@@ -66,7 +67,7 @@ if mode == "shard":
                                    lambda: shard_mod.prepare_layouts(path, LayerRange(start, end), dtype=dtype))
     weights = model.weight_bytes()
     hidden = torch.randn(1, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    model.forward(hidden, shard_mod.KVCache(), 0)
+    model.forward(hidden, KVCache(), 0)
 s = smaps()
 print(json.dumps({"rss": psutil.Process().memory_info().rss, "anon": s.get("Anonymous", 0),
                   "file": s.get("Rss", 0) - s.get("Anonymous", 0), "weights": weights,

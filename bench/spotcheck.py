@@ -47,7 +47,8 @@ def distances(probes: int) -> None:
 
     from meshnet import wire
     from meshnet.layers import LayerRange
-    from meshnet.models.shard import KVCache, ShardModel
+    from meshnet.models.attention import KVCache
+    from meshnet.models.shard import ShardModel
     from meshnet.models.sources import resolve
     from tests.corrupt import Corruption
     from meshnet.dataplane.evidence import challenge_frame, frame_distance, tolerance

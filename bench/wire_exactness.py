@@ -16,7 +16,8 @@ import torch
 
 from meshnet import wire
 from meshnet.layers import LayerRange
-from meshnet.models.shard import KVCache, ShardModel
+from meshnet.models.attention import KVCache
+from meshnet.models.shard import ShardModel
 from meshnet.models.sources import resolve
 
 PROMPTS = ["What is the capital of France?", "Write a short story about a robot who learns to paint.",

@@ -25,7 +25,7 @@ class ModelPreset:
         name: preset name, the model id used on the API (``smollm2-135m-instruct``).
         hf_repo: hub repository id of the original weights.
         family: ``llama`` or ``gpt2``, as the preset file states it (informational: a shard's
-            code is chosen from the model's ``config.json``, :func:`meshnet.models.shard.family_of`).
+            code is chosen from the model's ``config.json``, :func:`meshnet.models.families.family_of`).
         num_layers: decoder layer count.
         hidden_size: width of the activations that travel between hops.
         bytes_per_layer: resident bytes of one decoder layer per quantization.

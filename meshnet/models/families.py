@@ -11,7 +11,7 @@ float32 logits equal to the unsplit transformers model's. The attention kinds:
 
 - ``full``: causal attention over the whole context.
 - ``sliding``: causal attention over the last ``sliding_window`` positions (Mistral, and the
-  sliding layers of Qwen2/Qwen3 with ``use_sliding_window``); :func:`meshnet.models.shard.attention`
+  sliding layers of Qwen2/Qwen3 with ``use_sliding_window``); :func:`meshnet.models.attention.attention`
   applies the window, since one causal mask serves every layer of a shard.
 
 Families whose layers need more than this (Gemma's embedding scale and soft-capping, linear

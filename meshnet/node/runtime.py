@@ -29,7 +29,8 @@ import torch
 
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.layers import LayerRange
-from meshnet.models.shard import KVCache, ShardModel, prepare_layouts, trim_heap, warm_runtime
+from meshnet.models.attention import KVCache
+from meshnet.models.shard import ShardModel, prepare_layouts, trim_heap, warm_runtime
 from meshnet.node.hardware import rss_bytes
 from meshnet.node.batching import Step, StepBatcher
 from meshnet.presets import canonical_model_name

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from meshnet.errors import SessionConflict, Unavailable
-from meshnet.models.shard import KVCache
+from meshnet.models.attention import KVCache
 
 
 class SessionCacheFull(Unavailable):

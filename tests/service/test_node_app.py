@@ -17,7 +17,7 @@ from torch.testing import assert_close
 
 from meshnet import wire
 from meshnet.layers import LayerRange
-from meshnet.models.shard import KVCache
+from meshnet.models.attention import KVCache
 from meshnet.node.app import build_app
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings

@@ -1,0 +1,307 @@
+"""A shard's attention and its KV cache: what a decoder layer reads and writes per session.
+
+- :class:`KVCache` keeps one session's keys and values for the layers of one shard, grown in
+  blocks so a decode step copies nothing (ADR-0041); :class:`BatchCache` and :class:`RaggedKV`
+  let a batch of sessions of different lengths run as one forward, each row over its own cache.
+- :func:`attention` is the function transformers' attention modules call (registered as
+  :data:`ATTENTION`): SDPA, row by row for a ragged batch, straight to the kernel for a decode
+  step (:func:`decode_attention`), and within the window for a sliding-window layer
+  (ADR-0050).
+- :func:`attention_in_float32`: whether this host runs a half-precision decode step's attention
+  in float32 (measured, ADR-0047).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from meshnet.models.hosttimings import KEPT, remembered
+from meshnet.models.linears import per_thread_count
+
+log = logging.getLogger(__name__)
+
+#: tokens a KV-cache buffer grows by when it is full (ADR-0041): one copy of the cache every this many tokens
+KV_BLOCK_TOKENS = 128
+
+
+class KVCache:
+    """Per-session key/value cache for the layers of one shard, stored without per-token copies.
+
+    Duck-types the ``update(key, value, layer_idx, ...)`` call transformers' attention modules
+    make. Per layer it holds one buffer each for keys and values, ``[batch, kv_heads, capacity,
+    head_dim]`` in the compute dtype, of which the first ``lengths[layer]`` positions are filled.
+    The first update sizes the buffers to its own tokens; when a later update does not fit, the
+    buffers are reallocated with room for ``block_tokens`` more positions and the filled part is
+    copied once. A decode step therefore writes one position in place, and the cache is
+    copied once every ``block_tokens`` tokens, never once per token.
+
+    Args:
+        block_tokens: positions added when a buffer grows (> 0).
+    """
+
+    def __init__(self, block_tokens: int = KV_BLOCK_TOKENS) -> None:
+        if block_tokens <= 0:
+            raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+        self.block_tokens = block_tokens
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.lengths: dict[int, int] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key_states``/``value_states`` ``[batch, kv_heads, seq, head_dim]`` to layer
+        ``layer_idx``; returns every cached key and value of that layer (views, no copy)."""
+        length = self.lengths.get(layer_idx)
+        if length is None:  # exactly the first chunk's size: a one-shot prefill leaves no slack
+            keys = self.keys[layer_idx] = key_states.clone(memory_format=torch.contiguous_format)
+            values = self.values[layer_idx] = value_states.clone(memory_format=torch.contiguous_format)
+            self.lengths[layer_idx] = key_states.shape[-2] if key_states.dim() > 1 else key_states.numel()
+            return keys, values
+        new = key_states.shape[-2]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if length + new > keys.shape[-2]:
+            keys, values = self._grow(layer_idx, length, length + new)
+        keys[..., length:length + new, :].copy_(key_states)
+        values[..., length:length + new, :].copy_(value_states)
+        self.lengths[layer_idx] = length = length + new
+        return keys[..., :length, :], values[..., :length, :]
+
+    def _grow(self, layer_idx: int, length: int, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        capacity = needed + self.block_tokens
+        grown = []
+        for store in (self.keys, self.values):
+            old = store[layer_idx]
+            buffer = old.new_empty((*old.shape[:-2], capacity, old.shape[-1]))
+            buffer[..., :length, :].copy_(old[..., :length, :])
+            store[layer_idx] = buffer
+            grown.append(buffer)
+        return grown[0], grown[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Positions cached for layer ``layer_idx`` (0 when it holds none)."""
+        return self.lengths.get(layer_idx, 0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the keys' and values' buffers, the room for later tokens included: what
+        the session costs in memory (the session cache cap counts this, ADR-0031)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+
+
+def causal_mask(q_len: int, past_len: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Additive attention mask ``[1, 1, q_len, past_len + q_len]`` (0 = attend, min = blocked).
+
+    Returns None where SDPA needs no mask: a single query token (it attends to everything
+    cached) and a chunk at position 0 (SDPA's own ``is_causal`` path, which builds nothing).
+    """
+    if q_len == 1 or past_len == 0:
+        return None
+    q_pos = torch.arange(past_len, past_len + q_len)[:, None]
+    k_pos = torch.arange(past_len + q_len)[None, :]
+    mask = torch.zeros(q_len, past_len + q_len, dtype=dtype)
+    mask.masked_fill_(k_pos > q_pos, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+class RaggedKV:
+    """Keys (or values) of a batch whose rows have different lengths: ``rows[b]`` is row ``b``'s
+    own cached tensor ``[1, kv_heads, length_b, head_dim]`` (a view of its session's buffer)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: list[torch.Tensor]) -> None:
+        self.rows = rows
+
+
+class BatchCache:
+    """The KV caches of a batch of sessions, one per row, seen as one cache by the attention modules.
+
+    ``update`` writes row ``b`` of the new keys and values into ``caches[b]`` (in place, see
+    :class:`KVCache`) and returns :class:`RaggedKV` views that :func:`attention` runs row by row.
+    """
+
+    def __init__(self, caches: list[KVCache]) -> None:
+        self.caches = caches
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[RaggedKV, RaggedKV]:
+        keys, values = [], []
+        for row, cache in enumerate(self.caches):
+            k, v = cache.update(key_states[row:row + 1], value_states[row:row + 1], layer_idx)
+            keys.append(k)
+            values.append(v)
+        return RaggedKV(keys), RaggedKV(values)
+
+
+#: name of meshnet's attention function in transformers' AttentionInterface
+ATTENTION = "meshnet_sdpa"
+_sdpa = None  # transformers' SDPA attention function, bound by _register_attention
+
+
+def attention(module: nn.Module, query: torch.Tensor, key, value, attention_mask: torch.Tensor | None,
+              **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention; a ragged batch (:class:`RaggedKV` keys and values) runs one
+    SDPA per row over that row's own cache, with no mask and no padding, so every row computes
+    exactly what it computes alone.
+
+    A single query token with no mask (every decode step, batched or not) calls torch's SDPA
+    directly (:func:`decode_attention`): the same kernel and the same result as transformers'
+    wrapper, without its per-call Python checks.
+
+    Args:
+        query: ``[batch, heads, q_len, head_dim]`` (``q_len == 1`` for a ragged batch).
+
+    Returns:
+        ``([batch, q_len, heads, head_dim], None)``.
+    """
+    scale = kwargs.get("scaling")
+    in_float32 = getattr(module.config, IN_FLOAT32, False)
+    window = kwargs.pop("sliding_window", None)
+    if isinstance(key, RaggedKV):
+        rows = [decode_attention(query[b:b + 1], *_last(k, v, window), scale, in_float32)
+                for b, (k, v) in enumerate(zip(key.rows, value.rows))]
+        return torch.cat(rows).transpose(1, 2), None
+    if window is not None:
+        if query.shape[2] == 1:  # one query: the window is the last ``window`` keys
+            key, value = _last(key, value, window)
+        else:
+            attention_mask = sliding_mask(attention_mask, query.shape[2], key.shape[2], window, query.dtype)
+    if query.shape[2] == 1 and attention_mask is None and not module.training and kwargs.get("softcap") is None:
+        return decode_attention(query, key, value, scale, in_float32).transpose(1, 2), None
+    return _sdpa(module, query, key, value, attention_mask, **kwargs)
+
+
+def _last(key: torch.Tensor, value: torch.Tensor, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last ``window`` cached positions of ``key`` and ``value`` ``[.., length, head_dim]``
+    (all of them with no window): what a decode step's query attends to in a sliding layer."""
+    if window is None or key.shape[-2] <= window:
+        return key, value
+    return key[..., -window:, :], value[..., -window:, :]
+
+
+def sliding_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, window: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask ``[1, 1, q_len, kv_len]`` of a sliding-window layer: ``mask`` (the
+    shard's causal mask; None: causal) with every key at or before ``q - window`` blocked too,
+    for the query at absolute position ``q`` (the queries are the last ``q_len`` of ``kv_len``
+    positions). transformers' rule: a query attends to keys in ``(q - window, q]``."""
+    q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
+    k_pos = torch.arange(kv_len)[None, :]
+    blocked = (k_pos > q_pos) | (k_pos <= q_pos - window)
+    out = torch.zeros(q_len, kv_len, dtype=dtype).masked_fill_(blocked, torch.finfo(dtype).min)[None, None]
+    return out if mask is None else torch.minimum(out, mask.to(dtype))
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     scale: float | None, in_float32: bool = False) -> torch.Tensor:
+    """One query token attending to every cached position: torch's SDPA with no mask.
+
+    Args:
+        query: ``[batch, heads, 1, head_dim]``.
+        key, value: ``[batch, kv_heads, length, head_dim]``; ``heads`` a multiple of ``kv_heads``
+            (grouped-query attention runs on the key/value heads as stored, no repeat).
+        scale: the softmax scale (None: ``1 / sqrt(head_dim)``).
+        in_float32: a half-precision query, keys and values are cast to float32 and the output
+            rounded once back (:func:`attention_in_float32` chose it for this host; ADR-0047).
+
+    Returns:
+        ``[batch, heads, 1, head_dim]`` in the query's dtype.
+
+    transformers' ``sdpa_attention_forward`` makes this same call for a decode step (no mask,
+    ``enable_gqa``) after Python checks that cost as much as the kernel itself at a short context,
+    so a decode step calls the kernel directly (ADR-0041's attention amendment).
+    """
+    gqa = query.shape[1] != key.shape[1]
+    if in_float32 and query.dtype != torch.float32:  # this host's half kernel is slower than casting (ADR-0047)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query.float(), key.float(), value.float(), scale=scale, enable_gqa=gqa).to(query.dtype)
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa)
+
+
+#: the attribute of a shard's model config that says its decode attention runs in float32
+#: (:func:`attention_in_float32`, set at load; the layers' attention modules share the config)
+IN_FLOAT32 = "meshnet_attention_in_float32"
+#: cached lengths a decode step's attention is timed at: a short chat, and a long one
+ATTENTION_LENGTHS = (128, 1024)
+#: query heads, key-value heads and head size of the timed attention (SmolLM2-135M's grouping of
+#: 3 query heads per key-value head, at the head size most Llama-style models use)
+ATTENTION_SHAPE = (9, 3, 64)
+
+
+@per_thread_count
+def attention_in_float32(dtype: torch.dtype) -> bool:
+    """Whether this process runs a half-precision decode step's attention in float32: the query,
+    keys and values cast up, torch's SDPA in float32, the output rounded once back to ``dtype``.
+
+    Measured once per host, dtype and thread count (:func:`measure_attention`, kept as
+    :func:`meshnet.models.linears.layout` keeps its timings): chosen when the float32 path is at
+    least :data:`meshnet.models.linears.MIN_GAIN` times as fast as the half kernel at every length
+    timed. A CPU without native bfloat16 runs the cast float32 path several times faster
+    (ADR-0047's attention amendment gives the figures); where the CPU computes bfloat16 natively
+    the half kernel may win, and is kept. False for float32, and where ``MESHNET_UPCAST_MIN_ROWS=off``
+    keeps every product in half precision (ADR-0047).
+    """
+    from meshnet.models.linears import HALF, MIN_GAIN, upcast_off
+
+    if dtype not in HALF or upcast_off():
+        return False
+    name = str(dtype).removeprefix("torch.")
+
+    def timed() -> bool:
+        samples = measure_attention(dtype)
+        chosen = all(half >= MIN_GAIN * upcast for half, upcast in samples.values())
+        log.info("%s decode attention runs in %s (half / float32 path µs by cached length: %s)", name,
+                 "float32" if chosen else "half precision",
+                 ", ".join(f"{n}: {h * 1e6:.0f}/{u * 1e6:.0f}" for n, (h, u) in samples.items()))
+        return chosen
+
+    chosen, measured = remembered(f"attention in float32|{name}|threads {torch.get_num_threads()}", timed,
+                                  valid=lambda value: isinstance(value, bool))
+    if not measured:
+        log.info("%s decode attention runs in %s (this host's timing, %s)", name,
+                 "float32" if chosen else "half precision", KEPT)
+    return chosen
+
+
+def measure_attention(dtype: torch.dtype, lengths: tuple[int, ...] = ATTENTION_LENGTHS, calls: int = 50,
+                      repeats: int = 5) -> dict[int, tuple[float, float]]:
+    """Seconds per decode-step attention call in ``dtype``, at each cached length: ``(half kernel,
+    float32 path)``, medians of ``repeats`` interleaved passes of ``calls`` calls. Keys and values
+    are views of a longer buffer, as a KV cache holds them (:data:`ATTENTION_SHAPE` heads)."""
+    import statistics
+    import time
+
+    heads, kv_heads, head_dim = ATTENTION_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out: dict[int, tuple[float, float]] = {}
+    with torch.inference_mode():
+        for length in lengths:
+            query = torch.randn(1, heads, 1, head_dim, generator=gen).to(dtype)
+            key, value = (torch.randn(1, kv_heads, length + 64, head_dim, generator=gen).to(dtype)[..., :length, :]
+                          for _ in range(2))
+            paths = (lambda: sdpa(query, key, value, enable_gqa=True),
+                     lambda: sdpa(query.float(), key.float(), value.float(), enable_gqa=True).to(dtype))
+            times: list[list[float]] = [[], []]
+            for i in range(repeats + 1):
+                for path, into in zip(paths, times):
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        path()
+                    if i:  # the first pass warms both
+                        into.append((time.perf_counter() - start) / calls)
+            out[length] = (statistics.median(times[0]), statistics.median(times[1]))
+    return out
+
+
+def _register_attention() -> None:
+    global _sdpa
+    if _sdpa is None:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        _sdpa = sdpa_attention_forward
+        AttentionInterface.register(ATTENTION, attention)
