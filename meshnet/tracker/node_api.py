@@ -1,0 +1,185 @@
+"""The tracker's node-facing API: registration, heartbeats, hop failure and quarantine reports,
+a node's own drain and leave, the key bound to a node id; and the background work they start
+(reachability probes, admission challenges).
+
+Registration needs the join token when the tracker has one and is signed by the key it
+registers; every later node call is signed by the node's bound key (ADR-0035).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from meshnet.errors import NotFound
+from meshnet.protocol.control import (FailureReport, HeartbeatRequest, HeartbeatResponse, QuarantineReport,
+                                      RegisterRequest, RegisterResponse, check_revision)
+from meshnet.protocol.http import validate_json
+from meshnet.protocol.signing import HEADER_NODE
+from meshnet.tracker.admission import Challenge, run_challenge
+from meshnet.tracker.auth import NodeAuth
+from meshnet.tracker.probe import probe_endpoint
+from meshnet.tracker.service import TrackerService
+
+
+def service_of(request: Request) -> TrackerService:
+    """The tracker service behind ``request``'s app."""
+    return request.app.state.service
+
+
+async def probe(app: Starlette, node_id: str, endpoint: str) -> None:
+    """Probe one node's endpoint now and record the answer (meshnet.tracker.probe)."""
+    svc: TrackerService = app.state.service
+    error = await probe_endpoint(app.state.http, endpoint, node_id, svc.settings.probe_timeout_s)
+    svc.set_reachability(node_id, endpoint, error)
+    start_challenges(app)
+    if svc.dirty:
+        app.state.wake.set()
+
+
+async def admit(app: Starlette, challenge: Challenge) -> None:
+    """Run one admission challenge and record its verdict (ADR-0042, :mod:`meshnet.tracker.admission`)."""
+    svc: TrackerService = app.state.service
+    verdict, outvoted = await run_challenge(app.state.http, svc.tickets.key, challenge,
+                                            svc.settings.challenge_timeout_s)
+    svc.record_challenge(challenge, verdict, outvoted)
+    app.state.wake.set()
+
+
+def start_challenges(app: Starlette) -> None:
+    """Start the admission challenges the service decided on, in the background."""
+    running: set[asyncio.Task] = app.state.challenging
+    for challenge in app.state.service.take_challenges():
+        task = asyncio.create_task(admit(app, challenge))
+        running.add(task)
+        task.add_done_callback(running.discard)
+
+
+def probe_soon(app: Starlette, node_id: str, endpoint: str) -> None:
+    """Probe in the background, at most one probe per node at a time."""
+    probing: dict[str, asyncio.Task] = app.state.probing
+    if node_id not in probing:
+        probing[node_id] = task = asyncio.create_task(probe(app, node_id, endpoint))
+        task.add_done_callback(lambda _: probing.pop(node_id, None))
+
+
+def _reachability(node) -> dict:
+    return {"reachable": node.reachable, "reach_error": node.reach_error}
+
+
+def _target(request: Request) -> str:
+    """The path and query string a node signed."""
+    query = request.url.query
+    return request.url.path + (f"?{query}" if query else "")
+
+
+def signed_by(request: Request, body: bytes, *, as_node: str | None = None) -> str:
+    """The id of the registered node whose key signed this call (ADR-0035).
+
+    Raises:
+        Unauthorized (401), Forbidden (403), NotFound (404): see :meth:`NodeAuth.verify_node_call`.
+    """
+    auth: NodeAuth = request.app.state.auth
+    claimed = request.headers.get(HEADER_NODE, "")
+    return auth.verify_node_call(service_of(request).public_key(claimed) if claimed else None, request.headers,
+                                 request.method, _target(request), body, as_node=as_node)
+
+
+def _read_registration(request: Request, body: bytes) -> RegisterRequest:
+    """Join token, protocol revision, fields, then the signature by the key being registered."""
+    auth: NodeAuth = request.app.state.auth
+    auth.check_join_token(request.headers)
+    try:
+        check_revision(json.loads(body or b"{}"))
+    except (ValueError, RecursionError):
+        pass  # not JSON: validate_json says so
+    payload = validate_json(RegisterRequest, body)
+    auth.verify_registration(payload, request.headers, request.method, _target(request), body)
+    return payload
+
+
+async def register(request: Request) -> JSONResponse:
+    """Register a node, then probe its endpoint once before answering: its shards are admitted only
+    once the tracker has reached it (a node that registers before it listens is probed again)."""
+    svc = service_of(request)
+    record = svc.register(_read_registration(request, await request.body()))
+    await probe(request.app, record.node_id, record.endpoint)
+    request.app.state.wake.set()
+    return JSONResponse(RegisterResponse(node_id=record.node_id, heartbeat_interval_s=svc.announce_interval(record),
+                                         tracker_key=svc.tickets.public_key, **_reachability(record)).model_dump())
+
+
+async def heartbeat(request: Request) -> JSONResponse:
+    svc = service_of(request)
+    node_id = request.path_params["node_id"]
+    body = await request.body()
+    signed_by(request, body, as_node=node_id)
+    directives = svc.heartbeat(node_id, validate_json(HeartbeatRequest, body))
+    start_challenges(request.app)
+    if svc.dirty:
+        request.app.state.wake.set()
+    node = svc.get(node_id)
+    return JSONResponse(HeartbeatResponse(directives=directives, heartbeat_interval_s=svc.announce_interval(node),
+                                          **_reachability(node)).model_dump(mode="json"))
+
+
+async def failure(request: Request) -> JSONResponse:
+    """A hop failure report, signed by the entry node that saw it: recorded (routes avoid the node
+    a while) and the node probed again. Only a node that could have routed through the reported
+    one counts (403 otherwise, nothing recorded)."""
+    raw = await request.body()
+    sender = signed_by(request, raw)
+    body = validate_json(FailureReport, raw)
+    svc = service_of(request)
+    node_id = request.path_params["node_id"]
+    svc.report_failure_from(sender, node_id, body.reason)
+    probe_soon(request.app, node_id, svc.nodes[node_id].endpoint)
+    return JSONResponse({"ok": True})
+
+
+async def quarantine(request: Request) -> JSONResponse:
+    """A spot-check's verdict, signed by the entry node that ran it: the tracker re-counts the vote
+    and quarantines the node (ADR-0042); 403 from a node that could not have routed through it,
+    422 ``weak_evidence`` when the evidence does not outvote it."""
+    raw = await request.body()
+    sender = signed_by(request, raw)
+    record = service_of(request).quarantine_from(sender, request.path_params["node_id"],
+                                           validate_json(QuarantineReport, raw))
+    request.app.state.wake.set()
+    return JSONResponse({"node_id": record.node_id, "quarantine": record.to_json()})
+
+
+async def drain_node(request: Request) -> JSONResponse:
+    """A node's own announcement that it drains: no new routes or entry choices through it."""
+    signed_by(request, await request.body(), as_node=request.path_params["node_id"])
+    node = service_of(request).drain(request.path_params["node_id"])
+    request.app.state.wake.set()
+    return JSONResponse({"node_id": node.node_id, "draining": True})
+
+
+async def deregister(request: Request) -> JSONResponse:
+    """A node leaving on purpose (end of its drain): forgotten now, not after the heartbeat timeout."""
+    node_id = request.path_params["node_id"]
+    signed_by(request, await request.body(), as_node=node_id)
+    service_of(request).deregister(node_id)
+    request.app.state.wake.set()
+    return JSONResponse({"node_id": node_id, "deregistered": True})
+
+
+async def node_key(request: Request) -> JSONResponse:
+    """The public key bound to a node id (public: it proves nothing by itself). A node offering a
+    relay checks a tunnel's signature with it (ADR-0045).
+
+    Raises:
+        NotFound (404 ``unknown_node``): the id was never registered.
+    """
+    node_id = request.path_params["node_id"]
+    key = service_of(request).public_key(node_id)
+    if key is None:
+        raise NotFound(f"unknown node {node_id!r}: no key is bound to it", code="unknown_node",
+                       hint="see `meshnet nodes` for node ids")
+    return JSONResponse({"node_id": node_id, "public_key": key})
