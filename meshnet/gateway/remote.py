@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -35,6 +36,10 @@ RELEASE_TIMEOUT_S = 5.0
 #: seconds a release of an excluded hop may wait: a frozen node that resumes within it frees the
 #: session at once instead of holding it until its TTL (300 s); nothing waits for it meanwhile
 ABANDONED_RELEASE_TIMEOUT_S = 60.0
+
+#: first pause before a release whose connection broke is sent again, seconds (doubling up to
+#: :data:`RELEASE_RETRY_MAX_S`: a dead node costs a handful of refused connections, not a stream)
+RELEASE_RETRY_S, RELEASE_RETRY_MAX_S = 0.25, 4.0
 
 _releases: set[asyncio.Task] = set()  # releases in flight (kept referenced until they end)
 
@@ -98,13 +103,29 @@ Touched = tuple[str, "str | None"]
 
 async def _delete_session(client: httpx.AsyncClient, endpoint: str, ticket: str | None, session_id: str,
                           timeout_s: float, auth: httpx.Auth | None) -> None:
+    """``DELETE {endpoint}/v1/sessions/{session_id}`` within ``timeout_s`` seconds in all. A
+    connection that breaks before the answer (a reset or closed keep-alive connection, often one a
+    frozen node's probe left behind) is not the end, unlike a refused one (nobody listens): the release is sent again on a fresh one,
+    after :data:`RELEASE_RETRY_S` and then twice as long each time, until it is answered or the
+    time is up. A frozen node then finds it waiting in its socket when it resumes."""
     headers = {HEADER_TICKET: ticket} if ticket else {}
-    try:
-        async with asyncio.timeout(timeout_s):  # in-process transports ignore httpx's own timeout
-            await client.delete(f"{endpoint}/v1/sessions/{session_id}", timeout=timeout_s, headers=headers,
-                                **({"auth": auth} if auth is not None else {}))
-    except Exception:  # noqa: BLE001 - best effort: an unreachable hop expires the session by its TTL
-        log.debug("could not release session %s at %s", session_id, endpoint, exc_info=True)
+    deadline, pause = time.monotonic() + timeout_s, RELEASE_RETRY_S
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            async with asyncio.timeout(left):  # in-process transports ignore httpx's own timeout
+                await client.delete(f"{endpoint}/v1/sessions/{session_id}", timeout=left, headers=headers,
+                                    **({"auth": auth} if auth is not None else {}))
+            return
+        except (httpx.TimeoutException, TimeoutError, httpx.ConnectError):  # out of time, or nobody listens
+            break
+        except httpx.TransportError:  # a connection broke after it was made: send it again on a fresh one
+            log.debug("release of session %s at %s: connection broke, sending again", session_id, endpoint,
+                      exc_info=True)
+            await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(2 * pause, RELEASE_RETRY_MAX_S)
+        except Exception:  # noqa: BLE001 - best effort: the hop's TTL expires the session
+            break
+    log.debug("could not release session %s at %s within %.0f s", session_id, endpoint, timeout_s)
 
 
 def release_soon(client: httpx.AsyncClient, touched: list[Touched], session_id: str, timeout_s: float,
