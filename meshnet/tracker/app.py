@@ -283,8 +283,12 @@ async def control_loop(app: Starlette) -> None:
             svc.check_dropouts()
             if not leading:
                 continue
-            settled = time.monotonic() - svc.last_join_s >= svc.settings.join_settle_s
-            if (svc.dirty and settled) or time.monotonic() - last >= svc.settings.rebalance_interval_s:
+            # joins in progress hold the periodic round too (nodes that join together are planned
+            # together), but never longer than one settle window past its time
+            now, settings = time.monotonic(), svc.settings
+            settled = now - svc.last_join_s >= settings.join_settle_s
+            due = now - last >= settings.rebalance_interval_s
+            if (settled and (svc.dirty or due)) or now - last >= settings.rebalance_interval_s + settings.join_settle_s:
                 await rebalance_off_loop(svc)
                 last = time.monotonic()
             if time.monotonic() - pruned_s >= PRUNE_INTERVAL_S:
