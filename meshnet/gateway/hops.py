@@ -42,7 +42,7 @@ from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed, MeshnetError
 from meshnet.gateway.deadlines import StepTimes, deadline_s
 from meshnet.gateway.entry import Activation, ActivationCodec
 from meshnet.gateway.remote import ABANDONED_RELEASE_TIMEOUT_S, RELEASE_TIMEOUT_S, FailoverListener, RemoteContext, \
-    Touched, probe_hop, release_soon
+    Touched, probe_hop, release_soon, report_failure
 from meshnet.gateway.replay import rechunk
 from meshnet.layers import LayerRange
 from meshnet.protocol.route import Hop, Route
@@ -293,10 +293,7 @@ class RemoteRoute:
             release_soon(self.client, [touched], self.session_id, ABANDONED_RELEASE_TIMEOUT_S, self.release_auth)
         if isinstance(exc, HopBusy):
             return
-        try:
-            await self.report(exc.node_id, exc.message)
-        except Exception:  # noqa: BLE001 - a lost report must not fail the generation
-            log.warning("could not report the failure of %s", exc.node_id, exc_info=True)
+        await report_failure(self.report, exc.node_id, exc.message)
 
     async def _new_route(self, layers: LayerRange, exc: HopFailed) -> Route:
         """A replacement route over ``layers`` without the excluded nodes, with a fresh ticket.

@@ -83,16 +83,18 @@ class RemoteContext:
 _reports: set[asyncio.Task] = set()  # failure reports in flight (kept referenced until they end)
 
 
-def report_soon(report: FailureReporter, node_id: str, reason: str) -> None:
-    """Tell the tracker that ``node_id`` failed, in the background: the new route is asked for at
-    once, and a lost report never fails the generation."""
-    async def send() -> None:
-        try:
-            await report(node_id, reason)
-        except Exception:  # noqa: BLE001 - a lost report must not fail the generation
-            log.warning("could not report the failure of %s", node_id, exc_info=True)
+async def report_failure(report: FailureReporter, node_id: str, reason: str) -> None:
+    """Tell the tracker that ``node_id`` failed; a lost report is logged, never raised (it must
+    not fail the generation)."""
+    try:
+        await report(node_id, reason)
+    except Exception:  # noqa: BLE001 - a lost report must not fail the generation
+        log.warning("could not report the failure of %s", node_id, exc_info=True)
 
-    task = asyncio.get_running_loop().create_task(send())
+
+def report_soon(report: FailureReporter, node_id: str, reason: str) -> None:
+    """:func:`report_failure` in the background: the new route is asked for at once."""
+    task = asyncio.get_running_loop().create_task(report_failure(report, node_id, reason))
     _reports.add(task)
     task.add_done_callback(_reports.discard)
 

@@ -73,6 +73,7 @@ def stream_with_health(url: str, health_url: str) -> tuple[float, list[float], l
     every :data:`HEALTH_EVERY_S`. Returns (seconds from sending the request to the last content
     chunk, each content chunk's arrival in seconds from sending, each health answer's latency)."""
     latencies: list[float] = []
+    statuses: list[int] = []  # checked by the caller: an assertion in this thread would fail nothing
     done = threading.Event()
 
     def ask_health() -> None:
@@ -81,7 +82,7 @@ def stream_with_health(url: str, health_url: str) -> tuple[float, list[float], l
                 if done.is_set():
                     return
                 t0 = time.perf_counter()
-                assert client.get(health_url).status_code == 200
+                statuses.append(client.get(health_url).status_code)
                 latencies.append(time.perf_counter() - t0)
                 time.sleep(HEALTH_EVERY_S)
 
@@ -94,12 +95,13 @@ def stream_with_health(url: str, health_url: str) -> tuple[float, list[float], l
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as resp:
             assert resp.status_code == 200, resp.read()
             for line in resp.iter_lines():
-                if line.startswith("data: {") and json.loads(line[6:])["choices"] and \
-                        json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                choices = json.loads(line[6:])["choices"] if line.startswith("data: {") else None
+                if choices and choices[0]["delta"].get("content"):
                     arrivals.append(time.perf_counter() - t0)
     finally:
         done.set()
         asker.join(10)
+    assert statuses and set(statuses) == {200}, statuses
     return arrivals[-1], arrivals, latencies
 
 
