@@ -145,3 +145,14 @@ def record_from_json(text: str, last_heartbeat_s: float) -> NodeRecord:
     stale = set(data.pop("stale_reports"))
     return NodeRecord(**{name: data[name] for name in _SHARED if name in data}, shards=shards, stats=stats, stale_reports=stale,
                       last_heartbeat_s=last_heartbeat_s, probed_s=time.monotonic())
+
+
+@dataclass
+class ModelInfo:
+    """A model the tracker knows: its name, layer count, bytes per layer by recipe (from its
+    preset, or ``{"bfloat16": 1}`` for a model only nodes reported) and hub repository."""
+
+    name: str
+    num_layers: int
+    bytes_per_layer: dict[str, int] = field(default_factory=dict)
+    hf_repo: str = ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 from meshnet.errors import Forbidden, InvalidRequest
 from meshnet.presets import canonical_model_name, find_preset
@@ -238,3 +239,25 @@ class TrustMixin:
             log.info("node %s reinstated by the operator", node_id)
         return was
 
+
+
+    def report_failure_from(self, sender: str, node_id: str, reason: str) -> None:
+        """A hop failure of ``node_id`` reported by node ``sender`` (whose signature the caller checked).
+
+        Raises:
+            NotFound: ``node_id`` is not registered.
+            Forbidden (403 ``not_on_route``): the sender could not have had ``node_id`` on a route
+                (see :func:`may_report_failure`); nothing is recorded.
+        """
+        reported = self.get(node_id)
+        why = may_report_failure(self.nodes.get(sender), reported)
+        if why:
+            log.warning("refused a failure report of %s from %s: %s", node_id, sender, why)
+            raise Forbidden(f"{sender} may not report a failure of {node_id}: {why}", code="not_on_route")
+        self.report_failure(node_id, f"{reason} (reported by {sender})")
+
+    def report_failure(self, node_id: str, reason: str) -> None:
+        """Record a failure of ``node_id`` (routes avoid it a while); the tracker's own proxy calls it."""
+        if node_id in self.nodes:
+            self.nodes[node_id].last_failure_s = time.monotonic()
+            log.warning("hop failure reported for %s: %s", node_id, reason)

@@ -15,7 +15,7 @@ from meshnet.protocol.signing import (HEADER_NODE, HEADER_SIGNATURE, HEADER_TIME
 from meshnet.tracker.auth import NodeAuth, exposure_problem, is_loopback
 from meshnet.tracker.registry import NodeRecord, ShardRecord
 from meshnet.layers import LayerRange
-from meshnet.tracker.service import may_report_failure
+from meshnet.tracker.trust import may_report_failure
 
 NOW = 1_800_000_000.0
 PATH = "/v1/nodes/n1/heartbeat"

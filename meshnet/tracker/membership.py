@@ -1,0 +1,269 @@
+"""The tracker's node registry over time (part of :class:`meshnet.tracker.service.TrackerService`).
+
+A node registers (its id bound to its key, ADR-0035), heartbeats at the cadence it is told
+(ADR-0037), is probed until reachable, and is forgotten when it leaves or drops out. On a shared
+store (ADR-0043) the registry is a cache of the store's node records: :meth:`MembershipMixin.save`
+writes one, :meth:`MembershipMixin.apply_rows` takes the ones other trackers wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from meshnet.errors import Conflict, NotFound
+from meshnet.tracker.cadence import TIMEOUT_FACTOR, Cadence, heartbeat_cadence
+from meshnet.protocol.control import Directive, HeartbeatRequest, RegisterRequest
+from meshnet.tracker.registry import NodeRecord, ShardRecord, record_from_json, record_to_json
+from meshnet.tracker.store import NodeRow
+
+log = logging.getLogger(__name__)
+
+
+class MembershipMixin:
+    """Registration, heartbeats, reachability and dropouts of :class:`TrackerService`'s nodes
+    (which provides ``nodes``, ``store``, ``settings``, ``dirty``, ``ensure_model``,
+    ``verify_shards`` and ``restore_pins``)."""
+
+    def register(self, payload: RegisterRequest) -> NodeRecord:
+        """Record a node's registration (a restart re-registers: its record is replaced).
+
+        The node id is bound to ``payload.public_key`` at its first registration, in the store
+        (ADR-0035); the caller has checked that the sender holds that key.
+
+        Raises:
+            Conflict (409 ``node_id_taken``): the id is bound to another key; the record is unchanged.
+            NotFound: a shard of an unknown model without a layer count.
+        """
+        node_id = payload.node_id
+        bound = self.store.bind_key(node_id, payload.public_key)
+        self._bound_keys[node_id] = bound  # its heartbeats' signatures are checked against it
+        if bound != payload.public_key:
+            log.warning("refused a registration of %s with another key (endpoint %s)", node_id, payload.endpoint)
+            raise Conflict(f"node id {node_id!r} belongs to another key; this registration is refused",
+                           code="node_id_taken",
+                           hint="a node keeps its key in its --state-dir (node.key): start it with the same "
+                                "state dir, or choose another --node-id")
+        for s in payload.shards:
+            self.ensure_model(s.model, s.num_layers)
+        record = NodeRecord(node_id=node_id, endpoint=payload.endpoint.rstrip("/"), wallet=payload.wallet,
+                            vram_bytes=payload.vram_bytes, ram_bytes=payload.ram_bytes, device=payload.device,
+                            quantizations=list(payload.quantizations),
+                            benchmark_tokens_per_sec=payload.benchmark_tokens_per_sec,
+                            benchmark_model=payload.benchmark_model, max_loaded_shards=payload.max_loaded_shards,
+                            accepts_placement=payload.accepts_placement,
+                            shards=[ShardRecord.from_payload(s) for s in payload.shards],
+                            relay_url=payload.relay_url, relay_rtt_s=payload.relay_rtt_s)
+        old = self.nodes.get(node_id)
+        if old is not None:
+            record.stale_reports, record.draining = old.stale_reports, old.draining
+            if old.endpoint == record.endpoint:
+                record.reachable, record.reach_error, record.probed_s = old.reachable, old.reach_error, old.probed_s
+        record.quarantine = self.quarantined.get(node_id)
+        self.nodes[node_id] = record
+        self.verify_shards(record)
+        self.dirty = True
+        if old is None:
+            self.last_join_s = time.monotonic()
+        self.save(record)
+        log.info("node %s registered at %s with %d shard(s)", node_id, record.endpoint, len(record.shards))
+        self.restore_pins(record)
+        return record
+
+    def get(self, node_id: str) -> NodeRecord:
+        try:
+            return self.nodes[node_id]
+        except KeyError:
+            raise NotFound(f"unknown node {node_id!r}", code="unknown_node",
+                           hint="see `meshnet nodes` for node ids (a node itself re-registers on this error)") from None
+
+    def cadence(self) -> Cadence:
+        """The heartbeat interval to announce now and the matching dropout timeout (ADR-0037)."""
+        return heartbeat_cadence(len(self.nodes), self.settings.heartbeat_interval_s, self.settings.node_timeout_s)
+
+    def announce_interval(self, node: NodeRecord) -> float:
+        """The heartbeat interval to tell ``node`` now, seconds; remembered so that its dropout
+        timeout follows what it was told (a shrinking network never drops a node that still
+        heartbeats at the longer interval it was given)."""
+        node.interval_s = self.cadence().interval_s
+        return node.interval_s
+
+    def node_timeout_s(self, node: NodeRecord, cadence_timeout_s: float | None = None) -> float:
+        """Seconds without a heartbeat after which ``node`` is gone: the current cadence's timeout
+        (``cadence_timeout_s`` when the caller has it), or longer when the node was told a longer
+        interval."""
+        floor_s = self.cadence().timeout_s if cadence_timeout_s is None else cadence_timeout_s
+        return max(floor_s, node.interval_s * TIMEOUT_FACTOR)
+
+    def heartbeat(self, node_id: str, payload: HeartbeatRequest) -> list[Directive]:
+        """Record a heartbeat; returns the directives to deliver (queued → delivered). The node's
+        directive updates (only of its own directives) are written in one transaction, the
+        deliveries in another."""
+        node = self.get(node_id)
+        node.last_heartbeat_s = time.monotonic()
+        node.stats = payload.stats
+        before = {(s.model, s.layers) for s in node.shards if node.admitted(s)}
+        shards_before = node.shards
+        node.shards = [ShardRecord.from_payload(s) for s in payload.shards]
+        for s in payload.shards:
+            self.ensure_model(s.model, s.num_layers)
+        self.verify_shards(node)
+        if before != {(s.model, s.layers) for s in node.shards if node.admitted(s)}:
+            self.dirty = True
+        if any(u.status in ("done", "failed") for u in payload.directive_updates):
+            self.dirty = True
+        row = self._heartbeat_row(node, bool(payload.directive_updates) or node.shards != shards_before)
+        self.store.set_statuses([(u.id, u.status, u.error) for u in payload.directive_updates], node_id=node_id,
+                                node=row)
+        if self.queued_hint is not None and node_id not in self.queued_hint:
+            return []  # nothing queued for it as of this round's read (a shared store: no query)
+        out = [d.model_copy(update={"status": "delivered"})
+               for d in reversed(self.store.directives(node_id=node_id, statuses=("queued",)))]
+        self.store.set_statuses([(d.id, "delivered", None) for d in out], node_id=node_id)
+        if self.queued_hint is not None:
+            self.queued_hint.discard(node_id)
+        return out
+
+    def _heartbeat_row(self, node: NodeRecord, changed: bool) -> NodeRow | None:
+        """On a shared store, the record a heartbeat that ``changed`` the node's shards or directives
+        writes in the same transaction as its directive updates (no tracker ever sees a finished
+        load without its shard); for one that changed nothing only its time is noted, for the
+        round's batch. None on sqlite, or when nothing changed."""
+        if not self.store.shared:
+            return None
+        if not changed:
+            self._heartbeats[node.node_id] = time.time()
+            return None
+        node.record_at = time.time()
+        self._heartbeats.pop(node.node_id, None)
+        return self.node_row(node)
+
+    def set_reachability(self, node_id: str, endpoint: str, error: str, now: float | None = None) -> None:
+        """Record a probe of ``node_id`` at ``endpoint``: ``error`` is ``""`` when it answered, else why not.
+        A change in reachability changes admission, so it triggers a rebalance. A probe of an
+        endpoint the node no longer advertises (it re-registered meanwhile) is ignored."""
+        node = self.nodes.get(node_id)
+        if node is None or node.endpoint != endpoint:
+            return
+        node.probed_s = time.monotonic() if now is None else now
+        reachable = not error
+        if reachable != node.reachable:
+            self.dirty = True
+        if reachable and not node.reachable:
+            log.info("node %s is reachable at %s", node_id, node.endpoint)
+        elif node.reachable and not reachable:
+            log.warning("node %s became unreachable: %s", node_id, error)
+        elif not reachable and error != node.reach_error:  # a node registers before it listens: often once
+            log.info("node %s not reachable (yet): %s", node_id, error)
+        changed = (reachable, error) != (node.reachable, node.reach_error)
+        node.reachable, node.reach_error = reachable, error
+        self.verify_shards(node)
+        if changed:
+            self.save(node)
+
+    def to_probe(self, now: float | None = None) -> list[NodeRecord]:
+        """Unreachable nodes whose last probe is ``probe_interval_s`` old or more."""
+        now = time.monotonic() if now is None else now
+        return [n for n in self.nodes.values() if not n.reachable
+                and (n.probed_s is None or now - n.probed_s >= self.settings.probe_interval_s)]
+
+    def public_key(self, node_id: str) -> str | None:
+        """The public key bound to ``node_id`` (base64url), or None when the id was never registered.
+
+        A binding never changes once made (another key is refused 409), so each is read from the
+        store once and then served from memory: every heartbeat asks for it.
+        """
+        key = self._bound_keys.get(node_id)
+        if key is None:
+            key = self.store.node_key(node_id)
+            if key is not None:
+                self._bound_keys[node_id] = key
+        return key
+
+    def check_dropouts(self, now: float | None = None) -> list[str]:
+        """Drop nodes whose last heartbeat is older than their timeout (:meth:`node_timeout_s`);
+        returns their ids."""
+        now = time.monotonic() if now is None else now
+        floor_s = self.cadence().timeout_s  # once per check, not once per node
+        gone = [(nid, now - n.last_heartbeat_s) for nid, n in self.nodes.items()
+                if now - n.last_heartbeat_s > self.node_timeout_s(n, floor_s)]
+        if gone and self.store.shared:  # it may heartbeat to another tracker of this database
+            elsewhere = self.store.heartbeat_times([nid for nid, _ in gone])
+            wall = time.time()
+            for nid, at in elsewhere.items():
+                self.nodes[nid].last_heartbeat_s = max(self.nodes[nid].last_heartbeat_s, now - (wall - at))
+            gone = [(nid, now - self.nodes[nid].last_heartbeat_s) for nid, _ in gone
+                    if now - self.nodes[nid].last_heartbeat_s > self.node_timeout_s(self.nodes[nid], floor_s)]
+        for nid, silent_s in gone:
+            self._forget(nid, "node dropped out")
+            log.warning("node %s dropped out (no heartbeat for %.0f s)", nid, silent_s)
+        return [nid for nid, _ in gone]
+
+    def deregister(self, node_id: str) -> None:
+        """Forget a node that leaves on purpose (end of its drain); its open directives fail.
+
+        Raises:
+            NotFound: unknown node.
+        """
+        self.get(node_id)
+        self._forget(node_id, "node deregistered", final=True)
+        log.info("node %s deregistered", node_id)
+
+    def _forget(self, node_id: str, why: str, *, final: bool = False) -> None:
+        """Forget ``node_id``. Its open directives fail and its shared record goes when this tracker
+        leads or the node left on purpose (``final``); a standby that stopped hearing from a node
+        only forgets it, since the leader decides dropouts (ADR-0043)."""
+        del self.nodes[node_id]
+        self._heartbeats.pop(node_id, None)
+        self.verdicts = {k: v for k, v in self.verdicts.items() if k[0] != node_id}
+        if self.leader or final:
+            self.store.fail_open(node_id, why)
+            if self.store.shared:
+                self.store.delete_node(node_id)
+        self.dirty = True
+
+    def node_row(self, node: NodeRecord) -> NodeRow:
+        """``node``'s shared record, heard of now."""
+        return NodeRow(node.node_id, record_to_json(node), node.record_at, time.time())
+
+    def save(self, node: NodeRecord) -> None:
+        """Write ``node``'s record for the other trackers of a shared store (nothing on sqlite)."""
+        if self.store.shared:
+            node.record_at = time.time()
+            self._heartbeats.pop(node.node_id, None)
+            self.store.save_node(self.node_row(node))
+
+    def take_heartbeats(self) -> dict[str, float]:
+        """Node id → unix time of the heartbeats not written yet (:meth:`TrackerStore.touch_nodes`); cleared."""
+        out, self._heartbeats = self._heartbeats, {}
+        return out
+
+    def apply_rows(self, rows: list[NodeRow], now: float | None = None) -> int:
+        """Take the records other trackers wrote (:meth:`TrackerStore.nodes_changed`) where they are
+        newer than this tracker's; returns how many changed the registry. A record that cannot be
+        read (another meshnet version) is skipped with a warning."""
+        now = time.monotonic() if now is None else now
+        wall, changed = time.time(), 0
+        for row in rows:
+            old = self.nodes.get(row.node_id)
+            if old is not None and old.record_at >= row.record_at:
+                continue
+            try:
+                record = record_from_json(row.record, now - max(0.0, wall - row.heartbeat_at))
+                for shard in record.shards:
+                    self.ensure_model(shard.model)
+            except (ValueError, KeyError, TypeError, NotFound) as exc:
+                log.warning("skipped the shared record of %s: %s", row.node_id, exc)
+                continue
+            if old is None:
+                self.last_join_s = time.monotonic()
+            else:
+                record.last_failure_s, record.last_move_s = old.last_failure_s, old.last_move_s
+                record.last_heartbeat_s = max(record.last_heartbeat_s, old.last_heartbeat_s)
+            record.quarantine = self.quarantined.get(row.node_id)  # from the store's quarantines table (ADR-0042)
+            self.nodes[row.node_id] = record
+            self.verify_shards(record)  # the verdicts this tracker holds for its reports (ADR-0042)
+            changed += 1
+        if changed:
+            self.dirty = True
+        return changed

@@ -1,0 +1,171 @@
+"""Coverage maps, routes and session tickets over admitted shards (part of
+:class:`meshnet.tracker.service.TrackerService`).
+
+The pure decisions live in :mod:`meshnet.tracker.routing` (which hops) and
+:mod:`meshnet.tracker.placement` (coverage counts); this mixin feeds them the service's records.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from meshnet.errors import Forbidden, InvalidRequest, ModelNotRoutable
+from meshnet.layers import LayerRange
+from meshnet.presets import canonical_model_name
+from meshnet.tracker import placement, readiness, routing
+from meshnet.protocol.views import Coverage, CoverageSegment
+from meshnet.tracker.registry import NodeRecord, ShardRecord
+
+log = logging.getLogger(__name__)
+
+
+def may_enter(sender: NodeRecord | None, model: str) -> str:
+    """Why ``sender`` may not get a session ticket for ``model`` ("" when it may): only a
+    registered node holding an entry shard of the model drives its sessions."""
+    if sender is None:
+        return "the sender is not a registered node"
+    if not any(s.entry and s.model == model for s in sender.shards):
+        return f"the sender holds no entry shard of {model}"
+    return ""
+
+
+class RoutesMixin:
+    """Coverage, routes, entry choice, tickets and readiness of :class:`TrackerService` (which
+    provides ``nodes``, ``ensure_model``, ``tracked_models``, ``tickets``, ``public_key`` and
+    ``add_demand``)."""
+
+    def admitted_shards(self, model: str) -> list[tuple[NodeRecord, ShardRecord]]:
+        """Admitted shards of ``model`` (any of its names)."""
+        model = canonical_model_name(model)
+        return [(n, s) for n in self.nodes.values() for s in n.shards if s.model == model and n.admitted(s)]
+
+    def coverage(self, model: str) -> Coverage:
+        """``model``'s coverage map over its admitted shards (segments inclusive, ADR-0002).
+
+        Raises:
+            NotFound: unknown model.
+        """
+        info = self.ensure_model(model)
+        admitted = [s for _, s in self.admitted_shards(model)]
+        counts = placement.coverage_counts(info.num_layers, [s.layers for s in admitted])
+        segments, start = [], 0
+        for layer in range(1, info.num_layers + 1):
+            if layer == info.num_layers or counts[layer] != counts[start]:
+                segments.append(CoverageSegment(start_layer=start, end_layer=layer - 1, node_count=counts[start]))
+                start = layer
+        covered = sum(1 for c in counts if c > 0)
+        has_entry = any(s.entry for s in admitted)
+        return Coverage(model=info.name, num_layers=info.num_layers, segments=segments, covered_layers=covered,
+                        routable=covered == info.num_layers and has_entry, demand=self.demand_rate(info.name))
+
+    def candidates(self, model: str, end_layer: int) -> list[routing.ShardCandidate]:
+        """Admitted shards of ``model`` starting before ``end_layer`` (full shard ranges: the
+        measured tokens/s is over the whole shard; choose_route trims past ``num_layers``).
+
+        Load is the node's live KV-cache sessions. Per-hop network latency is not measured yet
+        (nodes report compute time only, which tokens/s already counts), so it is 0 here, except
+        the relay's extra leg for a relayed node (:func:`routing.relay_latency_s`, ADR-0045).
+        """
+        now = time.monotonic()
+        out = []
+        for node, shard in self.admitted_shards(model):
+            if shard.layers.start >= end_layer:
+                continue
+            age = None if node.last_failure_s is None else now - node.last_failure_s
+            out.append(routing.ShardCandidate(node.node_id, node.endpoint, shard.layers, node.tokens_per_s(shard),
+                                              routing.relay_latency_s(node.relay_url,
+                                                                      node.stats.relay_rtt_s or node.relay_rtt_s),
+                                              node.stats.sessions, age))
+        return out
+
+    def recipe_of(self, node_id: str, model: str, layers: LayerRange) -> tuple[str, str] | None:
+        """``(quantization, compute dtype)`` of ``node_id``'s admitted shard of ``model`` covering
+        ``layers`` (None: it holds none)."""
+        for n, s in self.admitted_shards(model):
+            if n.node_id == node_id and s.layers.start <= layers.start and layers.end <= s.layers.end:
+                return s.quantization, s.report.recipe.compute_dtype
+        return None
+
+    def route(self, model: str, layers: LayerRange, exclude: frozenset[str] = frozenset(),
+              like: str | None = None) -> list[routing.Hop]:
+        """Hops covering exactly ``layers`` of ``model``; with ``like``, only through shards of the same
+        recipe (quantization and compute dtype) as that node's over ``layers`` (ADR-0042: spot-check
+        witnesses compute what the checked hop computes, so one tolerance fits).
+
+        Raises:
+            NoRoute (503 model_loading): some layer has no usable admitted shard.
+        """
+        info = self.ensure_model(model)
+        if layers.end > info.num_layers:
+            raise InvalidRequest(f"layers {layers} beyond {model}'s {info.num_layers} layers",
+                                 code="invalid_field", status=422)
+        try:
+            candidates = self.candidates(model, layers.end)
+            if like is not None:
+                recipe = self.recipe_of(like, model, layers)
+                same = {(n.node_id, s.layers) for n, s in self.admitted_shards(model)
+                        if recipe is not None and (s.quantization, s.report.recipe.compute_dtype) == recipe}
+                candidates = [c for c in candidates if (c.node_id, c.layers) in same]
+            return routing.choose_route(layers.end, candidates, start_layer=layers.start, exclude=exclude)
+        except routing.NoRoute as exc:
+            full = routing.NoRoute(exc.gap_start, info.num_layers)
+            full.coverage = self.coverage(model).model_dump()
+            raise full from None
+
+    def unverified_hops(self, model: str, hops: list[routing.Hop]) -> list[str]:
+        """Node ids of ``hops`` whose layers no other admitted holder covers (nothing can
+        spot-check them, ADR-0042)."""
+        shards = self.admitted_shards(model)
+        return [h.node_id for h in hops
+                if not any(n.node_id != h.node_id and s.layers.start <= h.layers.start and h.layers.end <= s.layers.end
+                           for n, s in shards)]
+
+    def session_ticket(self, entry: str, session: str, model: str, hops: list[routing.Hop]) -> str:
+        """A ticket for ``hops`` of ``model`` in ``session``, driven by node ``entry`` (whose signature
+        the caller checked).
+
+        Raises:
+            Forbidden (403 ``not_an_entry``): ``entry`` holds no entry shard of ``model``;
+                (403 ``session_taken``): another entry owns ``session``.
+        """
+        info = self.ensure_model(model)
+        why = may_enter(self.nodes.get(entry), info.name)
+        if why:
+            raise Forbidden(f"{entry} may not drive sessions of {info.name}: {why}", code="not_an_entry")
+        return self.tickets.issue(session=session, model=info.name, entry=entry, entry_key=self.public_key(entry) or "",
+                                  hops=hops)
+
+    def entry_nodes(self, model: str) -> list[NodeRecord]:
+        """Admitted entry nodes of a routable model (so never a draining one), in the order a chat
+        tries them: ones without a recent failure (hop or proxy) first, then least loaded. At
+        least one.
+
+        Raises:
+            ModelNotRoutable: coverage gap or no entry node; the request counts as demand.
+        """
+        info = self.ensure_model(model)
+        cov = self.coverage(info.name)
+        entries = [(n, s) for n, s in self.admitted_shards(info.name) if s.entry]
+        if not cov.routable:  # routable implies an admitted entry node
+            self.add_demand(info.name)
+            raise ModelNotRoutable(f"model {info.name} is not routable yet: {cov.covered_layers}/{info.num_layers} "
+                                   "layers covered by admitted nodes", coverage=cov.model_dump(), retry_after_s=5,
+                                   hint="retry after Retry-After seconds; the tracker places shards where demand appears")
+        now = time.monotonic()
+
+        def failed_recently(n: NodeRecord) -> bool:
+            return n.last_failure_s is not None and now - n.last_failure_s < routing.FAILURE_COOLDOWN_S
+
+        ranked = sorted(entries, key=lambda e: (failed_recently(e[0]), e[0].stats.requests_running,
+                                                e[0].stats.sessions, e[0].node_id))
+        return list({n.node_id: n for n, _ in ranked}.values())
+
+    def readiness(self, model: str | None = None, *, draining: bool = False) -> dict:
+        """Whether a chat can be served now (of ``model``, or of any tracked model), and why not.
+
+        Raises:
+            NotFound: ``model`` is not known.
+        """
+        names = [self.ensure_model(model).name] if model else [m.name for m in self.tracked_models()]
+        return readiness.tracker_readiness([self.coverage(n).model_dump() for n in names], draining=draining)
