@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 
-import httpx
 
 from meshnet.client import NodeSigner, TrackerClient
 from meshnet.errors import MeshnetError
@@ -27,27 +26,20 @@ from meshnet.layers import LayerRange
 from meshnet.node import hardware, identity
 from meshnet.node.doctor import run_doctor
 from meshnet.node.loader import load_shard
-from meshnet.protocol.control import (PROTOCOL_REVISION, CapabilityReport, Directive, DirectiveUpdate,
-                                      HeartbeatRequest, HeartbeatResponse, NodeStats, RegisterResponse,
-                                      QuarantineReport, RegisterRequest, ShardInfo)
+from meshnet.protocol.control import PROTOCOL_REVISION, CapabilityReport, Directive, DirectiveUpdate, HeartbeatRequest, NodeStats, RegisterResponse, QuarantineReport, RegisterRequest, ShardInfo
 from meshnet.protocol.signing import decode_public_key, encode_public_key
 from meshnet.protocol.route import Hop, Route
 from meshnet.relay.backoff import Backoff
 from meshnet.relay.tunnel import NodeTunnel
+from meshnet.node.reachability import RelayMixin
 
 log = logging.getLogger(__name__)
 
 #: registration answers that retrying cannot change: the node stops with the tracker's message
 REFUSALS = (400, 401, 403, 409, 422, 426)
-#: an unreachable node moves to a relay when the tracker still cannot reach it this long after the
-#: node's own listener answered: longer than a probe's timeout plus its retry interval, seconds
-AUTO_RELAY_AFTER_S = 5.0
-#: a node relayed through another node (``--relay-url``) whose tunnel stays down this long moves
-#: to the tracker's relay, seconds
-RELAY_FALLBACK_S = 30.0
 
 
-class TrackerAgent:
+class TrackerAgent(RelayMixin):
     """Keeps one node registered with its tracker. ``node`` is the app's NodeContext.
 
     Every call to the tracker is signed with the node's key (made on first start in its state
@@ -244,120 +236,7 @@ class TrackerAgent:
         log.info("heartbeat interval %.1f s (announced by the tracker, was %.1f s)", announced_s, self.interval_s)
         self.interval_s = announced_s
 
-    def note_reachability(self, resp: RegisterResponse | HeartbeatResponse) -> None:
-        """Log when the tracker's verdict on reaching this node's endpoint changes: an unreachable
-        node's shards are not admitted, so nothing is routed to it (meshnet.tracker.probe). An
-        unreachable node allowed a relay considers moving to one (:meth:`consider_relay`)."""
-        reachable = resp.reachable
-        if not reachable and self.tunnel is None and self.settings.auto_relay:
-            self.consider_relay()
-        if reachable == self.reachable:
-            return
-        if not reachable and self.reachable is None and not self._probed_again:
-            # a node registers before it listens: the tracker probes again within a second, so
-            # the first "unreachable" is only provisional; the next verdict decides
-            self._probed_again = True
-            log.info("registered before listening; the tracker will probe %s again", self.endpoint)
-            self.wake_soon(1.5)
-            return
-        self.reachable = reachable
-        if reachable:
-            log.info("the tracker reaches this node at %s; its shards can be admitted", self.endpoint)
-        elif self.tunnel is None and self.settings.auto_relay:
-            log.info("the tracker cannot reach this node at %s (%s); if it still cannot once this node "
-                     "listens, the node serves through a relay", self.endpoint, resp.reach_error)
-        elif self.tunnel is None:
-            log.warning("the tracker cannot reach this node at %s (%s): its shards are not admitted until it "
-                        "can; check --public-url, --host and firewalls (or allow a relay)", self.endpoint,
-                        resp.reach_error)
-        else:
-            log.warning("the tracker cannot reach this node through its relay at %s (%s); the tunnel dials "
-                        "again by itself", self.endpoint, resp.reach_error)
-
     # ---- relay (ADR-0045) ---------------------------------------------------------------
-
-    def consider_relay(self) -> None:
-        """Move to a relay when the tracker still cannot reach this node :data:`AUTO_RELAY_AFTER_S`
-        after the node's own listener answered (an earlier verdict may predate the listener)."""
-        if self._considering is None or self._considering.done():
-            self._considering = asyncio.create_task(self._consider_relay())
-
-    async def _consider_relay(self) -> None:
-        loop = asyncio.get_running_loop()
-        if not await self._listening():
-            self._listening_since = None
-            return
-        if self._listening_since is None:
-            self._listening_since = loop.time()
-            self.wake_soon(AUTO_RELAY_AFTER_S + 0.1)  # a verdict from a probe made after it listens
-            return
-        if loop.time() - self._listening_since < AUTO_RELAY_AFTER_S or self.tunnel is not None:
-            return
-        log.warning("the tracker cannot reach this node at %s although it listens: serving through a relay "
-                    "instead", self.endpoint)
-        await self.switch_to_relay()
-
-    async def _listening(self) -> bool:
-        """Whether this node's own listener answers ``GET /v1/health`` on ``local_url``."""
-        try:
-            async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
-                return (await http.get(f"{self.settings.local_url}/v1/health")).status_code < 500
-        except httpx.HTTPError:
-            return False
-
-    def _new_tunnel(self, relay_url: str | None = None) -> NodeTunnel:
-        """The relay tunnel (to ``relay_url``, else ``--relay-url``, else the tracker), not dialling
-        yet: its endpoint is known before the first attach, so the node can register it first (an
-        attach needs a node id the relay knows)."""
-        relay_url = relay_url or self.settings.relay_url or self.settings.tracker_url
-        return NodeTunnel(relay_url, self.settings.node_id, self.key, self.settings.local_url,
-                          on_attached=self._tunnel_attached)
-
-    async def start_tunnel(self, attach_wait_s: float = 10.0) -> None:
-        """Dial the tunnel (made by :meth:`_new_tunnel` when none is) and wait up to ``attach_wait_s``
-        for the first attach; the node goes on either way (the tunnel keeps dialling)."""
-        if self.tunnel is None:
-            self.tunnel = self._new_tunnel()
-        if self._tunnel_task is None:
-            self._tunnel_task = asyncio.create_task(self.tunnel.run())
-        try:
-            await asyncio.wait_for(self.tunnel.attached.wait(), timeout=attach_wait_s)
-        except asyncio.TimeoutError:
-            log.warning("no tunnel to %s within %.0f s (%s); still trying", self.tunnel.relay_url, attach_wait_s,
-                        self.tunnel.last_error)
-
-    def relay_lost(self) -> bool:
-        """Whether this node's relay is another node whose tunnel has been down :data:`RELAY_FALLBACK_S`."""
-        tunnel, tracker = self.tunnel, (self.settings.tracker_url or "").rstrip("/")
-        return (tunnel is not None and bool(tracker) and tunnel.relay_url != tracker
-                and tunnel.down_for_s() >= RELAY_FALLBACK_S)
-
-    async def fall_back_to_tracker_relay(self) -> None:
-        """The node relaying this one is gone: attach to the tracker's relay and register that endpoint."""
-        old = self.tunnel
-        log.warning("relay %s unreachable for %.0f s (%s): moving to the tracker's relay", old.relay_url,
-                    old.down_for_s(), old.last_error)
-        if self._tunnel_task is not None:
-            self._tunnel_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._tunnel_task
-        self.tunnel, self._tunnel_task = self._new_tunnel(self.settings.tracker_url), None
-        await self.switch_to_relay()
-
-    async def switch_to_relay(self) -> None:
-        """The tracker cannot reach this node: attach a tunnel, then register the relayed endpoint."""
-        await self.start_tunnel()
-        self.reachable, self._probed_again = None, False
-        try:
-            self.note_registered(await self.client.register(self.registration()))
-        except MeshnetError as exc:  # the next heartbeat's 404 or the next round registers again
-            self.last_error = exc.message
-            log.warning("registration through the relay failed: %s", exc.message)
-
-    def _tunnel_attached(self) -> None:
-        """A tunnel (re)attached: heartbeat now, so the tracker hears of the node at once."""
-        if self.tunnel is not None and self.tunnel.attaches > 1:
-            self.wake.set()
 
     async def close(self) -> None:
         """Stop the relay tunnel and a pending relay check (the app's lifespan ends)."""

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshnet.node import agent as agent_module
+from meshnet.node import reachability as agent_module
 from meshnet.node.agent import TrackerAgent
 from meshnet.protocol.control import HeartbeatResponse
 
