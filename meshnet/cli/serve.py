@@ -27,6 +27,7 @@ from pathlib import Path
 
 import typer
 
+from meshnet.cli.options import DEFAULT_SHARDS, ServeOptions, takes
 from meshnet.cli.output import console, err_console, fail
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
@@ -50,10 +51,6 @@ def split_layers(num_layers: int, parts: int) -> list[LayerRange]:
     return ranges
 
 
-#: shards ``meshnet serve`` splits the model into when the cores allow
-DEFAULT_SHARDS = 3
-
-
 def memory_per_node_mb(nodes: int, total_bytes: int) -> int:
     """The ``--memory`` (MB) of each of ``nodes`` local nodes sharing ``total_bytes`` of RAM.
 
@@ -73,40 +70,61 @@ def write_token(path: Path, token: str) -> Path:
     return path
 
 
-def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve (default: the default preset)."),
-          nodes: int = typer.Option(None, "--nodes", "-n", min=1,
-                                    help=f"Shards the layers are split into, one process each, the tracker "
-                                         f"serving the first (default: {DEFAULT_SHARDS}, or the usable cores "
-                                         f"when fewer, so no core runs two processes' threads)."),
-          tracker_layers: bool = typer.Option(True, "--tracker-layers/--no-tracker-layers",
-                                              help="The tracker serves the first shard and answers chat as its "
-                                                   "entry (ADR-0044); without, a node process serves every shard."),
-          port: int = typer.Option(8700, "--port", help="Tracker port (the URL clients use)."),
-          dtype: str = typer.Option("auto", "--dtype",
-                                    help="Compute dtype: auto (measured on this host), bfloat16 or float32 (exact)."),
-          wire_dtype: str = typer.Option("bfloat16", "--wire-dtype", help="Activation dtype between nodes."),
-          timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the model to be routable."),
-          threads: int = typer.Option(None, "--threads", min=1,
-                                      help="torch threads per process (default: measured on this host within the "
-                                           "usable cores split evenly between the processes)."),
-          heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", help="Seconds between heartbeats."),
-          drain_grace: float = typer.Option(30.0, "--drain-grace", min=0.0,
-                                            help="On stop, seconds chats in flight get to finish."),
-          spot_check_rate: float = typer.Option(0.02, "--spot-check-rate", min=0.0, max=1.0,
-                                                help="Share of sessions whose hops the entry also runs on a second "
-                                                     "holder and compares (ADR-0042; 0 disables)."),
-          exit_when_ready: bool = typer.Option(False, "--exit-when-ready", help="Stop everything once ready (smoke test).")) -> None:
+@takes(ServeOptions)
+def serve(opts: ServeOptions) -> None:
     """Start a tracker serving the first layers and node processes serving the rest, the model split
     evenly into --nodes shards; Ctrl-C stops them all."""
+    from meshnet.models.sources import cache_dir
+
+    preset, ranges, choice = _prepare(opts)
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    logs = cache_dir() / "logs"
+    # fresh tokens each run (ADR-0035): the nodes get the join token; the operator's is in a file
+    operator_token = secrets.token_urlsafe(32)
+    token_file = write_token(cache_dir() / f"serve-{opts.port}.operator-token", operator_token)
+    mesh = LocalMesh(logs, port=opts.port, heartbeat_s=opts.heartbeat_interval, detach=True,
+                     join_token=secrets.token_urlsafe(32), operator_token=operator_token)
+    url = mesh.url
+    try:
+        _start(mesh, opts, preset.name, ranges, choice)
+        with console.status(f"loading {preset.name} across {len(ranges)} process(es)"):
+            cov = mesh.wait_routable(preset.name, opts.timeout)
+        console.print(f"[green]meshnet ready[/]: {preset.name} ({cov['num_layers']} layers) routable at {url}")
+        console.print(f"  try: meshnet chat \"What is the capital of France?\" --url {url}")
+        console.print("  OpenAI API: POST {}/v1/chat/completions · console: meshnet tui --url {}".format(url, url))
+        console.print(f"  operator token in {token_file}: meshnet pin ... --token \"$(cat {token_file})\"",
+                      soft_wrap=True, highlight=False)
+        print(f"READY {url}", flush=True)
+        if not opts.exit_when_ready:
+            _watch(mesh, logs)
+    except KeyboardInterrupt:
+        console.print("stopping…")
+    except MeshnetError as exc:
+        for f in sorted(logs.glob("*.log")):
+            err_console.print(f"--- {f.name} (tail) ---\n" + "\n".join(f.read_text().splitlines()[-8:]))
+        mesh.stop(grace_s=opts.drain_grace + 5.0)
+        fail(exc)
+    finally:
+        mesh.stop(grace_s=opts.drain_grace + 5.0)
+
+
+def _prepare(opts: ServeOptions):
+    """Fetch the model once, split its layers into the shards the cores allow and choose the
+    compute dtype and threads per process; returns ``(preset, ranges, choice)``. Exits on a bad
+    model or split."""
     from meshnet.cli.services import compute_defaults
-    from meshnet.models.sources import cache_dir, resolve
+    from meshnet.models.sources import resolve
     from meshnet.node.calibration import max_processes, thread_budget, usable_cores
     from meshnet.presets import default_model, get_preset
 
     cores = usable_cores()
-    shards = nodes or max_processes(cores, DEFAULT_SHARDS)
+    shards = opts.nodes or max_processes(cores, DEFAULT_SHARDS)
     try:
-        preset = get_preset(model or default_model())
+        preset = get_preset(opts.model or default_model())
         with console.status(f"preparing {preset.name}") as status:
             resolve(preset.name, progress=lambda msg: status.update(f"{preset.name}: {msg}"))
         ranges = split_layers(preset.num_layers, shards)
@@ -115,66 +133,53 @@ def serve(model: str = typer.Option(None, "--model", "-m", help="Preset to serve
     if shards > cores:
         err_console.print(f"[yellow]--nodes {shards} on {cores} usable core(s): {shards} processes share them "
                           "(more threads than cores)[/]")
-    choice = compute_defaults(preset.name, dtype, threads, thread_budget(cores, shards))
+    choice = compute_defaults(preset.name, opts.dtype, opts.threads, thread_budget(cores, shards))
     console.print(f"compute: {choice.compute_dtype}, {choice.threads} thread(s) per process: {choice.reason}",
                   highlight=False)
-    if threads is not None and shards <= cores < threads * shards:
-        err_console.print(f"[yellow]--threads {threads} in {shards} processes: {threads * shards} threads on "
-                          f"{cores} usable core(s)[/]")
+    if opts.threads is not None and shards <= cores < opts.threads * shards:
+        err_console.print(f"[yellow]--threads {opts.threads} in {shards} processes: {opts.threads * shards} threads "
+                          f"on {cores} usable core(s)[/]")
+    return preset, ranges, choice
 
-    def _terminate(signum, frame):
-        raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _terminate)
-    logs = cache_dir() / "logs"
+def _start(mesh: LocalMesh, opts: ServeOptions, model: str, ranges: list[LayerRange], choice) -> None:
+    """Start the tracker (serving ``ranges[0]`` itself unless ``--no-tracker-layers``) and one node
+    process per other range, each with its share of the machine's memory."""
     import psutil
 
+    from meshnet.models.sources import cache_dir
+    from meshnet.tracker.service import TrackerSettings as T
+
+    shards = len(ranges)
     memory_mb = memory_per_node_mb(shards, psutil.virtual_memory().total)
-    # fresh tokens each run (ADR-0035): the nodes get the join token; the operator's is in a file
-    operator_token = secrets.token_urlsafe(32)
-    token_file = write_token(cache_dir() / f"serve-{port}.operator-token", operator_token)
-    mesh = LocalMesh(logs, port=port, heartbeat_s=heartbeat_interval, detach=True,
-                     join_token=secrets.token_urlsafe(32), operator_token=operator_token)
-    url = mesh.url
-    drain = ["--drain-grace", str(drain_grace)]
-    spot = ["--spot-check-rate", str(spot_check_rate)]
-    compute = ["--dtype", choice.compute_dtype, "--wire-dtype", wire_dtype, "--memory", str(memory_mb)]
-    try:
-        own = ["--serve-layers", str(ranges[0]), "--threads", str(choice.threads), *compute, *spot] if tracker_layers else []
-        mesh.start_tracker(preset.name, node_timeout_s=25.0, rebalance_s=30.0,
-                           db=cache_dir() / f"serve-tracker-{port}.db", extra=[*drain, *own])
-        for i, layers in enumerate(ranges[1:] if tracker_layers else ranges, start=1 if tracker_layers else 0):
-            start, end = layers.to_inclusive()
-            mesh.start_node(f"node-{i}", "--model", preset.name, "--shard-start", str(start), "--shard-end", str(end),
-                            *compute, *drain, *spot, threads=choice.threads)
-        who = (f"a tracker serving layers {ranges[0]} and {shards - 1} node(s)" if tracker_layers
-               else f"a tracker and {shards} node(s)")
-        console.print(f"started {who}, {choice.threads} torch thread(s) and {memory_mb} MB each; logs in {logs}")
-        with console.status(f"loading {preset.name} across {shards} process(es)"):
-            cov = mesh.wait_routable(preset.name, timeout)
-        console.print(f"[green]meshnet ready[/]: {preset.name} ({cov['num_layers']} layers) routable at {url}")
-        console.print(f"  try: meshnet chat \"What is the capital of France?\" --url {url}")
-        console.print("  OpenAI API: POST {}/v1/chat/completions · console: meshnet tui --url {}".format(url, url))
-        console.print(f"  operator token in {token_file}: meshnet pin ... --token \"$(cat {token_file})\"",
-                      soft_wrap=True, highlight=False)
-        print(f"READY {url}", flush=True)
-        reported: set[str] = set()
-        while not exit_when_ready:
-            for name, code in mesh.exited().items():
-                if name == "tracker":
-                    err_console.print(f"[red]the tracker exited (code {code}); stopping[/]")
-                    raise typer.Exit(1)
-                if name not in reported:  # the mesh goes on; the tracker shows the gap
-                    reported.add(name)
-                    err_console.print(f"[yellow]{name} exited (code {code}); its layers are a coverage gap until "
-                                      f"another node serves them (log: {logs / f'{name}.log'})[/]")
-            time.sleep(1.0)
-    except KeyboardInterrupt:
-        console.print("stopping…")
-    except MeshnetError as exc:
-        for f in sorted(logs.glob("*.log")):
-            err_console.print(f"--- {f.name} (tail) ---\n" + "\n".join(f.read_text().splitlines()[-8:]))
-        mesh.stop(grace_s=drain_grace + 5.0)
-        fail(exc)
-    finally:
-        mesh.stop(grace_s=drain_grace + 5.0)
+    drain = ["--drain-grace", str(opts.drain_grace)]
+    spot = ["--spot-check-rate", str(opts.spot_check_rate)]
+    compute = ["--dtype", choice.compute_dtype, "--wire-dtype", opts.wire_dtype, "--memory", str(memory_mb)]
+    own = (["--serve-layers", str(ranges[0]), "--threads", str(choice.threads), *compute, *spot]
+           if opts.tracker_layers else [])
+    mesh.start_tracker(model, node_timeout_s=T.node_timeout_s, rebalance_s=T.rebalance_interval_s,
+                       db=cache_dir() / f"serve-tracker-{opts.port}.db", extra=[*drain, *own])
+    first = 1 if opts.tracker_layers else 0
+    for i, layers in enumerate(ranges[first:], start=first):
+        start, end = layers.to_inclusive()
+        mesh.start_node(f"node-{i}", "--model", model, "--shard-start", str(start), "--shard-end", str(end),
+                        *compute, *drain, *spot, threads=choice.threads)
+    who = (f"a tracker serving layers {ranges[0]} and {shards - 1} node(s)" if opts.tracker_layers
+           else f"a tracker and {shards} node(s)")
+    console.print(f"started {who}, {choice.threads} torch thread(s) and {memory_mb} MB each; logs in {mesh.log_dir}")
+
+
+def _watch(mesh: LocalMesh, logs: Path) -> None:
+    """Until Ctrl-C: report each node that exits (its layers become a coverage gap); exit with
+    code 1 when the tracker does."""
+    reported: set[str] = set()
+    while True:
+        for name, code in mesh.exited().items():
+            if name == "tracker":
+                err_console.print(f"[red]the tracker exited (code {code}); stopping[/]")
+                raise typer.Exit(1)
+            if name not in reported:  # the mesh goes on; the tracker shows the gap
+                reported.add(name)
+                err_console.print(f"[yellow]{name} exited (code {code}); its layers are a coverage gap until "
+                                  f"another node serves them (log: {logs / f'{name}.log'})[/]")
+        time.sleep(1.0)

@@ -322,57 +322,10 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        rt = runtime or NodeRuntime(max_loaded_shards=settings.max_loaded_shards,
-                                    compute_dtype=settings.compute_dtype,
-                                    sessions=SessionStore(settings.session_ttl_s, settings.session_cache_bytes),
-                                    batch_window_s=settings.batch_window_s, max_batch_size=settings.max_batch_size)
-        # callers block in worker threads while their step is batched: the default pool (cores + 4)
-        # would cap a batch at a handful of sessions (ADR-0041)
-        asyncio.get_running_loop().set_default_executor(
-            ThreadPoolExecutor(settings.worker_threads, thread_name_prefix="meshnet-node"))
-        async with httpx.AsyncClient(timeout=httpx.Timeout(settings.hop_timeout_s,
-                                                           connect=settings.hop_connect_timeout_s),
-                                     limits=httpx.Limits(max_keepalive_connections=32), transport=transport) as http:
-            node = NodeContext(settings=settings, runtime=rt, http=http, drain=drain, transport=transport)
-            rt.on_batch = node.metrics.observe_batch
-            node.chains = ChainHost(node)
-            if transport is None:  # hop streams need real sockets; a test transport keeps hops on HTTP
-                node.streams = StreamPool(node.chains.dispatch, on_traffic=node.metrics.observe_stream,
-                                          connect_timeout_s=settings.hop_connect_timeout_s,
-                                          send_timeout_s=settings.hop_timeout_s)
-            app.state.node = node
-            drain.idle = lambda: hop_sessions_idle(node)
-            agent_task = None
-            if not settings.tracker_url and settings.model and settings.shard:
-                from meshnet.node.loader import load_shard
-                await load_shard(node, settings.model, settings.shard, "pinned")
-            if settings.tracker_url and start_agent:
-                from meshnet.node.agent import TrackerAgent
-                node.agent = TrackerAgent(node)
-                try:
-                    await node.agent.start()
-                except BaseException:
-                    await node.agent.close()  # its relay tunnel, if it opened one
-                    raise
-                drain.announce, drain.leave = node.agent.announce_drain, node.agent.leave
-                agent_task = asyncio.create_task(node.agent.run())
-            try:
-                yield
-            finally:
-                await node.chains.close()
-                if node.streams is not None:
-                    await node.streams.close()
-                if agent_task is not None:  # the agent this lifespan started (tests may set their own)
-                    agent_task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await agent_task
-                    await node.agent.close()
+        async with _running_node(app, settings, runtime, drain, transport, start_agent):
+            yield
 
-    routes = [Route("/v1/forward", forward, methods=["POST"]), WebSocketRoute("/v1/stream", stream_endpoint),
-              Route("/v1/sessions/{session_id}", release_session, methods=["DELETE"]),
-              Route("/v1/health", health), Route("/v1/ready", ready), Route("/v1/traffic", traffic), Route("/v1/doctor", doctor, methods=["POST"]),
-              Route("/v1/models", list_models), Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-              Route("/metrics", metrics)]
+    routes = _routes()
     # forward frames may be up to the wire format's limit (plus a header of at most 24 bytes)
     body_limit = Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                             path_limits={"/v1/forward": wire.DEFAULT_MAX_BYTES + 64},
@@ -385,6 +338,73 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
     if settings.offer_relay:
         _offer_relay(app)
     return app
+
+
+def _routes() -> list:
+    """The node's HTTP and WebSocket routes."""
+    return [Route("/v1/forward", forward, methods=["POST"]), WebSocketRoute("/v1/stream", stream_endpoint),
+            Route("/v1/sessions/{session_id}", release_session, methods=["DELETE"]),
+            Route("/v1/health", health), Route("/v1/ready", ready), Route("/v1/traffic", traffic),
+            Route("/v1/doctor", doctor, methods=["POST"]), Route("/v1/models", list_models),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]), Route("/metrics", metrics)]
+
+
+@contextlib.asynccontextmanager
+async def _running_node(app: Starlette, settings: NodeSettings, runtime: NodeRuntime | None, drain: Drain,
+                        transport: httpx.AsyncBaseTransport | None, start_agent: bool):
+    """The node's context (``app.state.node``) while ``app`` runs: its runtime, HTTP client, chain host and hop streams,
+    its configured shard loaded (standalone) or its tracker agent started; all closed on exit."""
+    rt = runtime or NodeRuntime(max_loaded_shards=settings.max_loaded_shards, compute_dtype=settings.compute_dtype,
+                                sessions=SessionStore(settings.session_ttl_s, settings.session_cache_bytes),
+                                batch_window_s=settings.batch_window_s, max_batch_size=settings.max_batch_size)
+    # callers block in worker threads while their step is batched: the default pool (cores + 4)
+    # would cap a batch at a handful of sessions (ADR-0041)
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(settings.worker_threads, thread_name_prefix="meshnet-node"))
+    timeout = httpx.Timeout(settings.hop_timeout_s, connect=settings.hop_connect_timeout_s)
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=32),
+                                 transport=transport) as http:
+        node = NodeContext(settings=settings, runtime=rt, http=http, drain=drain, transport=transport)
+        rt.on_batch = node.metrics.observe_batch
+        node.chains = ChainHost(node)
+        if transport is None:  # hop streams need real sockets; a test transport keeps hops on HTTP
+            node.streams = StreamPool(node.chains.dispatch, on_traffic=node.metrics.observe_stream,
+                                      connect_timeout_s=settings.hop_connect_timeout_s,
+                                      send_timeout_s=settings.hop_timeout_s)
+        app.state.node = node
+        drain.idle = lambda: hop_sessions_idle(node)
+        agent_task = None
+        if not settings.tracker_url and settings.model and settings.shard:
+            from meshnet.node.loader import load_shard
+            await load_shard(node, settings.model, settings.shard, "pinned")
+        if settings.tracker_url and start_agent:
+            agent_task = await _start_agent(node, drain)
+        try:
+            yield node
+        finally:
+            await node.chains.close()
+            if node.streams is not None:
+                await node.streams.close()
+            if agent_task is not None:  # the agent this lifespan started (tests may set their own)
+                agent_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await agent_task
+                await node.agent.close()
+
+
+async def _start_agent(node: NodeContext, drain: Drain) -> asyncio.Task:
+    """Register ``node`` with its tracker and start its heartbeat loop; the drain announces and
+    leaves through it. Returns the loop's task."""
+    from meshnet.node.agent import TrackerAgent
+
+    node.agent = TrackerAgent(node)
+    try:
+        await node.agent.start()
+    except BaseException:
+        await node.agent.close()  # its relay tunnel, if it opened one
+        raise
+    drain.announce, drain.leave = node.agent.announce_drain, node.agent.leave
+    return asyncio.create_task(node.agent.run())
 
 
 def _offer_relay(app: Starlette) -> None:

@@ -308,6 +308,24 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
     return error_response(MeshnetError(f"internal error on tracker: {type(exc).__name__}: {exc}"))
 
 
+def _routes() -> list:
+    """The tracker's HTTP routes (the relay adds its own when the app is built)."""
+    return [Route("/v1/nodes/register", register, methods=["POST"]),
+            Route("/v1/nodes/{node_id}/heartbeat", heartbeat, methods=["POST"]),
+            Route("/v1/nodes/{node_id}/failure", failure, methods=["POST"]),
+            Route("/v1/nodes/{node_id}/drain", drain_node, methods=["POST"]),
+            Route("/v1/nodes/{node_id}/quarantine", quarantine, methods=["POST"]),
+            Route("/v1/nodes/{node_id}", deregister, methods=["DELETE"]),
+            Route("/v1/nodes/{node_id}/key", node_key),
+            Route("/v1/nodes", nodes), Route("/v1/traffic", traffic), Route("/v1/coverage", coverage_all),
+            Route("/v1/coverage/{model:path}", coverage_one), Route("/v1/route", route),
+            Route("/v1/network/assign", network_assign), Route("/v1/directives", directives),
+            Route("/v1/demand", demand), Route("/v1/models", models), Route("/v1/health", health),
+            Route("/v1/ready", ready),
+            Route("/v1/chat/completions", chat, methods=["POST"]), Route("/metrics", metrics),
+            *operator.routes()]
+
+
 def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerService | None = None,
               *, run_loop: bool = True, transport: httpx.AsyncBaseTransport | None = None,
               local_node: proxy.LocalNode | None = None) -> Starlette:
@@ -344,20 +362,7 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
                             await pending
                 app.state.service.store.resign()  # a standby of the same database takes over now
 
-    routes = [Route("/v1/nodes/register", register, methods=["POST"]),
-              Route("/v1/nodes/{node_id}/heartbeat", heartbeat, methods=["POST"]),
-              Route("/v1/nodes/{node_id}/failure", failure, methods=["POST"]),
-              Route("/v1/nodes/{node_id}/drain", drain_node, methods=["POST"]),
-              Route("/v1/nodes/{node_id}/quarantine", quarantine, methods=["POST"]),
-              Route("/v1/nodes/{node_id}", deregister, methods=["DELETE"]),
-              Route("/v1/nodes/{node_id}/key", node_key),
-              Route("/v1/nodes", nodes), Route("/v1/traffic", traffic), Route("/v1/coverage", coverage_all),
-              Route("/v1/coverage/{model:path}", coverage_one), Route("/v1/route", route),
-              Route("/v1/network/assign", network_assign), Route("/v1/directives", directives),
-              Route("/v1/demand", demand), Route("/v1/models", models), Route("/v1/health", health),
-              Route("/v1/ready", ready),
-              Route("/v1/chat/completions", chat, methods=["POST"]), Route("/metrics", metrics),
-              *operator.routes()]
+    routes = _routes()
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                                            prefix_limits={"/v1/relay/": DEFAULT_RELAY_BODY_BYTES}),
