@@ -9,7 +9,7 @@ chat goes straight to the entry; the client notes when each content chunk arrive
   * the same for the first token (request sent -> first content chunk);
   * calls from a ``node/`` file into a ``gateway/`` file in the steady window (the goal: none).
 
-Usage: .venv/bin/python bench/token_path.py [--tokens 24] [--steady 12]
+Usage: .venv/bin/python bench/token_path.py [--tokens 24] [--steady 12] [--functions]
 """
 
 from __future__ import annotations
@@ -66,14 +66,18 @@ def dumps(mesh: LocalMesh, trace_dir: Path) -> dict[str, list]:
     return out
 
 
-def report(title: str, events: dict[str, list], start: float, end: float) -> None:
-    per_node = {name: sorted({callee for t, callee, _ in calls if start <= t <= end}) for name, calls in events.items()}
+def report(title: str, events: dict[str, list], start: float, end: float, functions: bool = False) -> None:
+    per_node = {name: sorted({e[1] for e in calls if start <= e[0] <= end}) for name, calls in events.items()}
     union = sorted(set().union(*per_node.values()))
     print(f"\n{title}: {len(union)} distinct meshnet/ files over the three processes ({end - start:.3f} s window)")
     for name, files in per_node.items():
         print(f"  {name:7s} {len(files):2d}: {' '.join(files)}")
     print(f"  all    {len(union):2d}: {' '.join(union)}")
-    upward = sorted({(caller, callee) for calls in events.values() for t, callee, caller in calls
+    if functions:
+        called = sorted({(e[1], e[3]) for calls in events.values() for e in calls if start <= e[0] <= end})
+        for file in union:
+            print(f"    {file}: {', '.join(f for name, f in called if name == file)}")
+    upward = sorted({(caller, callee) for calls in events.values() for t, callee, caller, _ in calls
                      if start <= t <= end and caller and caller.startswith("meshnet/node/")
                      and callee.startswith("meshnet/gateway/")})
     print(f"  node/ -> gateway/ calls: {len(upward)}" + "".join(f"\n    {a} -> {b}" for a, b in upward))
@@ -83,6 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--steady", type=int, default=12, help="the steady window ends at this content chunk")
+    ap.add_argument("--functions", action="store_true", help="also list the functions called in each file")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="meshnet-token-path-") as tmp:
         trace_dir = Path(tmp)
@@ -103,7 +108,7 @@ def main() -> None:
             mesh.stop()
     print(f"meshnet token path: {MODEL}, 3 hops, float32, {len(arrivals)} content chunks")
     report(f"steady decode token (between content chunks {args.steady} and {args.steady + 1})", events,
-           arrivals[args.steady - 1], arrivals[args.steady])
+           arrivals[args.steady - 1], arrivals[args.steady], args.functions)
     report("first token (request sent -> first content chunk)", events, sent, arrivals[0])
 
 

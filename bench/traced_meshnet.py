@@ -3,7 +3,7 @@
 Run as ``python -m bench.traced_meshnet <meshnet args>`` (``LocalMesh.start_node(module=...)``).
 The profile hook is set for this thread and every thread started later, before the CLI starts
 any. Each call into a ``meshnet/`` file is kept as ``(wall-clock seconds, callee file, caller
-file)`` in a bounded buffer; SIGUSR1 writes the buffer to ``$MESHNET_TRACE_DIR/<pid>.json``.
+file, callee function)`` in a bounded buffer; SIGUSR1 writes the buffer to ``$MESHNET_TRACE_DIR/<pid>.json``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def _hook(frame, event, arg) -> None:
     if callee is None:
         return
     caller = frame.f_back
-    _events.append((time.time(), callee, _file_of(caller.f_code) if caller is not None else None))
+    _events.append((time.time(), callee, _file_of(caller.f_code) if caller is not None else None,
+                    frame.f_code.co_qualname))
 
 
 def _dump(signum, frame) -> None:

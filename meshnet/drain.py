@@ -164,10 +164,14 @@ class DrainMiddleware:
     def __init__(self, app, drain: Drain, paths: tuple[str, ...] = ("/v1/chat/completions",)) -> None:
         self.app, self.drain, self.paths = app, drain, frozenset(paths)
 
-    async def __call__(self, scope, receive, send) -> None:
+    def __call__(self, scope, receive, send):
+        """Other requests and WebSockets go straight to the app (returned, not awaited: no frame of
+        this middleware stays on their stack); chats are tracked by :meth:`_tracked`."""
         if scope["type"] != "http" or route_path(scope) not in self.paths:
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
+        return self._tracked(scope, receive, send)
+
+    async def _tracked(self, scope, receive, send) -> None:
         drain = self.drain
         try:
             drain.refuse_new("new chats")

@@ -40,15 +40,16 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task | None = None
         self._signalled = False
 
-    async def serve(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-        log.info("server closed")
-
     async def startup(self, sockets=None) -> None:
+        # not in an override of serve(): that frame would be resumed on every tick of uvicorn's loop
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self._signalled and not self.should_exit:  # signalled while starting: drain now
             self._start_drain()
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        log.info("server closed")
 
     def handle_exit(self, sig: int, frame) -> None:
         """Signal handler (main thread): the first signal drains (once started: a node registers

@@ -37,10 +37,6 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 OnMessage = Callable[[bytes], Awaitable[None]]
-#: ``(direction "in" | "out", message bytes)``: counts stream messages (the node's metrics)
-OnTraffic = Callable[[str, int], None]
-
-
 class PeerUnreachable(MeshnetError):
     """A peer's stream could not be opened or written to within the timeouts (HTTP 502)."""
 
@@ -53,16 +49,17 @@ class StreamPool:
 
     Args:
         on_message: called with every message a peer sends back on a connection opened here.
-        on_traffic: called with ``("out", bytes)`` for each message sent and ``("in", bytes)`` for
-            each received on these connections (None: not counted).
         connect_timeout_s: to open a stream (TCP and the WebSocket handshake), seconds.
         send_timeout_s: to hand one message to the socket, seconds (a peer that stopped reading
             fills the buffers; the send then fails instead of waiting for ever).
     """
 
-    def __init__(self, on_message: OnMessage | None = None, *, on_traffic: OnTraffic | None = None,
-                 connect_timeout_s: float = 5.0, send_timeout_s: float = 30.0) -> None:
-        self.on_message, self.on_traffic = on_message, on_traffic
+    def __init__(self, on_message: OnMessage | None = None, *, connect_timeout_s: float = 5.0,
+                 send_timeout_s: float = 30.0) -> None:
+        self.on_message = on_message
+        #: messages and bytes sent (``"out"``) and received (``"in"``) on these connections, counted
+        #: in place (the node's metrics read them: no call per message)
+        self.traffic = {"in": [0, 0], "out": [0, 0]}
         self.connect_timeout_s, self.send_timeout_s = connect_timeout_s, send_timeout_s
         self._conns: dict[str, ClientConnection] = {}
         self._opening: dict[str, asyncio.Lock] = {}
@@ -138,9 +135,10 @@ class StreamPool:
                                           hint="the node stopped or its endpoint is unreachable") from exc
                 continue
             self.written += len(frames)
-            if self.on_traffic is not None:
-                for data in frames:
-                    self.on_traffic("out", len(data))
+            out = self.traffic["out"]
+            out[0] += len(frames)
+            for data in frames:
+                out[1] += len(data)
             return
 
     async def _connection(self, url: str) -> tuple[ClientConnection, bool]:
@@ -173,8 +171,9 @@ class StreamPool:
             async for data in conn:
                 if not isinstance(data, bytes):
                     continue
-                if self.on_traffic is not None:
-                    self.on_traffic("in", len(data))
+                received = self.traffic["in"]
+                received[0] += 1
+                received[1] += len(data)
                 if self.on_message is not None:
                     try:
                         await self.on_message(data)

@@ -365,12 +365,12 @@ async def _running_node(app: Starlette, settings: NodeSettings, runtime: NodeRun
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=32),
                                  transport=transport) as http:
         node = NodeContext(settings=settings, runtime=rt, http=http, drain=drain, transport=transport)
-        rt.on_batch = node.metrics.observe_batch
+        rt.on_batch = node.metrics.record_batch
         node.chains = ChainHost(node)
         if transport is None:  # hop streams need real sockets; a test transport keeps hops on HTTP
-            node.streams = StreamPool(node.chains.dispatch, on_traffic=node.metrics.observe_stream,
-                                      connect_timeout_s=settings.hop_connect_timeout_s,
+            node.streams = StreamPool(node.chains.dispatch, connect_timeout_s=settings.hop_connect_timeout_s,
                                       send_timeout_s=settings.hop_timeout_s)
+            node.metrics.count_streams(node.streams.traffic)
         app.state.node = node
         drain.idle = lambda: hop_sessions_idle(node)
         agent_task = None

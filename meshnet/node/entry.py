@@ -61,6 +61,7 @@ class LocalEntry:
         self.model = slot.model
         self.num_layers = shard.num_layers
         self.local_end = slot.layers.end
+        self.local_layers = LayerRange(0, self.local_end)
         self.tokenizer = shard.tokenizer
         self.vocab_size = int(shard.config.vocab_size)
         self.context_tokens = int(getattr(shard.config, "max_position_embeddings", 0) or 0)
@@ -81,11 +82,11 @@ class LocalEntry:
     async def run(self, session_id: str, ids: list[int], position: int) -> torch.Tensor:
         """Hidden states ``[1, len(ids), hidden]`` (compute dtype) after the local layers."""
         tensor = torch.tensor([ids], dtype=torch.long)
-        layers = LayerRange(0, self.local_end)
+        layers = self.local_layers
         t0 = time.perf_counter()
         out = await self.runtime.run_entry_async(self.slot, session_id, tensor, position, layers)
         if self.metrics is not None:
-            self.metrics.observe_forward(len(ids), time.perf_counter() - t0, position)
+            self.metrics.record((len(ids), time.perf_counter() - t0, position, time.time(), time.monotonic()))
         return out
 
     def new_chooser(self, params: SamplingParams) -> TokenPicker:

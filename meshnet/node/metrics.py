@@ -5,10 +5,15 @@ Metric names follow the serving convention of time to first token, time per outp
 token, token totals and requests running. The same observations also go into a short
 wall-clock history (:class:`meshnet.stats.TimeBuckets`) that ``GET /v1/traffic`` serves
 as :class:`meshnet.protocol.traffic.TrafficBucket` rows (ADR-0046).
+
+The per-token hot path only appends a tuple to a deque (``record``, a C call: no Python frame
+per token, ADR-0051) and bumps plain integer counters; every reader folds what was appended into
+the series, EMAs and history first (:meth:`NodeMetrics.fold`).
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterable
 
@@ -18,6 +23,8 @@ from meshnet.protocol.control import NodeStats
 from meshnet.protocol.traffic import BUCKET_COUNT, BUCKET_S, TrafficBucket
 from meshnet.stats import EMA, PerformanceEMA, RollingCounter, TimeBuckets
 
+#: observations kept between two reads (heartbeats, scrapes); older ones are dropped past it
+PENDING_MAX = 1 << 16
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -64,25 +71,52 @@ class NodeMetrics:
         #: wall-clock history of ttft_s, tpot_s and forward_tokens for the traffic view
         self.recent = TimeBuckets(BUCKET_S, BUCKET_COUNT)
         self.clock = time.time  #: wall clock of that history (tests pin it)
+        #: the hot path's observations, folded by :meth:`fold`: ``record((tokens, seconds, position,
+        #: wall-clock s, monotonic s))`` (one forward) and ``record_batch(steps)`` are bound ``deque.append``s
+        self.pending: collections.deque[tuple] = collections.deque(maxlen=PENDING_MAX)
+        self.record = self.pending.append
+        self.batches: collections.deque[int] = collections.deque(maxlen=PENDING_MAX)
+        self.record_batch = self.batches.append
+        #: hop stream messages and bytes by direction, counted in place: this node's ``/v1/stream``
+        #: (``served``) and the transports registered with :meth:`count_streams`
+        self.served_streams = {"in": [0, 0], "out": [0, 0]}
+        self._stream_counts: list[dict[str, list[int]]] = [self.served_streams]
+        self._streams_folded: dict[tuple[int, str], tuple[int, int]] = {}
 
     def observe_forward(self, n_tokens: int, seconds: float, position: int) -> None:
-        self.tokens.inc(n_tokens)
-        self.recent.add("forward_tokens", n_tokens, self.clock())
-        self.forward_seconds.observe(seconds)
-        if position == 0:
-            self.session_rate.add()
-        if n_tokens == 1 and seconds > 0:
-            self.tokens_per_s.update(1, seconds)
-            self.decode_latency_s.update(seconds)
+        """One forward of ``n_tokens`` tokens taking ``seconds``, the first at ``position``."""
+        self.record((n_tokens, seconds, position, self.clock(), time.monotonic()))
 
     def observe_batch(self, steps: int) -> None:
         """One forward run of ``steps`` sessions' steps (thread-safe: called from the compute thread)."""
-        self.batch_size.observe(steps)
+        self.record_batch(steps)
 
-    def observe_stream(self, direction: str, nbytes: int) -> None:
-        """One hop stream message of ``nbytes`` bytes, ``direction`` ``"in"`` or ``"out"``."""
-        self.stream_messages.labels(direction).inc()
-        self.stream_bytes.labels(direction).inc(nbytes)
+    def count_streams(self, counts: dict[str, list[int]]) -> None:
+        """Export a transport's ``{"in"|"out": [messages, bytes]}`` counters (see
+        :attr:`meshnet.dataplane.transport.StreamPool.traffic`)."""
+        self._stream_counts.append(counts)
+
+    def fold(self) -> None:
+        """Fold the observations the hot path appended into the series, EMAs and history."""
+        pending, batches = self.pending, self.batches
+        while pending:
+            n_tokens, seconds, position, at, monotonic_at = pending.popleft()
+            self.tokens.inc(n_tokens)
+            self.recent.add("forward_tokens", n_tokens, at)
+            self.forward_seconds.observe(seconds)
+            if position == 0:
+                self.session_rate.add(monotonic_at)
+            if n_tokens == 1 and seconds > 0:
+                self.tokens_per_s.update(1, seconds)
+                self.decode_latency_s.update(seconds)
+        while batches:
+            self.batch_size.observe(batches.popleft())
+        for counts in self._stream_counts:
+            for direction, (messages, nbytes) in counts.items():
+                seen = self._streams_folded.get((id(counts), direction), (0, 0))
+                self.stream_messages.labels(direction).inc(messages - seen[0])
+                self.stream_bytes.labels(direction).inc(nbytes - seen[1])
+                self._streams_folded[(id(counts), direction)] = (messages, nbytes)
 
     def generation_started(self) -> None:
         self.requests_total += 1
@@ -114,6 +148,7 @@ class NodeMetrics:
         ``batch_sizes``: ``(monotonic seconds, sessions in one forward)`` samples (the runtime's
         ``batch_sizes``), placed on the wall clock by their age at ``monotonic_s`` (now when omitted).
         """
+        self.fold()
         now_s = self.clock() if now_s is None else now_s
         monotonic_s = time.monotonic() if monotonic_s is None else monotonic_s
         history = self.recent.copy()
@@ -131,12 +166,14 @@ class NodeMetrics:
         return rows
 
     def update_gauges(self, runtime, chains: int = 0) -> None:
+        self.fold()
         self.sessions.set(len(runtime.sessions))
         self.chains.set(chains)
         self.cache_bytes_left.set(runtime.sessions.bytes_left)
 
     def heartbeat_stats(self, runtime, rss_bytes: int = 0) -> NodeStats:
         """Stats for the tracker (ADR-0013), see :class:`meshnet.protocol.control.NodeStats`."""
+        self.fold()
         return NodeStats(tokens_per_s=round(self.tokens_per_s.value, 3),
                          decode_latency_s=round(self.decode_latency_s.value, 5),
                          requests_per_min=round(self.session_rate.per_minute(), 3), sessions=len(runtime.sessions),
@@ -145,4 +182,5 @@ class NodeMetrics:
                          rss_bytes=rss_bytes)
 
     def render(self) -> tuple[bytes, str]:
+        self.fold()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

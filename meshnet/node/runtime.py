@@ -153,6 +153,8 @@ class NodeRuntime:
         self.compute_dtype = compute_dtype
         self.sessions = sessions if sessions is not None else SessionStore()  # an empty store is falsy
         self.slots: dict[str, ShardSlot] = {}
+        #: (model as asked, start, end) -> the slot :meth:`find_slot` found; emptied when a slot comes or goes
+        self._found: dict[tuple, ShardSlot] = {}
         self.lock = threading.Lock()  # the compute lock: one batch (or doctor run) at a time, and the session store
         self.tokens_processed = 0
         self.batcher = StepBatcher(self._run_batch, window_s=batch_window_s, max_batch=max_batch_size)
@@ -184,6 +186,7 @@ class NodeRuntime:
                          resident_bytes=resident)
         with self.lock:
             self.slots[slot.key] = slot
+            self._found.clear()
         log.info("loaded %s layers %s (%d bytes of weights, %d resident)", model, layers,
                  shard.weight_bytes(), resident)
         return slot
@@ -194,6 +197,7 @@ class NodeRuntime:
         key = f"{canonical_model_name(model)}:{layers.start}-{layers.end}"
         with self.lock:
             slot = self.slots.pop(key, None)
+            self._found.clear()
             if slot is not None:
                 self.sessions.release_slot(key)
         return slot
@@ -204,9 +208,13 @@ class NodeRuntime:
         Raises:
             NotFound: no loaded shard covers the requested layers.
         """
-        model = None if model is None else canonical_model_name(model)
+        found = self._found.get((model, layers.start, layers.end))  # every step asks: no name lookup then
+        if found is not None:
+            return found
+        asked, model = model, None if model is None else canonical_model_name(model)
         for slot in self.slots.values():
             if (model is None or slot.model == model) and slot.layers.contains_range(layers):
+                self._found[(asked, layers.start, layers.end)] = slot
                 return slot
         held = ", ".join(f"{s.model} {s.layers}" for s in self.slots.values()) or "nothing"
         raise NotFound(f"no loaded shard serves layers {layers} of {model or 'any model'} (holding {held})",

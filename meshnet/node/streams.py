@@ -221,7 +221,8 @@ class ChainHost:
             t0 = time.perf_counter()
             out = await node.runtime.forward_async(model=chain.model, session_id=chain.chain_id,
                                                    layers=chain.hop.layers, position=message.position, hidden=hidden)
-            node.metrics.observe_forward(hidden.shape[1], time.perf_counter() - t0, message.position)
+            node.metrics.record((hidden.shape[1], time.perf_counter() - t0, message.position, time.time(),
+                                 time.monotonic()))
         except MeshnetError as exc:
             await self._report(chain, message.position, node.settings.node_id, exc)
             return False
@@ -324,7 +325,9 @@ async def stream_endpoint(websocket: WebSocket) -> None:
     try:
         while True:
             data = await websocket.receive_bytes()
-            node.metrics.observe_stream("in", len(data))
+            counts = node.metrics.served_streams["in"]
+            counts[0] += 1
+            counts[1] += len(data)
             await node.chains.dispatch(data)
     except (WebSocketDisconnect, RuntimeError, KeyError):
         return  # the peer closed, or sent text (receive_bytes refuses it): the stream ends

@@ -11,6 +11,7 @@ limit (chunked uploads), so a huge body is never buffered nor parsed.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable
 
 from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
@@ -108,15 +109,16 @@ class BodyLimit:
             return self.path_limits[path]
         return next((v for k, v in self.prefix_limits.items() if path.startswith(k)), self.max_bytes)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """The app's call with a limited ``receive``, returned rather than awaited: no frame of this
+        middleware stays on a request's stack, so a long stream (SSE, a hop's WebSocket) never
+        re-enters it."""
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
         limit = self.limit(route_path(scope))
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await error_response(_too_large(int(declared), limit))(scope, receive, send)
-            return
+            return error_response(_too_large(int(declared), limit))(scope, receive, send)
         received = 0
 
         async def limited() -> Message:
@@ -128,4 +130,4 @@ class BodyLimit:
                     raise _too_large(received, limit)  # rendered by the app's MeshnetError handler
             return message
 
-        await self.app(scope, limited, send)
+        return self.app(scope, limited, send)
