@@ -11,11 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from meshnet.dataplane.codec import Activation, ActivationCodec
 from meshnet.protocol.openai import SamplingParams
-
-#: hidden states ``[1, seq, hidden]`` as the entry node holds them; opaque to the gateway
-Activation = Any
-
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -29,33 +26,6 @@ class TokenLogprob:
 
 class TokenChooser(Protocol):
     """The state of one choice's token choice (penalty counts, seeded generator)."""
-
-
-class ActivationCodec(Protocol):
-    """Activations to and from the wire frames hops exchange (ADR-0001)."""
-
-    async def encode(self, hidden: Activation) -> bytes:
-        """One frame of ``hidden`` in the session's wire dtype."""
-
-    async def decode(self, frame: bytes) -> Activation:
-        """The activation a frame holds.
-
-        Raises:
-            meshnet.errors.WireError: a malformed frame.
-        """
-
-    def shape(self, hidden: Activation) -> tuple[int, ...]:
-        """``(batch, seq, hidden)`` of an activation."""
-
-    def last(self, hidden: Activation) -> Activation:
-        """The last position only: ``[1, 1, hidden]``."""
-
-    def concat(self, parts: list[Activation]) -> Activation:
-        """``parts`` ``[1, seq_i, hidden]`` joined along the sequence: ``[1, sum(seq_i), hidden]``."""
-
-    def split(self, hidden: Activation, tokens: int) -> list[Activation]:
-        """``hidden`` cut along the sequence into pieces of ``tokens`` positions (the last may be
-        shorter), in order."""
 
 
 class EntryLayers(Protocol):

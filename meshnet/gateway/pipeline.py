@@ -3,13 +3,13 @@
 Prefill runs the prompt in chunks of ``chunk_tokens`` (128): embed → the entry node's own
 layers → each remote hop → final norm + LM head on the last position → sample. With
 ``pipelined`` prefill, chunk i enters hop k while chunk i+1 runs on the layers before it
-(ordering per hop is kept by the KV-cache position, see :mod:`meshnet.gateway.hops`).
+(ordering per hop is kept by the KV-cache position, see :mod:`meshnet.dataplane.hops`).
 Decode then sends one token's hidden state per hop per step.
 
-The remote hops are driven as a chain of hop streams (:class:`meshnet.gateway.chain.ChainRoute`,
+The remote hops are driven as a chain of hop streams (:class:`meshnet.dataplane.chain.ChainRoute`,
 ADR-0040: each hop pushes its output to the next, the last one back to the entry) when the node
 gives the orchestrator its stream pool; otherwise, or with ``chain`` off, the entry calls each
-hop in turn over HTTP (:class:`meshnet.gateway.hops.RemoteRoute`, the fallback path).
+hop in turn over HTTP (:class:`meshnet.dataplane.hops.RemoteRoute`, the fallback path).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from meshnet.gateway.chain import ChainEnd, ChainRoute
-from meshnet.gateway.deadlines import DeadlinePolicy
+from meshnet.dataplane.chain import ChainEnd, ChainRoute
+from meshnet.dataplane.deadlines import DeadlinePolicy
 from meshnet.gateway.entry import Activation, EntryLayers, GenerationObserver, TokenChooser, TokenLogprob
-from meshnet.gateway.hops import RemoteRoute
-from meshnet.gateway.remote import MeshLink, RemoteContext
+from meshnet.dataplane.hops import RemoteRoute
+from meshnet.dataplane.failover import MeshLink, RemoteContext
 from meshnet.gateway.traffic import TrafficLog
 from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.layers import LayerRange

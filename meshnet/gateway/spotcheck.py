@@ -27,8 +27,8 @@ from typing import Awaitable, Callable
 import httpx
 
 from meshnet.gateway.entry import ActivationCodec
-from meshnet.gateway.hops import post_forward
-from meshnet.gateway.remote import release_soon
+from meshnet.dataplane.hops import post_forward
+from meshnet.dataplane.failover import release_soon
 from meshnet.layers import LayerRange
 from meshnet.dataplane.evidence import frame_distance, outvoted, tolerance
 from meshnet.protocol.route import Hop, Route

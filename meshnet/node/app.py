@@ -50,11 +50,11 @@ from meshnet import wire
 from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.gateway import openai_api
-from meshnet.gateway.chain import ChainEnd, ChainInbox
+from meshnet.dataplane.chain import ChainEnd, ChainInbox
 from meshnet.dataplane.transport import StreamPool
 from meshnet.protocol.http import BodyLimit, http_error
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
-from meshnet.gateway.remote import MeshLink
+from meshnet.dataplane.failover import MeshLink
 from meshnet.gateway.traffic import TrafficLog
 from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.layers import LayerRange

@@ -13,7 +13,7 @@ on one the node opened itself (:class:`meshnet.dataplane.transport.StreamPool`),
 - STEP: queued to the chain's worker when it carries the chain's key (ADR-0049); else dropped. The worker runs a chain's steps one at a time, in order,
   each through :meth:`NodeRuntime.forward` in a worker thread (several chains' steps may run at
   once), and pushes the output to the next hop, or, on the last hop, the RESULT to the entry.
-- RESULT, ERROR: for a chain this node drives as entry (:class:`meshnet.gateway.chain.ChainInbox`).
+- RESULT, ERROR: for a chain this node drives as entry (:class:`meshnet.dataplane.chain.ChainInbox`).
 
 Any failure becomes one ERROR to the entry naming the hop at fault: this node (its forward
 failed, its ticket does not cover the call, it drains) or the next hop (unreachable). A chain's

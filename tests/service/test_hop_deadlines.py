@@ -19,10 +19,10 @@ from asgi_lifespan import LifespanManager
 
 from meshnet import wire
 from meshnet.errors import HopFailed, NotFound
-from meshnet.gateway.deadlines import DeadlinePolicy
-from meshnet.gateway.remote import settle_releases
-from meshnet.gateway.remote import MeshLink
-from meshnet.gateway.chain import ChainEnd
+from meshnet.dataplane.deadlines import DeadlinePolicy
+from meshnet.dataplane.failover import settle_releases
+from meshnet.dataplane.failover import MeshLink
+from meshnet.dataplane.chain import ChainEnd
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
 from meshnet.layers import LayerRange
 from meshnet.node.app import build_app

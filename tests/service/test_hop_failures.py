@@ -22,8 +22,8 @@ from starlette.routing import Route
 from meshnet import wire
 from meshnet.errors import HopFailed, NotFound
 from meshnet.node.entry import LocalEntry
-from meshnet.gateway.remote import MeshLink
-from meshnet.gateway.chain import ChainEnd
+from meshnet.dataplane.failover import MeshLink
+from meshnet.dataplane.chain import ChainEnd
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
 from meshnet.protocol.openai import SamplingParams
 from meshnet.layers import LayerRange

@@ -24,7 +24,7 @@ def imported_after(code: str) -> dict[str, bool]:
 @pytest.mark.parametrize("modules", ["meshnet.tracker.app, meshnet.client",
                                      "meshnet.protocol.openai, meshnet.presets, meshnet.errors, meshnet.layers",
                                      "meshnet.protocol.control, meshnet.protocol.route, meshnet.protocol.http",
-                                     "meshnet.gateway.openai_api, meshnet.gateway.pipeline, meshnet.gateway.hops",
+                                     "meshnet.gateway.openai_api, meshnet.gateway.pipeline, meshnet.dataplane.hops",
                                      "meshnet.localmesh, meshnet.cli.main"])
 def test_torch_free_modules(modules):
     loaded = imported_after(f"import {modules}")

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from meshnet.errors import NotFound
-from meshnet.gateway.remote import MeshLink
-from meshnet.gateway.chain import ChainEnd
+from meshnet.dataplane.failover import MeshLink
+from meshnet.dataplane.chain import ChainEnd
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
 from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.layers import LayerRange

@@ -10,8 +10,8 @@ import pytest
 from asgi_lifespan import LifespanManager
 
 from meshnet.errors import NotFound
-from meshnet.gateway.remote import MeshLink
-from meshnet.gateway.chain import ChainEnd
+from meshnet.dataplane.failover import MeshLink
+from meshnet.dataplane.chain import ChainEnd
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator, OrchestratorSettings
 from meshnet.gateway.traffic import TrafficLog
 from meshnet.layers import LayerRange

@@ -1,4 +1,4 @@
-"""An ERROR message fails a chain and names the hop at fault (meshnet.gateway.chain, ADR-0040),
+"""An ERROR message fails a chain and names the hop at fault (meshnet.dataplane.chain, ADR-0040),
 even when its body cannot be read: the sender's place in the chain travels in the header."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 
 from meshnet.errors import HopBusy, HopFailed
-from meshnet.gateway.chain import ChainEnd, ChainInbox, ChainRoute
-from meshnet.gateway.remote import MeshLink, RemoteContext
+from meshnet.dataplane.chain import ChainEnd, ChainInbox, ChainRoute
+from meshnet.dataplane.failover import MeshLink, RemoteContext
 from meshnet.layers import LayerRange
 from meshnet.protocol.route import Hop, Route
 from meshnet.dataplane.messages import ChainError, Kind, new_chain_id, pack, unpack

@@ -1,10 +1,10 @@
-"""Hop deadlines (meshnet.gateway.deadlines): from a hop's observed call times, with a floor."""
+"""Hop deadlines (meshnet.dataplane.deadlines): from a hop's observed call times, with a floor."""
 
 from __future__ import annotations
 
 import pytest
 
-from meshnet.gateway.deadlines import DeadlinePolicy, StepTimes, deadline_s
+from meshnet.dataplane.deadlines import DeadlinePolicy, StepTimes, deadline_s
 
 POLICY = DeadlinePolicy()  # floor 0.5 s, 4x, cold 2.0 s
 

@@ -1,4 +1,4 @@
-"""Releases of a session's hops (meshnet.gateway.remote): a broken connection is not the end."""
+"""Releases of a session's hops (meshnet.dataplane.failover): a broken connection is not the end."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 
-from meshnet.gateway import remote
+from meshnet.dataplane import failover as remote
 
 
 def flaky(first: Exception | None):

@@ -1,4 +1,4 @@
-"""Replay of a hop's history as prefill chunks (meshnet.gateway.replay), with a list-based codec."""
+"""Replay of a hop's history as prefill chunks (meshnet.dataplane.replay), with a list-based codec."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from meshnet.gateway.replay import rechunk
+from meshnet.dataplane.replay import rechunk
 
 
 class ListCodec:

@@ -3,12 +3,12 @@
 Each hop keeps every input frame it was sent (with its position) for the life of the
 session. When a hop fails, the orchestrator reports it, asks for a new route over the same
 layers without the failed node, replays the history to the replacement as prefill chunks
-(:mod:`meshnet.gateway.replay`: the same KV cache in ``ceil(tokens / chunk)`` calls), and goes on.
+(:mod:`meshnet.dataplane.replay`: the same KV cache in ``ceil(tokens / chunk)`` calls), and goes on.
 
 Every error on a hop call is that hop's failure (:class:`HopFailed`): a refused or slow
 connection, an unusable URL, a non-200 answer, a reply frame that does not decode or has
 the wrong shape. So is a hop that misses its deadline (derived from its own observed call
-times, :mod:`meshnet.gateway.deadlines`) and then does not answer a liveness probe: it is
+times, :mod:`meshnet.dataplane.deadlines`) and then does not answer a liveness probe: it is
 frozen (docs/adr/0036-hop-deadlines.md). A hop that answers 503 (session cache full,
 draining) is *busy* (:class:`HopBusy`): it is replaced the same way but not reported to the
 tracker, since it is healthy. A hop that answers 409 ``session_conflict`` lost the session
@@ -39,12 +39,10 @@ from dataclasses import dataclass, field
 import httpx
 
 from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed, MeshnetError
-from meshnet.gateway.deadlines import StepTimes, deadline_s
-from meshnet.gateway.entry import Activation, ActivationCodec
-from meshnet.gateway.remote import ABANDONED_RELEASE_TIMEOUT_S, RELEASE_TIMEOUT_S, FailoverListener, RemoteContext, \
-    Touched, probe_hop, release_soon, report_failure
-from meshnet.gateway.replay import rechunk
-from meshnet.layers import LayerRange
+from meshnet.dataplane.deadlines import StepTimes
+from meshnet.dataplane.codec import Activation, ActivationCodec
+from meshnet.dataplane.failover import Failover, FailoverCounts, FailoverListener, RemoteContext, Touched, describe
+from meshnet.dataplane.replay import rechunk
 from meshnet.protocol.route import Hop, Route
 from meshnet.protocol.tickets import HEADER_TICKET
 
@@ -62,10 +60,6 @@ class HopState:
     history: list[tuple[int, bytes, int]] = field(default_factory=list)
     length: int = 0
     times: StepTimes = field(default_factory=StepTimes)
-
-
-def _describe(hop: Hop) -> str:
-    return f"hop {hop.node_id} at {hop.endpoint} (layers {hop.layers})"
 
 
 def _error_of(resp: httpx.Response) -> tuple[str, str]:
@@ -107,20 +101,20 @@ async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, sessi
     try:
         resp = await client.post(f"{hop.endpoint}/v1/forward", content=frame, headers=headers, timeout=timeout)
     except Exception as exc:  # noqa: BLE001 - InvalidURL, StreamError, OSError...: all this hop's failure
-        raise HopFailed(f"{_describe(hop)} failed: {type(exc).__name__}: {exc}", node_id=hop.node_id) from exc
+        raise HopFailed(f"{describe(hop)} failed: {type(exc).__name__}: {exc}", node_id=hop.node_id) from exc
     if resp.status_code == 503:
         code, message = _error_of(resp)
-        raise HopBusy(f"{_describe(hop)} refused the session ({code}): {message}", node_id=hop.node_id, code=code)
+        raise HopBusy(f"{describe(hop)} refused the session ({code}): {message}", node_id=hop.node_id, code=code)
     if resp.status_code != 200:
         code, message = _error_of(resp)
-        raise HopFailed(f"{_describe(hop)} answered {resp.status_code} ({code}): {message}", node_id=hop.node_id,
+        raise HopFailed(f"{describe(hop)} answered {resp.status_code} ({code}): {message}", node_id=hop.node_id,
                         code=code if code in HEALTHY_HOP_CODES else None)
     try:
         out = await codec.decode(resp.content)
     except MeshnetError as exc:
-        raise HopFailed(f"{_describe(hop)} sent a bad activation frame: {exc.message}", node_id=hop.node_id) from exc
+        raise HopFailed(f"{describe(hop)} sent a bad activation frame: {exc.message}", node_id=hop.node_id) from exc
     if expect_shape is not None and codec.shape(out) != tuple(expect_shape):
-        raise HopFailed(f"{_describe(hop)} sent shape {list(codec.shape(out))}, expected {list(expect_shape)}",
+        raise HopFailed(f"{describe(hop)} sent shape {list(codec.shape(out))}, expected {list(expect_shape)}",
                         node_id=hop.node_id)
     return resp.content, out
 
@@ -133,7 +127,7 @@ def _settle(call: asyncio.Future) -> None:
         call.exception()
 
 
-class RemoteRoute:
+class RemoteRoute(FailoverCounts):
     """The remote part of one session's route, with deadlines and failover.
 
     Args:
@@ -150,19 +144,13 @@ class RemoteRoute:
     def __init__(self, ctx: RemoteContext, *, session_id: str, route: Route,
                  on_failover: FailoverListener | None = None, spot_check=None) -> None:
         self.ctx, self.session_id = ctx, session_id
-        link = ctx.link
-        self.client, self.model, self.release_auth = link.client, ctx.model, link.release_auth
-        self.routes, self.report, self.codec = link.routes, link.report, ctx.codec
-        self.deadlines, self.max_failovers = ctx.deadlines, ctx.max_failovers
-        self.replay_chunk_tokens = ctx.replay_chunk_tokens
+        self.fo = Failover(ctx, session_id, on_failover)
+        self.client, self.model, self.codec = ctx.link.client, ctx.model, ctx.codec
+        self.max_failovers, self.replay_chunk_tokens = ctx.max_failovers, ctx.replay_chunk_tokens
         self.timeout = httpx.Timeout(ctx.timeout_s, connect=min(ctx.connect_timeout_s, ctx.timeout_s))
-        self.on_failover = on_failover
         self.spot_check = spot_check  # this session was drawn for a spot-check (the caller draws)
         hops = route.hops
         self.states = [self._new_state(h, route.ticket) for h in hops]
-        self.failed: set[str] = set()   # nodes excluded from this session's routes (failed or busy)
-        self.failovers = 0
-        self.deadline_misses = 0         # calls failed over because the hop froze
         self.start_layer = hops[0].layers.start if hops else 0
         self.end_layer = hops[-1].layers.end if hops else 0
         self.hidden_size: int | None = None
@@ -171,7 +159,7 @@ class RemoteRoute:
         self._touched: dict[str, Touched] = {}
 
     def _new_state(self, hop: Hop, ticket: str | None) -> HopState:
-        return HopState(hop, ticket=ticket, times=StepTimes(self.deadlines.ema_alpha))
+        return HopState(hop, ticket=ticket, times=self.fo.new_times())
 
     @property
     def hops(self) -> list[Hop]:
@@ -181,7 +169,8 @@ class RemoteRoute:
         return next(s for s in self.states if s.hop.layers.start == layer)
 
     async def _alive(self, hop: Hop) -> bool:
-        return await probe_hop(self.client, hop, self.deadlines.probe_timeout_s) is not None
+        silent, _ = await self.fo.probe([hop])
+        return not silent
 
     async def _send(self, state: HopState, frame: bytes, position: int, seq_len: int,
                     last_only: bool, check: bool = False) -> tuple[bytes, Activation]:
@@ -222,7 +211,7 @@ class RemoteRoute:
                                             last_only=last_only, codec=self.codec, session_id=self.session_id,
                                             exclude=frozenset(self.failed))
         if loser == state.hop.node_id:
-            raise HopFailed(f"{_describe(state.hop)} was outvoted by a spot-check and quarantined",
+            raise HopFailed(f"{describe(state.hop)} was outvoted by a spot-check and quarantined",
                             node_id=state.hop.node_id)
 
     async def _await_in_time(self, state: HopState, call: asyncio.Future, seq_len: int, t0: float):
@@ -232,7 +221,7 @@ class RemoteRoute:
         Raises:
             HopFailed: the call failed, or the hop froze.
         """
-        deadline = deadline_s(self.deadlines, state.times, seq_len)
+        deadline = self.fo.deadline(state.times, seq_len)
         while True:
             done, _ = await asyncio.wait({call}, timeout=deadline)
             if done:
@@ -241,10 +230,8 @@ class RemoteRoute:
             if call.done():  # it answered while we probed
                 return call.result()
             if not alive:
-                self.deadline_misses += 1
-                raise HopFailed(f"{_describe(state.hop)} missed its {deadline:.2f} s deadline on {seq_len} "
-                                f"token(s) and did not answer a liveness probe within "
-                                f"{self.deadlines.probe_timeout_s:.2f} s (frozen)", node_id=state.hop.node_id)
+                self.fo.deadline_misses += 1
+                raise self.fo.frozen(state.hop, deadline, seq_len)
             log.info("hop %s is slow but alive (%.2f s on %d token(s), deadline %.2f s)",
                      state.hop.node_id, time.perf_counter() - t0, seq_len, deadline)
 
@@ -280,34 +267,13 @@ class RemoteRoute:
         raise HopFailed(f"the hops from layer {layer} failed {self.max_failovers + 1} times; last: {last.message}",
                         node_id=last.node_id)
 
-    async def _exclude(self, exc: HopFailed) -> None:
-        """Keep the hop's node out of this session's routes, release its session in the background
-        (never waiting on it), and report it unless it was only busy.
-        A hop that lost the session, or refused an expired ticket, stays eligible: the replay
-        (after a new route and ticket) restarts the session on it."""
-        if exc.node_id is None or exc.code in HEALTHY_HOP_CODES:
-            return
-        self.failed.add(exc.node_id)
-        touched = self._touched.pop(exc.node_id, None)
-        if touched is not None:
-            release_soon(self.client, [touched], self.session_id, ABANDONED_RELEASE_TIMEOUT_S, self.release_auth)
-        if isinstance(exc, HopBusy):
-            return
-        await report_failure(self.report, exc.node_id, exc.message)
-
-    async def _new_route(self, layers: LayerRange, exc: HopFailed) -> Route:
-        """A replacement route over ``layers`` without the excluded nodes, with a fresh ticket.
-
-        Raises:
-            HopBusy, HopFailed: ``exc`` extended with why there is no replacement.
-        """
-        try:
-            return await self.routes(self.model, layers, frozenset(self.failed), self.session_id)
-        except Exception as route_exc:  # noqa: BLE001 - no route, tracker down, bad answer
-            why = getattr(route_exc, "message", None) or f"{type(route_exc).__name__}: {route_exc}"
-            cls = HopBusy if isinstance(exc, HopBusy) else HopFailed
-            raise cls(f"{exc.message}; no other node serves layers {layers}: {why}", node_id=exc.node_id,
-                      code=exc.code) from route_exc
+    def _exclude(self, exc: HopFailed) -> None:
+        """Exclude the failed hop (:meth:`Failover.exclude`) and release its session in the
+        background (never waiting on it)."""
+        if self.fo.exclude(exc):
+            touched = self._touched.pop(exc.node_id, None)
+            if touched is not None:
+                self.fo.release([touched], self.session_id, abandoned=True)
 
     async def _replay(self, old: HopState, new_states: list[HopState]) -> None:
         """Send ``old``'s history through ``new_states`` as prefill chunks (:func:`rechunk`)."""
@@ -322,21 +288,19 @@ class RemoteRoute:
         Raises:
             HopBusy, HopFailed: no replacement left (naming the first hop that failed).
         """
-        await self._exclude(exc)
+        self._exclude(exc)
         for _ in range(self.max_failovers):
-            route = await self._new_route(old.hop.layers, exc)
+            route = await self.fo.new_route(old.hop.layers, exc)
             new_states = [self._new_state(h, route.ticket) for h in route.hops]
             try:
                 await self._replay(old, new_states)
             except HopFailed as replay_exc:
                 log.warning("%s during replay; failing over", replay_exc.message)
-                await self._exclude(replay_exc)  # the others stay touched: released at the end
+                self._exclude(replay_exc)  # the others stay touched: released at the end
                 continue
-            self.failovers += 1
             index = self.states.index(old)
             self.states[index:index + 1] = new_states
-            if self.on_failover is not None:
-                self.on_failover(old.hop, [s.hop for s in new_states], exc.message)
+            self.fo.replaced(old.hop, [s.hop for s in new_states], exc.message)
             async with self._turn:
                 self._turn.notify_all()
             return
@@ -363,5 +327,4 @@ class RemoteRoute:
         """Release the session on every hop it reached, in the background (returns at once,
         never raises; safe to call while the generation is being cancelled)."""
         touched, self._touched = list(self._touched.values()), {}
-        if touched:
-            release_soon(self.client, touched, self.session_id, RELEASE_TIMEOUT_S, self.release_auth)
+        self.fo.release(touched, self.session_id, abandoned=False)

@@ -1,7 +1,12 @@
-"""What both remote-hop drivers of a session share (the chain of hop streams,
-:class:`meshnet.gateway.chain.ChainRoute`, and the HTTP path, :class:`meshnet.gateway.hops.RemoteRoute`):
-the entry's link to the mesh and its hop settings (:class:`RemoteContext`), the releases of a
-session's hops, and the liveness probe of a hop that missed its deadline (ADR-0036).
+"""The failover core both remote-hop drivers of a session run: the chain of hop streams
+(:class:`meshnet.dataplane.chain.ChainRoute`) and the HTTP path (:class:`meshnet.dataplane.hops.RemoteRoute`).
+
+:class:`Failover` holds one session's decisions: which hops are excluded and which are
+reported (a busy hop or one that only lost the session is neither reported nor, for the
+latter, excluded), the replacement route over a failed range, the releases of hops left behind,
+the liveness probe of a hop that missed its deadline (ADR-0036) and the deadline itself
+(:mod:`meshnet.dataplane.deadlines`); the replay goes through :func:`meshnet.dataplane.replay.rechunk`.
+A driver only says when a step failed and what it sends where.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from typing import Awaitable, Callable
 
 import httpx
 
-from meshnet.gateway.deadlines import DeadlinePolicy
-from meshnet.gateway.entry import ActivationCodec
+from meshnet.dataplane.deadlines import DeadlinePolicy, StepTimes, deadline_s
+from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed
+from meshnet.dataplane.codec import ActivationCodec
 from meshnet.layers import LayerRange
 from meshnet.protocol.route import Hop, Route
 from meshnet.protocol.tickets import HEADER_TICKET
@@ -170,3 +176,124 @@ async def probe_hop(client: httpx.AsyncClient, hop: Hop, limit_s: float, chain_i
     except ValueError:  # alive, but not a JSON answer (a proxy's error page): nothing known of the chain
         return True
     return not (isinstance(body, dict) and body.get("chain") is False)
+
+
+#: the code of a hop that answers its probe but no longer holds the chain: kept out of this
+#: session's new routes, not reported (it may be healthy: restarted, or unable to reach the entry)
+CHAIN_LOST = "chain_lost"
+
+
+def describe(hop: Hop) -> str:
+    """A hop as error messages name it: node, endpoint and layers."""
+    return f"hop {hop.node_id} at {hop.endpoint} (layers {hop.layers})"
+
+
+class Failover:
+    """One session's failover state and decisions, whichever driver runs its hops.
+
+    Args:
+        ctx: the entry's link to the mesh and hop settings (:class:`RemoteContext`).
+        session_id: the id new routes and tickets are asked for (a chain's current id for the chain).
+        on_failover: told of each failed hop and its replacement hops (the traffic log, ADR-0046;
+            None: nobody).
+
+    Attributes:
+        failed: node ids excluded from this session's routes (failed or busy).
+        failovers: replacements made; ``deadline_misses``: of those, for a hop that froze.
+    """
+
+    def __init__(self, ctx: RemoteContext, session_id: str, on_failover: FailoverListener | None = None) -> None:
+        self.ctx, self.session_id, self.on_failover = ctx, session_id, on_failover
+        self.link, self.policy = ctx.link, ctx.deadlines
+        self.failed: set[str] = set()
+        self.failovers = 0
+        self.deadline_misses = 0
+
+    def new_times(self) -> StepTimes:
+        """Step times of a new hop or chain, for its deadlines."""
+        return StepTimes(self.policy.ema_alpha)
+
+    def deadline(self, times: StepTimes, tokens: int) -> float:
+        """Seconds a step of ``tokens`` tokens may take before its hops are probed (ADR-0036)."""
+        return deadline_s(self.policy, times, tokens)
+
+    def exclude(self, exc: HopFailed) -> bool:
+        """Keep the hop ``exc`` names out of this session's new routes and report it to the tracker
+        in the background (the new route is asked for at once). Not reported: a busy hop (healthy,
+        503) or one that lost the chain; neither reported nor excluded: a hop that lost the
+        session or refused an expired ticket (the replay, after a new route and ticket, restarts
+        the session on it). Returns whether the hop was excluded."""
+        if exc.node_id is None or exc.code in HEALTHY_HOP_CODES:
+            return False
+        self.failed.add(exc.node_id)
+        if not isinstance(exc, HopBusy) and exc.code != CHAIN_LOST:
+            report_soon(self.link.report, exc.node_id, exc.message)
+        return True
+
+    async def new_route(self, layers: LayerRange, exc: HopFailed, session_id: str | None = None) -> Route:
+        """A route over ``layers`` without the excluded nodes, with a fresh ticket for ``session_id``
+        (default: the session's id).
+
+        Raises:
+            HopBusy, HopFailed: ``exc`` (its class kept) extended with why there is none.
+        """
+        try:
+            return await self.link.routes(self.ctx.model, layers, frozenset(self.failed), session_id or self.session_id)
+        except Exception as route_exc:  # noqa: BLE001 - no route, tracker down, bad answer
+            why = getattr(route_exc, "message", None) or f"{type(route_exc).__name__}: {route_exc}"
+            cls = HopBusy if isinstance(exc, HopBusy) else HopFailed
+            raise cls(f"{exc.message}; no other route: no other node serves layers {layers}: {why}",
+                      node_id=exc.node_id, code=exc.code) from route_exc
+
+    def release(self, touched: list[Touched], session_id: str, *, abandoned: bool) -> None:
+        """Release ``session_id`` on each ``(endpoint, ticket)`` in the background; an ``abandoned``
+        one (a hop left behind by a failover) is given longer, so a frozen node that resumes frees
+        it at once."""
+        if touched:
+            timeout_s = ABANDONED_RELEASE_TIMEOUT_S if abandoned else RELEASE_TIMEOUT_S
+            release_soon(self.link.client, touched, session_id, timeout_s, self.link.release_auth)
+
+    async def probe(self, hops: list[Hop], chain_id: str | None = None) -> tuple[list[Hop], list[Hop]]:
+        """``(silent, lost)``: the hops that do not answer ``GET /v1/health`` within the probe
+        timeout, and (asked about ``chain_id``) those that answer that they do not hold it."""
+        limit = self.policy.probe_timeout_s
+        answers = await asyncio.gather(*(probe_hop(self.link.client, h, limit, chain_id) for h in hops))
+        return [h for h, a in zip(hops, answers) if a is None], [h for h, a in zip(hops, answers) if a is False]
+
+    def frozen(self, hop: Hop, deadline: float, tokens: int) -> HopFailed:
+        """The failure of ``hop``, which missed a ``deadline`` second deadline on ``tokens`` token(s)
+        and then its liveness probe (the driver counts it in ``deadline_misses`` once per failover)."""
+        return HopFailed(f"{describe(hop)} missed its {deadline:.2f} s deadline on {tokens} token(s) and did not "
+                         f"answer a liveness probe within {self.policy.probe_timeout_s:.2f} s (frozen)",
+                         node_id=hop.node_id)
+
+    def replaced(self, failed: Hop, replacement: list[Hop], why: str) -> None:
+        """Count one failover and tell ``on_failover`` (a listener's error is logged, never raised)."""
+        self.failovers += 1
+        if self.on_failover is None:
+            return
+        try:
+            self.on_failover(failed, replacement, why)
+        except Exception:  # noqa: BLE001 - bookkeeping must not fail the generation
+            log.warning("failover listener failed", exc_info=True)
+
+
+class FailoverCounts:
+    """What a hop driver (``fo``: its :class:`Failover`) reports of its session's failovers."""
+
+    fo: Failover
+
+    @property
+    def failed(self) -> set[str]:
+        """Node ids excluded from this session's routes (failed or busy)."""
+        return self.fo.failed
+
+    @property
+    def failovers(self) -> int:
+        """Replacements made."""
+        return self.fo.failovers
+
+    @property
+    def deadline_misses(self) -> int:
+        """Replacements of a hop that froze (missed its deadline, then its probe)."""
+        return self.fo.deadline_misses

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Iterable
 
-from meshnet.gateway.entry import Activation, ActivationCodec
+from meshnet.dataplane.codec import Activation, ActivationCodec
 
 
 async def rechunk(history: Iterable[tuple[int, bytes, int]], codec: ActivationCodec,

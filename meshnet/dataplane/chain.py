@@ -7,7 +7,7 @@ back along the chain). Messages are :mod:`meshnet.dataplane.messages`; connectio
 node's :class:`meshnet.dataplane.transport.StreamPool` and are shared with other sessions.
 
 A step's deadline is derived from the chain's own observed step times (floor 0.5 s,
-:mod:`meshnet.gateway.deadlines`, ADR-0036). When it passes, every hop is probed
+:mod:`meshnet.dataplane.deadlines`, ADR-0036). When it passes, every hop is probed
 (``GET /v1/health?chain=ID``); a silent hop is frozen, and one that answers without holding the
 chain lost it (it restarted, or dropped the chain because it could not pass a step on, to its
 next hop or to the entry: nobody is left to tell the entry). That hop is kept out of the new
@@ -16,7 +16,7 @@ not reach its next hop and names that one) fails the chain at once; so does a RE
 not decode or has the wrong shape (the last hop, which sent it, failed). Either way the entry
 excludes the hop, reports it (not when it was only busy), releases the old chain on every hop
 in the background, asks the tracker for a new route over all the remote layers without it,
-and replays everything sent so far as chunked prefill (:func:`meshnet.gateway.replay.rechunk`)
+and replays everything sent so far as chunked prefill (:func:`meshnet.dataplane.replay.rechunk`)
 down the new chain under a fresh chain id, then resends the steps still in flight.
 """
 
@@ -28,11 +28,9 @@ import time
 from dataclasses import dataclass
 
 from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed, MeshnetError, WireError
-from meshnet.gateway.deadlines import StepTimes, deadline_s
-from meshnet.gateway.entry import Activation
-from meshnet.gateway.remote import ABANDONED_RELEASE_TIMEOUT_S, RELEASE_TIMEOUT_S, FailoverListener, RemoteContext, \
-    probe_hop, release_soon, report_soon
-from meshnet.gateway.replay import rechunk
+from meshnet.dataplane.codec import Activation
+from meshnet.dataplane.failover import CHAIN_LOST, Failover, FailoverCounts, FailoverListener, RemoteContext, describe
+from meshnet.dataplane.replay import rechunk
 from meshnet.dataplane.transport import StreamPool
 from meshnet.layers import LayerRange
 from meshnet.protocol.route import Hop, Route
@@ -41,9 +39,7 @@ from meshnet.dataplane.messages import FLAG_LAST_ONLY, FLAG_NO_RESULT, ChainErro
 
 log = logging.getLogger(__name__)
 
-#: the code of a hop that answers its probe but no longer holds the chain: kept out of this
-#: session's new routes, not reported (it may be healthy: restarted, or unable to reach the entry)
-CHAIN_LOST = "chain_lost"
+__all__ = ["CHAIN_LOST", "ChainEnd", "ChainInbox", "ChainRoute"]
 
 
 class ChainInbox:
@@ -82,11 +78,7 @@ class ChainEnd:
     inbox: ChainInbox | None = None
 
 
-def _describe(hop: Hop) -> str:
-    return f"hop {hop.node_id} at {hop.endpoint} (layers {hop.layers})"
-
-
-class ChainRoute:
+class ChainRoute(FailoverCounts):
     """The remote part of one session's route, driven as a chain of hop streams.
 
     Args:
@@ -101,21 +93,16 @@ class ChainRoute:
 
     def __init__(self, ctx: RemoteContext, end: "ChainEnd", *, route: Route, layers: LayerRange, chain_id: str,
                  on_failover: FailoverListener | None = None) -> None:
-        link = ctx.link
-        self.pool, self.inbox, self.client = end.pool, end.inbox, link.client
-        self.on_failover = on_failover
+        self.pool, self.inbox = end.pool, end.inbox
+        self.fo = Failover(ctx, chain_id, on_failover)
         self.model, self.entry_id, self.entry_endpoint = ctx.model, end.node_id, end.endpoint
-        self.layers = layers
-        self.routes, self.report, self.codec = link.routes, link.report, ctx.codec
-        self.timeout_s, self.max_failovers, self.deadlines = ctx.timeout_s, ctx.max_failovers, ctx.deadlines
-        self.replay_chunk_tokens, self.release_auth = ctx.replay_chunk_tokens, link.release_auth
-        self.times = StepTimes(ctx.deadlines.ema_alpha)
+        self.layers, self.codec = layers, ctx.codec
+        self.timeout_s, self.max_failovers = ctx.timeout_s, ctx.max_failovers
+        self.replay_chunk_tokens = ctx.replay_chunk_tokens
+        self.times = self.fo.new_times()
         #: everything sent so far, contiguous from position 0: ``(position, frame, tokens, flags)``
         self.history: list[tuple[int, bytes, int, int]] = []
         self.sent_len = 0
-        self.failed: set[str] = set()
-        self.failovers = 0
-        self.deadline_misses = 0
         self.replayed_tokens = 0
         self._futures: dict[int, asyncio.Future] = {}
         self._cond = asyncio.Condition()
@@ -144,9 +131,7 @@ class ChainRoute:
 
     def _release(self, abandoned: bool) -> None:
         """Release the current chain's session on each of its hops, in the background."""
-        touched = [(h.endpoint, self.ticket) for h in self.hops]
-        timeout = ABANDONED_RELEASE_TIMEOUT_S if abandoned else RELEASE_TIMEOUT_S
-        release_soon(self.client, touched, self.chain_id, timeout, self.release_auth)
+        self.fo.release([(h.endpoint, self.ticket) for h in self.hops], self.chain_id, abandoned=abandoned)
 
     def close(self) -> None:
         """End the session on every hop at once: the releases go out in the background (returns
@@ -184,9 +169,9 @@ class ChainRoute:
             err = ChainError.from_body(message.body)
         except MeshnetError as exc:  # its sender is at fault: it names itself in the header
             sender = self.hops[message.hop_index - 1] if 0 < message.hop_index <= len(self.hops) else None
-            return HopFailed(f"{_describe(sender) if sender else 'the chain'} sent an unreadable error: {exc.message}",
+            return HopFailed(f"{describe(sender) if sender else 'the chain'} sent an unreadable error: {exc.message}",
                              node_id=sender.node_id if sender else None)
-        where = next((_describe(h) for h in self.hops if h.node_id == err.node_id), f"hop {err.node_id}")
+        where = next((describe(h) for h in self.hops if h.node_id == err.node_id), f"hop {err.node_id}")
         text = f"{where} failed: {err.status} {err.code}: {err.message}"
         blamed = None if err.node_id == self.entry_id else err.node_id  # this node's own frame: nobody to exclude
         if err.status == 503:
@@ -203,7 +188,7 @@ class ChainRoute:
                                                       body=body))
         except MeshnetError as exc:
             if not self.broken.done():
-                self.broken.set_result(HopFailed(f"{_describe(first)} is unreachable: {exc.message}",
+                self.broken.set_result(HopFailed(f"{describe(first)} is unreachable: {exc.message}",
                                                  node_id=first.node_id))
 
     async def _open(self) -> None:
@@ -253,7 +238,7 @@ class ChainRoute:
         while True:
             epoch, broken = self.epoch, self.broken
             extra = self.replayed_tokens if epoch != start_epoch else 0
-            deadline = deadline_s(self.deadlines, self.times, tokens + extra)
+            deadline = self.fo.deadline(self.times, tokens + extra)
             await asyncio.wait({fut, broken}, timeout=deadline, return_when=asyncio.FIRST_COMPLETED)
             if fut.done():
                 sent_by, body = fut.result()
@@ -261,7 +246,7 @@ class ChainRoute:
                 try:
                     out = await self._decode(body, want)
                 except MeshnetError as exc:  # (from a chain replaced since: nothing to fail, the step was resent)
-                    await self._failover(sent_by, HopFailed(f"{_describe(self.hops[-1])} sent an unusable result: "
+                    await self._failover(sent_by, HopFailed(f"{describe(self.hops[-1])} sent an unusable result: "
                                                             f"{exc.message}", node_id=self.hops[-1].node_id))
                     continue
                 if self.epoch == start_epoch:
@@ -272,17 +257,15 @@ class ChainRoute:
             if broken.done():
                 await self._failover(epoch, broken.result())
                 continue
-            silent, lost = await self._probe()
+            silent, lost = await self.fo.probe(list(self.hops), self.chain_id)
             if fut.done():
                 continue
             if silent:
-                exc = HopFailed(f"{_describe(silent[0])} missed the chain's {deadline:.2f} s deadline on {tokens} "
-                                f"token(s) and did not answer a liveness probe within "
-                                f"{self.deadlines.probe_timeout_s:.2f} s (frozen)", node_id=silent[0].node_id)
+                exc = self.fo.frozen(silent[0], deadline, tokens)
                 await self._failover(epoch, exc, also=[h.node_id for h in silent[1:]], frozen=True)
                 continue
             if lost:
-                exc = HopFailed(f"{_describe(lost[0])} answers but no longer holds chain {self.chain_id} (it "
+                exc = HopFailed(f"{describe(lost[0])} answers but no longer holds chain {self.chain_id} (it "
                                 f"restarted, or could not pass the step on to its next hop or the entry)",
                                 node_id=lost[0].node_id, code=CHAIN_LOST)
                 await self._failover(epoch, exc)
@@ -304,26 +287,7 @@ class ChainRoute:
             raise WireError(f"shape {list(self.codec.shape(out))}, expected {list(want)}")
         return out
 
-    async def _probe(self) -> tuple[list[Hop], list[Hop]]:
-        """``(silent, lost)``: the current chain's hops that do not answer ``GET /v1/health?chain=ID``
-        within the probe timeout, and those that answer that they do not hold the chain (a node
-        that does not say is taken to hold it)."""
-        hops, chain_id = list(self.hops), self.chain_id
-        limit = self.deadlines.probe_timeout_s
-        answers = await asyncio.gather(*(probe_hop(self.client, h, limit, chain_id) for h in hops))
-        return [h for h, a in zip(hops, answers) if a is None], [h for h, a in zip(hops, answers) if a is False]
-
     # ---- failover ---------------------------------------------------------------------
-
-    def _exclude(self, exc: HopFailed) -> None:
-        """Keep the failed hop out of new routes and report it in the background, so the new
-        route is asked for at once (not when it was busy or healthy)."""
-        if exc.node_id is None or exc.code in HEALTHY_HOP_CODES:
-            return
-        self.failed.add(exc.node_id)
-        if isinstance(exc, HopBusy) or exc.code == CHAIN_LOST:
-            return
-        report_soon(self.report, exc.node_id, exc.message)
 
     async def _failover(self, epoch: int, exc: HopFailed, also: list[str] = (), frozen: bool = False) -> None:
         """Replace the chain of ``epoch`` (once, however many steps saw it fail): exclude and
@@ -338,26 +302,21 @@ class ChainRoute:
                 raise self._dead
             if self.epoch != epoch:
                 return
-            self.deadline_misses += frozen
+            self.fo.deadline_misses += frozen
             for node_id in also:
-                self._exclude(HopFailed(f"hop {node_id} is silent", node_id=node_id))
+                self.fo.exclude(HopFailed(f"hop {node_id} is silent", node_id=node_id))
             old_hops = list(self.hops)
             for _ in range(self.max_failovers):
                 log.warning("%s; failing the chain over", exc.message)
-                self._exclude(exc)
+                self.fo.exclude(exc)
                 self._release(abandoned=True)
                 chain_id = new_chain_id()
                 try:
-                    route = await self.routes(self.model, self.layers, frozenset(self.failed), chain_id)
-                    self._install(route, chain_id)
-                except Exception as route_exc:  # noqa: BLE001 - no route, tracker down, bad answer
-                    why = getattr(route_exc, "message", None) or f"{type(route_exc).__name__}: {route_exc}"
-                    cls = HopBusy if isinstance(exc, HopBusy) else HopFailed
-                    self._die(cls(f"{exc.message}; no other route over layers {self.layers}: {why}",
-                                  node_id=exc.node_id, code=exc.code))
+                    self._install(await self.fo.new_route(self.layers, exc, chain_id), chain_id)
+                except HopFailed as none_left:  # HopBusy too
+                    self._die(none_left)
                 await self._replay()
                 if not self.broken.done():
-                    self.failovers += 1
                     self._tell_failover(old_hops, exc)
                     self._cond.notify_all()
                     return
@@ -366,18 +325,15 @@ class ChainRoute:
                                 f"{self.layers} failed", node_id=exc.node_id))
 
     def _tell_failover(self, old_hops: list[Hop], exc: HopFailed) -> None:
-        """Tell ``on_failover`` of the hop that failed and the new chain's hops over its layers."""
-        if self.on_failover is None:
-            return
+        """Count the failover; tell the listener of the hop that failed and the new chain's hops
+        over its layers."""
         failed = next((h for h in old_hops if h.node_id == exc.node_id), old_hops[0] if old_hops else None)
-        if failed is None:
+        if failed is None:  # (a chain always has hops)
+            self.fo.failovers += 1
             return
         replacement = [h for h in self.hops if h.layers.start <= failed.layers.end - 1
                        and failed.layers.start <= h.layers.end - 1]
-        try:
-            self.on_failover(failed, replacement, exc.message)
-        except Exception:  # noqa: BLE001 - bookkeeping must not fail the generation
-            log.warning("failover listener failed", exc_info=True)
+        self.fo.replaced(failed, replacement, exc.message)
 
     def _die(self, exc: HopFailed) -> None:
         self._dead = exc
