@@ -324,7 +324,7 @@ class ShardModel:
         """
         seq = hidden.shape[1]
         return self._run_layers(hidden, cache, position_ids(position, seq), causal_mask(seq, position, self.dtype),
-                                layers or self.layers)
+                                self.layers if layers is None else layers)
 
     @torch.inference_mode()
     def forward_batch(self, hidden: torch.Tensor, caches: list[KVCache], positions: list[int],
@@ -347,7 +347,8 @@ class ShardModel:
             raise InvalidRequest(f"a batched decode step takes [sessions, 1, hidden] with one cache and one "
                                  f"position per row, got {list(hidden.shape)}, {len(caches)} caches, "
                                  f"{len(positions)} positions")
-        return self._run_layers(hidden, BatchCache(caches), position_ids(positions, 1), None, layers or self.layers)
+        return self._run_layers(hidden, BatchCache(caches), position_ids(positions, 1), None,
+                                self.layers if layers is None else layers)
 
     def _run_layers(self, hidden: torch.Tensor, cache, positions: torch.Tensor, mask: torch.Tensor | None,
                     layers: LayerRange) -> torch.Tensor:

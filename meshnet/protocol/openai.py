@@ -48,7 +48,7 @@ class SamplingParams:
 
     ``temperature`` 0 = greedy. ``frequency_penalty``/``presence_penalty`` in [-2, 2] and
     ``logit_bias`` (token id, bias in [-100, 100]) adjust the logits as in OpenAI's API
-    reference (see :func:`meshnet.node.sampling.adjust_logits`). ``top_logprobs`` is None
+    reference (see :func:`meshnet.node.entry.adjust_logits`). ``top_logprobs`` is None
     when no log-probabilities are wanted, else 0..20 alternatives per token.
     """
 

@@ -18,7 +18,7 @@ import torch
 from tests.fake_nodes import HealthyNodes
 from tests.payloads import SignAsNodes, capability_report, registration
 from meshnet.node.entry import LocalEntry
-from meshnet.node.sampling import TokenPicker
+from meshnet.node.entry import TokenPicker
 from meshnet.layers import LayerRange
 from meshnet.node.app import build_app
 from meshnet.node.runtime import NodeRuntime

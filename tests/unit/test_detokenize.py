@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from meshnet.gateway.detokenize import TextDecoder, max_token_chars, token_bytes
+from meshnet.gateway.openai_api import TextDecoder, max_token_chars, token_bytes
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Next-token sampling (meshnet.node.sampling): greedy, seeded temperature, nucleus."""
+"""Next-token sampling (meshnet.node.entry): greedy, seeded temperature, nucleus."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from meshnet.node.sampling import sample_token
+from meshnet.node.entry import sample_token
 
 
 def logits(seed: int = 0, vocab: int = 512) -> torch.Tensor:
@@ -59,7 +59,7 @@ def test_low_temperature_concentrates_on_argmax():
 
 # ---- penalties, logit bias, log-probabilities (OpenAI API reference formulas) ------------------
 
-from meshnet.node.sampling import TokenPicker, adjust_logits, token_logprob  # noqa: E402
+from meshnet.node.entry import TokenPicker, adjust_logits, token_logprob  # noqa: E402
 from meshnet.protocol.openai import SamplingParams, for_choice
 
 
