@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed, MeshnetError, WireError
 from meshnet.dataplane.codec import Activation
+from meshnet.dataplane.deadlines import deadline_s
 from meshnet.dataplane.failover import CHAIN_LOST, Failover, FailoverCounts, FailoverListener, RemoteContext, describe
 from meshnet.dataplane.replay import rechunk
 from meshnet.dataplane.transport import StreamPool
@@ -238,7 +239,7 @@ class ChainRoute(FailoverCounts):
         while True:
             epoch, broken = self.epoch, self.broken
             extra = self.replayed_tokens if epoch != start_epoch else 0
-            deadline = self.fo.deadline(self.times, tokens + extra)
+            deadline = deadline_s(self.fo.policy, self.times, tokens + extra)
             await asyncio.wait({fut, broken}, timeout=deadline, return_when=asyncio.FIRST_COMPLETED)
             if fut.done():
                 sent_by, body = fut.result()

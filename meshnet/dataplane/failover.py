@@ -5,7 +5,8 @@
 reported (a busy hop or one that only lost the session is neither reported nor, for the
 latter, excluded), the replacement route over a failed range, the releases of hops left behind,
 the liveness probe of a hop that missed its deadline (ADR-0036) and the deadline itself
-(:mod:`meshnet.dataplane.deadlines`); the replay goes through :func:`meshnet.dataplane.replay.rechunk`.
+(:mod:`meshnet.dataplane.deadlines`: a driver asks ``deadline_s(fo.policy, times, tokens)``);
+the replay goes through :func:`meshnet.dataplane.replay.rechunk`.
 A driver only says when a step failed and what it sends where.
 """
 
@@ -19,7 +20,7 @@ from typing import Awaitable, Callable
 
 import httpx
 
-from meshnet.dataplane.deadlines import DeadlinePolicy, StepTimes, deadline_s
+from meshnet.dataplane.deadlines import DeadlinePolicy, StepTimes
 from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed
 from meshnet.dataplane.codec import ActivationCodec
 from meshnet.layers import LayerRange
@@ -212,10 +213,6 @@ class Failover:
     def new_times(self) -> StepTimes:
         """Step times of a new hop or chain, for its deadlines."""
         return StepTimes(self.policy.ema_alpha)
-
-    def deadline(self, times: StepTimes, tokens: int) -> float:
-        """Seconds a step of ``tokens`` tokens may take before its hops are probed (ADR-0036)."""
-        return deadline_s(self.policy, times, tokens)
 
     def exclude(self, exc: HopFailed) -> bool:
         """Keep the hop ``exc`` names out of this session's new routes and report it to the tracker

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed, MeshnetError
-from meshnet.dataplane.deadlines import StepTimes
+from meshnet.dataplane.deadlines import StepTimes, deadline_s
 from meshnet.dataplane.codec import Activation, ActivationCodec
 from meshnet.dataplane.failover import Failover, FailoverCounts, FailoverListener, RemoteContext, Touched, describe
 from meshnet.dataplane.replay import rechunk
@@ -221,7 +221,7 @@ class RemoteRoute(FailoverCounts):
         Raises:
             HopFailed: the call failed, or the hop froze.
         """
-        deadline = self.fo.deadline(state.times, seq_len)
+        deadline = deadline_s(self.fo.policy, state.times, seq_len)
         while True:
             done, _ = await asyncio.wait({call}, timeout=deadline)
             if done:
