@@ -1,7 +1,7 @@
 """A shard's attention and its KV cache: what a decoder layer reads and writes per session.
 
 - :class:`KVCache` keeps one session's keys and values for the layers of one shard, grown in
-  blocks so a decode step copies nothing (ADR-0041); :class:`BatchCache` and :class:`RaggedKV`
+  blocks so a decode step copies nothing (ADR-0052); :class:`BatchCache` and :class:`RaggedKV`
   let a batch of sessions of different lengths run as one forward, each row over its own cache.
 - :func:`attention` is the function transformers' attention modules call (registered as
   :data:`ATTENTION`): SDPA, row by row for a ragged batch, straight to the kernel for a decode
@@ -23,7 +23,7 @@ from meshnet.models.linears import per_thread_count
 
 log = logging.getLogger(__name__)
 
-#: tokens a KV-cache buffer grows by when it is full (ADR-0041): one copy of the cache every this many tokens
+#: tokens a KV-cache buffer grows by when it is full (ADR-0052): one copy of the cache every this many tokens
 KV_BLOCK_TOKENS = 128
 
 
@@ -212,7 +212,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     transformers' ``sdpa_attention_forward`` makes this same call for a decode step (no mask,
     ``enable_gqa``) after Python checks that cost as much as the kernel itself at a short context,
-    so a decode step calls the kernel directly (ADR-0041's attention amendment).
+    so a decode step calls the kernel directly (ADR-0052).
     """
     gqa = query.shape[1] != key.shape[1]
     if in_float32 and query.dtype != torch.float32:  # this host's half kernel is slower than casting (ADR-0047)

@@ -329,7 +329,7 @@ class ShardModel:
     @torch.inference_mode()
     def forward_batch(self, hidden: torch.Tensor, caches: list[KVCache], positions: list[int],
                       layers: LayerRange | None = None) -> torch.Tensor:
-        """One decode step of several sessions at once (ADR-0041).
+        """One decode step of several sessions at once (ADR-0052).
 
         Args:
             hidden: ``[sessions, 1, hidden_size]``, row ``b`` the next token of session ``b``.

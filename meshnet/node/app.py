@@ -358,7 +358,7 @@ async def _running_node(app: Starlette, settings: NodeSettings, runtime: NodeRun
                                 sessions=SessionStore(settings.session_ttl_s, settings.session_cache_bytes),
                                 batch_window_s=settings.batch_window_s, max_batch_size=settings.max_batch_size)
     # callers block in worker threads while their step is batched: the default pool (cores + 4)
-    # would cap a batch at a handful of sessions (ADR-0041)
+    # would cap a batch at a handful of sessions (ADR-0052)
     asyncio.get_running_loop().set_default_executor(
         ThreadPoolExecutor(settings.worker_threads, thread_name_prefix="meshnet-node"))
     timeout = httpx.Timeout(settings.hop_timeout_s, connect=settings.hop_connect_timeout_s)

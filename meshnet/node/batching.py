@@ -1,5 +1,5 @@
 """Batched decode on a node: steps of different sessions that meet within a short window run as
-one forward (ADR-0041).
+one forward (ADR-0052).
 
 Callers are event loops (hop streams, the entry node's own layers and LM head, HTTP hop calls)
 and threads. A loop hands its step to :meth:`StepBatcher.submit_soon` without blocking and awaits
@@ -7,7 +7,7 @@ the future it gets; a thread calls :meth:`StepBatcher.submit` and blocks until t
 One caller at a time is the *leader*: it gathers the steps that can run together, has them run,
 and hands every caller its result. For loops' steps the leader is the batcher's own runner
 thread, and a batch's results reach each loop in one call (one thread hand-off per batch, not one
-per step: ADR-0041's event-loop amendment); a blocked thread may lead too. While a batch runs,
+per step: ADR-0049); a blocked thread may lead too. While a batch runs,
 new steps queue; the next leader takes them all at once, so a busy node batches without waiting
 at all.
 
@@ -55,7 +55,7 @@ WINDOW_COMPUTE_SHARE = 0.5
 RUNNER_IDLE_S = 30.0
 #: a batch waits up to this share of a batch's compute time for a wave due right behind it: a wave
 #: that trails another queues behind its compute, about one batch time behind, so a shorter wait
-#: never closes the gap (measured with ``bench/batching.py``, ADR-0041's wave amendment)
+#: never closes the gap (measured with ``bench/batching.py``, ADR-0052)
 MERGE_COMPUTE_SHARE = 1.5
 
 

@@ -40,7 +40,7 @@ CACHE_TTL_S = 7 * 86_400.0
 #: where that is needed to read the weights from memory (:func:`sample_layer_count`)
 SAMPLE_LAYERS = 2
 #: sessions decoded together in the measurement: a lone session, and a batch of 8 as a busy node
-#: runs them (ADR-0041; the same two counts the weight layouts are timed at, ADR-0048)
+#: runs them (ADR-0052; the same two counts the weight layouts are timed at, ADR-0048)
 SESSIONS = (1, 8)
 
 

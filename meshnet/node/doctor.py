@@ -58,7 +58,7 @@ def measure_decode_tokens_per_s(shard, steps: int = DECODE_STEPS, sessions: int 
     single-token steps of ``sessions`` sessions, each on a fresh KV cache, after one warm-up step,
     with seeded standard-normal hidden states ``[1, 1, hidden]`` per session. One session runs
     :meth:`ShardModel.forward`; several run one :meth:`ShardModel.forward_batch` per step, as a
-    node batches them (ADR-0041)."""
+    node batches them (ADR-0052)."""
     caches = [KVCache() for _ in range(sessions)]
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(sessions, 1, shard.config.hidden_size, generator=gen)

@@ -196,7 +196,7 @@ class LocalEntry:
         return TokenPicker(self.vocab_size, params, generator)
 
     async def choose(self, hidden: Activation, chooser: TokenPicker, session_id: str) -> tuple[int, TokenLogprob | None]:
-        """LM head on the last position (batched with other sessions' head steps, ADR-0041) and
+        """LM head on the last position (batched with other sessions' head steps, ADR-0052) and
         the token choice (per session). The head steps are the session's own in the batcher, so
         :meth:`release` ends the wait for them as for its layer steps."""
         logits = await self.runtime.logits_async(self.slot, session_id, hidden[:, -1:])

@@ -6,7 +6,7 @@ runtime picks the slot whose range contains them (a hop may start inside a shard
 ADR-0012). Compute is serialised per node with one lock (torch already uses every core for one
 forward), but concurrent callers do not queue one by one: their steps meet in a
 :class:`~meshnet.node.batching.StepBatcher`, and the decode steps of different sessions run as
-one batched forward (ADR-0041).
+one batched forward (ADR-0052).
 
 Each load measures the shard's resident memory (ADR-0039): the process RSS after the shard is
 built and has run one warm-up forward, minus the RSS just before, with transformers' modeling
@@ -227,7 +227,7 @@ class NodeRuntime:
         """Run ``layers`` on ``hidden`` ``[batch, seq, hidden]`` for one session.
 
         Thread-safe; blocks until the step has run. A decode step (``seq == 1``) runs batched
-        with the steps of other sessions that reach this node at about the same time (ADR-0041).
+        with the steps of other sessions that reach this node at about the same time (ADR-0052).
 
         Returns hidden states ``[batch, seq, hidden]`` in the compute dtype.
 
@@ -277,7 +277,7 @@ class NodeRuntime:
     def logits(self, slot: ShardSlot, session_id: str, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head of entry ``slot`` on the last hidden state ``hidden`` ``[1, 1,
         hidden]`` of one session; ``[1, 1, vocab]`` float32. Thread-safe; batched with the other
-        sessions' head steps like decode steps (ADR-0041): one step of a session per batch, and
+        sessions' head steps like decode steps (ADR-0052): one step of a session per batch, and
         once the session is forgotten (:meth:`StepBatcher.forget`) no batch waits for its next.
 
         Raises:

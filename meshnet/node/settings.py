@@ -43,7 +43,7 @@ class NodeSettings:
         batch_window_s: longest wait, seconds, for other sessions' decode steps after one reaches an
             idle node (none when only one session is active; stretched to half a batch's recent
             compute time when that is longer); ``max_batch_size``: most steps in one batched
-            forward (ADR-0041). Every step, a lone one included, runs in the batcher's worker
+            forward (ADR-0052). Every step, a lone one included, runs in the batcher's worker
             thread: an event loop only moves bytes (ADR-0049).
         spot_check_rate: as an entry node, the share of sessions whose first call to each hop is
             also run on a second holder and compared (ADR-0042; 0 disables).
