@@ -34,6 +34,7 @@ from meshnet.dataplane.failover import CHAIN_LOST, Failover, FailoverCounts, Fai
 from meshnet.dataplane.replay import rechunk
 from meshnet.dataplane.transport import StreamPool
 from meshnet.layers import LayerRange
+from meshnet.protocol.ids import NodeId, SessionId
 from meshnet.protocol.route import Hop, Route
 from meshnet.dataplane.messages import FLAG_LAST_ONLY, FLAG_NO_RESULT, ChainError, ChainOpen, Kind, Message, \
     new_chain_id, new_chain_key, pack, same_key
@@ -49,10 +50,10 @@ class ChainInbox:
     def __init__(self) -> None:
         self._chains: dict[str, "ChainRoute"] = {}
 
-    def register(self, chain_id: str, chain: "ChainRoute") -> None:
+    def register(self, chain_id: SessionId, chain: "ChainRoute") -> None:
         self._chains[chain_id] = chain
 
-    def unregister(self, chain_id: str) -> None:
+    def unregister(self, chain_id: SessionId) -> None:
         self._chains.pop(chain_id, None)
 
     def deliver(self, message: Message) -> bool:
@@ -73,7 +74,7 @@ class ChainEnd:
     results there, any hop sends errors there), its outbound stream ``pool`` and the ``inbox`` its
     stream endpoint hands RESULT and ERROR messages to (both None: no hop streams, the HTTP path)."""
 
-    node_id: str
+    node_id: NodeId
     endpoint: str
     pool: StreamPool | None = None
     inbox: ChainInbox | None = None
@@ -92,7 +93,7 @@ class ChainRoute(FailoverCounts):
             chain replacement (the traffic log, ADR-0046; None: nobody).
     """
 
-    def __init__(self, ctx: RemoteContext, end: "ChainEnd", *, route: Route, layers: LayerRange, chain_id: str,
+    def __init__(self, ctx: RemoteContext, end: "ChainEnd", *, route: Route, layers: LayerRange, chain_id: SessionId,
                  on_failover: FailoverListener | None = None) -> None:
         self.pool, self.inbox = end.pool, end.inbox
         self.fo = Failover(ctx, chain_id, on_failover)
@@ -110,13 +111,13 @@ class ChainRoute(FailoverCounts):
         self._dead: HopFailed | None = None
         self._closed = False
         self._opened = False
-        self.chain_id: str | None = None
+        self.chain_id: SessionId | None = None
         self.epoch = -1  # +1 with every chain installed: a failure is failed over once per chain
         self._install(route, chain_id)
 
     # ---- chain lifecycle --------------------------------------------------------------
 
-    def _install(self, route: Route, chain_id: str) -> None:
+    def _install(self, route: Route, chain_id: SessionId) -> None:
         """Make ``route`` under ``chain_id`` the current chain (nothing sent yet)."""
         if not route.hops or route.hops[0].layers.start != self.layers.start or \
                 route.hops[-1].layers.end != self.layers.end:

@@ -24,6 +24,7 @@ from meshnet.dataplane.deadlines import DeadlinePolicy, StepTimes
 from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed
 from meshnet.dataplane.codec import ActivationCodec
 from meshnet.layers import LayerRange
+from meshnet.protocol.ids import ModelName, NodeId, SessionId
 from meshnet.protocol.route import Hop, Route
 from meshnet.protocol.tickets import HEADER_TICKET
 
@@ -31,9 +32,9 @@ log = logging.getLogger(__name__)
 
 
 #: async (model, layers, exclude node ids, session id) -> hops covering exactly ``layers`` and their ticket
-RouteProvider = Callable[[str, LayerRange, frozenset[str], str], Awaitable[Route]]
+RouteProvider = Callable[[ModelName, LayerRange, frozenset[NodeId], SessionId], Awaitable[Route]]
 #: async (node id, reason) -> None; tells the tracker a hop failed
-FailureReporter = Callable[[str, str], Awaitable[None]]
+FailureReporter = Callable[[NodeId, str], Awaitable[None]]
 #: (failed hop, its replacement hops, why it failed) -> None; told after each failover (the traffic log)
 FailoverListener = Callable[[Hop, list[Hop], str], None]
 
@@ -90,7 +91,7 @@ class RemoteContext:
 _reports: set[asyncio.Task] = set()  # failure reports in flight (kept referenced until they end)
 
 
-async def report_failure(report: FailureReporter, node_id: str, reason: str) -> None:
+async def report_failure(report: FailureReporter, node_id: NodeId, reason: str) -> None:
     """Tell the tracker that ``node_id`` failed; a lost report is logged, never raised (it must
     not fail the generation)."""
     try:
@@ -99,7 +100,7 @@ async def report_failure(report: FailureReporter, node_id: str, reason: str) -> 
         log.warning("could not report the failure of %s", node_id, exc_info=True)
 
 
-def report_soon(report: FailureReporter, node_id: str, reason: str) -> None:
+def report_soon(report: FailureReporter, node_id: NodeId, reason: str) -> None:
     """:func:`report_failure` in the background: the new route is asked for at once."""
     task = asyncio.get_running_loop().create_task(report_failure(report, node_id, reason))
     _reports.add(task)
@@ -110,7 +111,7 @@ def report_soon(report: FailureReporter, node_id: str, reason: str) -> None:
 Touched = tuple[str, "str | None"]
 
 
-async def _delete_session(client: httpx.AsyncClient, endpoint: str, ticket: str | None, session_id: str,
+async def _delete_session(client: httpx.AsyncClient, endpoint: str, ticket: str | None, session_id: SessionId,
                           timeout_s: float, auth: httpx.Auth | None) -> None:
     """``DELETE {endpoint}/v1/sessions/{session_id}`` within ``timeout_s`` seconds in all. A
     connection that breaks before the answer (a reset or closed keep-alive connection, often one a
@@ -137,7 +138,7 @@ async def _delete_session(client: httpx.AsyncClient, endpoint: str, ticket: str 
     log.debug("could not release session %s at %s within %.0f s", session_id, endpoint, timeout_s)
 
 
-def release_soon(client: httpx.AsyncClient, touched: list[Touched], session_id: str, timeout_s: float,
+def release_soon(client: httpx.AsyncClient, touched: list[Touched], session_id: SessionId, timeout_s: float,
                  auth: httpx.Auth | None = None) -> None:
     """Start ``DELETE {endpoint}/v1/sessions/{session_id}`` on each ``(endpoint, ticket)`` in the
     background and return at once (never raises, never waits: a frozen node must not hold up
@@ -159,7 +160,7 @@ async def settle_releases(timeout_s: float) -> None:
         await asyncio.wait(pending, timeout=timeout_s)
 
 
-async def probe_hop(client: httpx.AsyncClient, hop: Hop, limit_s: float, chain_id: str | None = None) -> bool | None:
+async def probe_hop(client: httpx.AsyncClient, hop: Hop, limit_s: float, chain_id: SessionId | None = None) -> bool | None:
     """The liveness probe of a hop that missed its deadline (ADR-0036): ``GET /v1/health`` within
     ``limit_s`` seconds. None: no answer in time (refused, reset, silent). Otherwise True, or
     False when asked about hop stream chain ``chain_id`` and the node answers that it does not
@@ -203,7 +204,7 @@ class Failover:
         failovers: replacements made; ``deadline_misses``: of those, for a hop that froze.
     """
 
-    def __init__(self, ctx: RemoteContext, session_id: str, on_failover: FailoverListener | None = None) -> None:
+    def __init__(self, ctx: RemoteContext, session_id: SessionId, on_failover: FailoverListener | None = None) -> None:
         self.ctx, self.session_id, self.on_failover = ctx, session_id, on_failover
         self.link, self.policy = ctx.link, ctx.deadlines
         self.failed: set[str] = set()
@@ -227,7 +228,7 @@ class Failover:
             report_soon(self.link.report, exc.node_id, exc.message)
         return True
 
-    async def new_route(self, layers: LayerRange, exc: HopFailed, session_id: str | None = None) -> Route:
+    async def new_route(self, layers: LayerRange, exc: HopFailed, session_id: SessionId | None = None) -> Route:
         """A route over ``layers`` without the excluded nodes, with a fresh ticket for ``session_id``
         (default: the session's id).
 
@@ -242,7 +243,7 @@ class Failover:
             raise cls(f"{exc.message}; no other route: no other node serves layers {layers}: {why}",
                       node_id=exc.node_id, code=exc.code) from route_exc
 
-    def release(self, touched: list[Touched], session_id: str, *, abandoned: bool) -> None:
+    def release(self, touched: list[Touched], session_id: SessionId, *, abandoned: bool) -> None:
         """Release ``session_id`` on each ``(endpoint, ticket)`` in the background; an ``abandoned``
         one (a hop left behind by a failover) is given longer, so a frozen node that resumes frees
         it at once."""
@@ -250,7 +251,7 @@ class Failover:
             timeout_s = ABANDONED_RELEASE_TIMEOUT_S if abandoned else RELEASE_TIMEOUT_S
             release_soon(self.link.client, touched, session_id, timeout_s, self.link.release_auth)
 
-    async def probe(self, hops: list[Hop], chain_id: str | None = None) -> tuple[list[Hop], list[Hop]]:
+    async def probe(self, hops: list[Hop], chain_id: SessionId | None = None) -> tuple[list[Hop], list[Hop]]:
         """``(silent, lost)``: the hops that do not answer ``GET /v1/health`` within the probe
         timeout, and (asked about ``chain_id``) those that answer that they do not hold it."""
         limit = self.policy.probe_timeout_s

@@ -43,6 +43,7 @@ from meshnet.dataplane.deadlines import StepTimes, deadline_s
 from meshnet.dataplane.codec import Activation, ActivationCodec
 from meshnet.dataplane.failover import Failover, FailoverCounts, FailoverListener, RemoteContext, Touched, describe
 from meshnet.dataplane.replay import rechunk
+from meshnet.protocol.ids import SessionId
 from meshnet.protocol.route import Hop, Route
 from meshnet.protocol.tickets import HEADER_TICKET
 
@@ -71,7 +72,7 @@ def _error_of(resp: httpx.Response) -> tuple[str, str]:
         return "http_error", resp.text[:200]
 
 
-async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, session_id: str, position: int,
+async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, session_id: SessionId, position: int,
                        frame: bytes, last_only: bool, timeout: httpx.Timeout | float,
                        codec: ActivationCodec, expect_shape: tuple[int, ...] | None = None,
                        ticket: str | None = None) -> tuple[bytes, Activation]:
@@ -141,7 +142,7 @@ class RemoteRoute(FailoverCounts):
             None: not checked).
     """
 
-    def __init__(self, ctx: RemoteContext, *, session_id: str, route: Route,
+    def __init__(self, ctx: RemoteContext, *, session_id: SessionId, route: Route,
                  on_failover: FailoverListener | None = None, spot_check=None) -> None:
         self.ctx, self.session_id = ctx, session_id
         self.fo = Failover(ctx, session_id, on_failover)

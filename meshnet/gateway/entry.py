@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from meshnet.dataplane.codec import Activation, ActivationCodec
+from meshnet.protocol.ids import SessionId
 from meshnet.protocol.openai import SamplingParams
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class EntryLayers(Protocol):
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of ``messages`` under the chat template, generation prompt added (CPU-bound)."""
 
-    async def run(self, session_id: str, ids: list[int], position: int) -> Activation:
+    async def run(self, session_id: SessionId, ids: list[int], position: int) -> Activation:
         """Embed ``ids`` at ``position`` and run the local layers in the session's KV cache.
 
         Raises:
@@ -63,11 +64,11 @@ class EntryLayers(Protocol):
     def new_chooser(self, params: SamplingParams) -> TokenChooser:
         """A fresh token chooser for one choice (seeded by ``params.seed`` when given)."""
 
-    async def choose(self, hidden: Activation, chooser: TokenChooser, session_id: str) -> tuple[int, TokenLogprob | None]:
+    async def choose(self, hidden: Activation, chooser: TokenChooser, session_id: SessionId) -> tuple[int, TokenLogprob | None]:
         """LM head on the last position of ``hidden`` and the next token (with its logprob when asked),
         for session ``session_id``."""
 
-    def release(self, session_id: str) -> None:
+    def release(self, session_id: SessionId) -> None:
         """Drop the session's local KV cache; nothing waits for its steps any more (its head steps
         included)."""
 

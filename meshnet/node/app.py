@@ -65,7 +65,7 @@ from meshnet.node.readiness import gather_facts, node_readiness
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.sessions import SessionStore
 from meshnet.node.settings import NodeSettings
-from meshnet.node.callers import asked_by_tracker, check_release, check_ticket
+from meshnet.node.callers import TrackerLink, advertised_endpoint, asked_by_tracker, check_release, check_ticket
 from meshnet.node.streams import ChainHost, stream_endpoint
 from meshnet.protocol.control import CapabilityReport, DoctorResponse, QuarantineReport
 from meshnet.protocol.route import Route as MeshRoute
@@ -84,7 +84,7 @@ class NodeContext:
     runtime: NodeRuntime
     http: httpx.AsyncClient
     metrics: NodeMetrics = field(default_factory=NodeMetrics)
-    agent: object | None = None  # meshnet.node.agent.TrackerAgent when a tracker is configured
+    agent: TrackerLink | None = None  # the tracker agent (meshnet.node.agent.TrackerAgent) when a tracker is configured
     started_at: float = field(default_factory=time.time)
     reports: dict[str, CapabilityReport] = field(default_factory=dict)  # slot key -> latest report
     drain: Drain = field(default_factory=Drain)
@@ -169,11 +169,11 @@ async def health(request: Request) -> JSONResponse:
     node = _state(request)
     rt = node.runtime
     chain = request.query_params.get("chain")
-    tunnel = getattr(node.agent, "tunnel", None)
+    tunnel = None if node.agent is None else node.agent.tunnel
     relay = None if tunnel is None else {"url": tunnel.relay_url, "attached": tunnel.attached.is_set(),
                                          "attaches": tunnel.attaches, "rtt_s": round(tunnel.rtt_s, 6)}
     return JSONResponse({"status": "ok", "draining": node.drain.draining, "node_id": node.settings.node_id,
-                         "endpoint": getattr(node.agent, "endpoint", None) or node.settings.endpoint, "relay": relay,
+                         "endpoint": advertised_endpoint(node), "relay": relay,
                          "shards": [s.model_dump(exclude={"report"}) for s in rt.describe()], "slots_total": rt.max_loaded_shards,
                          "sessions": len(rt.sessions), "cache_bytes_left": rt.sessions.bytes_left,
                          "session_cache_bytes": rt.sessions.max_bytes, "session_ttl_s": rt.sessions.ttl_s,
@@ -226,9 +226,9 @@ def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | Non
                                     pipelined=True if pipelined is None else pipelined,
                                     chain=node.settings.hop_streams)
     entry = LocalEntry(node.runtime, slot, wire_dtype=node.settings.wire_dtype, metrics=node.metrics)
-    advertised = getattr(agent, "endpoint", None) or node.settings.endpoint  # relayed: the relay's URL (ADR-0045)
+    advertised = advertised_endpoint(node)  # relayed: the relay's URL (ADR-0045)
     end = ChainEnd(node.settings.node_id, advertised, node.streams, node.inbox)
-    link = MeshLink(node.http, routes, report, getattr(agent, "signer", None))
+    link = MeshLink(node.http, routes, report, None if agent is None else agent.signer)
     return slot.model, Orchestrator(entry, end=end, link=link, settings=settings, observer=node.metrics,
                                     traffic=node.traffic, spot_check=node.spot_checker)
 
@@ -249,7 +249,7 @@ def spot_checker_for(node: NodeContext) -> SpotChecker:
             tolerance=limit, session=session))
 
     return SpotChecker(node.settings.spot_check_rate, client=node.http, routes=routes, report=report,
-                       timeout_s=node.settings.hop_timeout_s, release_auth=getattr(agent, "signer", None))
+                       timeout_s=node.settings.hop_timeout_s, release_auth=None if agent is None else agent.signer)
 
 
 async def chat_completions(request: Request) -> Response:

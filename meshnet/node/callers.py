@@ -22,8 +22,36 @@ from meshnet.errors import Forbidden, InvalidRequest, Unauthorized
 from meshnet.layers import LayerRange
 from meshnet.node.settings import NodeSettings
 from meshnet.presets import canonical_model_name
+from meshnet.protocol.control import QuarantineReport
+from meshnet.protocol.ids import NodeId, SessionId
+from meshnet.protocol.route import Hop, Route
 from meshnet.protocol.signing import decode_public_key, signer_of, verify_request
 from meshnet.protocol.tickets import HEADER_TICKET, TicketClaims, VerifiedTickets, check_hop, read_ticket
+
+
+class TrackerLink(Protocol):
+    """What a node's handlers use of its tracker agent (:class:`meshnet.node.agent.TrackerAgent`).
+
+    Attributes:
+        endpoint: the URL this node advertises: a relayed node's carries the relay's path (ADR-0045).
+        signer: signs the node's calls as the node (its releases as an entry, ADR-0038).
+        tunnel: the relay tunnel (:class:`meshnet.relay.tunnel.NodeTunnel`), None when reached directly.
+        client: the node's :class:`meshnet.client.TrackerClient`.
+    """
+
+    endpoint: str
+    signer: httpx.Auth | None
+    tunnel: object | None
+    client: object
+
+    async def route(self, model: str, layers: LayerRange, exclude: frozenset[NodeId]) -> list[Hop]: ...
+
+    async def session_route(self, model: str, layers: LayerRange, exclude: frozenset[NodeId], session_id: SessionId,
+                            like: str | None = None) -> Route: ...
+
+    async def report_failure(self, node_id: NodeId, reason: str) -> None: ...
+
+    async def report_quarantine(self, node_id: NodeId, report: QuarantineReport) -> None: ...
 
 
 class Caller(Protocol):
@@ -32,7 +60,7 @@ class Caller(Protocol):
     settings: NodeSettings
     tracker_key: Ed25519PublicKey | None
     tickets: VerifiedTickets
-    agent: object | None  # its endpoint may carry a relay's path (ADR-0045)
+    agent: TrackerLink | None
 
 
 def verify_hop_ticket(node: Caller, token: str | None, session: str, layers: LayerRange,
@@ -118,6 +146,11 @@ def asked_by_tracker(node: Caller, request: Request) -> bool:
 def advertised_path(node: Caller) -> str:
     """The path part of the endpoint this node advertises ("" for ``http://host:port``): a relayed
     node's ``/v1/relay/{node_id}`` (ADR-0045), or a reverse proxy's prefix given in ``--public-url``."""
-    agent = node.agent
-    endpoint = getattr(agent, "endpoint", None) or node.settings.endpoint
-    return httpx.URL(endpoint).path.rstrip("/")
+    return httpx.URL(advertised_endpoint(node)).path.rstrip("/")
+
+
+def advertised_endpoint(node: Caller) -> str:
+    """The URL this node advertises: its agent's (a relayed node's carries the relay's path,
+    ADR-0045), else its own settings' endpoint."""
+    endpoint = None if node.agent is None else node.agent.endpoint
+    return endpoint or node.settings.endpoint

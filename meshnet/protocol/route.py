@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from meshnet.protocol.ids import NodeId
 from meshnet.layers import LayerRange, check_inclusive_end
 
 
@@ -24,7 +25,7 @@ RELAY_PATH = "/v1/relay/"
 class Hop:
     """One step of a route: ``node_id`` at ``endpoint`` runs ``layers`` (half-open)."""
 
-    node_id: str
+    node_id: NodeId
     endpoint: str
     layers: LayerRange
 

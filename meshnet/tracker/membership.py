@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+from meshnet.protocol.ids import NodeId
 from meshnet.errors import Conflict, NotFound
 from meshnet.tracker.cadence import TIMEOUT_FACTOR, Cadence, heartbeat_cadence
 from meshnet.protocol.control import Directive, HeartbeatRequest, RegisterRequest
@@ -70,7 +71,7 @@ class MembershipMixin:
         self.restore_pins(record)
         return record
 
-    def get(self, node_id: str) -> NodeRecord:
+    def get(self, node_id: NodeId) -> NodeRecord:
         try:
             return self.nodes[node_id]
         except KeyError:
@@ -199,7 +200,7 @@ class MembershipMixin:
             log.warning("node %s dropped out (no heartbeat for %.0f s)", nid, silent_s)
         return [nid for nid, _ in gone]
 
-    def deregister(self, node_id: str) -> None:
+    def deregister(self, node_id: NodeId) -> None:
         """Forget a node that leaves on purpose (end of its drain); its open directives fail.
 
         Raises:

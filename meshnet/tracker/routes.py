@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+from meshnet.protocol.ids import NodeId, SessionId
 from meshnet.errors import Forbidden, InvalidRequest, ModelNotRoutable
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name
@@ -87,7 +88,7 @@ class RoutesMixin:
                 return s.quantization, s.report.recipe.compute_dtype
         return None
 
-    def route(self, model: str, layers: LayerRange, exclude: frozenset[str] = frozenset(),
+    def route(self, model: str, layers: LayerRange, exclude: frozenset[NodeId] = frozenset(),
               like: str | None = None) -> list[routing.Hop]:
         """Hops covering exactly ``layers`` of ``model``; with ``like``, only through shards of the same
         recipe (quantization and compute dtype) as that node's over ``layers`` (ADR-0042: spot-check
@@ -121,7 +122,7 @@ class RoutesMixin:
                 if not any(n.node_id != h.node_id and s.layers.start <= h.layers.start and h.layers.end <= s.layers.end
                            for n, s in shards)]
 
-    def session_ticket(self, entry: str, session: str, model: str, hops: list[routing.Hop]) -> str:
+    def session_ticket(self, entry: NodeId, session: SessionId, model: str, hops: list[routing.Hop]) -> str:
         """A ticket for ``hops`` of ``model`` in ``session``, driven by node ``entry`` (whose signature
         the caller checked).
 

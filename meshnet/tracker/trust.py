@@ -13,6 +13,7 @@ import json
 import logging
 import time
 
+from meshnet.protocol.ids import NodeId
 from meshnet.errors import Forbidden, InvalidRequest
 from meshnet.presets import canonical_model_name, find_preset
 from meshnet.protocol.control import QuarantineReport
@@ -241,7 +242,7 @@ class TrustMixin:
 
 
 
-    def report_failure_from(self, sender: str, node_id: str, reason: str) -> None:
+    def report_failure_from(self, sender: NodeId, node_id: NodeId, reason: str) -> None:
         """A hop failure of ``node_id`` reported by node ``sender`` (whose signature the caller checked).
 
         Raises:
@@ -256,7 +257,7 @@ class TrustMixin:
             raise Forbidden(f"{sender} may not report a failure of {node_id}: {why}", code="not_on_route")
         self.report_failure(node_id, f"{reason} (reported by {sender})")
 
-    def report_failure(self, node_id: str, reason: str) -> None:
+    def report_failure(self, node_id: NodeId, reason: str) -> None:
         """Record a failure of ``node_id`` (routes avoid it a while); the tracker's own proxy calls it."""
         if node_id in self.nodes:
             self.nodes[node_id].last_failure_s = time.monotonic()

@@ -170,6 +170,8 @@ async def test_a_failed_prefill_chunk_cancels_its_sibling_chunks(mesh):
 class FakeAgent:
     """Stands in for the tracker agent: routes from a provider, failure reports recorded."""
 
+    endpoint, signer, tunnel = None, None, None
+
     def __init__(self, routes) -> None:
         self.session_route, self.reported = routes, []
 

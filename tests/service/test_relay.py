@@ -248,7 +248,8 @@ async def test_a_node_offering_relay_carries_another_nodes_traffic():
                                         offer_relay=True), start_agent=False)
     async with serving(NODE_APP) as local, serving(relay_node, lifespan="on") as relay, \
             httpx.AsyncClient(timeout=10) as http:
-        relay_node.state.node.agent = SimpleNamespace(client=SimpleNamespace(node_key=node_key_of))
+        relay_node.state.node.agent = SimpleNamespace(client=SimpleNamespace(node_key=node_key_of), endpoint=None,
+                                                       signer=None, tunnel=None)
         tunnel = NodeTunnel(relay, NODE, node_key(NODE), local, backoff=Backoff(0.05, 0.2))
         task = asyncio.create_task(tunnel.run())
         try:
