@@ -14,8 +14,13 @@ float32 logits equal to the unsplit transformers model's. The attention kinds:
   sliding layers of Qwen2/Qwen3 with ``use_sliding_window``); :func:`meshnet.models.attention.attention`
   applies the window, since one causal mask serves every layer of a shard.
 
-Families whose layers need more than this (Gemma's embedding scale and soft-capping, linear
-attention with recurrent state, mixtures of experts) are not listed yet, so they are refused.
+Mixtures of experts (Mixtral, Qwen3-MoE) load their per-expert checkpoint tensors into the
+stacked experts transformers runs (:class:`ExpertLayout`). Gemma 3's text decoder scales its
+embeddings (inside its embedding module), gives local and global layers their own rotary bases
+(``rotary_by_layer_type``), and may soft-cap its final logits (``final_logit_softcapping``,
+applied by :meth:`meshnet.models.shard.ShardModel.logits`). Families whose layers need more
+(linear attention with recurrent state, gpt-oss's attention sinks, the multimodal wrappers) are
+not listed yet, so they are refused.
 """
 
 from __future__ import annotations
@@ -24,9 +29,30 @@ from dataclasses import dataclass, field
 
 from meshnet.errors import ModelSourceError
 
-__all__ = ["FAMILIES", "Family", "family_of", "layer_kinds"]
+__all__ = ["FAMILIES", "ExpertLayout", "Family", "family_of", "layer_kinds"]
 
 FULL, SLIDING = "full", "sliding"
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a mixture-of-experts checkpoint stores its experts one by one while the transformers
+    module holds them stacked: ``gate_up_proj`` ``[experts, 2 × intermediate, hidden]`` (each
+    expert's gate rows, then its up rows) and ``down_proj`` ``[experts, hidden, intermediate]``.
+
+    Attributes:
+        checkpoint: the experts' prefix inside a layer's checkpoint keys (``block_sparse_moe.experts``).
+        module: the stacked experts module inside a layer (``mlp.experts``).
+        gate, up, down: each expert's projection names (``w1``, ``w3``, ``w2`` for Mixtral).
+        count: the config attribute holding the number of experts.
+    """
+
+    checkpoint: str
+    module: str
+    gate: str
+    up: str
+    down: str
+    count: str
 
 
 @dataclass(frozen=True)
@@ -42,6 +68,12 @@ class Family:
         tiny_config: a small config (``model_type`` included) its split-parity test builds with a
             fixed seed; it exercises the family's particular layers (a sliding window shorter
             than the test's prompt, for example).
+        renames: ``(checkpoint infix, module infix)`` pairs for a layer's tensors whose checkpoint
+            name differs from the module's (Mixtral's router: ``block_sparse_moe.gate.`` is
+            ``mlp.gate.``).
+        experts: how the checkpoint stores a mixture-of-experts layer's experts (None: no experts).
+        rotary_by_layer_type: the rotary embedding takes the layer's type (Gemma 3: local sliding
+            layers and global layers use different bases), so each layer gets its type's positions.
     """
 
     name: str
@@ -52,6 +84,9 @@ class Family:
     pos_embed_path: str | None
     rotary_path: str | None
     tiny_config: dict = field(default_factory=dict, compare=False)
+    renames: tuple[tuple[str, str], ...] = ()
+    experts: ExpertLayout | None = None
+    rotary_by_layer_type: bool = False
 
 
 _TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -73,6 +108,22 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3", ("qwen3",), "model.layers", "model.embed_tokens", "model.norm", None, "model.rotary_emb",
            {"model_type": "qwen3", **_TINY, "head_dim": 16, "use_sliding_window": True, "sliding_window": 6,
             "max_window_layers": 2}),
+    Family("phi3", ("phi3",), "model.layers", "model.embed_tokens", "model.norm", None, "model.rotary_emb",
+           {"model_type": "phi3", **_TINY, "sliding_window": 6}),
+    Family("mixtral", ("mixtral",), "model.layers", "model.embed_tokens", "model.norm", None, "model.rotary_emb",
+           {"model_type": "mixtral", **_TINY, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "sliding_window": 6},
+           renames=(("block_sparse_moe.gate.", "mlp.gate."),),
+           experts=ExpertLayout("block_sparse_moe.experts", "mlp.experts", "w1", "w3", "w2", "num_local_experts")),
+    Family("qwen3_moe", ("qwen3_moe",), "model.layers", "model.embed_tokens", "model.norm", None, "model.rotary_emb",
+           {"model_type": "qwen3_moe", **_TINY, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "decoder_sparse_step": 1, "norm_topk_prob": True},
+           experts=ExpertLayout("mlp.experts", "mlp.experts", "gate_proj", "up_proj", "down_proj", "num_experts")),
+    Family("gemma3", ("gemma3_text",), "model.layers", "model.embed_tokens", "model.norm", None, "model.rotary_emb",
+           {"model_type": "gemma3_text", **_TINY, "head_dim": 16, "sliding_window": 6, "query_pre_attn_scalar": 16,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            "final_logit_softcapping": 30.0},
+           rotary_by_layer_type=True),
 )}
 _BY_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
 

@@ -20,6 +20,8 @@ memory is its own.
 
 from __future__ import annotations
 
+import contextlib
+
 import ctypes
 import functools
 import importlib
@@ -261,7 +263,10 @@ class ShardModel:
         for key in index:
             for src, dst in prefixes.items():
                 if key.startswith(src):
-                    wanted[key] = dst + key[len(src):]
+                    name = dst + key[len(src):]
+                    for stored, module_name in self.family.renames:
+                        name = name.replace(f".{stored}", f".{module_name}", 1)
+                    wanted[key] = name
         for module in self._modules().values():
             if module is not None:
                 module.to_empty(device="cpu")
@@ -281,15 +286,52 @@ class ShardModel:
                         with torch.no_grad():
                             target.copy_(fh.get_tensor(key))  # casts in place: no second temporary
                         loaded.add(wanted[key])
+        if self.family.experts is not None:
+            self._stack_experts(index, params, loaded)
         if self.lm_head is not None and "lm_head.weight" not in loaded:
             self.lm_head.weight = self.embed.weight  # tied embeddings
             loaded.add("lm_head.weight")
         missing = sorted(k for k in params if k not in loaded and not k.endswith(("attn.bias", "masked_bias")))
         if missing:
             raise ModelSourceError(f"shard {self.layers} of {self.model_path}: missing tensors {missing[:5]}")
+        if hasattr(self.embed, "scalar_embed_scale"):  # a non-persistent buffer, emptied above (Gemma)
+            self.embed.embed_scale = torch.tensor(self.embed.scalar_embed_scale)
         for module in self._modules().values():
             if module is not None:
                 module.eval()
+
+    def _stack_experts(self, index: dict[str, Path], params: dict[str, torch.Tensor], loaded: set[str]) -> None:
+        """Fill each layer's stacked experts from a checkpoint that stores them one by one
+        (:class:`meshnet.models.families.ExpertLayout`); a checkpoint already stacked was loaded
+        by name.
+
+        Raises:
+            ModelSourceError: an expert's tensor is missing.
+        """
+        from safetensors import safe_open
+
+        layout, count = self.family.experts, int(getattr(self.config, self.family.experts.count))
+        with contextlib.ExitStack() as files:
+            handles: dict[Path, object] = {}
+
+            def tensor(key: str) -> torch.Tensor:
+                if key not in index:
+                    raise ModelSourceError(f"shard {self.layers} of {self.model_path}: missing tensor {key}")
+                if index[key] not in handles:
+                    handles[index[key]] = files.enter_context(safe_open(index[key], framework="pt"))
+                return handles[index[key]].get_tensor(key)
+
+            for i in range(self.layers.start, self.layers.end):
+                target, stored = f"blocks.{i}.{layout.module}", f"{self.family.layers_path}.{i}.{layout.checkpoint}"
+                if f"{target}.gate_up_proj" in loaded or f"{target}.gate_up_proj" not in params:
+                    continue
+                expert = [{name: tensor(f"{stored}.{e}.{name}.weight") for name in (layout.gate, layout.up, layout.down)}
+                          for e in range(count)]
+                with torch.no_grad():
+                    params[f"{target}.gate_up_proj"].copy_(
+                        torch.stack([torch.cat([w[layout.gate], w[layout.up]]) for w in expert]))
+                    params[f"{target}.down_proj"].copy_(torch.stack([w[layout.down] for w in expert]))
+                loaded.update({f"{target}.gate_up_proj", f"{target}.down_proj"})
 
     # ---- compute -------------------------------------------------------------------
 
@@ -353,21 +395,30 @@ class ShardModel:
     def _run_layers(self, hidden: torch.Tensor, cache, positions: torch.Tensor, mask: torch.Tensor | None,
                     layers: LayerRange) -> torch.Tensor:
         hidden = hidden.to(self.dtype)
-        kwargs = {}
-        if self.rotary is not None:
+        kwargs, by_type = {}, None
+        if self.rotary is not None and self.family.rotary_by_layer_type:
+            types = self.config.layer_types
+            by_type = {t: self.rotary(hidden, positions, t) for t in {types[i] for i in range(layers.start, layers.end)}}
+            kwargs["position_ids"] = positions
+        elif self.rotary is not None:
             kwargs["position_embeddings"] = self.rotary(hidden, positions)
             kwargs["position_ids"] = positions
         for i in range(layers.start, layers.end):
+            if by_type is not None:
+                kwargs["position_embeddings"] = by_type[self.config.layer_types[i]]
             out = self.blocks[str(i)](hidden, attention_mask=mask, cache=cache, use_cache=True, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head: ``[batch, seq, hidden]`` → ``[batch, seq, vocab]`` float32."""
+        """Final norm + LM head: ``[batch, seq, hidden]`` → ``[batch, seq, vocab]`` float32, soft-capped
+        as ``cap · tanh(logits / cap)`` where the config sets ``final_logit_softcapping`` (Gemma)."""
         if self.lm_head is None:
             raise InvalidRequest("this shard holds no LM head (not an entry shard)")
-        return self.lm_head(self.norm(hidden.to(self.dtype))).float()
+        logits = self.lm_head(self.norm(hidden.to(self.dtype))).float()
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def weight_bytes(self) -> int:
         """Resident bytes of this shard's weights (layers plus head when loaded)."""
