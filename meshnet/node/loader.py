@@ -1,4 +1,5 @@
-"""Load a shard into a node for real: resolve weights, fill a slot, run doctor."""
+"""Load a shard into a node for real: resolve weights (a hub model: only the files its layers
+need), fill a slot, run doctor."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ async def load_shard(node, model: str, layers: LayerRange, tier: str) -> Capabil
     """
     from meshnet.models.sources import resolve
 
-    path = await asyncio.to_thread(resolve, model)
+    path = await asyncio.to_thread(resolve, model, layers=layers)  # a hub model: only these layers' files
     slot = await asyncio.to_thread(node.runtime.load, model, path, layers,
                                    quantization=node.settings.quantization, tier=tier)
     report = await asyncio.to_thread(run_doctor, slot, lock=node.runtime.lock)

@@ -375,6 +375,7 @@ class NodeRuntime:
         worker thread once the running forward is over. Its ``end`` tombstone refuses a step of it
         still queued, so nothing re-creates the session (ADR-0031). Never raises."""
         self.batcher.forget(session_id)
+        self.sessions.mark_ended(session_id)  # at once: a queued step of it is refused, whoever runs first
         if self.lock.acquire(blocking=False):  # no forward runs: end it now, without a thread hop
             try:
                 self.sessions.end(session_id)

@@ -16,6 +16,7 @@ releases or expiry bring the total back under it (docs/adr/0031-hop-failures-and
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ class SessionStore:
         self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self._nbytes = 0
         self._ended: OrderedDict[str, float] = OrderedDict()  # session id -> when its entry ended it
+        self._ended_lock = threading.Lock()  # the tombstones are written from event loops too
 
     def acquire(self, session_id: str, slot_key: str, position: int, now: float | None = None) -> Session:
         """Session to run ``position..``; position 0 starts it afresh.
@@ -142,10 +144,16 @@ class SessionStore:
         that was frozen and resumes may still run the calls it had queued, and a late first chunk
         must not rebuild a cache that nobody will use or release (docs/adr/0036-hop-deadlines.md).
         """
-        now = time.monotonic() if now is None else now
-        self._ended[session_id] = now
-        self._ended.move_to_end(session_id)
+        self.mark_ended(session_id, now)
         return self.release(session_id)
+
+    def mark_ended(self, session_id: str, now: float | None = None) -> None:
+        """Record that the entry ended ``session_id`` (the tombstone of :meth:`end`) without touching
+        its caches: safe from any thread while a batch runs, so a step of it still queued is refused
+        whoever takes the compute lock first."""
+        with self._ended_lock:
+            self._ended[session_id] = time.monotonic() if now is None else now
+            self._ended.move_to_end(session_id)
 
     def was_ended(self, session_id: str, now: float | None = None) -> bool:
         """Whether the entry ended ``session_id`` here less than ``ttl_s`` ago (:meth:`end`). A
@@ -160,8 +168,9 @@ class SessionStore:
     def expire(self, now: float | None = None) -> int:
         """Drop sessions idle for more than ``ttl_s``; returns how many."""
         now = time.monotonic() if now is None else now
-        while self._ended and now - next(iter(self._ended.values())) > self.ttl_s:
-            self._ended.popitem(last=False)
+        with self._ended_lock:
+            while self._ended and now - next(iter(self._ended.values())) > self.ttl_s:
+                self._ended.popitem(last=False)
         expired = 0
         while self._sessions:
             key, oldest = next(iter(self._sessions.items()))
