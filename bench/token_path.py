@@ -66,8 +66,20 @@ def dumps(mesh: LocalMesh, trace_dir: Path) -> dict[str, list]:
     return out
 
 
+def files_in(events: dict[str, list], start: float, end: float) -> dict[str, list[str]]:
+    """Per process, the distinct ``meshnet/`` files called between ``start`` and ``end`` (unix seconds)."""
+    return {name: sorted({e[1] for e in calls if start <= e[0] <= end}) for name, calls in events.items()}
+
+
+def upward_calls(events: dict[str, list], start: float, end: float) -> list[tuple[str, str]]:
+    """``(caller, callee)`` pairs of a ``node/`` file calling a ``gateway/`` file in the window."""
+    return sorted({(caller, callee) for calls in events.values() for t, callee, caller, _ in calls
+                   if start <= t <= end and caller and caller.startswith("meshnet/node/")
+                   and callee.startswith("meshnet/gateway/")})
+
+
 def report(title: str, events: dict[str, list], start: float, end: float, functions: bool = False) -> None:
-    per_node = {name: sorted({e[1] for e in calls if start <= e[0] <= end}) for name, calls in events.items()}
+    per_node = files_in(events, start, end)
     union = sorted(set().union(*per_node.values()))
     print(f"\n{title}: {len(union)} distinct meshnet/ files over the three processes ({end - start:.3f} s window)")
     for name, files in per_node.items():
@@ -77,18 +89,14 @@ def report(title: str, events: dict[str, list], start: float, end: float, functi
         called = sorted({(e[1], e[3]) for calls in events.values() for e in calls if start <= e[0] <= end})
         for file in union:
             print(f"    {file}: {', '.join(f for name, f in called if name == file)}")
-    upward = sorted({(caller, callee) for calls in events.values() for t, callee, caller, _ in calls
-                     if start <= t <= end and caller and caller.startswith("meshnet/node/")
-                     and callee.startswith("meshnet/gateway/")})
+    upward = upward_calls(events, start, end)
     print(f"  node/ -> gateway/ calls: {len(upward)}" + "".join(f"\n    {a} -> {b}" for a, b in upward))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=24)
-    ap.add_argument("--steady", type=int, default=12, help="the steady window ends at this content chunk")
-    ap.add_argument("--functions", action="store_true", help="also list the functions called in each file")
-    args = ap.parse_args()
+def trace(tokens: int) -> tuple[dict[str, list], float, list[float]]:
+    """Start the traced three-node mesh, run a warm-up chat and one of ``tokens`` tokens, stop
+    everything; returns every node's recorded calls, when the chat was sent and when each of its
+    content chunks arrived (unix seconds)."""
     with tempfile.TemporaryDirectory(prefix="meshnet-token-path-") as tmp:
         trace_dir = Path(tmp)
         # heartbeats every 5 s: a token's window (tens of ms) rarely holds one
@@ -102,10 +110,19 @@ def main() -> None:
             mesh.wait_routable(MODEL, 600)
             entry = next(n["endpoint"] for n in mesh.get("/v1/nodes")["nodes"] if n["node_id"] == "entry")
             chunk_times(entry, 4)  # warm: connections, first-call costs
-            sent, arrivals = chunk_times(entry, args.tokens)
-            events = dumps(mesh, trace_dir)
+            sent, arrivals = chunk_times(entry, tokens)
+            return dumps(mesh, trace_dir), sent, arrivals
         finally:
             mesh.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--steady", type=int, default=12, help="the steady window ends at this content chunk")
+    ap.add_argument("--functions", action="store_true", help="also list the functions called in each file")
+    args = ap.parse_args()
+    events, sent, arrivals = trace(args.tokens)
     print(f"meshnet token path: {MODEL}, 3 hops, float32, {len(arrivals)} content chunks")
     report(f"steady decode token (between content chunks {args.steady} and {args.steady + 1})", events,
            arrivals[args.steady - 1], arrivals[args.steady], args.functions)
