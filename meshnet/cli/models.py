@@ -1,4 +1,4 @@
-"""``meshnet models list | pull``."""
+"""``meshnet models list | pull | certify``."""
 
 from __future__ import annotations
 
@@ -49,3 +49,55 @@ def pull(name: str = typer.Argument(None, help="Preset name, hub repo id or loca
     except MeshnetError as exc:
         fail(exc)
     emit({"model": name, "path": str(path)}, as_json, lambda d: console.print(f"[green]✓[/] {name} ready at {d['path']}"))
+
+
+@app.command("certify")
+def certify(name: str = typer.Argument(None, help="Preset name, hub repo id or local directory (default: the default preset)."),
+            splits: str = typer.Option(None, "--splits",
+                                       help="Splits to check, ';'-separated, each the first layers of the shards "
+                                            "after the first (e.g. '10;10,20'); default: every boundary into two "
+                                            "shards and a few three-shard splits."),
+            prompt_tokens: int = typer.Option(300, "--prompt-tokens", min=1, help="Random prompt length, tokens."),
+            decode_tokens: int = typer.Option(40, "--decode-tokens", min=1, help="Greedy tokens decoded after it."),
+            as_json: bool = JsonOpt) -> None:
+    """Check split parity: the model split into shards (each its own shard model and KV cache,
+    chunked prefill then decode across them, float32) gives the whole transformers model's logits
+    (max |diff| <= 1e-4) and greedy tokens. Exits 1 when a split differs or the model's family is
+    not the one its preset names."""
+    from rich.progress import Progress
+
+    from meshnet.models.certify import TOLERANCE, check_family, certify as run_certify
+    from meshnet.models.sources import resolve
+    from meshnet.presets import default_model, find_preset
+
+    name = name or default_model()
+    try:
+        chosen = None if splits is None else [tuple(int(b) for b in s.split(",")) for s in splits.split(";") if s]
+    except ValueError:
+        fail(MeshnetError(f"--splits {splits!r}: each split is comma-separated layer numbers, splits are ';'-separated"))
+    preset = find_preset(name)
+    try:
+        with console.status(f"preparing {name}") as status:
+            path = resolve(name, progress=lambda msg: status.update(f"{name}: {msg}"))
+        family = check_family(path, preset.family if preset else None)
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task(f"certifying {name} ({family})", total=None)
+            results = run_certify(path, splits=chosen, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
+                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except MeshnetError as exc:
+        fail(exc)
+    rows = [{"split": list(r.boundaries), "max_abs_diff": r.max_abs_diff, "tokens_decided": r.tokens_decided,
+             "tokens_matched": r.tokens_matched, "passed": r.passed} for r in results]
+
+    def human(data):
+        table = Table("split (shards start at)", "max |Δ logit|", "tokens equal", "verdict",
+                      title=f"{name}: {family}, {prompt_tokens}-token prompt + {decode_tokens} decoded, float32")
+        for r in data:
+            table.add_row("0, " + ", ".join(map(str, r["split"])), f"{r['max_abs_diff']:.2e}",
+                          f"{r['tokens_matched']}/{r['tokens_decided']}", "[green]ok[/]" if r["passed"] else "[red]DIFFERS[/]")
+        console.print(table)
+        console.print(f"tolerance {TOLERANCE:g}; tokens counted where the whole model's top two logits differ by more")
+
+    emit(rows, as_json, human)
+    if not all(r["passed"] for r in rows):
+        raise typer.Exit(1)
