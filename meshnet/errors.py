@@ -59,6 +59,13 @@ class PayloadTooLarge(WireError):
     code = "payload_too_large"
 
 
+class RequestTimeout(MeshnetError):
+    """A request whose body did not arrive within the time allowed (HTTP 408)."""
+
+    status = 408
+    code = "request_timeout"
+
+
 class NotFound(MeshnetError):
     status = 404
     code = "not_found"

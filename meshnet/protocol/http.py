@@ -10,14 +10,16 @@ limit (chunked uploads), so a huge body is never buffered nor parsed.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Awaitable
 
 from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from meshnet.errors import InvalidRequest, MeshnetError, PayloadTooLarge
+from meshnet.errors import InvalidRequest, MeshnetError, PayloadTooLarge, RequestTimeout
 
 def route_path(scope: Scope) -> str:
     """The request path an app routes on: ``scope["path"]`` less the ``root_path`` of the mounts
@@ -92,16 +94,23 @@ def _too_large(size: int, limit: int) -> PayloadTooLarge:
                            hint="send a smaller body (a shorter prompt), or raise --max-body-bytes")
 
 
+#: seconds a request's whole body may take to arrive: a body that trickles in is cut with a 408
+#: instead of holding its connection open for ever (a few MB of hop frame take far less)
+DEFAULT_BODY_TIMEOUT_S = 30.0
+
+
 class BodyLimit:
-    """ASGI middleware: refuse request bodies over ``max_bytes`` (``path_limits`` overrides the
+    """ASGI middleware: refuse request bodies over ``max_bytes`` or slower than ``body_timeout_s``
+    seconds in all (408) (``path_limits`` overrides the
     limit of exact paths, e.g. the node's binary ``/v1/forward`` frames; ``prefix_limits`` that of
     every path under a prefix, e.g. ``/v1/relay/``, whose handler enforces its own limit; paths as
     the app routes them, :func:`route_path`, so a mounted app keeps its limits)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 path_limits: dict[str, int] | None = None, prefix_limits: dict[str, int] | None = None) -> None:
+                 path_limits: dict[str, int] | None = None, prefix_limits: dict[str, int] | None = None,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         self.app, self.max_bytes, self.path_limits = app, max_bytes, dict(path_limits or {})
-        self.prefix_limits = dict(prefix_limits or {})
+        self.prefix_limits, self.body_timeout_s = dict(prefix_limits or {}), body_timeout_s
 
     def limit(self, path: str) -> int:
         """The body limit of ``path``, bytes: its exact entry, else its prefix's, else ``max_bytes``."""
@@ -119,13 +128,20 @@ class BodyLimit:
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return error_response(_too_large(int(declared), limit))(scope, receive, send)
-        received = 0
+        received, complete, deadline = 0, False, time.monotonic() + self.body_timeout_s
 
         async def limited() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete
+            if complete:  # the body is in: what follows is the wait for a disconnect, with no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise RequestTimeout(f"the request body took over {self.body_timeout_s:g} s to arrive "
+                                     f"({received} bytes so far)", hint="send the whole body at once") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if received > limit:
                     raise _too_large(received, limit)  # rendered by the app's MeshnetError handler
             return message

@@ -106,6 +106,18 @@ class ChatMessage(_Strict):
             texts.append(part["text"])
         return "".join(texts)
 
+    @field_validator("content")
+    @classmethod
+    def _unicode(cls, value: str) -> str:
+        """Text the tokenizer can read: a lone UTF-16 surrogate (``"\\ud800"`` in the JSON) is no
+        character, and is refused here rather than failing inside the tokenizer."""
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"not valid Unicode text: a lone surrogate {value[exc.start]!r} at character "
+                             f"{exc.start}") from None
+        return value
+
 
 class ResponseFormat(_Strict):
     """Only plain text: meshnet has no constrained (JSON) decoding."""

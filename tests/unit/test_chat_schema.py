@@ -95,3 +95,21 @@ def test_sampling_carries_every_honoured_parameter():
                                             logit_bias=((3, 2.5), (12, -100.0)), top_logprobs=4)
     assert parse(logprobs=True).sampling().top_logprobs == 0
     assert parse().sampling().top_logprobs is None
+
+
+@pytest.mark.parametrize("content, where", [
+    ('"hi \\ud800 there"', 3),                                               # a lone high surrogate
+    ('"\\udfff"', 0),                                                        # a lone low surrogate
+    ('[{"type": "text", "text": "ok "}, {"type": "text", "text": "\\ud83d"}]', 3),  # in a text part
+])
+def test_a_lone_surrogate_in_a_message_is_400_naming_the_content_not_a_tokenizer_500(content, where):
+    body = f'{{"model": "m", "messages": [{{"role": "user", "content": {content}}}]}}'.encode()
+    with pytest.raises(InvalidRequest) as info:
+        parse_chat_request(body)
+    assert info.value.status == 400 and info.value.param == "messages.0.content"
+    assert f"lone surrogate" in info.value.message and f"at character {where}" in info.value.message
+
+
+def test_a_surrogate_pair_is_one_real_character_and_accepted():
+    body = '{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'.encode()
+    assert parse_chat_request(body).messages[0].content == "\U0001F600"
