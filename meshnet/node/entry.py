@@ -16,6 +16,7 @@ import time
 import torch
 
 from meshnet import wire
+from meshnet.errors import InvalidRequest
 from meshnet.gateway.entry import Activation, TokenLogprob
 from meshnet.layers import LayerRange
 from meshnet.node.runtime import NodeRuntime, ShardSlot
@@ -121,6 +122,31 @@ class TokenPicker:
         return token, logprob
 
 
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """See :meth:`LocalEntry.encode_chat`: the prompt is rendered once; where a message holds one of
+    the tokenizer's added tokens (``get_added_vocab``: ``<|im_end|>`` and its kin), the template's
+    text between messages is tokenized with its control tokens and each message's text with them
+    split into plain text (``split_special_tokens``)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    controls = tuple(tokenizer.get_added_vocab())
+    contents = [m.get("content") or "" for m in messages]
+    if not any(c in content for content in contents for c in controls):
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids, cursor = [], 0
+    for i, content in enumerate(contents):
+        at = text.find(content, cursor)
+        if at < 0 and content.strip():  # templates that trim a message
+            content = content.strip()
+            at = text.find(content, cursor)
+        if at < 0:
+            raise InvalidRequest(f"message {i}: its text could not be kept apart from the chat template",
+                                 code="invalid_field", param=f"messages.{i}.content")
+        ids += tokenizer(text[cursor:at], add_special_tokens=False)["input_ids"]
+        ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        cursor = at + len(content)
+    return ids + list(tokenizer(text[cursor:], add_special_tokens=False)["input_ids"])
+
+
 class WireCodec:
     """Activations ``[1, seq, hidden]`` to and from frames of ``wire_dtype`` (``bfloat16`` or ``float32``)."""
 
@@ -176,10 +202,18 @@ class LocalEntry:
         self.codec = WireCodec(wire_dtype)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "keys"):
-            out = out["input_ids"]
-        return list(out)
+        """Token ids of ``messages`` under the model's chat template, generation prompt added.
+
+        The template's own control tokens are real; the same strings typed inside a message are
+        text: a user who writes ``<|im_end|>`` cannot close their turn and forge a system turn.
+        A message that holds no control string is tokenized exactly as transformers'
+        ``apply_chat_template`` does.
+
+        Raises:
+            InvalidRequest: the template changed a message so that its text cannot be found in the
+                prompt (then its control strings could not be kept as text).
+        """
+        return chat_token_ids(self.tokenizer, messages)
 
     async def run(self, session_id: str, ids: list[int], position: int) -> torch.Tensor:
         """Hidden states ``[1, len(ids), hidden]`` (compute dtype) after the local layers."""
