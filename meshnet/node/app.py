@@ -65,11 +65,11 @@ from meshnet.node.readiness import gather_facts, node_readiness
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.sessions import SessionStore
 from meshnet.node.settings import NodeSettings
-from meshnet.node.callers import TrackerLink, advertised_endpoint, asked_by_tracker, check_release, check_ticket
+from meshnet.node.callers import TrackerLink, admit_hop, advertised_endpoint, asked_by_tracker, check_release
 from meshnet.node.streams import ChainHost, stream_endpoint
 from meshnet.protocol.control import CapabilityReport, DoctorResponse, QuarantineReport
 from meshnet.protocol.route import Route as MeshRoute
-from meshnet.protocol.tickets import VerifiedTickets
+from meshnet.protocol.tickets import HEADER_TICKET, VerifiedTickets
 from meshnet.protocol.traffic import NodeTraffic
 from meshnet.presets import canonical_model_name, model_aliases
 
@@ -136,9 +136,8 @@ async def forward(request: Request) -> Response:
                              status=422)
     position = _int_header(request, "X-Meshnet-Position", 0)
     model = request.headers.get("X-Meshnet-Model")
-    check_ticket(node, request, session, LayerRange.from_inclusive(start, end), model)
-    if position == 0:  # a new session (or a replay): a draining node takes none, the entry fails over
-        node.drain.refuse_new("new hop sessions")
+    admit_hop(node, session=session, layers=LayerRange.from_inclusive(start, end), model=model,
+              ticket=request.headers.get(HEADER_TICKET), position=position)
     node.last_forward_s = time.monotonic()
     body = await request.body()
     hidden = await wire.decode_async(body)

@@ -1,7 +1,8 @@
 """Who may call a node, and what they may see (ADR-0035, ADR-0038, ADR-0049).
 
-- A hop call (``POST /v1/forward``, a stream's OPEN) needs the session's ticket naming this node
-  for exactly the asked layers (:func:`verify_hop_ticket`, :func:`check_ticket`).
+- A hop call (``POST /v1/forward``, a stream's OPEN) goes through one admission
+  (:func:`admit_hop`): the session's ticket naming this node for exactly the asked layers, and
+  for a new session no earlier release of it and no drain.
 - A release needs the session's ticket and a call signed by the entry node it names
   (:func:`check_release`).
 - Session ids in ``/v1/traffic`` are shown only to a call signed by the node's tracker
@@ -18,8 +19,10 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from starlette.requests import Request
 
-from meshnet.errors import Forbidden, InvalidRequest, Unauthorized
+from meshnet.drain import Drain
+from meshnet.errors import Forbidden, InvalidRequest, SessionConflict, Unauthorized
 from meshnet.layers import LayerRange
+from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings
 from meshnet.presets import canonical_model_name
 from meshnet.protocol.control import QuarantineReport
@@ -63,6 +66,13 @@ class Caller(Protocol):
     agent: TrackerLink | None
 
 
+class HopHost(Caller, Protocol):
+    """What hop admission reads besides: the node's sessions (its runtime's) and its drain."""
+
+    runtime: NodeRuntime
+    drain: Drain
+
+
 def verify_hop_ticket(node: Caller, token: str | None, session: str, layers: LayerRange,
                       model: str | None) -> TicketClaims | None:
     """The verified claims of a hop's ``token`` when the node has a tracker key (None otherwise).
@@ -79,15 +89,25 @@ def verify_hop_ticket(node: Caller, token: str | None, session: str, layers: Lay
     return claims
 
 
-def check_ticket(node: Caller, request: Request, session: str, layers: LayerRange, model: str | None) -> None:
-    """A hop call's ticket, when the node has a tracker key: signed by the tracker, not expired, and
-    naming this node for exactly ``layers`` of ``session`` (and ``model`` when the call names one).
+def admit_hop(node: HopHost, *, session: str, layers: LayerRange, model: str | None, ticket: str | None,
+              position: int) -> TicketClaims | None:
+    """The one admission of a hop's work, over HTTP (``POST /v1/forward``) or a stream's OPEN: the
+    ticket (:func:`verify_hop_ticket`), and for a call that would start the session (position 0) a
+    session its entry already ended here (its release came first) or a draining node refuses it.
+    Returns the ticket's claims (None on a node without a tracker key).
 
     Raises:
-        Unauthorized (401): the ticket is missing, invalid or expired.
-        Forbidden (403 ``ticket_scope``): it does not cover this call.
+        Unauthorized, Forbidden: the ticket is missing, invalid, expired, or does not cover the call.
+        SessionConflict: the entry ended this session here.
+        Draining: the node takes no new sessions (the entry fails over).
     """
-    verify_hop_ticket(node, request.headers.get(HEADER_TICKET), session, layers, model)
+    claims = verify_hop_ticket(node, ticket, session, layers, model)
+    if position == 0:
+        if node.runtime.sessions.was_ended(session):
+            raise SessionConflict(f"session {session} was ended by its entry",
+                                  hint="a late call of a generation that is over; nothing to do")
+        node.drain.refuse_new("new hop sessions")
+    return claims
 
 
 def check_release(node: Caller, request: Request, session: str) -> None:

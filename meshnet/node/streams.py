@@ -32,8 +32,8 @@ from functools import cached_property
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from meshnet import wire
-from meshnet.node.callers import verify_hop_ticket
-from meshnet.errors import Forbidden, MeshnetError, SessionConflict, TicketExpired
+from meshnet.node.callers import admit_hop
+from meshnet.errors import Forbidden, MeshnetError, TicketExpired
 from meshnet.protocol.route import Hop
 from meshnet.dataplane.messages import READS_BUNDLES, ChainError, ChainOpen, Kind, Message, pack, same_key, unbundle, \
     unpack
@@ -129,21 +129,15 @@ class ChainHost:
 
         Raises:
             Forbidden: the route does not name this node at the message's hop index.
-            Unauthorized, Forbidden: the ticket (:func:`verify_hop_ticket`).
-            SessionConflict: the entry already ended this chain here (its release came first).
-            Draining: the node takes no new sessions.
+            Unauthorized, Forbidden, SessionConflict, Draining: the one hop admission (:func:`admit_hop`).
         """
         me = self.node.settings.node_id
         if message.hop_index >= len(opened.hops) or opened.hops[message.hop_index].node_id != me:
             raise Forbidden(f"chain {message.chain_id} does not name {me} as hop {message.hop_index}",
                             code="not_this_hop")
         hop = Hop.from_json(opened.hops[message.hop_index])
-        claims = verify_hop_ticket(self.node, opened.tickets[message.hop_index], message.chain_id, hop.layers,
-                                   opened.model)
-        if self.node.runtime.sessions.was_ended(message.chain_id):  # its release overtook this OPEN
-            raise SessionConflict(f"chain {message.chain_id} was ended by its entry",
-                                  hint="a late OPEN of a generation that is over; nothing to do")
-        self.node.drain.refuse_new("new hop sessions")
+        claims = admit_hop(self.node, session=message.chain_id, layers=hop.layers, model=opened.model,
+                           ticket=opened.tickets[message.hop_index], position=0)  # an OPEN starts the session
         return HopChain(message.chain_id, message.key, opened, message.body, message.hop_index, hop, opened.model,
                         None if claims is None else claims.expires_at)
 
