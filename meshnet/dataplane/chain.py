@@ -41,7 +41,38 @@ from meshnet.dataplane.messages import FLAG_LAST_ONLY, FLAG_NO_RESULT, ChainErro
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHAIN_LOST", "ChainEnd", "ChainInbox", "ChainRoute"]
+__all__ = ["CHAIN_LOST", "ChainEnd", "ChainInbox", "ChainRoute", "StageOrder"]
+
+
+class StageOrder:
+    """The one ordering rule of a pipeline stage: a stage takes the step at position ``p`` only
+    once it holds exactly ``p`` tokens, so steps sent concurrently (pipelined prefill chunks) still
+    reach it in position order. The entry's own layers, a chain and each hop of the HTTP path
+    keep one each.
+
+    Attributes:
+        length: tokens the stage holds (the position of the next step it takes).
+        cond: the condition waiters wait on (several stages may share one).
+    """
+
+    def __init__(self, cond: asyncio.Condition | None = None) -> None:
+        self.cond = cond or asyncio.Condition()
+        self.length = 0
+
+    def holds(self, position: int) -> bool:
+        """Whether the step at ``position`` is the stage's next."""
+        return self.length == position
+
+    async def wait(self, position: int) -> None:
+        """Until the step at ``position`` is the stage's next."""
+        async with self.cond:
+            await self.cond.wait_for(lambda: self.holds(position))
+
+    async def took(self, position: int, tokens: int) -> None:
+        """The stage took ``tokens`` tokens at ``position``: the next step's turn."""
+        async with self.cond:
+            self.length = position + tokens
+            self.cond.notify_all()
 
 
 class ChainInbox:
@@ -104,10 +135,9 @@ class ChainRoute(FailoverCounts):
         self.times = self.fo.new_times()
         #: everything sent so far, contiguous from position 0: ``(position, frame, tokens, flags)``
         self.history: list[tuple[int, bytes, int, int]] = []
-        self.sent_len = 0
+        self.order = StageOrder()  # ``length``: tokens sent down the chain so far
         self.replayed_tokens = 0
         self._futures: dict[int, asyncio.Future] = {}
-        self._cond = asyncio.Condition()
         self._dead: HopFailed | None = None
         self._closed = False
         self._opened = False
@@ -211,17 +241,17 @@ class ChainRoute(FailoverCounts):
         frame = await self.codec.encode(hidden)
         flags = FLAG_LAST_ONLY if last_only else 0
         fut = asyncio.get_running_loop().create_future()
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.sent_len == position or self._dead is not None)
+        async with self.order.cond:
+            await self.order.cond.wait_for(lambda: self.order.holds(position) or self._dead is not None)
             if self._dead is not None:
                 raise self._dead
             self._futures[position] = fut
             self.history.append((position, frame, shape[1], flags))
-            self.sent_len = position + shape[1]
+            self.order.length = position + shape[1]
             if not self._opened:
                 await self._open()
             await self._send(Kind.STEP, position, flags, frame)
-            self._cond.notify_all()
+            self.order.cond.notify_all()
         try:
             return await self._result(position, fut, shape[1], (1, 1 if last_only else shape[1], shape[-1]))
         finally:
@@ -299,7 +329,7 @@ class ChainRoute(FailoverCounts):
         Raises:
             HopBusy, HopFailed: no route without the failed hops, or ``max_failovers`` chains failed.
         """
-        async with self._cond:
+        async with self.order.cond:
             if self._dead is not None:
                 raise self._dead
             if self.epoch != epoch:
@@ -320,7 +350,7 @@ class ChainRoute(FailoverCounts):
                 await self._replay()
                 if not self.broken.done():
                     self._tell_failover(old_hops, exc)
-                    self._cond.notify_all()
+                    self.order.cond.notify_all()
                     return
                 exc = self.broken.result()
             self._die(HopFailed(f"{exc.message}; {self.max_failovers} replacement chains over layers "
@@ -339,18 +369,18 @@ class ChainRoute(FailoverCounts):
 
     def _die(self, exc: HopFailed) -> None:
         self._dead = exc
-        self._cond.notify_all()
+        self.order.cond.notify_all()
         raise exc
 
     async def _replay(self) -> None:
         """OPEN the new chain, send the history of finished steps as prefill chunks (no results
         wanted), then resend the steps still in flight as they were."""
         await self._open()
-        pending = min(self._futures) if self._futures else self.sent_len
+        pending = min(self._futures) if self._futures else self.order.length
         done = [(p, frame, t) for p, frame, t, _ in self.history if p < pending]
         async for position, frame, tokens in rechunk(done, self.codec, self.replay_chunk_tokens):
             await self._send(Kind.STEP, position, FLAG_NO_RESULT, frame)
         for position, frame, _, flags in self.history:
             if position >= pending:
                 await self._send(Kind.STEP, position, flags, frame)
-        self.replayed_tokens = self.sent_len
+        self.replayed_tokens = self.order.length

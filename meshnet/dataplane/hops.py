@@ -41,6 +41,7 @@ import httpx
 from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed, MeshnetError
 from meshnet.dataplane.deadlines import StepTimes, deadline_s
 from meshnet.dataplane.codec import Activation, ActivationCodec
+from meshnet.dataplane.chain import StageOrder
 from meshnet.dataplane.failover import Failover, FailoverCounts, FailoverListener, RemoteContext, Touched, describe
 from meshnet.dataplane.replay import rechunk
 from meshnet.protocol.ids import SessionId
@@ -52,14 +53,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class HopState:
-    """A hop plus what it has been sent: ``history`` of ``(position, frame, tokens)``, ``length``
-    tokens, how long its calls took (``times``, for its deadline), and the ticket of the route
-    that named it (None: a mesh without tickets)."""
+    """A hop plus what it has been sent: ``history`` of ``(position, frame, tokens)``, its
+    ``order`` (the tokens it holds: :class:`StageOrder`), how long its calls took (``times``, for its
+    deadline), and the ticket of the route that named it (None: a mesh without tickets)."""
 
     hop: Hop
+    order: StageOrder
     ticket: str | None = None
     history: list[tuple[int, bytes, int]] = field(default_factory=list)
-    length: int = 0
     times: StepTimes = field(default_factory=StepTimes)
 
 
@@ -151,16 +152,16 @@ class RemoteRoute(FailoverCounts):
         self.timeout = httpx.Timeout(ctx.timeout_s, connect=min(ctx.connect_timeout_s, ctx.timeout_s))
         self.spot_check = spot_check  # this session was drawn for a spot-check (the caller draws)
         hops = route.hops
+        self._turn = asyncio.Condition()  # shared by every hop's StageOrder
         self.states = [self._new_state(h, route.ticket) for h in hops]
         self.start_layer = hops[0].layers.start if hops else 0
         self.end_layer = hops[-1].layers.end if hops else 0
         self.hidden_size: int | None = None
-        self._turn = asyncio.Condition()
         #: node id -> (endpoint, ticket) of every hop sent a frame, not yet released
         self._touched: dict[str, Touched] = {}
 
     def _new_state(self, hop: Hop, ticket: str | None) -> HopState:
-        return HopState(hop, ticket=ticket, times=self.fo.new_times())
+        return HopState(hop, StageOrder(self._turn), ticket=ticket, times=self.fo.new_times())
 
     @property
     def hops(self) -> list[Hop]:
@@ -198,7 +199,7 @@ class RemoteRoute(FailoverCounts):
         if check and position == 0 and self.spot_check is not None:
             await self._spot_check(state, frame, out[0], last_only)
         state.history.append((position, frame, seq_len))
-        state.length = position + seq_len
+        state.order.length = position + seq_len
         return out
 
     async def _spot_check(self, state: HopState, frame: bytes, output: bytes, last_only: bool) -> None:
@@ -253,7 +254,7 @@ class RemoteRoute(FailoverCounts):
         last: HopFailed | None = None
         for _ in range(self.max_failovers + 1):
             async with self._turn:
-                await self._turn.wait_for(lambda: self._state_at(layer).length == position)
+                await self._turn.wait_for(lambda: self._state_at(layer).order.holds(position))
                 state = self._state_at(layer)
             is_final = state.hop.layers.end == self.end_layer
             try:

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from meshnet.dataplane.chain import ChainEnd, ChainRoute
+from meshnet.dataplane.chain import ChainEnd, ChainRoute, StageOrder
 from meshnet.dataplane.deadlines import DeadlinePolicy
 from meshnet.gateway.entry import Activation, EntryLayers, GenerationObserver, TokenChooser, TokenLogprob
 from meshnet.dataplane.hops import RemoteRoute
@@ -135,32 +135,29 @@ class Orchestrator:
                            spot_check=self.spot_check if checked else None)
 
     async def _step(self, session_id: str, remote: RemoteRoute | ChainRoute | None, ids: list[int], position: int,
-                    local_turn: asyncio.Condition, local_len: list[int]) -> Activation:
-        async with local_turn:
-            await local_turn.wait_for(lambda: local_len[0] == position)
+                    local: StageOrder) -> Activation:
+        await local.wait(position)
         hidden = await self.entry.run(session_id, ids, position)
-        async with local_turn:
-            local_len[0] = position + len(ids)
-            local_turn.notify_all()
+        await local.took(position, len(ids))
         if remote is not None:
             hidden = await remote.forward(hidden, position, last_only=True)
         return self.entry.codec.last(hidden)
 
     async def _prefill(self, session_id: str, remote: RemoteRoute | ChainRoute | None, prompt: list[int],
-                       local_turn: asyncio.Condition, local_len: list[int]) -> Activation:
+                       local: StageOrder) -> Activation:
         size = self.settings.chunk_tokens
         chunks = [(p, prompt[p:p + size]) for p in range(0, len(prompt), size)]
         if self.settings.pipelined:
             try:  # a failed chunk cancels its siblings (left running, they would wait on it forever)
                 async with asyncio.TaskGroup() as group:
-                    tasks = [group.create_task(self._step(session_id, remote, c, p, local_turn, local_len))
+                    tasks = [group.create_task(self._step(session_id, remote, c, p, local))
                              for p, c in chunks]
             except BaseExceptionGroup as group_exc:
                 raise group_exc.exceptions[0] from None
             return tasks[-1].result()
         hidden = None
         for p, c in chunks:
-            hidden = await self._step(session_id, remote, c, p, local_turn, local_len)
+            hidden = await self._step(session_id, remote, c, p, local)
         return hidden
 
     async def generate(self, prompt: list[int], params: SamplingParams,
@@ -182,7 +179,7 @@ class Orchestrator:
             route = await self.link.routes(self.model, layers, frozenset(), session_id)
             remote = self._remote(session_id, layers, route)
         chooser: TokenChooser = self.entry.new_chooser(params)
-        local_turn, local_len = asyncio.Condition(), [0]
+        local = StageOrder()  # the entry's own layers
         if self.observer is not None:
             self.observer.generation_started()
         if self.traffic is not None:
@@ -190,7 +187,7 @@ class Orchestrator:
                                          lambda: [entry_hop] + (remote.hops if remote else []))
         try:
             t0 = time.perf_counter()
-            hidden = await self._prefill(session_id, remote, prompt, local_turn, local_len)
+            hidden = await self._prefill(session_id, remote, prompt, local)
             position = len(prompt)
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -208,7 +205,7 @@ class Orchestrator:
                     break
                 if stats.completion_tokens == 1:
                     t1 = time.perf_counter()
-                hidden = await self._step(session_id, remote, [token], position, local_turn, local_len)
+                hidden = await self._step(session_id, remote, [token], position, local)
                 position += 1
             stats.decode_s = time.perf_counter() - t1
         finally:  # every ending (finish, disconnect, error, failover gave up): free every hop's session
