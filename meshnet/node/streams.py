@@ -28,11 +28,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Protocol
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from meshnet import wire
-from meshnet.node.callers import admit_hop
+from meshnet.node.callers import HopHost, admit_hop
+from meshnet.node.metrics import NodeMetrics
+from meshnet.dataplane.chain import ChainInbox
+from meshnet.dataplane.transport import StreamPool
 from meshnet.errors import Forbidden, MeshnetError, TicketExpired
 from meshnet.protocol.route import Hop
 from meshnet.dataplane.messages import READS_BUNDLES, ChainError, ChainOpen, Kind, Message, pack, same_key, unbundle, \
@@ -67,11 +71,22 @@ class HopChain:
         return Hop.from_json(hops[self.index + 1]) if self.index + 1 < len(hops) else None
 
 
-class ChainHost:
-    """The chains passing through one node. ``node`` is its :class:`meshnet.node.app.NodeContext`
-    (runtime, settings, metrics, drain, tracker key, verified tickets, ``streams`` pool, ``inbox``)."""
+class ChainNode(HopHost, Protocol):
+    """What a :class:`ChainHost` uses of its node (the node's :class:`meshnet.node.app.NodeContext`):
+    besides hop admission's (:class:`meshnet.node.callers.HopHost`: settings, tickets, runtime,
+    drain), the metrics a forward is recorded in, the outbound ``streams`` pool, the ``inbox`` of
+    the chains it drives as an entry, and when it last ran a hop's step."""
 
-    def __init__(self, node) -> None:
+    metrics: NodeMetrics
+    streams: StreamPool | None
+    inbox: ChainInbox
+    last_forward_s: float
+
+
+class ChainHost:
+    """The chains passing through one node (``node``: see :class:`ChainNode`)."""
+
+    def __init__(self, node: ChainNode) -> None:
         self.node = node
         self.chains: dict[str, HopChain] = {}
 
