@@ -68,6 +68,7 @@ from meshnet.node.settings import NodeSettings
 from meshnet.node.callers import TrackerLink, admit_hop, advertised_endpoint, asked_by_tracker, check_release
 from meshnet.node.streams import ChainHost, stream_endpoint
 from meshnet.protocol.control import CapabilityReport, DoctorResponse, QuarantineReport
+from meshnet.protocol.openai import model_entry, model_not_found
 from meshnet.protocol.route import Route as MeshRoute
 from meshnet.protocol.tickets import HEADER_TICKET, VerifiedTickets
 from meshnet.protocol.traffic import NodeTraffic
@@ -261,11 +262,23 @@ async def chat_completions(request: Request) -> Response:
     return await openai_api.complete(orchestrator, model, req, disconnected=request.is_disconnected)
 
 
+def _model_entries(node: NodeContext) -> list[dict]:
+    """The models this node answers chat for (those of its entry shards)."""
+    return [model_entry(m, node.started_at, aliases=model_aliases(m))
+            for m in sorted({s.model for s in node.runtime.slots.values() if s.shard.is_entry})]
+
+
 async def list_models(request: Request) -> JSONResponse:
-    node = _state(request)
-    models = sorted({s.model for s in node.runtime.slots.values() if s.shard.is_entry})
-    return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "meshnet",
-                                                     "aliases": model_aliases(m)} for m in models]})
+    return JSONResponse({"object": "list", "data": _model_entries(_state(request))})
+
+
+async def get_model(request: Request) -> JSONResponse:
+    """``GET /v1/models/{id}`` (an alias too); 404 ``model_not_found`` for a model it does not serve."""
+    name = canonical_model_name(request.path_params["model"])
+    entry = next((e for e in _model_entries(_state(request)) if e["id"] == name), None)
+    if entry is None:
+        raise model_not_found(request.path_params["model"])
+    return JSONResponse(entry)
 
 
 async def doctor(request: Request) -> JSONResponse:
@@ -345,6 +358,7 @@ def _routes() -> list:
             Route("/v1/sessions/{session_id}", release_session, methods=["DELETE"]),
             Route("/v1/health", health), Route("/v1/ready", ready), Route("/v1/traffic", traffic),
             Route("/v1/doctor", doctor, methods=["POST"]), Route("/v1/models", list_models),
+            Route("/v1/models/{model:path}", get_model),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]), Route("/metrics", metrics)]
 
 

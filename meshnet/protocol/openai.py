@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from meshnet.errors import InvalidRequest
+from meshnet.errors import InvalidRequest, NotFound
 from meshnet.cpu import off_loop
 from meshnet.protocol.http import validate_json
 
@@ -262,3 +262,15 @@ async def read_chat_request(body: bytes) -> ChatRequest:
     if len(body) > PARSE_OFF_LOOP_BYTES:
         return await off_loop(parse_chat_request, body)
     return parse_chat_request(body)
+
+
+def model_entry(name: str, created: float, **extra) -> dict:
+    """One entry of ``GET /v1/models`` (OpenAI's model object): ``id``, ``object``, ``created`` (unix
+    seconds: when this process first served the model), ``owned_by``, and meshnet's ``extra`` fields."""
+    return {"id": name, "object": "model", "created": int(created), "owned_by": "meshnet", **extra}
+
+
+def model_not_found(name: str) -> NotFound:
+    """The 404 of ``GET /v1/models/{id}`` for a model this process does not serve (OpenAI's code)."""
+    return NotFound(f"the model {name!r} does not exist here", code="model_not_found", param="model",
+                    hint="GET /v1/models lists the models served")

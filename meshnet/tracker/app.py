@@ -41,7 +41,7 @@ from starlette.routing import Route
 from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.protocol.http import BodyLimit, error_response, http_error
-from meshnet.protocol.openai import read_chat_request
+from meshnet.protocol.openai import model_entry, model_not_found, read_chat_request
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name, default_model, model_aliases
 from meshnet.tracker import operator, proxy, views
@@ -188,12 +188,24 @@ async def demand(request: Request) -> JSONResponse:
                                            for m in svc.tracked_models()]).model_dump())
 
 
+def _model_entries(svc: TrackerService) -> list[dict]:
+    """Every model the tracker keeps, with its layer count, whether a chat can be served now, and
+    its aliases."""
+    return [model_entry(m.name, svc.started_at, num_layers=m.num_layers, routable=svc.coverage(m.name).routable,
+                        aliases=model_aliases(m.name)) for m in svc.tracked_models()]
+
+
 async def models(request: Request) -> JSONResponse:
-    svc = _svc(request)
-    data = [{"id": m.name, "object": "model", "owned_by": "meshnet", "num_layers": m.num_layers,
-             "routable": svc.coverage(m.name).routable,
-             "aliases": model_aliases(m.name)} for m in svc.tracked_models()]
-    return JSONResponse({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": _model_entries(_svc(request))})
+
+
+async def get_model(request: Request) -> JSONResponse:
+    """``GET /v1/models/{id}`` (an alias too); 404 ``model_not_found`` for a model the tracker does not keep."""
+    name = canonical_model_name(request.path_params["model"])
+    entry = next((e for e in _model_entries(_svc(request)) if e["id"] == name), None)
+    if entry is None:
+        raise model_not_found(request.path_params["model"])
+    return JSONResponse(entry)
 
 
 async def health(request: Request) -> JSONResponse:
@@ -320,7 +332,7 @@ def _routes() -> list:
             Route("/v1/nodes", nodes), Route("/v1/traffic", traffic), Route("/v1/coverage", coverage_all),
             Route("/v1/coverage/{model:path}", coverage_one), Route("/v1/route", route),
             Route("/v1/network/assign", network_assign), Route("/v1/directives", directives),
-            Route("/v1/demand", demand), Route("/v1/models", models), Route("/v1/health", health),
+            Route("/v1/demand", demand), Route("/v1/models", models), Route("/v1/models/{model:path}", get_model), Route("/v1/health", health),
             Route("/v1/ready", ready),
             Route("/v1/chat/completions", chat, methods=["POST"]), Route("/metrics", metrics),
             *operator.routes()]

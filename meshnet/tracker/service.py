@@ -133,6 +133,7 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
         self.tickets = TicketIssuer(self.store.tracker_key(), settings.ticket_ttl_s)
         #: this tracker process, as demand events name it (ADR-0043)
         self.origin = uuid.uuid4().hex[:16]
+        self.started_at = time.time()  #: unix seconds this tracker started (its models' ``created``)
         #: plans and issues directives: always on sqlite; on a shared store while holding the lock
         self.leader = not self.store.shared
         self.demand_seen = 0  # the highest demand event id read from the store

@@ -6,6 +6,8 @@ A real NodeRuntime with tiny-llama weights, no tracker: ``tail`` holds layers [2
 
 from __future__ import annotations
 
+import time
+
 import json
 import struct
 import uuid
@@ -382,9 +384,18 @@ async def test_chat_for_a_model_without_an_entry_shard_is_404(entry, tail):
 
 
 async def test_models_lists_entry_shards_only(entry, tail):
-    assert (await entry.get("/v1/models")).json()["data"] == [{"id": MODEL, "object": "model", "owned_by": "meshnet",
-                                                               "aliases": ["meshnet/tiny-llama"]}]
+    data = (await entry.get("/v1/models")).json()["data"]
+    assert abs(data[0].pop("created") - time.time()) < 3600
+    assert data == [{"id": MODEL, "object": "model", "owned_by": "meshnet", "aliases": ["meshnet/tiny-llama"]}]
     assert (await tail.get("/v1/models")).json()["data"] == []
+
+
+async def test_a_model_is_found_by_id_or_alias_and_an_unknown_one_is_404(entry, tail):
+    listed = (await entry.get("/v1/models")).json()["data"][0]
+    assert (await entry.get(f"/v1/models/{MODEL}")).json() == listed
+    assert (await entry.get("/v1/models/meshnet/tiny-llama")).json() == listed  # an alias, slash and all
+    assert_envelope(await tail.get(f"/v1/models/{MODEL}"), 404, "model_not_found")  # no entry shard there
+    assert_envelope(await entry.get("/v1/models/nothing"), 404, "model_not_found")
 
 
 async def test_chat_requests_are_counted_in_metrics(entry, entry_runtime):

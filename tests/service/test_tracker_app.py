@@ -410,9 +410,15 @@ async def test_health_and_models(tracker):
     await register(tracker, node("node-a", shard(0, 3)))
     assert (await tracker.get("/v1/health")).json() == {"status": "ok", "draining": False, "nodes": 1,
                                                          "models": [MODEL], "leader": True}
-    assert (await tracker.get("/v1/models")).json() == {"object": "list", "data": [
+    listed = (await tracker.get("/v1/models")).json()
+    created = listed["data"][0].pop("created")
+    assert isinstance(created, int) and abs(created - time.time()) < 3600
+    assert listed == {"object": "list", "data": [
         {"id": MODEL, "object": "model", "owned_by": "meshnet", "num_layers": 4, "routable": True,
          "aliases": ["meshnet/tiny-llama"]}]}
+    one = (await tracker.get("/v1/models/meshnet/tiny-llama")).json()
+    assert one["id"] == MODEL and one["created"] == created and one["routable"] is True
+    assert_envelope(await tracker.get("/v1/models/nothing"), 404, "model_not_found")
 
 
 async def test_metrics_have_meshnet_names(tracker):
