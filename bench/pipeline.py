@@ -71,7 +71,7 @@ def timed_stream(url: str, messages, max_tokens: int, **extra) -> dict:
     ``perf_counter`` time of every content chunk.
     """
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            **extra}
+            "stream_options": {"include_usage": True}, **extra}
     times, usage = [], {}
     t0 = time.perf_counter()
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as resp:

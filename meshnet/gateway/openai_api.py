@@ -340,9 +340,10 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
     """Server-sent events in OpenAI's chunk shape, ending with ``data: [DONE]``.
 
     Each choice opens with a role chunk and ends with a chunk carrying its ``finish_reason``;
-    the last of those also carries ``usage`` and ``meshnet``. With
-    ``stream_options.include_usage`` a final chunk with no choices carries ``usage``, as in
-    OpenAI's API. An error after the first event is sent as an ``{"error": ...}`` event.
+    the last of those also carries meshnet's ``meshnet`` block. Usage is sent only when asked, as
+    in OpenAI's API: with ``stream_options.include_usage`` every chunk has ``"usage": null`` but a
+    final one with no choices, which carries the whole request's ``usage`` (summing the chunks'
+    usage counts it once). An error after the first event is sent as an ``{"error": ...}`` event.
     """
     cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     arrived_s = time.perf_counter()
@@ -360,7 +361,7 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
                 choice["logprobs"] = None if logprobs is None else {"content": logprobs, "refusal": None}
             choices.append(choice)
         body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": choices, **extra}
+                "choices": choices, **({"usage": None} if include_usage else {}), **extra}
         return f"data: {json.dumps(body)}\n\n"
 
     async def events() -> AsyncIterator[str | bytes]:
@@ -377,7 +378,7 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
                     yield chunk(i, {"content": piece}, logprobs=entries)
                     continue
                 finished += 1
-                extra = {"usage": usage(stats), "meshnet": meshnet_block(stats)} if finished == req.n else {}
+                extra = {"meshnet": meshnet_block(stats)} if finished == req.n else {}
                 yield chunk(i, {}, stats[i].finish_reason, logprobs=entries or None, **extra)
         except MeshnetError as exc:
             yield sse_error(exc)

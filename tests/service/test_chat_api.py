@@ -187,6 +187,7 @@ async def test_stream_carries_n_choices_logprobs_and_the_usage_chunk(entry):
     resp = await entry.post(URL, json={**body, "stream": True, "stream_options": {"include_usage": True}})
     chunks = sse_chunks(resp)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+    assert all(c["usage"] is None for c in chunks[:-1])  # one usage in the stream: summing counts it once
     for i in range(2):
         mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
         assert mine[0]["delta"] == {"role": "assistant", "content": ""}
