@@ -11,6 +11,7 @@ go either way on other kernels). ``meshnet models certify`` runs it on any model
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -90,9 +91,11 @@ def certify(model_path: Path, *, splits: Iterable[tuple[int, ...]] | None = None
     vocab = int(whole.config.vocab_size)
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, vocab, (1, prompt_tokens), generator=generator)
+    config = copy.deepcopy(whole.generation_config)
+    config.eos_token_id, config.min_new_tokens = None, None  # all tokens greedy: no end, no end suppressed
     with torch.inference_mode():
-        ids = whole.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=decode_tokens,
-                             min_new_tokens=decode_tokens, do_sample=False, pad_token_id=0)
+        ids = whole.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=config,
+                             max_new_tokens=decode_tokens, do_sample=False, pad_token_id=0)
         reference = whole(ids).logits[0].float()
     del whole
     splits = list(splits or default_splits(num_layers))
