@@ -194,7 +194,7 @@ async def prepare(orchestrator: Orchestrator, req: ChatRequest) -> tuple[list[in
     if bad:
         raise InvalidRequest(f"invalid field 'logit_bias': token id {bad[0]} is outside the vocabulary "
                              f"(0..{orchestrator.vocab_size - 1})", code="invalid_field", param="logit_bias")
-    prompt = await off_loop(encode_prompt, orchestrator, [m.model_dump() for m in req.messages])
+    prompt = await off_loop(encode_prompt, orchestrator, [m.model_dump(exclude_none=True) for m in req.messages])
     return prompt, fit_context(orchestrator, prompt, params)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from meshnet.errors import InvalidRequest, NotFound
@@ -55,7 +55,7 @@ class SamplingParams:
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: int | None = None
+    seed: StrictInt | None = None
     stop: tuple[str, ...] = ()
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -80,11 +80,14 @@ class _Strict(BaseModel):
 
 
 class ChatMessage(_Strict):
-    """One message. ``name`` and the tool fields are refused: meshnet's chat templates render
-    role and content only, so they would be dropped without a word."""
+    """One message, as OpenAI's API accepts it: ``name`` (the template may render it) and an
+    assistant's earlier ``refusal`` are taken, explicit ``null``s count as not sent; the tool
+    fields are refused (meshnet has no tool calls yet)."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
+    name: str | None = None
+    refusal: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -155,20 +158,20 @@ class ChatRequest(_Strict):
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=8192)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=8192)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=8192)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=8192)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=N_MAX)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=TOP_LOGPROBS_MAX)
+    n: StrictInt = Field(default=1, ge=1, le=N_MAX)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=TOP_LOGPROBS_MAX)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     store: bool | None = None

@@ -69,7 +69,7 @@ def test_the_seed_error_states_the_accepted_range():
     ({"store": True}, "store"),
     ({"response_format": {"type": "json_object"}}, "response_format.type"),
     ({"temprature": 0.5}, "temprature"),
-    ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages.0.tool_calls"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content"),
 ])
@@ -113,3 +113,20 @@ def test_a_lone_surrogate_in_a_message_is_400_naming_the_content_not_a_tokenizer
 def test_a_surrogate_pair_is_one_real_character_and_accepted():
     body = '{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'.encode()
     assert parse_chat_request(body).messages[0].content == "\U0001F600"
+
+
+def test_message_fields_openai_accepts_are_taken_and_nulls_count_as_not_sent():
+    req = parse(messages=[{"role": "system", "content": "Be brief.", "name": None},
+                          {"role": "user", "content": "hi", "name": "bob"},
+                          {"role": "assistant", "content": "no", "refusal": None}])
+    assert [m.model_dump(exclude_none=True) for m in req.messages] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi", "name": "bob"},
+        {"role": "assistant", "content": "no"}]
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", True), ("n", True), ("max_tokens", 2.5), ("seed", "7"),
+                                          ("stream", "yes"), ("logprobs", 1), ("top_logprobs", False)])
+def test_a_value_of_the_wrong_json_type_is_400_not_coerced(field, value):
+    with pytest.raises(InvalidRequest) as info:
+        parse(**{field: value})
+    assert info.value.status == 400 and info.value.param == field
