@@ -154,3 +154,36 @@ def test_the_family_is_certified_by_split_parity_at_every_two_and_three_shard_sp
     assert [r.boundaries for r in results] == splits
     assert all(r.passed for r in results), [r for r in results if not r.passed]
     assert all(r.tokens_decided >= 1 for r in results)  # tiny random models tie often: the logits are the proof
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+async def test_a_replacement_hop_rebuilt_from_the_replayed_input_gives_the_same_logits(family_model, name):
+    """Failover per family: the second shard fails after 6 decode steps; a fresh shard (another
+    node's) is sent the input history it missed as prefill chunks (:func:`rechunk`, frames in
+    float32 through the node's wire codec), rebuilds the session's KV cache, and the decode goes
+    on with the whole model's logits."""
+    from meshnet.dataplane.replay import rechunk
+    from meshnet.models.attention import KVCache
+    from meshnet.models.shard import ShardModel
+    from meshnet.node.entry import WireCodec
+
+    path, reference = family_model(name)
+    layers = int(reference.config.num_hidden_layers)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 512, (40,), generator=generator).tolist()
+    want = reference_logits(reference, ids)
+    codec, prefill = WireCodec("float32"), 24
+    entry, rest = ShardModel(path, LayerRange(0, 2)), ShardModel(path, LayerRange(2, layers))
+    caches, history, out = [KVCache(), KVCache()], [], []
+    steps = [(p, ids[p:min(p + CHUNK, prefill)]) for p in range(0, prefill, CHUNK)]
+    steps += [(p, [ids[p]]) for p in range(prefill, len(ids))]
+    for position, chunk in steps:
+        hidden = entry.forward(entry.embed_tokens(torch.tensor([chunk]), position), caches[0], position)
+        frame = await codec.encode(hidden)
+        if position == prefill + 6:  # the hop failed: its replacement replays what it missed
+            rest, caches[1] = ShardModel(path, LayerRange(2, layers)), KVCache()
+            async for at, replayed, _tokens in rechunk(history, codec, CHUNK):
+                rest.forward(await codec.decode(replayed), caches[1], at)
+        history.append((position, frame, len(chunk)))
+        out.append(entry.logits(rest.forward(await codec.decode(frame), caches[1], position))[0])
+    assert_close(torch.cat(out), want, atol=ATOL, rtol=0)
