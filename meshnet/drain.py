@@ -161,7 +161,7 @@ class DrainMiddleware:
             app routes them (a mounted app's paths below its mount point).
     """
 
-    def __init__(self, app, drain: Drain, paths: tuple[str, ...] = ("/v1/chat/completions",)) -> None:
+    def __init__(self, app, drain: Drain, paths: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions")) -> None:
         self.app, self.drain, self.paths = app, drain, frozenset(paths)
 
     def __call__(self, scope, receive, send):

@@ -308,7 +308,8 @@ def usage(stats: list[GenerationStats]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _choices(params: SamplingParams, n: int, arrived_s: float) -> tuple[list[SamplingParams], list[GenerationStats]]:
+def choices_for(params: SamplingParams, n: int, arrived_s: float) -> tuple[list[SamplingParams], list[GenerationStats]]:
+    """Each of ``n`` choices' settings (:func:`for_choice`) and its fresh stats."""
     return [for_choice(params, i) for i in range(n)], [GenerationStats(arrived_s=arrived_s) for _ in range(n)]
 
 
@@ -317,7 +318,7 @@ async def complete(orchestrator: Orchestrator, model: str, req: ChatRequest,
     """Non-streaming completion: ``n`` choices plus ``usage`` and the ``meshnet`` block."""
     arrived_s = time.perf_counter()
     prompt, params = await prepare(orchestrator, req)
-    params_n, stats = _choices(params, req.n, arrived_s)
+    params_n, stats = choices_for(params, req.n, arrived_s)
     texts = [""] * req.n
     async for i, piece, _ in choice_deltas(orchestrator, prompt, params_n, stats, disconnected):
         texts[i] += piece or ""
@@ -348,7 +349,7 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
     cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     arrived_s = time.perf_counter()
     prompt, params = await prepare(orchestrator, req)  # a bad or too-long prompt is a 400 before any event
-    params_n, stats = _choices(params, req.n, arrived_s)
+    params_n, stats = choices_for(params, req.n, arrived_s)
     want_logprobs = params.top_logprobs is not None
     include_usage = req.stream_options is not None and req.stream_options.include_usage
 

@@ -9,7 +9,7 @@ Routes:
     GET    /v1/traffic              sessions in flight as entry, recent failovers, the last minutes'
                                     TTFT/TPOT/tokens/batch sizes (ADR-0046, ``NodeTraffic``)
     POST   /v1/doctor               run doctor on the loaded shards, return capability reports
-    GET    /v1/models, POST /v1/chat/completions   OpenAI surface (entry nodes)
+    GET    /v1/models, POST /v1/chat/completions, POST /v1/completions   OpenAI surface (entry nodes)
     GET    /metrics                 Prometheus text
 
 Forward headers: ``X-Meshnet-Session``, ``X-Meshnet-Start-Layer`` and
@@ -49,7 +49,7 @@ from starlette.routing import Route, WebSocketRoute
 from meshnet import wire
 from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
-from meshnet.gateway import openai_api
+from meshnet.gateway import completions, openai_api
 from meshnet.dataplane.chain import ChainEnd, ChainInbox
 from meshnet.dataplane.transport import StreamPool
 from meshnet.protocol.http import BodyLimit, http_error
@@ -68,7 +68,7 @@ from meshnet.node.settings import NodeSettings
 from meshnet.node.callers import TrackerLink, admit_hop, advertised_endpoint, asked_by_tracker, check_release
 from meshnet.node.streams import ChainHost, stream_endpoint
 from meshnet.protocol.control import CapabilityReport, DoctorResponse, QuarantineReport
-from meshnet.protocol.openai import model_entry, model_not_found
+from meshnet.protocol.openai import model_entry, model_not_found, read_completion_request
 from meshnet.protocol.route import Route as MeshRoute
 from meshnet.protocol.tickets import HEADER_TICKET, VerifiedTickets
 from meshnet.protocol.traffic import NodeTraffic
@@ -252,6 +252,17 @@ def spot_checker_for(node: NodeContext) -> SpotChecker:
                        timeout_s=node.settings.hop_timeout_s, release_auth=None if agent is None else agent.signer)
 
 
+async def text_completions(request: Request) -> Response:
+    """``POST /v1/completions``: OpenAI's legacy text completions (:mod:`meshnet.gateway.completions`)."""
+    node = _state(request)
+    req = await read_completion_request(await request.body())
+    model, orchestrator = orchestrator_for(node, req.model, None)
+    await asyncio.to_thread(node.runtime.check_room)  # a full cache is a 503 before any stream starts
+    if req.stream:
+        return await completions.stream(orchestrator, model, req)
+    return await completions.complete(orchestrator, model, req, disconnected=request.is_disconnected)
+
+
 async def chat_completions(request: Request) -> Response:
     node = _state(request)
     req = await openai_api.read_chat(request)
@@ -359,7 +370,8 @@ def _routes() -> list:
             Route("/v1/health", health), Route("/v1/ready", ready), Route("/v1/traffic", traffic),
             Route("/v1/doctor", doctor, methods=["POST"]), Route("/v1/models", list_models),
             Route("/v1/models/{model:path}", get_model),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]), Route("/metrics", metrics)]
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", text_completions, methods=["POST"]), Route("/metrics", metrics)]
 
 
 @contextlib.asynccontextmanager

@@ -9,7 +9,7 @@ heartbeat, ...) keep 422 for a field that fails validation.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -139,44 +139,27 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ChatRequest(_Strict):
-    """OpenAI's chat completion request, as far as meshnet implements it.
+class _Generation(_Strict):
+    """The sampling and streaming fields chat and text completions share, validated once.
 
-    Honoured: ``model``, ``messages``, ``max_tokens``/``max_completion_tokens``, ``temperature``,
-    ``top_p``, ``seed`` (0..2**63-1), ``stop`` (1-4 non-empty strings), ``n`` (1..8),
-    ``logprobs``/``top_logprobs`` (0..20), ``frequency_penalty``/``presence_penalty`` ([-2, 2]),
-    ``logit_bias`` (token id → [-100, 100]), ``stream``, ``stream_options.include_usage``,
-    ``response_format`` of type ``text``, and meshnet's ``pipelined_prefill``.
-
-    Accepted because they cannot change the answer: ``user`` (an end-user id OpenAI uses for
-    abuse monitoring; meshnet keeps no per-user state) and ``store: false`` (meshnet stores
-    nothing; ``store: true`` is refused).
-
-    Everything else is a 400 naming the field: the parameters in :data:`UNSUPPORTED` and any
-    unknown field. ``null`` counts as not sent, as in OpenAI's API.
+    ``null`` counts as not sent, as in OpenAI's API; a parameter in the subclass's ``unsupported``
+    map (other than ``null``) is a 400 ``unsupported_parameter`` naming it.
     """
 
+    unsupported: ClassVar[dict[str, str]] = {}
+
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(default=None, ge=1, le=8192)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=8192)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     n: StrictInt = Field(default=1, ge=1, le=N_MAX)
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=TOP_LOGPROBS_MAX)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    response_format: ResponseFormat | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    store: bool | None = None
-    #: meshnet extension: turn pipelined prefill off for this request (benchmarks compare both)
-    pipelined_prefill: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -185,7 +168,7 @@ class ChatRequest(_Strict):
         if not isinstance(data, dict):
             return data
         data = {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
-        for name, what in UNSUPPORTED.items():
+        for name, what in cls.unsupported.items():
             if name in data:
                 raise InvalidRequest(f"unsupported parameter '{name}': meshnet does not support {what}",
                                      code="unsupported_parameter", param=name)
@@ -218,6 +201,43 @@ class ChatRequest(_Strict):
                 raise ValueError(f"bias of token {key} is {bias}; biases lie in [-100, 100]")
         return value
 
+    def _sampling(self, max_tokens: int, top_logprobs: int | None) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                              stop=stop, frequency_penalty=self.frequency_penalty,
+                              presence_penalty=self.presence_penalty, logit_bias=bias, top_logprobs=top_logprobs)
+
+
+class ChatRequest(_Generation):
+    """OpenAI's chat completion request, as far as meshnet implements it.
+
+    Honoured: ``model``, ``messages``, ``max_tokens``/``max_completion_tokens``, ``temperature``,
+    ``top_p``, ``seed`` (0..2**63-1), ``stop`` (1-4 non-empty strings), ``n`` (1..8),
+    ``logprobs``/``top_logprobs`` (0..20), ``frequency_penalty``/``presence_penalty`` ([-2, 2]),
+    ``logit_bias`` (token id → [-100, 100]), ``stream``, ``stream_options.include_usage``,
+    ``response_format`` of type ``text``, and meshnet's ``pipelined_prefill``.
+
+    Accepted because they cannot change the answer: ``user`` (an end-user id OpenAI uses for
+    abuse monitoring; meshnet keeps no per-user state) and ``store: false`` (meshnet stores
+    nothing; ``store: true`` is refused).
+
+    Everything else is a 400 naming the field: the parameters in :data:`UNSUPPORTED` and any
+    unknown field. ``null`` counts as not sent, as in OpenAI's API.
+    """
+
+    unsupported: ClassVar[dict[str, str]] = UNSUPPORTED
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=8192)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=8192)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=TOP_LOGPROBS_MAX)
+    response_format: ResponseFormat | None = None
+    store: bool | None = None
+    #: meshnet extension: turn pipelined prefill off for this request (benchmarks compare both)
+    pipelined_prefill: bool | None = None
+
     @field_validator("store")
     @classmethod
     def _store_nothing(cls, value):
@@ -235,13 +255,68 @@ class ChatRequest(_Strict):
 
     def sampling(self) -> SamplingParams:
         """Settings of choice 0 (:meth:`for_choice` derives the others)."""
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
-        return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or 256,
-                              temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stop,
-                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                              logit_bias=bias,
-                              top_logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling(self.max_completion_tokens or self.max_tokens or 256,
+                              (self.top_logprobs or 0) if self.logprobs else None)
+
+
+#: most log-probabilities per token a text completion returns (OpenAI's ``logprobs`` bound)
+COMPLETION_LOGPROBS_MAX = 5
+
+
+class CompletionRequest(_Generation):
+    """OpenAI's legacy text completion request (``POST /v1/completions``).
+
+    ``prompt`` is a string, a list of strings, a list of token ids or a list of such lists; each
+    prompt gets ``n`` choices, indexed prompt by prompt. ``echo`` puts the prompt's text before
+    each completion; ``logprobs`` (0..5) returns the chosen token's and the most likely tokens'
+    log-probabilities of each completion token. ``max_tokens`` defaults to 16 as in OpenAI's API
+    and may be 0 only with ``echo``. Refused with a 400: ``suffix``, ``best_of`` (other than 1),
+    and ``echo`` with ``logprobs`` (the prompt's own log-probabilities are not computed yet).
+    """
+
+    unsupported: ClassVar[dict[str, str]] = {"suffix": "suffixes (insertion)"}
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: StrictInt = Field(default=16, ge=0, le=8192)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=COMPLETION_LOGPROBS_MAX)
+    echo: StrictBool = False
+    best_of: StrictInt | None = Field(default=None, ge=1, le=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value):
+        prompts = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else value
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("needs at least one non-empty prompt")
+        for p in prompts:
+            if isinstance(p, str):
+                try:
+                    p.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise ValueError(f"not valid Unicode text: a lone surrogate at character {exc.start}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _dependent_fields(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise _invalid("max_tokens", "may be 0 only with echo: true (scoring a prompt)")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest("unsupported parameter 'logprobs': meshnet does not return the prompt's "
+                                 "log-probabilities (echo with logprobs) yet", code="unsupported_parameter",
+                                 param="logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise _invalid("stream_options", "is only allowed with stream: true")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text or a list of token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def sampling(self) -> SamplingParams:
+        """Settings of choice 0 of each prompt (:meth:`for_choice` derives the others)."""
+        return self._sampling(self.max_tokens, self.logprobs)
 
 
 def for_choice(params: SamplingParams, index: int) -> SamplingParams:
@@ -253,10 +328,22 @@ def for_choice(params: SamplingParams, index: int) -> SamplingParams:
     return replace(params, seed=(params.seed + index) % (SEED_MAX + 1))
 
 
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    """Validate a text completion body; every failure is a 400 naming the field."""
+    return validate_json(CompletionRequest, body, status=400, unknown_is_unsupported=True)
+
+
 def parse_chat_request(body: bytes) -> ChatRequest:
     """Validate a chat completion body; every failure is a 400 naming the field (see
     :func:`validate_json`)."""
     return validate_json(ChatRequest, body, status=400, unknown_is_unsupported=True)
+
+
+async def read_completion_request(body: bytes) -> CompletionRequest:
+    """:func:`parse_completion_request`, off the event loop for a big body (see :func:`read_chat_request`)."""
+    if len(body) > PARSE_OFF_LOOP_BYTES:
+        return await off_loop(parse_completion_request, body)
+    return parse_completion_request(body)
 
 
 async def read_chat_request(body: bytes) -> ChatRequest:

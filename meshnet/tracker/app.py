@@ -41,7 +41,7 @@ from starlette.routing import Route
 from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.protocol.http import BodyLimit, error_response, http_error
-from meshnet.protocol.openai import model_entry, model_not_found, read_chat_request
+from meshnet.protocol.openai import model_entry, model_not_found, read_chat_request, read_completion_request
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name, default_model, model_aliases
 from meshnet.tracker import operator, proxy, views
@@ -231,10 +231,20 @@ async def chat(request: Request) -> Response:
     out of session room (:mod:`meshnet.tracker.proxy`). Streams pass straight through. When this
     process runs an admitted entry node of the model itself (ADR-0044), that node answers
     in-process, and the remote entries only if it refuses."""
-    svc = _svc(request)
     body = await request.body()
-    req = await read_chat_request(body)
-    model = canonical_model_name(req.model or default_model())
+    return await _to_entry(request, body, (await read_chat_request(body)).model, proxy.CHAT_PATH)
+
+
+async def text_completions(request: Request) -> Response:
+    """``POST /v1/completions``, forwarded to an entry node as chats are (:func:`chat`)."""
+    body = await request.body()
+    return await _to_entry(request, body, (await read_completion_request(body)).model, proxy.COMPLETIONS_PATH)
+
+
+async def _to_entry(request: Request, body: bytes, model: str | None, path: str) -> Response:
+    """``body`` to ``path`` of an entry node of ``model`` (counted as served demand)."""
+    svc = _svc(request)
+    model = canonical_model_name(model or default_model())
     entries = svc.entry_nodes(model)
     svc.metrics.requests.labels(model=model).inc()
     svc.add_served(model)
@@ -244,11 +254,11 @@ async def chat(request: Request) -> Response:
     def forward(nodes) -> Awaitable[Response]:
         return proxy.forward_chat(svc, request.app.state.http, nodes, body,
                                   lambda node: probe_soon(request.app, node.node_id, node.endpoint),
-                                  request.is_disconnected)
+                                  request.is_disconnected, path=path)
 
     if local is not None and len(remote) < len(entries):
         others = remote[:proxy.ENTRY_TRIES - 1]
-        return proxy.LocalChat(local, body, fallback=(lambda: forward(others)) if others else None)
+        return proxy.LocalChat(local, body, fallback=(lambda: forward(others)) if others else None, path=path)
     return await forward(remote[:proxy.ENTRY_TRIES])
 
 
@@ -334,7 +344,8 @@ def _routes() -> list:
             Route("/v1/network/assign", network_assign), Route("/v1/directives", directives),
             Route("/v1/demand", demand), Route("/v1/models", models), Route("/v1/models/{model:path}", get_model), Route("/v1/health", health),
             Route("/v1/ready", ready),
-            Route("/v1/chat/completions", chat, methods=["POST"]), Route("/metrics", metrics),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", text_completions, methods=["POST"]), Route("/metrics", metrics),
             *operator.routes()]
 
 

@@ -81,8 +81,9 @@ async def send_watching(http: httpx.AsyncClient, upstream: httpx.Request,
 
 async def forward_chat(svc: TrackerService, http: httpx.AsyncClient, entries: list[NodeRecord], body: bytes,
                        on_unreachable: Callable[[NodeRecord], None],
-                       disconnected: Disconnected | None = None) -> Response:
-    """Send a chat body to the first entry node of ``entries`` that takes it; its answer, streamed.
+                       disconnected: Disconnected | None = None, path: str = "/v1/chat/completions") -> Response:
+    """Send a chat (or text completion: ``path``) body to the first entry node of ``entries`` that
+    takes it; its answer, streamed.
 
     ``on_unreachable(node)`` runs for each entry node that could not be reached (the app probes it).
     The last entry node's answer is returned whatever it is. ``disconnected()`` tells whether the
@@ -96,7 +97,7 @@ async def forward_chat(svc: TrackerService, http: httpx.AsyncClient, entries: li
     for i, node in enumerate(entries):
         last = i + 1 == len(entries)
         try:
-            upstream = http.build_request("POST", f"{node.endpoint}/v1/chat/completions", content=body,
+            upstream = http.build_request("POST", f"{node.endpoint}{path}", content=body,
                                           headers={"Content-Type": "application/json"},
                                           timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
             resp = await send_watching(http, upstream, disconnected)
@@ -161,8 +162,9 @@ class LocalNode:
     app: ASGIApp
 
 
-#: what the entry's chat endpoint is called at inside its own app
+#: what the entry's chat and text completion endpoints are called at inside its own app
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 
 
 class LocalChat:
@@ -177,12 +179,12 @@ class LocalChat:
     """
 
     def __init__(self, node: LocalNode, body: bytes,
-                 fallback: Callable[[], Awaitable[Response]] | None = None) -> None:
-        self.node, self.body, self.fallback = node, body, fallback
+                 fallback: Callable[[], Awaitable[Response]] | None = None, path: str = CHAT_PATH) -> None:
+        self.node, self.body, self.fallback, self.path = node, body, fallback, path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         inner = {k: v for k, v in scope.items() if k not in ("app", "router", "endpoint", "path_params")}
-        inner.update(path=CHAT_PATH, raw_path=CHAT_PATH.encode(), root_path="")
+        inner.update(path=self.path, raw_path=self.path.encode(), root_path="")
         body_sent = False
 
         async def replay() -> Message:

@@ -132,6 +132,21 @@ async def test_chat_at_the_tracker_is_answered_in_process_by_its_own_node(mesh):
     assert ("POST", "n2.test", "/v1/forward") in hosts.sent
 
 
+async def test_a_text_completion_at_the_tracker_is_answered_by_its_own_node_across_the_mesh(mesh):
+    client, hosts, _ = mesh
+    body = {"model": MODEL, "prompt": [40, 41, 42], "max_tokens": 5, "temperature": 0}
+    direct = await client.post("/node/v1/completions", json=body)
+    assert direct.status_code == 200, direct.text
+    hosts.sent.clear()
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert data["object"] == "text_completion" and data["choices"][0]["text"] == direct.json()["choices"][0]["text"]
+    route = [(h["node_id"], h["start_layer"], h["end_layer"]) for h in data["meshnet"]["route"]]
+    assert route == [("tracker", 0, 1), ("n2", 2, 3)]
+    assert [s for s in hosts.sent if s[2].endswith("/completions")] == [("POST", "tracker.test", "/v1/completions")]
+
+
 async def test_a_tracker_serving_later_layers_proxies_to_the_entry_and_serves_as_a_hop(tiny_model_path, tmp_path,
                                                                                       monkeypatch):
     monkeypatch.setenv("MESHNET_CACHE", str(tiny_model_path(MODEL).parent.parent))
@@ -143,6 +158,9 @@ async def test_a_tracker_serving_later_layers_proxies_to_the_entry_and_serves_as
         assert route == [("n0", 0, 1), ("tracker", 2, 3)]
         assert ("POST", "n0.test", "/v1/chat/completions") in hosts.sent  # proxied: the entry is elsewhere
         assert ("POST", "tracker.test", "/node/v1/forward") in hosts.sent  # the tracker's node as the last hop
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        assert resp.status_code == 200 and resp.json()["object"] == "text_completion", resp.text
+        assert ("POST", "n0.test", "/v1/completions") in hosts.sent  # proxied like a chat
 
 
 async def test_a_streamed_chat_at_the_tracker_ends_with_done(mesh):
