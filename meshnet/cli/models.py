@@ -96,7 +96,8 @@ def certify(name: str = typer.Argument(None, help="Preset name, hub repo id or l
             table.add_row("0, " + ", ".join(map(str, r["split"])), f"{r['max_abs_diff']:.2e}",
                           f"{r['tokens_matched']}/{r['tokens_decided']}", "[green]ok[/]" if r["passed"] else "[red]DIFFERS[/]")
         console.print(table)
-        console.print(f"tolerance {TOLERANCE:g}; tokens counted where the whole model's top two logits differ by more")
+        console.print(f"logits equal within {TOLERANCE:g}; tokens compared where the whole model's top two "
+                      f"logits differ by more than that (a near tie may go either way on other kernels)")
 
     emit(rows, as_json, human)
     if not all(r["passed"] for r in rows):

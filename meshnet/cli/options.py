@@ -97,7 +97,9 @@ class NodeOptions:
         None, "--tracker", envvar="MESHNET_TRACKER",
         help="Tracker URL to join; repeat it (or separate by commas) for every tracker of one database: the node "
              "moves on when one stops answering.")
-    model: str | None = typer.Option(None, "--model", "-m", help="Preset, hub repo or local dir to serve (pinned).")
+    model: str | None = typer.Option(None, "--model", "-m",
+                                     help="Preset, hub repo or local dir to serve: with --shard-start/--shard-end "
+                                          "that range (pinned), alone the range the tracker gives.")
     shard_start: int | None = typer.Option(None, "--shard-start", min=0, help="First layer (inclusive).")
     shard_end: int | None = typer.Option(None, "--shard-end", min=0, help="Last layer (inclusive).")
     memory: int | None = typer.Option(None, "--memory", min=1, help="Memory budget in MB (default: detected).")

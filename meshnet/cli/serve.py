@@ -76,12 +76,9 @@ def serve(opts: ServeOptions) -> None:
     evenly into --nodes shards; Ctrl-C stops them all."""
     from meshnet.models.sources import cache_dir
 
+    _check_port_free(opts.port)  # before anything is fetched, measured or written
     preset, ranges, choice = _prepare(opts)
-
-    def _terminate(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
+    _stop_on_signals()
     logs = cache_dir() / "logs"
     # fresh tokens each run (ADR-0035): the nodes get the join token; the operator's is in a file
     operator_token = secrets.token_urlsafe(32)
@@ -110,6 +107,41 @@ def serve(opts: ServeOptions) -> None:
         fail(exc)
     finally:
         mesh.stop(grace_s=opts.drain_grace + 5.0)
+
+
+#: a signal this soon after the first is the same stop delivered twice (a process-group kill that
+#: also reaches a wrapper such as ``timeout``, which relays it), not a second Ctrl-C, seconds
+DUPLICATE_SIGNAL_S = 1.0
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGINT stop the mesh (each child drains, ADR-0032); one arriving again after
+    :data:`DUPLICATE_SIGNAL_S` kills what is left at once (:meth:`LocalMesh.stop`)."""
+    first: list[float] = []
+
+    def _stop(signum, frame):
+        now = time.monotonic()
+        if first and now - first[0] < DUPLICATE_SIGNAL_S:
+            return  # the same stop, delivered twice: the drain goes on
+        first[:1] = [now]
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+
+
+def _check_port_free(port: int) -> None:
+    """Exit with a clear error when ``port`` is taken on 127.0.0.1 (another ``meshnet serve``?),
+    before any token file is written: a second serve must not answer READY for the first one's mesh."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: only a listener blocks
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            fail(MeshnetError(f"port {port} is in use ({exc.strerror}): is another meshnet serve running?",
+                              hint=f"stop it, or pass --port with a free port (its URL is http://127.0.0.1:{port})"))
 
 
 def _prepare(opts: ServeOptions):

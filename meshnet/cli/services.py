@@ -142,6 +142,9 @@ def node_start(opts: NodeOptions) -> None:
 
     setup_logging(opts.log_level)
     opts.check()
+    if not opts.tracker:
+        err_console.print("no --tracker: this node serves on its own and joins no mesh (nothing routes to it)",
+                          highlight=False)
     choice = compute_defaults(opts.model, opts.dtype, opts.threads, usable_cores())
     print(f"compute: {choice.compute_dtype}, {choice.threads} thread(s): {choice.reason}", flush=True)
     import torch

@@ -86,24 +86,29 @@ def certify(model_path: Path, *, splits: Iterable[tuple[int, ...]] | None = None
 
     from meshnet.models.shard import ShardModel
 
+    from transformers import AutoConfig
+
+    num_layers = int(AutoConfig.from_pretrained(model_path).num_hidden_layers)
+    splits = list(splits or default_splits(num_layers))
+    for boundaries in splits:  # checked before anything is loaded
+        edges = [0, *boundaries, num_layers]
+        if any(b <= a for a, b in zip(edges, edges[1:])):
+            raise ModelSourceError(f"split {tuple(boundaries)} is not inside the model's {num_layers} layers",
+                                   hint=f"boundaries are increasing layer numbers between 1 and {num_layers - 1}")
     whole = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    num_layers = int(whole.config.num_hidden_layers)
     vocab = int(whole.config.vocab_size)
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, vocab, (1, prompt_tokens), generator=generator)
     config = copy.deepcopy(whole.generation_config)
     config.eos_token_id, config.min_new_tokens = None, None  # all tokens greedy: no end, no end suppressed
+    config.max_new_tokens, config.do_sample, config.pad_token_id = decode_tokens, False, 0
     with torch.inference_mode():
-        ids = whole.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=config,
-                             max_new_tokens=decode_tokens, do_sample=False, pad_token_id=0)
+        ids = whole.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=config)
         reference = whole(ids).logits[0].float()
     del whole
-    splits = list(splits or default_splits(num_layers))
     results = []
     for done, boundaries in enumerate(splits):
         edges = [0, *boundaries, num_layers]
-        if any(b <= a for a, b in zip(edges, edges[1:])):
-            raise ModelSourceError(f"split {boundaries} is not inside the model's {num_layers} layers")
         # each split loads its own shards (kept for every split, the copies would add up to the
         # model's size times the number of splits)
         chain = [ShardModel(model_path, LayerRange(a, b), dtype="float32", load_head=a == 0)

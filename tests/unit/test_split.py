@@ -33,3 +33,51 @@ def test_split_layers_rejects_impossible_splits(num_layers, parts):
 @pytest.mark.parametrize("nodes, total_gib, expected_mb", [(3, 24, 8192), (1, 24, 24576), (4, 2, 512)])
 def test_local_nodes_split_the_machines_memory(nodes, total_gib, expected_mb):
     assert memory_per_node_mb(nodes, total_gib * 1024**3) == expected_mb
+
+
+def test_serve_on_a_port_in_use_fails_before_anything_is_written(tmp_path, monkeypatch):
+    """A second `meshnet serve` on the port of a running one would answer READY for the first one's
+    mesh and overwrite its operator token file: it exits 1 at once instead."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    from meshnet.cli.main import app
+
+    monkeypatch.setenv("MESHNET_CACHE", str(tmp_path))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = CliRunner().invoke(app, ["serve", "--port", str(port), "--model", "tiny-llama"])
+    assert result.exit_code == 1
+    assert f"port {port} is in use" in result.output and "another meshnet serve" in result.output
+    assert list(tmp_path.iterdir()) == []  # no token file, no model fetched
+
+
+def test_a_stop_signal_delivered_twice_at_once_is_one_stop_and_a_later_one_is_a_second():
+    """A process-group SIGTERM reaches serve twice when a wrapper (timeout, make) relays it: the
+    drain must not turn into a kill. A signal after DUPLICATE_SIGNAL_S is a second Ctrl-C."""
+    import os
+    import signal
+    import time
+
+    import pytest
+
+    from meshnet.cli import serve
+
+    saved = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        serve._stop_on_signals()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)  # the same stop again, at once: ignored
+        time.sleep(0.1)
+        time.sleep(serve.DUPLICATE_SIGNAL_S)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+    finally:
+        signal.signal(signal.SIGTERM, saved[0])
+        signal.signal(signal.SIGINT, saved[1])
