@@ -11,7 +11,9 @@ sampling and log-probabilities, pure functions over tensors plus one small state
 
 from __future__ import annotations
 
+import json
 import time
+import weakref
 
 import torch
 
@@ -82,6 +84,53 @@ def token_logprob(logits: torch.Tensor, token_id: int, top: int = 0) -> TokenLog
     return TokenLogprob(token_id, float(logp[token_id]), best)
 
 
+_GRAMMAR_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HF tokenizer -> llguidance's
+
+
+class GrammarMask:
+    """One choice's output grammar (ADR-0053): before each token, the logits of tokens the grammar
+    does not allow next are set to -inf (llguidance's token mask over the tokenizer's vocabulary;
+    ids past it, a padded LM head's, are never allowed); the chosen token then advances it. Once
+    the grammar is complete only the end token is allowed, so the generation ends there.
+
+    Raises:
+        InvalidRequest: the schema does not compile into a grammar.
+    """
+
+    def __init__(self, tokenizer, json_schema: str) -> None:
+        import llguidance
+        import llguidance.hf
+
+        lltok = _GRAMMAR_TOKENIZERS.get(tokenizer)
+        if lltok is None:
+            lltok = _GRAMMAR_TOKENIZERS[tokenizer] = llguidance.hf.from_tokenizer(tokenizer)
+        # compact JSON (one space after ':' and ','): free whitespace would let a model spend its
+        # tokens on blanks before the closing brace
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(json_schema),
+                                                               overrides={"whitespace_flexible": False})
+        self.matcher = llguidance.LLMatcher(lltok, grammar)
+        if self.matcher.is_error():
+            raise InvalidRequest(f"invalid field 'response_format': {self.matcher.get_error()}",
+                                 code="invalid_field", param="response_format")
+        self.vocab = lltok.vocab_size
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` ``[vocab]`` float32 with the disallowed tokens at -inf (a new tensor)."""
+        import llguidance.torch
+
+        bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab)
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, 0)
+        allowed = logits.new_full(logits.shape, float("-inf"))
+        head = logits[:self.vocab].unsqueeze(0).clone()
+        llguidance.torch.apply_token_bitmask_inplace(head, bitmask)
+        allowed[:self.vocab] = head[0]
+        return allowed
+
+    def consume(self, token: int) -> None:
+        """Advance past the chosen ``token`` (one the mask allowed)."""
+        self.matcher.consume_token(token)
+
+
 class TokenPicker:
     """Chooses one choice's tokens step by step: adjusts the logits by the penalties (counting
     the tokens it picked) and ``logit_bias``, samples, and records log-probabilities when the
@@ -91,12 +140,14 @@ class TokenPicker:
         vocab_size: length of the logits it will be given.
         params: the choice's settings; ``logit_bias`` ids must be below ``vocab_size``.
         generator: seeded generator of the choice (None: torch's global one).
+        grammar: the choice's output grammar (``params.json_schema``, :class:`GrammarMask`), or None.
     Raises:
         ValueError: a ``logit_bias`` id outside the vocabulary.
     """
 
-    def __init__(self, vocab_size: int, params: SamplingParams, generator: torch.Generator | None = None) -> None:
-        self.params, self.generator = params, generator
+    def __init__(self, vocab_size: int, params: SamplingParams, generator: torch.Generator | None = None,
+                 grammar: GrammarMask | None = None) -> None:
+        self.params, self.generator, self.grammar = params, generator, grammar
         # generated-token counts: read only by the penalties, so kept only when one is asked for
         self.counts = (torch.zeros(vocab_size, dtype=torch.float32)
                        if params.frequency_penalty or params.presence_penalty else None)
@@ -115,7 +166,11 @@ class TokenPicker:
         if self._adjusts:
             logits = adjust_logits(logits, self.counts, frequency_penalty=p.frequency_penalty,
                                    presence_penalty=p.presence_penalty, bias=self.bias)
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits)
         token = sample_token(logits, temperature=p.temperature, top_p=p.top_p, generator=self.generator)
+        if self.grammar is not None:
+            self.grammar.consume(token)
         if self.counts is not None:
             self.counts[token] += 1
         logprob = None if p.top_logprobs is None else token_logprob(logits, token, p.top_logprobs)
@@ -227,7 +282,8 @@ class LocalEntry:
 
     def new_chooser(self, params: SamplingParams) -> TokenPicker:
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        return TokenPicker(self.vocab_size, params, generator)
+        grammar = None if params.json_schema is None else GrammarMask(self.tokenizer, params.json_schema)
+        return TokenPicker(self.vocab_size, params, generator, grammar)
 
     async def choose(self, hidden: Activation, chooser: TokenPicker, session_id: str) -> tuple[int, TokenLogprob | None]:
         """LM head on the last position (batched with other sessions' head steps, ADR-0052) and

@@ -8,6 +8,8 @@ heartbeat, ...) keep 422 for a field that fails validation.
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
@@ -49,18 +51,20 @@ class SamplingParams:
     ``temperature`` 0 = greedy. ``frequency_penalty``/``presence_penalty`` in [-2, 2] and
     ``logit_bias`` (token id, bias in [-100, 100]) adjust the logits as in OpenAI's API
     reference (see :func:`meshnet.node.entry.adjust_logits`). ``top_logprobs`` is None
-    when no log-probabilities are wanted, else 0..20 alternatives per token.
+    when no log-probabilities are wanted, else 0..20 alternatives per token. ``json_schema`` (JSON
+    text, None: free text) constrains the output to JSON valid under that schema (ADR-0053).
     """
 
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: StrictInt | None = None
+    seed: int | None = None
     stop: tuple[str, ...] = ()
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs: int | None = None
+    json_schema: str | None = None
 
 
 def _invalid(field: str, why: str) -> InvalidRequest:
@@ -122,17 +126,51 @@ class ChatMessage(_Strict):
         return value
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: a name, the JSON Schema the output must satisfy, and
+    ``strict`` (output always satisfies the schema here: the decoding is constrained)."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+#: the schema of ``response_format: {"type": "json_object"}``: any JSON object
+ANY_OBJECT = {"type": "object"}
+
+
 class ResponseFormat(_Strict):
-    """Only plain text: meshnet has no constrained (JSON) decoding."""
+    """``text`` (free text), ``json_object`` (a JSON object) or ``json_schema`` (JSON valid under the
+    given schema): the two JSON kinds decode under a grammar (llguidance, ADR-0053), so the output
+    always parses, unless ``max_tokens`` cuts it (``finish_reason: "length"``)."""
 
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, value):
-        if value != "text":
-            raise _unsupported(f"response_format type {value!r} (only 'text')")
-        return value
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise _invalid("response_format.json_schema", "is required with type json_schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise _invalid("response_format.json_schema", "is only allowed with type json_schema")
+        schema = self.schema()
+        if schema is not None:
+            import llguidance
+
+            error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(schema))
+            if error:
+                raise InvalidRequest(f"invalid field 'response_format.json_schema.schema': {error}",
+                                     code="invalid_field", param="response_format.json_schema.schema")
+        return self
+
+    def schema(self) -> dict | None:
+        """The JSON Schema the output must satisfy (None: free text)."""
+        if self.type == "json_object":
+            return ANY_OBJECT
+        if self.type == "json_schema":
+            return self.json_schema.schema_ or ANY_OBJECT
+        return None
 
 
 class StreamOptions(_Strict):
@@ -255,8 +293,10 @@ class ChatRequest(_Generation):
 
     def sampling(self) -> SamplingParams:
         """Settings of choice 0 (:meth:`for_choice` derives the others)."""
-        return self._sampling(self.max_completion_tokens or self.max_tokens or 256,
-                              (self.top_logprobs or 0) if self.logprobs else None)
+        params = self._sampling(self.max_completion_tokens or self.max_tokens or 256,
+                                (self.top_logprobs or 0) if self.logprobs else None)
+        schema = None if self.response_format is None else self.response_format.schema()
+        return params if schema is None else replace(params, json_schema=json.dumps(schema, sort_keys=True))
 
 
 #: most log-probabilities per token a text completion returns (OpenAI's ``logprobs`` bound)

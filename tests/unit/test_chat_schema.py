@@ -67,7 +67,6 @@ def test_the_seed_error_states_the_accepted_range():
     ({"metadata": {"k": "v"}}, "metadata"),
     ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"store": True}, "store"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
     ({"temprature": 0.5}, "temprature"),
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages.0.tool_calls"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -130,3 +129,24 @@ def test_a_value_of_the_wrong_json_type_is_400_not_coerced(field, value):
     with pytest.raises(InvalidRequest) as info:
         parse(**{field: value})
     assert info.value.status == 400 and info.value.param == field
+
+
+def test_json_response_formats_carry_their_schema_into_the_sampling():
+    assert parse(response_format={"type": "text"}).sampling().json_schema is None
+    assert json.loads(parse(response_format={"type": "json_object"}).sampling().json_schema) == {"type": "object"}
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}}
+    assert json.loads(parse(response_format=fmt).sampling().json_schema) == schema
+
+
+@pytest.mark.parametrize("fmt, param", [
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "json_object", "json_schema": {"name": "x"}}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}},
+     "response_format.json_schema.schema"),
+    ({"type": "yaml"}, "response_format.type"),
+])
+def test_a_bad_response_format_is_400_naming_the_field(fmt, param):
+    with pytest.raises(InvalidRequest) as info:
+        parse(response_format=fmt)
+    assert info.value.status == 400 and info.value.param == param
