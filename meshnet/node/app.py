@@ -207,7 +207,8 @@ def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | Non
     entries = [s for s in node.runtime.slots.values() if s.shard.is_entry]
     slot = next((s for s in entries if wanted in (None, s.model)), None)
     if slot is None:
-        raise NotFound(f"this node serves no entry shard of {model or 'any model'}", code="model_not_found")
+        raise NotFound(f"this node serves no entry shard of {model or 'any model'}", code="model_not_found",
+                       param="model", hint="GET /v1/models lists the models this node answers for")
     agent = node.agent
 
     async def routes(name, layers, exclude, session_id) -> MeshRoute:

@@ -164,8 +164,8 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
         elif num_layers:
             info = ModelInfo(name, num_layers, {"bfloat16": 1})
         else:
-            raise NotFound(f"unknown model {name!r}", code="model_not_found",
-                           hint="use a preset name (`meshnet models list`)")
+            raise NotFound(f"unknown model {name!r}", code="model_not_found", param="model",
+                           hint="GET /v1/models lists the models served; `meshnet models list` the presets")
         self.models[info.name] = info
         return info
 

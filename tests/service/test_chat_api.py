@@ -95,7 +95,7 @@ def sse_chunks(resp) -> list[dict]:
     ({"seed": 2**64}, "invalid_field", "seed"),
     ({"n": 9}, "invalid_field", "n"),
     ({"logit_bias": {"512": 1}}, "invalid_field", "logit_bias"),  # tiny-llama's vocabulary is 0..511
-    ({"response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format.type"),
+    ({"response_format": {"type": "yaml"}}, "invalid_field", "response_format.type"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter", "tools"),
     ({"frobnicate": 1}, "unsupported_parameter", "frobnicate"),
 ])
