@@ -20,7 +20,8 @@ from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.gateway.openai_api import choices_for, choice_deltas, fit_context, meshnet_block, token_text
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator
 from meshnet.protocol.http import sse_error
-from meshnet.protocol.openai import CompletionRequest, SamplingParams
+from meshnet.protocol.completions import CompletionRequest
+from meshnet.protocol.openai import SamplingParams
 
 
 def prompt_ids(orchestrator: Orchestrator, prompt: str | list[int], index: int) -> list[int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -34,6 +35,7 @@ from starlette.responses import Response, StreamingResponse
 from meshnet.cpu import off_loop
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator
+from meshnet.gateway.tools import parse_answer, prompt_messages
 from meshnet.gateway.entry import TokenLogprob
 from meshnet.protocol.http import error_response, sse_error
 from meshnet.protocol.openai import ChatRequest, SamplingParams, for_choice, parse_chat_request, read_chat_request
@@ -194,7 +196,7 @@ async def prepare(orchestrator: Orchestrator, req: ChatRequest) -> tuple[list[in
     if bad:
         raise InvalidRequest(f"invalid field 'logit_bias': token id {bad[0]} is outside the vocabulary "
                              f"(0..{orchestrator.vocab_size - 1})", code="invalid_field", param="logit_bias")
-    prompt = await off_loop(encode_prompt, orchestrator, [m.model_dump(exclude_none=True) for m in req.messages])
+    prompt = await off_loop(encode_prompt, orchestrator, prompt_messages(req))
     return prompt, fit_context(orchestrator, prompt, params)
 
 
@@ -322,19 +324,45 @@ async def complete(orchestrator: Orchestrator, model: str, req: ChatRequest,
     texts = [""] * req.n
     async for i, piece, _ in choice_deltas(orchestrator, prompt, params_n, stats, disconnected):
         texts[i] += piece or ""
+    answers = [parse_answer(text, req) for text in texts]
 
     def render() -> bytes:
         # up to n * max_tokens * (1 + top_logprobs) entries: built and serialised off the event loop
-        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+        choices = [{"index": i, "message": {"role": "assistant", "content": answers[i][0],
+                                            **({"tool_calls": answers[i][1]} if answers[i][1] else {})},
                     "logprobs": ({"content": logprob_entries(orchestrator.tokenizer, stats[i].logprobs),
                                   "refusal": None} if params.top_logprobs is not None else None),
-                    "finish_reason": stats[i].finish_reason} for i in range(req.n)]
+                    "finish_reason": "tool_calls" if answers[i][1] else stats[i].finish_reason}
+                   for i in range(req.n)]
         return json.dumps({
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage(stats), "meshnet": meshnet_block(stats)},
             ensure_ascii=False, separators=(",", ":")).encode()
 
     return Response(await off_loop(render), media_type="application/json")
+
+
+def _chunk(head: dict, want_logprobs: bool, include_usage: bool, index: int | None, delta: dict | None = None,
+           finish: str | None = None, logprobs=None, **extra) -> str:
+    """One ``chat.completion.chunk`` event (``head``: its id, object, created and model)."""
+    choices = []
+    if index is not None:
+        choice = {"index": index, "delta": delta or {}, "finish_reason": finish}
+        if want_logprobs:
+            choice["logprobs"] = None if logprobs is None else {"content": logprobs, "refusal": None}
+        choices.append(choice)
+    body = {**head, "choices": choices, **({"usage": None} if include_usage else {}), **extra}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def _answer_deltas(text: str, req: ChatRequest) -> tuple[list[dict], str | None]:
+    """The deltas of a held answer that may hold tool calls (its content, then its ``tool_calls``
+    in OpenAI's streamed shape) and the finish reason they imply (None: the generation's own)."""
+    content, calls = parse_answer(text, req)
+    deltas = [{"content": content}] if content else []
+    if calls:
+        deltas.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
+    return deltas, "tool_calls" if calls else None
 
 
 async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> StreamingResponse:
@@ -344,7 +372,9 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
     the last of those also carries meshnet's ``meshnet`` block. Usage is sent only when asked, as
     in OpenAI's API: with ``stream_options.include_usage`` every chunk has ``"usage": null`` but a
     final one with no choices, which carries the whole request's ``usage`` (summing the chunks'
-    usage counts it once). An error after the first event is sent as an ``{"error": ...}`` event.
+    usage counts it once). An answer that may call tools is sent once whole: its content, then its
+    ``tool_calls`` (:mod:`meshnet.gateway.tools`). An error after the first event is sent as an
+    ``{"error": ...}`` event.
     """
     cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     arrived_s = time.perf_counter()
@@ -353,17 +383,10 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
     want_logprobs = params.top_logprobs is not None
     include_usage = req.stream_options is not None and req.stream_options.include_usage
 
-    def chunk(index: int | None, delta: dict | None = None, finish: str | None = None, logprobs=None,
-              **extra) -> str:
-        choices = []
-        if index is not None:
-            choice = {"index": index, "delta": delta or {}, "finish_reason": finish}
-            if want_logprobs:
-                choice["logprobs"] = None if logprobs is None else {"content": logprobs, "refusal": None}
-            choices.append(choice)
-        body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": choices, **({"usage": None} if include_usage else {}), **extra}
-        return f"data: {json.dumps(body)}\n\n"
+    chunk = functools.partial(_chunk, {"id": cid, "object": "chat.completion.chunk", "created": created,
+                                       "model": model}, want_logprobs, include_usage)
+    tooled = bool(req.calling_tools())  # an answer that may hold calls is sent once it is whole
+    held = [""] * req.n
 
     async def events() -> AsyncIterator[str | bytes]:
         for i in range(req.n):
@@ -375,12 +398,19 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
                 if want_logprobs:
                     entries = logprob_entries(orchestrator.tokenizer, stats[i].logprobs[sent[i]:count])
                     sent[i] = count
+                if piece is not None and tooled:
+                    held[i] += piece
+                    continue
                 if piece is not None:
                     yield chunk(i, {"content": piece}, logprobs=entries)
                     continue
+                deltas, finish = _answer_deltas(held[i], req) if tooled else ([], None)
+                finish = finish or stats[i].finish_reason
+                for delta in deltas:
+                    yield chunk(i, delta)
                 finished += 1
                 extra = {"meshnet": meshnet_block(stats)} if finished == req.n else {}
-                yield chunk(i, {}, stats[i].finish_reason, logprobs=entries or None, **extra)
+                yield chunk(i, {}, finish, logprobs=entries or None, **extra)
         except MeshnetError as exc:
             yield sse_error(exc)
             return

@@ -68,7 +68,8 @@ from meshnet.node.settings import NodeSettings
 from meshnet.node.callers import TrackerLink, admit_hop, advertised_endpoint, asked_by_tracker, check_release
 from meshnet.node.streams import ChainHost, stream_endpoint
 from meshnet.protocol.control import CapabilityReport, DoctorResponse, QuarantineReport
-from meshnet.protocol.openai import model_entry, model_not_found, read_completion_request
+from meshnet.protocol.completions import read_completion_request
+from meshnet.protocol.openai import model_entry, model_not_found
 from meshnet.protocol.route import Route as MeshRoute
 from meshnet.protocol.tickets import HEADER_TICKET, VerifiedTickets
 from meshnet.protocol.traffic import NodeTraffic

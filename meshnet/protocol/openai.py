@@ -35,8 +35,8 @@ PARSE_OFF_LOOP_BYTES = 64 * 1024
 #: of them (other than ``null``) is a 400 ``unsupported_parameter`` naming it: silently dropping
 #: a parameter would return an answer the client did not ask for.
 UNSUPPORTED = {
-    "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
-    "functions": "function calling", "function_call": "function calling",
+    "functions": "the legacy function calling (send tools and tool_choice)",
+    "function_call": "the legacy function calling (send tools and tool_choice)",
     "audio": "audio output", "modalities": "output modalities other than text",
     "prediction": "predicted outputs", "web_search_options": "web search",
     "reasoning_effort": "reasoning models", "service_tier": "service tiers",
@@ -83,15 +83,43 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class FunctionCall(_Strict):
+    """A call the assistant made: the function's ``name`` and its ``arguments`` as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """One entry of an assistant message's ``tool_calls``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     """One message, as OpenAI's API accepts it: ``name`` (the template may render it) and an
-    assistant's earlier ``refusal`` are taken, explicit ``null``s count as not sent; the tool
-    fields are refused (meshnet has no tool calls yet)."""
+    assistant's earlier ``refusal`` are taken, explicit ``null``s count as not sent. An assistant
+    message may carry ``tool_calls`` (its ``content`` then may be null); a ``tool`` message answers
+    the call named by its ``tool_call_id``."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | None = None
     name: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls are only on assistant messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only on an assistant message with tool_calls)")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -115,15 +143,42 @@ class ChatMessage(_Strict):
 
     @field_validator("content")
     @classmethod
-    def _unicode(cls, value: str) -> str:
+    def _unicode(cls, value: str | None) -> str | None:
         """Text the tokenizer can read: a lone UTF-16 surrogate (``"\\ud800"`` in the JSON) is no
         character, and is refused here rather than failing inside the tokenizer."""
+        if value is None:
+            return value
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise ValueError(f"not valid Unicode text: a lone surrogate {value[exc.start]!r} at character "
                              f"{exc.start}") from None
         return value
+
+
+class ToolFunction(_Strict):
+    """A function the model may call: its ``name``, what it does, and its arguments' JSON Schema."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming one function: the answer is a call of it."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(_Strict):
@@ -272,6 +327,9 @@ class ChatRequest(_Generation):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=TOP_LOGPROBS_MAX)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     store: bool | None = None
     #: meshnet extension: turn pipelined prefill off for this request (benchmarks compare both)
     pipelined_prefill: bool | None = None
@@ -289,74 +347,57 @@ class ChatRequest(_Generation):
             raise _invalid("top_logprobs", "needs logprobs: true")
         if self.stream_options is not None and not self.stream:
             raise _invalid("stream_options", "is only allowed with stream: true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise _invalid("tool_choice", "needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and \
+                self.tool_choice.function.name not in {t.function.name for t in self.tools}:
+            raise _invalid("tool_choice", f"names {self.tool_choice.function.name!r}, which is not in tools")
+        if self.forced_tools() and self.response_format is not None and self.response_format.type != "text":
+            raise _invalid("response_format", "cannot constrain an answer that must be a tool call")
         return self
 
+    def calling_tools(self) -> list[Tool]:
+        """The tools the model may call in this answer (none with ``tool_choice: "none"``)."""
+        return [] if not self.tools or self.tool_choice == "none" else list(self.tools)
+
+    def forced_tools(self) -> list[Tool]:
+        """The tools one of which the answer must call (``required``: any; a named one: it), else []."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
+        return list(self.tools or []) if self.tool_choice == "required" else []
+
     def sampling(self) -> SamplingParams:
-        """Settings of choice 0 (:meth:`for_choice` derives the others)."""
+        """Settings of choice 0 (:meth:`for_choice` derives the others). A forced tool call decodes
+        under its call's schema (``{"name": ..., "arguments": {...}}``, ADR-0053)."""
+        forced = self.forced_tools()
+        if forced:
+            params = self._sampling(self.max_completion_tokens or self.max_tokens or 256,
+                                    (self.top_logprobs or 0) if self.logprobs else None)
+            return replace(params, json_schema=json.dumps(call_schema(forced), sort_keys=True))
         params = self._sampling(self.max_completion_tokens or self.max_tokens or 256,
                                 (self.top_logprobs or 0) if self.logprobs else None)
         schema = None if self.response_format is None else self.response_format.schema()
         return params if schema is None else replace(params, json_schema=json.dumps(schema, sort_keys=True))
 
 
-#: most log-probabilities per token a text completion returns (OpenAI's ``logprobs`` bound)
-COMPLETION_LOGPROBS_MAX = 5
+def _arguments(parameters: dict | None) -> dict:
+    """A tool's arguments schema for constrained decoding: an object schema that does not say
+    whether other keys are allowed allows none (as OpenAI's strict function calling), so a model
+    cannot spend its tokens inventing keys."""
+    if not parameters:
+        return {"type": "object"}
+    if parameters.get("type") == "object" and "properties" in parameters and "additionalProperties" not in parameters:
+        return {**parameters, "additionalProperties": False}
+    return parameters
 
 
-class CompletionRequest(_Generation):
-    """OpenAI's legacy text completion request (``POST /v1/completions``).
-
-    ``prompt`` is a string, a list of strings, a list of token ids or a list of such lists; each
-    prompt gets ``n`` choices, indexed prompt by prompt. ``echo`` puts the prompt's text before
-    each completion; ``logprobs`` (0..5) returns the chosen token's and the most likely tokens'
-    log-probabilities of each completion token. ``max_tokens`` defaults to 16 as in OpenAI's API
-    and may be 0 only with ``echo``. Refused with a 400: ``suffix``, ``best_of`` (other than 1),
-    and ``echo`` with ``logprobs`` (the prompt's own log-probabilities are not computed yet).
-    """
-
-    unsupported: ClassVar[dict[str, str]] = {"suffix": "suffixes (insertion)"}
-
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: StrictInt = Field(default=16, ge=0, le=8192)
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=COMPLETION_LOGPROBS_MAX)
-    echo: StrictBool = False
-    best_of: StrictInt | None = Field(default=None, ge=1, le=1)
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, value):
-        prompts = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else value
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("needs at least one non-empty prompt")
-        for p in prompts:
-            if isinstance(p, str):
-                try:
-                    p.encode("utf-8")
-                except UnicodeEncodeError as exc:
-                    raise ValueError(f"not valid Unicode text: a lone surrogate at character {exc.start}") from None
-        return value
-
-    @model_validator(mode="after")
-    def _dependent_fields(self):
-        if self.max_tokens == 0 and not self.echo:
-            raise _invalid("max_tokens", "may be 0 only with echo: true (scoring a prompt)")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequest("unsupported parameter 'logprobs': meshnet does not return the prompt's "
-                                 "log-probabilities (echo with logprobs) yet", code="unsupported_parameter",
-                                 param="logprobs")
-        if self.stream_options is not None and not self.stream:
-            raise _invalid("stream_options", "is only allowed with stream: true")
-        return self
-
-    def prompts(self) -> list[str | list[int]]:
-        """Each prompt: a text or a list of token ids."""
-        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
-            return [self.prompt]
-        return list(self.prompt)
-
-    def sampling(self) -> SamplingParams:
-        """Settings of choice 0 of each prompt (:meth:`for_choice` derives the others)."""
-        return self._sampling(self.max_tokens, self.logprobs)
+def call_schema(tools: list[Tool]) -> dict:
+    """The JSON Schema of one call of one of ``tools``: ``{"name": <its name>, "arguments": <its
+    parameters>}`` (any object where a tool gives no parameters)."""
+    options = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                 "arguments": _arguments(t.function.parameters)},
+                "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    return options[0] if len(options) == 1 else {"anyOf": options}
 
 
 def for_choice(params: SamplingParams, index: int) -> SamplingParams:
@@ -368,22 +409,10 @@ def for_choice(params: SamplingParams, index: int) -> SamplingParams:
     return replace(params, seed=(params.seed + index) % (SEED_MAX + 1))
 
 
-def parse_completion_request(body: bytes) -> CompletionRequest:
-    """Validate a text completion body; every failure is a 400 naming the field."""
-    return validate_json(CompletionRequest, body, status=400, unknown_is_unsupported=True)
-
-
 def parse_chat_request(body: bytes) -> ChatRequest:
     """Validate a chat completion body; every failure is a 400 naming the field (see
     :func:`validate_json`)."""
     return validate_json(ChatRequest, body, status=400, unknown_is_unsupported=True)
-
-
-async def read_completion_request(body: bytes) -> CompletionRequest:
-    """:func:`parse_completion_request`, off the event loop for a big body (see :func:`read_chat_request`)."""
-    if len(body) > PARSE_OFF_LOOP_BYTES:
-        return await off_loop(parse_completion_request, body)
-    return parse_completion_request(body)
 
 
 async def read_chat_request(body: bytes) -> ChatRequest:

@@ -41,7 +41,8 @@ from starlette.routing import Route
 from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.protocol.http import BodyLimit, error_response, http_error
-from meshnet.protocol.openai import model_entry, model_not_found, read_chat_request, read_completion_request
+from meshnet.protocol.completions import read_completion_request
+from meshnet.protocol.openai import model_entry, model_not_found, read_chat_request
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name, default_model, model_aliases
 from meshnet.tracker import operator, proxy, views

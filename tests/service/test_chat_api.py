@@ -96,7 +96,7 @@ def sse_chunks(resp) -> list[dict]:
     ({"n": 9}, "invalid_field", "n"),
     ({"logit_bias": {"512": 1}}, "invalid_field", "logit_bias"),  # tiny-llama's vocabulary is 0..511
     ({"response_format": {"type": "yaml"}}, "invalid_field", "response_format.type"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter", "tools"),
+    ({"tool_choice": "required"}, "invalid_field", "tool_choice"),  # no tools to call
     ({"frobnicate": 1}, "unsupported_parameter", "frobnicate"),
 ])
 @pytest.mark.parametrize("stream", [False, True])

@@ -73,3 +73,40 @@ async def test_free_text_is_unchanged_by_the_grammar_machinery(entry):
     plain = (await entry.post(URL, json=body)).json()["meshnet"]["completion_token_ids"]
     text = (await entry.post(URL, json={**body, "response_format": {"type": "text"}})).json()
     assert text["meshnet"]["completion_token_ids"] == plain
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_forced_tool_call_is_a_valid_call_even_from_a_tiny_random_model(entry, stream):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
+            "temperature": 0, "tools": [WEATHER], "tool_choice": "required", "stream": stream}
+    resp = await entry.post(URL, json=body)
+    assert resp.status_code == 200, resp.text
+    if stream:
+        chunks = [json.loads(e.removeprefix("data: ")) for e in resp.text.split("\n\n") if e and e != "data: [DONE]"]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+        assert len(calls) == 1 and calls[0][0]["index"] == 0
+        call, finish = calls[0][0], chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        choice = resp.json()["choices"][0]
+        assert choice["message"]["content"] is None and len(choice["message"]["tool_calls"]) == 1
+        call, finish = choice["message"]["tool_calls"][0], choice["finish_reason"]
+    assert finish == "tool_calls" and call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
+
+
+async def test_a_conversation_with_an_earlier_call_and_its_answer_is_accepted(entry):
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]}
+    resp = await entry.post(URL, json=body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")

@@ -56,9 +56,6 @@ def test_the_seed_error_states_the_accepted_range():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
     ({"audio": {"voice": "x"}}, "audio"),
@@ -68,7 +65,7 @@ def test_the_seed_error_states_the_accepted_range():
     ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"store": True}, "store"),
     ({"temprature": 0.5}, "temprature"),
-    ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages.0.tool_calls"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_chain": []}]}, "messages.0.tool_chain"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content"),
 ])
