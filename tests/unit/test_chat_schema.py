@@ -103,7 +103,7 @@ def test_a_lone_surrogate_in_a_message_is_400_naming_the_content_not_a_tokenizer
     with pytest.raises(InvalidRequest) as info:
         parse_chat_request(body)
     assert info.value.status == 400 and info.value.param == "messages.0.content"
-    assert f"lone surrogate" in info.value.message and f"at character {where}" in info.value.message
+    assert "lone surrogate" in info.value.message and f"at character {where}" in info.value.message
 
 
 def test_a_surrogate_pair_is_one_real_character_and_accepted():
