@@ -93,8 +93,8 @@ def test_openai_parameters_on_the_real_mesh(mesh):
     """Issue inputs: each accepted parameter works through three hops, each refused one is a
     400 naming it, an alias reaches the model, a huge prompt is refused at once."""
     url = f"{mesh.url}/v1/chat/completions"
-    for fields, param in (({"stop": [""]}, "stop"), ({"seed": 2**64}, "seed"), ({"tools": []}, "tools"),
-                          ({"seed": 2**64, "stream": True}, "seed")):
+    for fields, param in (({"stop": [""]}, "stop"), ({"seed": 2**64}, "seed"),
+                          ({"functions": [{"name": "f"}]}, "functions"), ({"seed": 2**64, "stream": True}, "seed")):
         resp = httpx.post(url, json={"model": REAL, "messages": FRANCE, **fields}, timeout=30)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
     data = chat(mesh, FRANCE, n=3, logprobs=True, top_logprobs=3, max_tokens=4)
