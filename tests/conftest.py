@@ -65,6 +65,27 @@ def tiny_model_path(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def whole_tiny_runtime(tiny_model_path):
+    """A float32 :class:`NodeRuntime` holding all four layers of tiny-llama: an entry node by itself."""
+    from meshnet.layers import LayerRange
+    from meshnet.node.runtime import NodeRuntime
+
+    runtime = NodeRuntime(max_loaded_shards=1, compute_dtype="float32")
+    runtime.load("tiny-llama", tiny_model_path("tiny-llama"), LayerRange(0, 4))
+    return runtime
+
+
+@pytest.fixture
+async def whole_tiny_entry(asgi_client, whole_tiny_runtime):
+    """An HTTP client of that runtime's node app (node ``entry``, float32 wire, no tracker)."""
+    from meshnet.node.app import build_app
+    from meshnet.node.settings import NodeSettings
+
+    app = build_app(NodeSettings(node_id="entry", port=8810, wire_dtype="float32"), runtime=whole_tiny_runtime)
+    return await asgi_client(app, "http://entry")
+
+
 @pytest.fixture(scope="session")
 def tiny_shard(tiny_model_path):
     """``tiny_shard(name, start, end, load_head=None) -> ShardModel`` (float32, half-open range, cached)."""

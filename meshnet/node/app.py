@@ -69,7 +69,7 @@ from meshnet.node.callers import TrackerLink, admit_hop, advertised_endpoint, as
 from meshnet.node.streams import ChainHost, stream_endpoint
 from meshnet.protocol.control import CapabilityReport, DoctorResponse, QuarantineReport
 from meshnet.protocol.completions import read_completion_request
-from meshnet.protocol.openai import model_entry, model_not_found
+from meshnet.protocol.openai import find_model, model_entry
 from meshnet.protocol.route import Route as MeshRoute
 from meshnet.protocol.tickets import HEADER_TICKET, VerifiedTickets
 from meshnet.protocol.traffic import NodeTraffic
@@ -287,11 +287,8 @@ async def list_models(request: Request) -> JSONResponse:
 
 async def get_model(request: Request) -> JSONResponse:
     """``GET /v1/models/{id}`` (an alias too); 404 ``model_not_found`` for a model it does not serve."""
-    name = canonical_model_name(request.path_params["model"])
-    entry = next((e for e in _model_entries(_state(request)) if e["id"] == name), None)
-    if entry is None:
-        raise model_not_found(request.path_params["model"])
-    return JSONResponse(entry)
+    asked = request.path_params["model"]
+    return JSONResponse(find_model(_model_entries(_state(request)), asked, canonical_model_name(asked)))
 
 
 async def doctor(request: Request) -> JSONResponse:

@@ -100,6 +100,7 @@ class GrammarMask:
     def __init__(self, tokenizer, json_schema: str) -> None:
         import llguidance
         import llguidance.hf
+        import llguidance.torch
 
         lltok = _GRAMMAR_TOKENIZERS.get(tokenizer)
         if lltok is None:
@@ -113,12 +114,13 @@ class GrammarMask:
             raise InvalidRequest(f"invalid field 'response_format': {self.matcher.get_error()}",
                                  code="invalid_field", param="response_format")
         self.vocab = lltok.vocab_size
+        self.bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab)  # one per choice, refilled each token
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` ``[vocab]`` float32 with the disallowed tokens at -inf (a new tensor)."""
         import llguidance.torch
 
-        bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab)
+        bitmask = self.bitmask
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, 0)
         allowed = logits.new_full(logits.shape, float("-inf"))
         head = logits[:self.vocab].unsqueeze(0).clone()

@@ -429,6 +429,19 @@ def model_entry(name: str, created: float, **extra) -> dict:
     return {"id": name, "object": "model", "created": int(created), "owned_by": "meshnet", **extra}
 
 
+def find_model(entries: list[dict], asked: str, canonical: str) -> dict:
+    """The entry of ``GET /v1/models/{id}``: the one of ``entries`` whose id is ``canonical`` (the
+    asked name or alias resolved).
+
+    Raises:
+        NotFound: 404 ``model_not_found`` naming ``asked``.
+    """
+    entry = next((e for e in entries if e["id"] == canonical), None)
+    if entry is None:
+        raise model_not_found(asked)
+    return entry
+
+
 def model_not_found(name: str) -> NotFound:
     """The 404 of ``GET /v1/models/{id}`` for a model this process does not serve (OpenAI's code)."""
     return NotFound(f"the model {name!r} does not exist here", code="model_not_found", param="model",

@@ -42,7 +42,7 @@ from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.protocol.http import BodyLimit, error_response, http_error
 from meshnet.protocol.completions import read_completion_request
-from meshnet.protocol.openai import model_entry, model_not_found, read_chat_request
+from meshnet.protocol.openai import find_model, model_entry, read_chat_request
 from meshnet.layers import LayerRange
 from meshnet.presets import canonical_model_name, default_model, model_aliases
 from meshnet.tracker import operator, proxy, views
@@ -202,11 +202,8 @@ async def models(request: Request) -> JSONResponse:
 
 async def get_model(request: Request) -> JSONResponse:
     """``GET /v1/models/{id}`` (an alias too); 404 ``model_not_found`` for a model the tracker does not keep."""
-    name = canonical_model_name(request.path_params["model"])
-    entry = next((e for e in _model_entries(_svc(request)) if e["id"] == name), None)
-    if entry is None:
-        raise model_not_found(request.path_params["model"])
-    return JSONResponse(entry)
+    asked = request.path_params["model"]
+    return JSONResponse(find_model(_model_entries(_svc(request)), asked, canonical_model_name(asked)))
 
 
 async def health(request: Request) -> JSONResponse:

@@ -8,10 +8,6 @@ import json
 
 import pytest
 
-from meshnet.layers import LayerRange
-from meshnet.node.app import build_app
-from meshnet.node.runtime import NodeRuntime
-from meshnet.node.settings import NodeSettings
 
 MODEL = "tiny-llama"
 URL = "/v1/chat/completions"
@@ -22,17 +18,9 @@ SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "c
           "required": ["answer", "confidence"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def runtime(tiny_model_path) -> NodeRuntime:
-    rt = NodeRuntime(max_loaded_shards=1, compute_dtype="float32")
-    rt.load(MODEL, tiny_model_path(MODEL), LayerRange(0, 4))
-    return rt
-
-
 @pytest.fixture
-async def entry(asgi_client, runtime):
-    return await asgi_client(build_app(NodeSettings(node_id="entry", port=8811, wire_dtype="float32"),
-                                       runtime=runtime), "http://entry")
+def entry(whole_tiny_entry):
+    return whole_tiny_entry
 
 
 def fits(text: str) -> dict:
@@ -101,7 +89,7 @@ async def test_a_forced_tool_call_is_a_valid_call_even_from_a_tiny_random_model(
     assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
 
 
-async def test_a_conversation_with_an_earlier_call_and_its_answer_is_accepted(entry):
+async def test_a_conversation_with_an_earlier_call_and_its_answer_is_accepted(entry, tiny_model_path):
     body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "tools": [WEATHER], "messages": [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -109,4 +97,13 @@ async def test_a_conversation_with_an_earlier_call_and_its_answer_is_accepted(en
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]}
     resp = await entry.post(URL, json=body)
     assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+    from transformers import AutoTokenizer
+
+    from meshnet.gateway.tools import prompt_messages
+    from meshnet.node.entry import chat_token_ids
+    from meshnet.protocol.openai import parse_chat_request
+
+    rendered = prompt_messages(parse_chat_request(json.dumps(body).encode()))
+    assert "<tool_response>\n18 C\n</tool_response>" in rendered[-1]["content"]  # the call and its answer rendered
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path(MODEL))
+    assert resp.json()["usage"]["prompt_tokens"] == len(chat_token_ids(tokenizer, rendered))

@@ -8,26 +8,14 @@ import json
 import pytest
 import torch
 
-from meshnet.layers import LayerRange
-from meshnet.node.app import build_app
-from meshnet.node.runtime import NodeRuntime
-from meshnet.node.settings import NodeSettings
 
 MODEL = "tiny-llama"
 URL = "/v1/completions"
 
 
-@pytest.fixture(scope="module")
-def runtime(tiny_model_path) -> NodeRuntime:
-    rt = NodeRuntime(max_loaded_shards=1, compute_dtype="float32")
-    rt.load(MODEL, tiny_model_path(MODEL), LayerRange(0, 4))
-    return rt
-
-
 @pytest.fixture
-async def entry(asgi_client, runtime):
-    return await asgi_client(build_app(NodeSettings(node_id="entry", port=8810, wire_dtype="float32"),
-                                       runtime=runtime), "http://entry")
+def entry(whole_tiny_entry):
+    return whole_tiny_entry
 
 
 def generate(tiny_model_path, ids: list[int], n: int) -> list[int]:
