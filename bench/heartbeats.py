@@ -111,7 +111,7 @@ async def heartbeat_window(client: httpx.AsyncClient, signers: list[NodeSigner],
 
 
 #: the PostgreSQL server a scratch database is made on
-PG_SERVER = os.environ.get("MESHNET_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/test")
+PG_SERVER = os.environ.get("MESHNET_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 BACKENDS = ("sqlite", "postgresql")
 
 

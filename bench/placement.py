@@ -186,7 +186,7 @@ async def timed_rebalance(svc: TrackerService) -> dict[str, float]:
 
 
 #: the PostgreSQL server a scratch database is made on (``off``: sqlite only)
-PG_SERVER = os.environ.get("MESHNET_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/test")
+PG_SERVER = os.environ.get("MESHNET_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
 @contextlib.contextmanager

