@@ -58,6 +58,11 @@ def _raise_for(resp: httpx.Response, what: str) -> None:
 
 #: seconds to connect before a call fails as unreachable (the whole call may take ``timeout_s``)
 CONNECT_TIMEOUT_S = 5.0
+#: seconds a client of several equal services (every tracker of one database) waits for an
+#: answer to a call that is safe to send again (reads, heartbeats, registrations) before it takes
+#: that one as hung and sends the call to the next (ADR-0054): a process frozen by the OS or a
+#: debugger still accepts connections, so only a deadline tells it from a slow one
+ANSWER_DEADLINE_S = 3.0
 
 
 def _parse(model: type[T], body: Any, what: str) -> T:
@@ -96,10 +101,12 @@ class _Base:
 
     ``url``: a base URL, several separated by commas, or a list of them. Calls go to the one that
     answered last (:attr:`url`, the first at the start). When it cannot be connected to, the call
-    goes to the next at once (nothing was sent); when it fails later (a timeout, a dropped
-    connection) the call fails, since it may have been carried out, and the next call goes to
-    the next URL. ``token``: the operator's bearer token; ``auth``: httpx auth applied to every
-    call (a node passes its :class:`NodeSigner`).
+    goes to the next at once (nothing was sent). A call that is safe to send again (``GET``, or
+    ``retry=True``: heartbeats, registrations, reports) waits at most :attr:`answer_deadline_s`
+    for an answer when there are several URLs, then goes to the next; any other call that fails
+    later (a timeout, a dropped connection) fails, since it may have been carried out, and the
+    next call goes to the next URL. ``token``: the operator's bearer token; ``auth``: httpx auth
+    applied to every call (a node passes its :class:`NodeSigner`).
 
     Raises:
         InvalidRequest (``invalid_endpoint``): a URL is not a usable base URL.
@@ -112,15 +119,21 @@ class _Base:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
         self.http = httpx.AsyncClient(headers=headers, timeout=timeout, transport=transport, auth=auth)
+        self.answer_deadline_s = ANSWER_DEADLINE_S
 
-    async def _request(self, method: str, path: str, what: str, **kw) -> httpx.Response:
-        """Send to :attr:`url`, moving on to the next URL as the class says.
+    async def _request(self, method: str, path: str, what: str, *, retry: bool | None = None,
+                       **kw) -> httpx.Response:
+        """Send to :attr:`url`, moving on to the next URL as the class says (``retry``: the call
+        may be sent again; default: only a ``GET``).
 
         Raises:
             MeshnetError (503 ``unreachable``): no URL could be reached, or the call failed midway.
         """
         start = self.urls.index(self.url)
         order = self.urls[start:] + self.urls[:start]
+        resend = (method == "GET" if retry is None else retry) and len(order) > 1
+        if resend:
+            kw.setdefault("timeout", self.answer_deadline_s)
         for i, url in enumerate(order):
             try:
                 resp = await self.http.request(method, url + path, **kw)
@@ -131,12 +144,15 @@ class _Base:
                                    code="unreachable", status=503,
                                    hint="is the service running? check --url / --tracker") from exc
             except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
+                if resend and isinstance(exc, httpx.TimeoutException) and i + 1 < len(order):
+                    log.warning("%s did not answer %s within %.1f s; trying %s", url, what, kw["timeout"], order[i + 1])
+                    continue
                 self.url = order[(i + 1) % len(order)]  # the next call tries another one
                 raise MeshnetError(f"{what}: cannot reach {url}: {type(exc).__name__}: {exc}",
                                    code="unreachable", status=503,
                                    hint="is the service running? check --url / --tracker") from exc
             if url != self.url:
-                log.warning("%s did not answer; %s did", self.url, url)
+                log.warning("%s did not answer; %s did, and takes the calls from now on", self.url, url)
                 self.url = url
             return resp
         raise AssertionError("unreachable: the loop returns or raises")
@@ -195,31 +211,31 @@ class TrackerClient(_Base):
         """
         headers = {HEADER_JOIN_TOKEN: self.join_token} if self.join_token else {}
         body = await self._call("POST", "/v1/nodes/register", "register node", json=payload.model_dump(mode="json"),
-                                headers=headers)
+                                headers=headers, retry=True)
         return _parse(RegisterResponse, body, "register node")
 
     async def heartbeat(self, node_id: str, payload: HeartbeatRequest) -> HeartbeatResponse:
         body = await self._call("POST", f"/v1/nodes/{node_id}/heartbeat", "heartbeat",
-                                json=payload.model_dump(mode="json"))
+                                json=payload.model_dump(mode="json"), retry=True)
         return _parse(HeartbeatResponse, body, "heartbeat")
 
     async def announce_drain(self, node_id: str, timeout_s: float = 5.0) -> dict:
         """Tell the tracker this node is draining: no new routes or entry choices through it."""
-        return await self._call("POST", f"/v1/nodes/{node_id}/drain", "announce drain", timeout=timeout_s)
+        return await self._call("POST", f"/v1/nodes/{node_id}/drain", "announce drain", timeout=timeout_s, retry=True)
 
     async def deregister(self, node_id: str, timeout_s: float = 5.0) -> dict:
         """Remove this node from the tracker now (instead of waiting for the heartbeat timeout)."""
-        return await self._call("DELETE", f"/v1/nodes/{node_id}", "deregister node", timeout=timeout_s)
+        return await self._call("DELETE", f"/v1/nodes/{node_id}", "deregister node", timeout=timeout_s, retry=True)
 
     async def report_failure(self, node_id: str, reason: str) -> None:
         await self._call("POST", f"/v1/nodes/{node_id}/failure", "report hop failure",
-                         json=FailureReport(reason=reason[:2000]).model_dump())
+                         json=FailureReport(reason=reason[:2000]).model_dump(), retry=True)
 
     async def report_quarantine(self, node_id: str, report: QuarantineReport) -> None:
         """Ask the tracker to quarantine ``node_id``, outvoted by a spot-check (ADR-0042; signed
         by the client's auth, an entry node's :class:`NodeSigner`)."""
         await self._call("POST", f"/v1/nodes/{node_id}/quarantine", "report a spot-check",
-                         json=report.model_dump())
+                         json=report.model_dump(), retry=True)
 
     async def _route(self, model: str, start_layer: int, end_layer: int, exclude: frozenset[str],
                      session: str | None = None, like: str | None = None) -> RouteResponse:

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from meshnet.cli.output import (JsonOpt, TokenOpt, UrlOpt, console, emit, fail, human_bytes, run, tracker_url,
                                 tracker_urls)
-from meshnet.client import NodeClient, TrackerClient, error_from_response
+from meshnet.client import ANSWER_DEADLINE_S, NodeClient, TrackerClient, error_from_response
 from meshnet.errors import MeshnetError
 
 
@@ -40,7 +40,7 @@ def chat(prompt: str = typer.Argument(..., help="The user message."),
     from meshnet.presets import default_model
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    urls = tracker_urls(url)
+    urls = _answering_first(tracker_urls(url))
     body = {"model": model or _served_model(urls, default_model()), "messages": messages, "max_tokens": max_tokens,
             "temperature": temperature, "seed": seed, "stream": stream and not as_json}
     for i, base in enumerate(urls):  # every tracker of one database: the next when one does not answer
@@ -94,15 +94,30 @@ def _chat_at(endpoint: str, body: dict, as_json: bool) -> None:
         console.print(f"[dim]route: {hops} · decode {m['decode_tokens_per_s']} tokens/s[/]", highlight=False)
 
 
+def _answering_first(urls: list[str]) -> list[str]:
+    """``urls`` (every tracker of one database) from the first that answers ``GET /v1/health``
+    within :data:`~meshnet.client.ANSWER_DEADLINE_S`, so a hung one costs one deadline, never
+    the chat's own long timeout (ADR-0054); unchanged when there is one URL or none answers."""
+    if len(urls) < 2:
+        return urls
+    for i, url in enumerate(urls):
+        try:
+            httpx.get(f"{url}/v1/health", timeout=ANSWER_DEADLINE_S)
+        except httpx.HTTPError:
+            continue
+        return urls[i:] + urls[:i]
+    return urls
+
+
 def _served_model(urls: list[str], fallback: str) -> str:
     """The model to ask when --model is not given: the default preset if the tracker (the first of
     ``urls`` that answers) routes it, else the first routable model it lists, else the default preset."""
     models = None
     for url in urls:
         try:
-            models = httpx.get(f"{url}/v1/models", timeout=5.0).json()["data"]
+            models = httpx.get(f"{url}/v1/models", timeout=ANSWER_DEADLINE_S).json()["data"]
             break
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.TimeoutException):
             continue
         except (httpx.HTTPError, ValueError, KeyError):
             return fallback

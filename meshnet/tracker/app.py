@@ -52,6 +52,7 @@ from meshnet.tracker.node_api import deregister, drain_node, failure, heartbeat,
     register, service_of as _svc, signed_by, start_challenges
 from meshnet.tracker.rebalance import rebalance_off_loop
 from meshnet.tracker.sharing import Sharing
+from meshnet.tracker.store import LeaseLost
 from meshnet.protocol.control import AssignResponse
 from meshnet.protocol.traffic import BUCKET_COUNT
 from meshnet.protocol.views import CoverageList, DemandList, DemandRow
@@ -314,6 +315,9 @@ async def control_loop(app: Starlette) -> None:
             if time.monotonic() - pruned_s >= PRUNE_INTERVAL_S:
                 pruned_s = time.monotonic()
                 await prune_directives(svc)
+        except LeaseLost as exc:  # a frozen leader woke up after its successor took over
+            log.warning("this tracker lost the lease; its write was refused: %s", exc)
+            svc.leader = False
         except Exception:  # noqa: BLE001 - the loop must survive any single bad round
             log.exception("control loop round failed")
 

@@ -218,9 +218,10 @@ class MembershipMixin:
         self._heartbeats.pop(node_id, None)
         self.verdicts = {k: v for k, v in self.verdicts.items() if k[0] != node_id}
         if self.leader or final:
-            self.store.fail_open(node_id, why)
+            term = None if final else self.store.term  # a dropout is the leader's decision: fenced
+            self.store.fail_open(node_id, why, term=term)
             if self.store.shared:
-                self.store.delete_node(node_id)
+                self.store.delete_node(node_id, term=term)
         self.dirty = True
 
     def node_row(self, node: NodeRecord) -> NodeRow:

@@ -1,11 +1,15 @@
 """Tracker state in PostgreSQL (``--db postgresql://...``), shared by several trackers (ADR-0043).
 
 The statements are :class:`~meshnet.tracker.store.TrackerStore`'s; this backend adds the
-connection (psycopg 3, autocommit, rows as dicts), the schema's column types, and leadership:
-a session-level advisory lock held on a connection of its own. The process holding it leads
-(plans and issues directives); the lock goes with that connection, so a leader that dies (even
-by SIGKILL: the server sees its socket close) frees it at once, and a standby that asks next
-takes it. The ticket key is one row of ``tracker_meta``, made by the first tracker to start.
+connection (psycopg 3, autocommit, rows as dicts, a deadline on every statement and on the
+network), the schema's column types, and leadership by lease (ADR-0054): one row of
+``tracker_lease`` names the holder, its term and an expiry on the database's clock. The leader
+renews it every control-loop round (a connection of its own); a tracker leads only while its
+lease is valid by its own monotonic clock, counted from before the renewal was sent, so it stops
+the moment it cannot renew, however long it was frozen. Every planning write carries the term
+and checks it against the row, under a share lock, in its own transaction: a leader that wakes up
+after its successor took over has its writes refused (:class:`LeaseLost`). The ticket key is one
+row of ``tracker_meta``, made by the first tracker to start.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import base64
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -27,16 +32,42 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from psycopg.rows import dict_row
 
 from meshnet.errors import MeshnetError
-from meshnet.tracker.store import _FAIL_DUPLICATES, OPEN_ONCE, SCHEMA, NewDirective, TrackerStore
+from meshnet.tracker.store import _FAIL_DUPLICATES, OPEN_ONCE, SCHEMA, LeaseLost, NewDirective, TrackerStore
 
 log = logging.getLogger(__name__)
 
-#: the advisory lock key that marks the leader (advisory locks are per database)
-LEADER_LOCK = 0x6D6573686E6574  # "meshnet"
 #: held while a tracker creates the schema, so two starting at once do not race on it
-SCHEMA_LOCK = LEADER_LOCK + 1
+#: (an advisory lock key; advisory locks are per database)
+SCHEMA_LOCK = 0x6D6573686E6575
 #: seconds to wait for the server when connecting
 CONNECT_TIMEOUT_S = 5
+#: the longest any statement may run on the server, milliseconds (a big directive batch takes
+#: well under a second; a lock wait or a stuck server ends in an error, never a hang)
+STATEMENT_TIMEOUT_MS = 10_000
+#: the network's own deadline: data unacknowledged this long, or an idle connection whose
+#: keepalive probes go unanswered (2 s idle + 3 probes 1 s apart), breaks the connection, milliseconds
+TCP_USER_TIMEOUT_MS = 5_000
+#: how long a lease lasts from a renewal, seconds; the leader renews about every second (the
+#: control loop), so a frozen or cut-off leader is replaced within this plus one round (ADR-0054)
+LEASE_S = 4.0
+#: the lease row: the holder (a tracker's origin id), its term (the fencing token: +1 at every
+#: change of holder) and the expiry on the database's clock
+LEASE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tracker_lease (
+  id INTEGER PRIMARY KEY CHECK (id = 1), holder TEXT NOT NULL, term BIGINT NOT NULL, expires_at TIMESTAMPTZ NOT NULL);
+INSERT INTO tracker_lease VALUES (1, '', 0, '-infinity') ON CONFLICT DO NOTHING;
+"""
+#: take or renew the lease: kept by its holder, taken by anyone once expired (a new term)
+_RENEW = """
+UPDATE tracker_lease SET
+  term = CASE WHEN holder = %(me)s AND expires_at > clock_timestamp() THEN term ELSE term + 1 END,
+  holder = %(me)s, expires_at = clock_timestamp() + make_interval(secs => %(lease_s)s)
+WHERE id = 1 AND (holder = %(me)s OR expires_at <= clock_timestamp())
+RETURNING term"""
+#: the lease as a write of term %(term)s must find it (held under a share lock to the commit, so
+#: the lease cannot change hands while the write is in flight)
+_FENCE = ("SELECT holder, term, expires_at > clock_timestamp() AS valid FROM tracker_lease "
+          "WHERE id = 1 FOR SHARE")
 #: a batch of directives as arrays, inserted in their order (ids drawn in that order)
 _INSERT_ARRAYS = """
 INSERT INTO directives (node_id, type, model, shard_start, shard_end, tier, status, reason, created_at, updated_at)
@@ -52,14 +83,20 @@ def _key(row: dict) -> tuple:
     return row["node_id"], row["type"], row["model"], row["shard_start"], row["shard_end"]
 
 
+#: libpq parameters of every connection: the deadlines above (ADR-0054)
+DEADLINES = {"connect_timeout": CONNECT_TIMEOUT_S, "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
+             "tcp_user_timeout": TCP_USER_TIMEOUT_MS, "keepalives": 1, "keepalives_idle": 2,
+             "keepalives_interval": 1, "keepalives_count": 3}
+
+
 def connect(url: str) -> psycopg.Connection:
-    """An autocommit connection to ``url`` whose rows read as dicts.
+    """An autocommit connection to ``url`` whose rows read as dicts, with :data:`DEADLINES`.
 
     Raises:
         MeshnetError (503 ``database_unreachable``): the server cannot be reached or refuses.
     """
     try:
-        return psycopg.connect(url, autocommit=True, row_factory=dict_row, connect_timeout=CONNECT_TIMEOUT_S)
+        return psycopg.connect(url, autocommit=True, row_factory=dict_row, **DEADLINES)
     except psycopg.Error as exc:
         raise MeshnetError(f"cannot connect to the tracker database {redact(url)}: {exc}".strip(),
                            code="database_unreachable", status=503,
@@ -92,12 +129,16 @@ class PostgresStore(TrackerStore):
         super().__init__()
         self.url = url
         self.db = connect(url)
-        self._leader: psycopg.Connection | None = None
-        self._leader_lock = threading.Lock()
+        #: this process in the lease row (host, pid and a random suffix: readable in logs)
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._lease_db: psycopg.Connection | None = None
+        self._lease_lock = threading.Lock()
+        self._lease_until = 0.0  # monotonic time the lease ends by this process's clock
         with self.lock, self.db.transaction():
             self.db.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
             self.db.execute(SCHEMA.format(id="BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY",
                                           real="DOUBLE PRECISION"))
+            self.db.execute(LEASE_SCHEMA)
             self.db.execute(_FAIL_DUPLICATES)
             self.db.execute(OPEN_ONCE)
 
@@ -105,16 +146,17 @@ class PostgresStore(TrackerStore):
         with self.db.cursor() as cur:
             cur.executemany(self._sql(sql), rows)
 
-    def add_directives(self, new: list[NewDirective]) -> list[int | None]:
+    def add_directives(self, new: list[NewDirective], *, term: int | None = None) -> list[int | None]:
         """:meth:`TrackerStore.add_directives` as one statement over arrays (one round trip and
         little Python work per row, so a worker thread writing a big batch leaves the event loop
-        its time). Ids are drawn in the order given; the rows a conflict skipped are found by
-        matching the returned rows to the input in that order."""
+        its time), fenced by ``term`` when given. Ids are drawn in the order given; the rows a
+        conflict skipped are found by matching the returned rows to the input in that order."""
         if not new:
             return []
         now = time.time()
         columns = list(zip(*[(d.node_id, d.type, d.model, d.shard_start, d.shard_end, d.tier, d.reason) for d in new]))
-        with self.lock:
+        with self._transaction():
+            self._check_term(term)
             got = self.db.execute(_INSERT_ARRAYS, (now, now, *[list(c) for c in columns])).fetchall()
         got.sort(key=lambda r: r["id"])
         out: list[int | None] = []
@@ -135,35 +177,61 @@ class PostgresStore(TrackerStore):
                                 "AS v(node_id, at) WHERE nodes.node_id = v.node_id AND nodes.heartbeat_at < v.at",
                                 (list(heartbeats), list(heartbeats.values())))
 
-    def lead(self) -> bool:
-        """Whether this process holds the leader lock: checks that the lock's connection still
-        answers (a connection that broke lost the lock with it), else tries to take the lock on a
-        new one. Never raises: an unreachable server means not leading."""
-        with self._leader_lock:
-            if self._leader is not None:
-                try:
-                    self._leader.execute("SELECT 1")
-                    return True
-                except psycopg.Error as exc:
-                    log.warning("lost the leader lock's connection: %s", exc)
-                    self._drop_leader_connection()
-            try:
-                conn = psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
-            except psycopg.Error as exc:
-                log.warning("cannot reach the tracker database to lead: %s", exc)
-                return False
-            try:
-                held = conn.execute("SELECT pg_try_advisory_lock(%s)", (LEADER_LOCK,)).fetchone()[0]
-            except psycopg.Error:
-                held = False
-            if held:
-                self._leader = conn
-            else:
-                conn.close()
-            return bool(held)
+    def _check_term(self, term: int | None) -> None:
+        """Inside a transaction: refuse a write of ``term`` unless this process holds the lease of
+        that term, unexpired on the database's clock; the row stays share-locked to the commit.
 
-    def _drop_leader_connection(self) -> None:
-        conn, self._leader = self._leader, None
+        Raises:
+            LeaseLost: another tracker holds the lease now, or it expired.
+        """
+        if term is None:
+            return
+        row = self.db.execute(_FENCE).fetchone()
+        if (row["holder"], row["term"], row["valid"]) != (self.holder, term, True):
+            self._lose_lease()
+            raise LeaseLost(f"write of lease term {term} refused: the lease is at term {row['term']}, held by "
+                            f"{row['holder'] or 'nobody'}{'' if row['valid'] else ' (expired)'}")
+
+    def lead(self) -> bool:
+        """Take or renew the lease (ADR-0054); whether this process leads now. A renewal that
+        fails or finds another holder ends leadership at once; one still waiting on the
+        database from an earlier call answers False without waiting. Never raises."""
+        if not self._lease_lock.acquire(blocking=False):
+            return False  # the previous renewal is stuck on the database: not leading
+        try:
+            sent = time.monotonic()
+            try:
+                if self._lease_db is None:
+                    self._lease_db = connect(self.url)
+                row = self._lease_db.execute(_RENEW, {"me": self.holder, "lease_s": LEASE_S}).fetchone()
+            except (psycopg.Error, MeshnetError) as exc:
+                if self.term is not None:
+                    log.warning("cannot renew the lease (term %d): %s; this tracker stops leading", self.term, exc)
+                self._drop_lease_connection()
+                self._lose_lease()
+                return False
+            if row is None:
+                if self.term is not None:
+                    log.warning("lost the lease (term %d) to another tracker; this tracker stops leading", self.term)
+                self._lose_lease()
+                return False
+            if row["term"] != self.term:
+                log.info("holds the lease now, term %d (%s)", row["term"], self.holder)
+            self.term, self._lease_until = row["term"], sent + LEASE_S
+            return True
+        finally:
+            self._lease_lock.release()
+
+    def lease_valid(self) -> bool:
+        """Whether this process's lease is still valid by its own monotonic clock (which runs
+        on while the process is frozen, so a leader that wakes up late knows at once)."""
+        return self.term is not None and time.monotonic() < self._lease_until
+
+    def _lose_lease(self) -> None:
+        self.term, self._lease_until = None, 0.0
+
+    def _drop_lease_connection(self) -> None:
+        conn, self._lease_db = self._lease_db, None
         if conn is not None:
             try:
                 conn.close()
@@ -171,9 +239,16 @@ class PostgresStore(TrackerStore):
                 pass
 
     def resign(self) -> None:
-        """Stop leading (close the lock's connection); another tracker may take over."""
-        with self._leader_lock:
-            self._drop_leader_connection()
+        """Stop leading and end the lease now, so that a standby takes over at its next round."""
+        with self._lease_lock:
+            if self.term is not None and self._lease_db is not None:
+                try:
+                    self._lease_db.execute("UPDATE tracker_lease SET expires_at = '-infinity' WHERE id = 1 AND holder = %s",
+                                           (self.holder,))
+                except psycopg.Error as exc:
+                    log.warning("could not end the lease on resigning: %s (it expires by itself)", exc)
+            self._lose_lease()
+            self._drop_lease_connection()
 
     def close(self) -> None:
         self.resign()

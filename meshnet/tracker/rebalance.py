@@ -14,6 +14,7 @@ DROP_SHARDs. A node whose load failed recently gets no new placement for a coold
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -84,11 +85,13 @@ def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState]
 
 @dataclass
 class RebalanceResult:
-    """One rebalance: the plan, the directives it queues (in order), and the demand moves."""
+    """One rebalance: the plan, the directives it queues (in order), the demand moves, and the
+    lease term it was planned under (its writes' fencing token, ADR-0054; None on sqlite)."""
 
     plan: placement.PlacementPlan
     directives: list[NewDirective] = field(default_factory=list)
     moves: list[tuple[str, tuple, placement.Assignment]] = field(default_factory=list)
+    term: int | None = None
 
 
 def _new(node_id: str, type_: str, a: placement.Assignment, tier: str | None, reason: str) -> NewDirective:
@@ -108,7 +111,7 @@ def directives_for(service: TrackerService, nodes: list[placement.NodeState], mo
     """The directives that carry out ``plan`` (planned over ``nodes`` and ``models``), and the
     demand moves after it; changes nothing (on the event loop: it reads the service's state)."""
     sources = service.store.model_sources()
-    result = RebalanceResult(plan)
+    result = RebalanceResult(plan, term=service.store.term)
     for node_id, a in plan.loads:
         # a model tracked only because chat demand asked for it is placed as `managed` (ADR-0026)
         tier = "managed" if sources.get(a.model) == "demand" and a.tier == "bootstrap" else a.tier
@@ -139,7 +142,7 @@ def apply_rebalance(service: TrackerService, result: RebalanceResult) -> None:
             service.nodes[node_id].reason = f"moved to {new.model} {new.layers} by demand (ADR-0005)"
         log.info("demand move: %s from %s to %s %s", node_id, [a.model for a in old], new.model, new.layers)
     for node_id in {d.node_id for d in result.directives} - service.nodes.keys():
-        service.store.fail_open(node_id, "node left during the rebalance")
+        service.store.fail_open(node_id, "node left during the rebalance", term=result.term)
 
 
 def rebalance(service: TrackerService) -> placement.PlacementPlan:
@@ -147,7 +150,7 @@ def rebalance(service: TrackerService) -> placement.PlacementPlan:
     the calling thread (tests, tools; the tracker's loop uses :func:`rebalance_off_loop`)."""
     service.dirty = False
     result = plan_rebalance(service)
-    service.store.add_directives(result.directives)
+    service.store.add_directives(result.directives, term=result.term)
     service.note_queued(d.node_id for d in result.directives)
     apply_rebalance(service, result)
     return result.plan
@@ -171,10 +174,12 @@ async def rebalance_off_loop(service: TrackerService) -> placement.PlacementPlan
     the service dirty again, for the next round.
     """
     service.dirty = False
+    term = service.store.term  # the lease this plan is made under: its writes are fenced by it
     nodes, models = placement_inputs(service)
     plan = await asyncio.to_thread(placement.plan_placement, nodes, models)
     result = directives_for(service, nodes, models, plan)
-    await asyncio.to_thread(service.store.add_directives, result.directives)
+    result.term = term
+    await asyncio.to_thread(functools.partial(service.store.add_directives, result.directives, term=term))
     service.note_queued(d.node_id for d in result.directives)
     apply_rebalance(service, result)
     return result.plan

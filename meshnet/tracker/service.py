@@ -134,8 +134,7 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
         #: this tracker process, as demand events name it (ADR-0043)
         self.origin = uuid.uuid4().hex[:16]
         self.started_at = time.time()  #: unix seconds this tracker started (its models' ``created``)
-        #: plans and issues directives: always on sqlite; on a shared store while holding the lock
-        self.leader = not self.store.shared
+        self._leading = not self.store.shared  # as of the last sync round (sqlite: always)
         self.demand_seen = 0  # the highest demand event id read from the store
         self._heartbeats: dict[str, float] = {}  # node id -> unix time of a heartbeat not written yet
         #: on a shared store, the nodes with queued directives as of the last sync round plus those
@@ -149,6 +148,16 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
         self.apply_demand(self.store.demand_events(since=time.time() - settings.demand_window_s))
         self.apply_quarantines(self.store.quarantines())
 
+
+    @property
+    def leader(self) -> bool:
+        """Plans and issues directives: always on sqlite; on a shared store while its lease, as of
+        the last sync round, is still valid by this process's clock (ADR-0054)."""
+        return self._leading and self.store.lease_valid()
+
+    @leader.setter
+    def leader(self, leading: bool) -> None:
+        self._leading = leading
     def ensure_model(self, name: str, num_layers: int | None = None) -> ModelInfo:
         """Known model info, from its preset or a node's report.
 

@@ -3,9 +3,10 @@
 :func:`sync_round` runs at the top of every control-loop round. On sqlite it only confirms that
 the tracker leads. On a shared store (PostgreSQL) it:
 
-1. asks the store whether this tracker leads (:meth:`TrackerStore.lead`); a tracker that just
-   took the lead reads every node record again, so its registry holds every node any tracker
-   heard of, and plans at once;
+1. asks the store whether this tracker leads (:meth:`TrackerStore.lead`: takes or renews the
+   lease, ADR-0054), waiting at most :data:`LEAD_WAIT_S` (a renewal that does not answer by then
+   means standing by); a tracker that just took the lead reads every node record again, so its
+   registry holds every node any tracker heard of, and plans at once;
 2. writes the heartbeat times it collected since the last round, in one transaction;
 3. reads the node records other trackers changed since the last round (plus a margin for
    writes that were in flight), the demand they counted, and which nodes have queued
@@ -29,6 +30,10 @@ log = logging.getLogger(__name__)
 #: commit with an earlier time stamp), seconds
 SYNC_MARGIN_S = 5.0
 
+
+#: the longest a round waits for the lease renewal before standing by, seconds (well inside
+#: the lease, :data:`meshnet.tracker.pgstore.LEASE_S`)
+LEAD_WAIT_S = 2.0
 
 #: the shortest time between two sync rounds, seconds (the control loop also wakes on every join)
 SYNC_INTERVAL_S = 1.0
@@ -58,7 +63,11 @@ class Sharing:
         if time.monotonic() - self.round_s < self.min_interval_s:
             return svc.leader
         self.round_s = time.monotonic()
-        leading = await asyncio.to_thread(store.lead)
+        try:
+            leading = await asyncio.wait_for(asyncio.to_thread(store.lead), LEAD_WAIT_S)
+        except asyncio.TimeoutError:
+            log.warning("the lease renewal got no answer within %.1f s: standing by", LEAD_WAIT_S)
+            leading = False
         if leading != svc.leader:
             svc.leader = leading
             if leading:

@@ -31,10 +31,11 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from meshnet.errors import MeshnetError
 from meshnet.protocol.control import OPEN_STATUSES, Directive
 
-__all__ = ["FINISHED_STATUSES", "OPEN_STATUSES", "DemandEvent", "NewDirective", "NodeRow", "SqliteStore",
-           "TrackerStore"]
+__all__ = ["FINISHED_STATUSES", "OPEN_STATUSES", "DemandEvent", "LeaseLost", "NewDirective", "NodeRow",
+           "SqliteStore", "TrackerStore"]
 
 #: the schema; ``{id}`` and ``{real}`` are the backend's auto-increment key and float column types
 SCHEMA = """
@@ -79,6 +80,15 @@ _INSERT_DIRECTIVE = ("INSERT INTO directives (node_id, type, model, shard_start,
                      "created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?) ON CONFLICT DO NOTHING RETURNING id")
 _OPEN_TWIN = ("SELECT * FROM directives WHERE node_id = ? AND type = ? AND model = ? AND shard_start = ? "
               "AND shard_end = ? AND status IN ('queued', 'delivered', 'acked')")
+
+
+class LeaseLost(MeshnetError):
+    """A planning write carried a lease term this tracker no longer holds: another tracker
+    leads now, or the lease expired (ADR-0054). Nothing of the write was kept (503 ``lease_lost``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="lease_lost", status=503,
+                         hint="this tracker stopped leading; the current leader plans instead")
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,9 @@ class TrackerStore:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._sql_cache: dict[str, str] = {}
+        #: the lease term this process leads under (the fencing token of its planning writes);
+        #: None where it does not lead, or where only one tracker uses the database (ADR-0054)
+        self.term: int | None = None
 
     def _sql(self, sql: str) -> str:
         """``sql`` with this backend's placeholder."""
@@ -201,6 +214,19 @@ class TrackerStore:
         """Stop leading, so that another tracker of this database may take over (no-op where
         only one tracker uses it)."""
 
+    def lease_valid(self) -> bool:
+        """Whether this process may act as leader right now, between two calls of :meth:`lead`
+        (always, where only one tracker uses the database)."""
+        return True
+
+    def _check_term(self, term: int | None) -> None:
+        """Inside a planning write's transaction: refuse it unless ``term`` is still this
+        process's lease (a no-op where only one tracker uses the database).
+
+        Raises:
+            LeaseLost: the write's term is no longer the lease's.
+        """
+
     def tracker_key(self) -> Ed25519PrivateKey:
         """The key that signs session tickets, the same for every tracker of this database (ADR-0038)."""
         raise NotImplementedError
@@ -217,18 +243,20 @@ class TrackerStore:
             return Directive.model_validate(rows[0])
         return self.directive(rid)
 
-    def add_directives(self, new: list[NewDirective]) -> list[int | None]:
+    def add_directives(self, new: list[NewDirective], *, term: int | None = None) -> list[int | None]:
         """Queue many directives in one transaction (one commit, whatever their number); returns
         their ids in the order given, None for a load or drop skipped because the identical one is
         still open for the node (ADR-0043). A failure rolls the whole batch back and re-raises
-        (:attr:`IntegrityError` for a broken constraint). Safe to call from a worker thread
-        (rebalance does, ADR-0037)."""
+        (:attr:`IntegrityError` for a broken constraint; :class:`LeaseLost` when ``term``, the
+        planner's lease term, is no longer this process's lease, ADR-0054). Safe to call from a
+        worker thread (rebalance does, ADR-0037)."""
         if not new:
             return []
         now = time.time()
         rows = [(d.node_id, d.type, d.model, d.shard_start, d.shard_end, d.tier, "queued", d.reason, now, now)
                 for d in new]
         with self._transaction():
+            self._check_term(term)
             return self._insert_returning_many(_INSERT_DIRECTIVE, rows)
 
     def prune_finished(self, older_than_s: float, now: float | None = None) -> int:
@@ -240,11 +268,19 @@ class TrackerStore:
         return self._exec(f"DELETE FROM directives WHERE status IN ({marks}) AND updated_at < ?",
                           (*FINISHED_STATUSES, cutoff))
 
-    def fail_open(self, node_id: str, error: str) -> int:
-        """Mark every open directive of ``node_id`` failed with ``error`` in one statement; returns how many."""
+    def fail_open(self, node_id: str, error: str, *, term: int | None = None) -> int:
+        """Mark every open directive of ``node_id`` failed with ``error`` in one statement; returns
+        how many. ``term``: the leader's lease term, as for :meth:`add_directives`.
+
+        Raises:
+            LeaseLost: ``term`` is no longer this process's lease (nothing changed).
+        """
         marks = ",".join("?" * len(OPEN_STATUSES))
-        return self._exec(f"UPDATE directives SET status = 'failed', error = ?, updated_at = ? "
-                          f"WHERE node_id = ? AND status IN ({marks})", (error, time.time(), node_id, *OPEN_STATUSES))
+        with self._transaction():
+            self._check_term(term)
+            return self._execute(f"UPDATE directives SET status = 'failed', error = ?, updated_at = ? "
+                                 f"WHERE node_id = ? AND status IN ({marks})",
+                                 (error, time.time(), node_id, *OPEN_STATUSES)).rowcount
 
     def directive(self, directive_id: int) -> Directive | None:
         rows = self._rows("SELECT * FROM directives WHERE id = ?", (directive_id,))
@@ -371,9 +407,16 @@ class TrackerStore:
                 for r in self._rows(f"SELECT node_id, heartbeat_at FROM nodes WHERE node_id IN ({marks})",
                                     tuple(node_ids))}
 
-    def delete_node(self, node_id: str) -> None:
-        """Forget a node's record (it dropped out or left)."""
-        self._exec("DELETE FROM nodes WHERE node_id = ?", (node_id,))
+    def delete_node(self, node_id: str, *, term: int | None = None) -> None:
+        """Forget a node's record (it dropped out or left). ``term``: the leader's lease term, as
+        for :meth:`add_directives`.
+
+        Raises:
+            LeaseLost: ``term`` is no longer this process's lease (nothing changed).
+        """
+        with self._transaction():
+            self._check_term(term)
+            self._execute("DELETE FROM nodes WHERE node_id = ?", (node_id,))
 
     # quarantines (ADR-0042)
     def add_quarantine(self, node_id: str, record: str, since: float) -> str:

@@ -269,3 +269,73 @@ def test_a_leader_killed_inside_its_write_leaves_no_directive_and_the_next_write
             old.close()
         except Exception:  # noqa: BLE001 - its connection is gone
             pass
+
+
+def _expire_lease(store) -> None:
+    """End the lease now on the database's clock (as if its holder had been frozen past it)."""
+    store._exec("UPDATE tracker_lease SET expires_at = clock_timestamp() - interval '1 second' WHERE id = 1")
+
+
+def test_the_lease_passes_to_a_standby_only_once_expired_and_the_old_terms_writes_are_refused(pg_url):
+    from meshnet.tracker.pgstore import PostgresStore
+    from meshnet.tracker.store import LeaseLost
+    old, standby = PostgresStore(pg_url), PostgresStore(pg_url)
+    try:
+        assert old.lead() is True and old.term == 1 and old.lease_valid()
+        assert old.lead() is True and old.term == 1  # a renewal keeps the term
+        assert standby.lead() is False and standby.term is None  # valid lease: nobody takes it
+        assert old.add_directives([new("n0", 0)], term=1) == [1]
+
+        _expire_lease(old)  # the leader froze past its lease
+        assert standby.lead() is True and standby.term == 2
+        # the old leader wakes up and writes with the term it planned under: refused whole
+        with pytest.raises(LeaseLost, match="term 1 refused: the lease is at term 2"):
+            old.add_directives([new("n1", 1), new("n2", 2)], term=1)
+        with pytest.raises(LeaseLost):
+            old.fail_open("n0", "node dropped out", term=1)
+        with pytest.raises(LeaseLost):
+            old.delete_node("n0", term=1)
+        assert old.term is None and not old.lease_valid()
+        assert [(d.id, d.node_id, d.status) for d in standby.directives()] == [(1, "n0", "queued")]
+        assert old.lead() is False
+        # the successor's own writes go through with its term (the refused batch drew no id)
+        assert standby.add_directives([new("n1", 1)], term=2) == [2]
+        assert standby.fail_open("n0", "node dropped out", term=2) == 1
+    finally:
+        old.close()
+        standby.close()
+
+
+def test_a_leader_that_resigns_hands_over_at_once_and_one_that_loses_its_renewal_stops(pg_url, monkeypatch, caplog):
+    from meshnet.tracker import pgstore
+    first, second = pgstore.PostgresStore(pg_url), pgstore.PostgresStore(pg_url)
+    try:
+        assert first.lead() is True
+        first.resign()
+        assert second.lead() is True and second.term == 2  # no waiting out the lease
+        # the leader's own clock ends its leadership, whatever the database says
+        monkeypatch.setattr(pgstore.time, "monotonic", lambda real=pgstore.time.monotonic: real() + pgstore.LEASE_S)
+        assert second.lease_valid() is False
+        monkeypatch.undo()
+        # a renewal that fails (the database went away) ends leadership at once
+        assert second.lead() is True and second.lease_valid()
+        second._lease_db.close()
+        monkeypatch.setattr(pgstore, "connect", lambda url: (_ for _ in ()).throw(
+            pgstore.MeshnetError("cannot connect", code="database_unreachable", status=503)))
+        with caplog.at_level("WARNING", logger="meshnet.tracker.pgstore"):
+            assert second.lead() is False
+        assert second.term is None and not second.lease_valid()
+        assert "cannot renew the lease (term 2)" in caplog.text
+    finally:
+        first.close()
+        second.close()
+
+
+def test_every_connection_carries_the_statement_and_network_deadlines(pg_url):
+    from meshnet.tracker.pgstore import PostgresStore
+    store = PostgresStore(pg_url)
+    try:
+        assert store._rows("SHOW statement_timeout") == [{"statement_timeout": "10s"}]
+        assert store.db.info.get_parameters()["tcp_user_timeout"] == "5000"
+    finally:
+        store.close()

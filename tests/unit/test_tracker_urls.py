@@ -1,4 +1,5 @@
-"""Clients given every tracker of one database move on when one stops answering (ADR-0043)."""
+"""Clients given every tracker of one database move on when one stops answering (ADR-0043), or
+answers nothing within the answer deadline (ADR-0054)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ class Trackers(httpx.AsyncBaseTransport):
         self.down: set[str] = set()
         self.slow: set[str] = set()
         self.calls: list[str] = []
+        self.deadlines: list[float | None] = []  # each call's read timeout, seconds
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self.calls.append(request.url.host)
+        self.deadlines.append(request.extensions["timeout"]["read"])
         if request.url.host in self.down:
             raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
         if request.url.host in self.slow:
@@ -53,7 +56,7 @@ async def test_a_call_moves_on_to_the_next_tracker_and_stays_there():
     await client.aclose()
 
 
-async def test_all_down_names_every_url_and_a_failure_midway_is_not_resent():
+async def test_all_down_names_every_url_and_a_write_failing_midway_is_not_resent():
     net = Trackers()
     net.down |= {"t1", "t2"}
     client = TrackerClient(["http://t1:8700", "http://t2:8700"], transport=net)
@@ -63,8 +66,35 @@ async def test_all_down_names_every_url_and_a_failure_midway_is_not_resent():
     net.down.clear()
     net.slow.add("t1")
     net.calls.clear()
+    net.deadlines.clear()
     with pytest.raises(MeshnetError, match="cannot reach http://t1:8700: ReadTimeout"):
-        await client.health()
+        await client.pin("m", "n1")
     assert net.calls == ["t1"]  # it may have been carried out: not sent again
+    assert net.deadlines == [10.0]  # the client's own timeout, not the answer deadline
     assert (await client.health())["host"] == "t2"  # the next call goes elsewhere
     await client.aclose()
+
+
+async def test_a_hung_tracker_costs_a_read_or_a_heartbeat_one_answer_deadline_then_the_next_answers():
+    from meshnet.client import ANSWER_DEADLINE_S
+    from meshnet.protocol.control import HeartbeatRequest
+    net = Trackers()
+    net.slow.add("t1")  # accepts the connection, never answers
+    client = TrackerClient("http://t1:8700,http://t2:8700", transport=net, timeout_s=30.0)
+    assert (await client.health())["host"] == "t2"
+    assert (net.calls, net.deadlines) == (["t1", "t2"], [ANSWER_DEADLINE_S, ANSWER_DEADLINE_S])
+    assert client.url == "http://t2:8700"  # it sticks to the one that answered
+    net.calls.clear()
+    net.deadlines.clear()
+    client.url = "http://t1:8700"
+    await client._request("POST", "/v1/nodes/n1/heartbeat", "heartbeat", retry=True,
+                          json=HeartbeatRequest().model_dump(mode="json"))
+    assert net.calls == ["t1", "t2"] and client.url == "http://t2:8700"
+    # one URL: nothing to move on to, so the client's own timeout holds
+    single = TrackerClient("http://t1:8700", transport=net, timeout_s=30.0)
+    net.deadlines.clear()
+    with pytest.raises(MeshnetError, match="ReadTimeout"):
+        await single.health()
+    assert net.deadlines == [30.0]
+    await client.aclose()
+    await single.aclose()
