@@ -16,7 +16,7 @@ from meshnet.errors import Conflict, NotFound
 from meshnet.tracker.cadence import TIMEOUT_FACTOR, Cadence, heartbeat_cadence
 from meshnet.protocol.control import Directive, HeartbeatRequest, RegisterRequest
 from meshnet.tracker.registry import NodeRecord, ShardRecord, record_from_json, record_to_json
-from meshnet.tracker.store import NodeRow
+from meshnet.tracker.store import NodeRow, StaleCall
 
 log = logging.getLogger(__name__)
 
@@ -26,17 +26,21 @@ class MembershipMixin:
     (which provides ``nodes``, ``store``, ``settings``, ``dirty``, ``ensure_model``,
     ``verify_shards`` and ``restore_pins``)."""
 
-    def register(self, payload: RegisterRequest) -> NodeRecord:
+    def register(self, payload: RegisterRequest, sent_at: float = 0.0) -> NodeRecord:
         """Record a node's registration (a restart re-registers: its record is replaced).
 
         The node id is bound to ``payload.public_key`` at its first registration, in the store
-        (ADR-0035); the caller has checked that the sender holds that key.
+        (ADR-0035); the caller has checked that the sender holds that key. ``sent_at``: the
+        call's signed time (unix seconds, the node's clock; 0: unordered).
 
         Raises:
             Conflict (409 ``node_id_taken``): the id is bound to another key; the record is unchanged.
+            Conflict (409 ``stale_call``): the node sent a later call that this or another tracker
+                of the database applied already (:meth:`refuse_stale`).
             NotFound: a shard of an unknown model without a layer count.
         """
         node_id = payload.node_id
+        self.refuse_stale(node_id, sent_at, read_store=True)
         bound = self.store.bind_key(node_id, payload.public_key)
         self._bound_keys[node_id] = bound  # its heartbeats' signatures are checked against it
         if bound != payload.public_key:
@@ -61,12 +65,14 @@ class MembershipMixin:
             if old.endpoint == record.endpoint:
                 record.reachable, record.reach_error, record.probed_s = old.reachable, old.reach_error, old.probed_s
         record.quarantine = self.quarantined.get(node_id)
+        record.sent_at = sent_at
         self.nodes[node_id] = record
         self.verify_shards(record)
         self.dirty = True
         if old is None:
             self.last_join_s = time.monotonic()
-        self.save(record)
+        if not self.save(record):
+            self._forget_stale(node_id, old)
         log.info("node %s registered at %s with %d shard(s)", node_id, record.endpoint, len(record.shards))
         self.restore_pins(record)
         return record
@@ -96,11 +102,17 @@ class MembershipMixin:
         floor_s = self.cadence().timeout_s if cadence_timeout_s is None else cadence_timeout_s
         return max(floor_s, node.interval_s * TIMEOUT_FACTOR)
 
-    def heartbeat(self, node_id: str, payload: HeartbeatRequest) -> list[Directive]:
+    def heartbeat(self, node_id: str, payload: HeartbeatRequest, sent_at: float = 0.0) -> list[Directive]:
         """Record a heartbeat; returns the directives to deliver (queued → delivered). The node's
         directive updates (only of its own directives) are written in one transaction, the
-        deliveries in another."""
+        deliveries in another. ``sent_at``: as for :meth:`register`.
+
+        Raises:
+            NotFound: unknown node. Conflict (409 ``stale_call``): see :meth:`refuse_stale`.
+        """
         node = self.get(node_id)
+        self.refuse_stale(node_id, sent_at)
+        node.sent_at = max(node.sent_at, sent_at)
         node.last_heartbeat_s = time.monotonic()
         node.stats = payload.stats
         before = {(s.model, s.layers) for s in node.shards if node.admitted(s)}
@@ -113,9 +125,14 @@ class MembershipMixin:
             self.dirty = True
         if any(u.status in ("done", "failed") for u in payload.directive_updates):
             self.dirty = True
+        record_at = node.record_at
         row = self._heartbeat_row(node, bool(payload.directive_updates) or node.shards != shards_before)
-        self.store.set_statuses([(u.id, u.status, u.error) for u in payload.directive_updates], node_id=node_id,
-                                node=row)
+        try:
+            self.store.set_statuses([(u.id, u.status, u.error) for u in payload.directive_updates], node_id=node_id,
+                                    node=row)
+        except StaleCall:  # another tracker applied a later call of the node: keep what it wrote
+            node.shards, node.record_at = shards_before, record_at
+            raise
         if self.queued_hint is not None and node_id not in self.queued_hint:
             return []  # nothing queued for it as of this round's read (a shared store: no query)
         out = [d.model_copy(update={"status": "delivered"})
@@ -226,14 +243,49 @@ class MembershipMixin:
 
     def node_row(self, node: NodeRecord) -> NodeRow:
         """``node``'s shared record, heard of now."""
-        return NodeRow(node.node_id, record_to_json(node), node.record_at, time.time())
+        return NodeRow(node.node_id, record_to_json(node), node.record_at, time.time(), node.sent_at)
 
-    def save(self, node: NodeRecord) -> None:
-        """Write ``node``'s record for the other trackers of a shared store (nothing on sqlite)."""
+    def save(self, node: NodeRecord) -> bool:
+        """Write ``node``'s record for the other trackers of a shared store (nothing on sqlite);
+        False when the stored one came from a later call of the node (ADR-0054)."""
         if self.store.shared:
             node.record_at = time.time()
             self._heartbeats.pop(node.node_id, None)
-            self.store.save_node(self.node_row(node))
+            return self.store.save_node(self.node_row(node))
+        return True
+
+    def refuse_stale(self, node_id: str, sent_at: float, *, read_store: bool = False) -> None:
+        """Refuse a node's call signed before one already applied, here or (``read_store``, a
+        registration) at any tracker of a shared store: a call that waited in a frozen tracker's
+        socket while the node moved on to another tracker must not undo what it did there
+        (ADR-0054). ``sent_at`` 0 (an unsigned, in-process call) is never refused.
+
+        Raises:
+            StaleCall (409 ``stale_call``): the call is older than the last applied one.
+        """
+        if not sent_at:
+            return
+        node = self.nodes.get(node_id)
+        latest = node.sent_at if node is not None else 0.0
+        if read_store and self.store.shared:
+            latest = max(latest, self.store.node_sent_at(node_id))
+        if sent_at < latest:
+            log.warning("refused a call of %s signed %.1f s before one already applied (it waited in this "
+                        "tracker while the node moved on)", node_id, latest - sent_at)
+            raise StaleCall(f"call of {node_id} signed {latest - sent_at:.1f} s before its latest applied call")
+
+    def _forget_stale(self, node_id: str, old: NodeRecord | None) -> None:
+        """Undo a registration whose record write lost to a later call of the node (another
+        tracker wrote it between :meth:`refuse_stale` and the write).
+
+        Raises:
+            StaleCall: always.
+        """
+        if old is None:
+            self.nodes.pop(node_id, None)
+        else:
+            self.nodes[node_id] = old
+        raise StaleCall(f"registration of {node_id} is older than its stored record")
 
     def take_heartbeats(self) -> dict[str, float]:
         """Node id → unix time of the heartbeats not written yet (:meth:`TrackerStore.touch_nodes`); cleared."""

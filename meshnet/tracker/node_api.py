@@ -19,7 +19,7 @@ from meshnet.errors import NotFound
 from meshnet.protocol.control import (FailureReport, HeartbeatRequest, HeartbeatResponse, QuarantineReport,
                                       RegisterRequest, RegisterResponse, check_revision)
 from meshnet.protocol.http import validate_json
-from meshnet.protocol.signing import HEADER_NODE
+from meshnet.protocol.signing import HEADER_NODE, HEADER_TIMESTAMP
 from meshnet.tracker.admission import Challenge, run_challenge
 from meshnet.tracker.auth import NodeAuth
 from meshnet.tracker.probe import probe_endpoint
@@ -106,7 +106,8 @@ async def register(request: Request) -> JSONResponse:
     """Register a node, then probe its endpoint once before answering: its shards are admitted only
     once the tracker has reached it (a node that registers before it listens is probed again)."""
     svc = service_of(request)
-    record = svc.register(_read_registration(request, await request.body()))
+    payload = _read_registration(request, await request.body())
+    record = svc.register(payload, sent_at=float(request.headers[HEADER_TIMESTAMP]))  # verified just now
     await probe(request.app, record.node_id, record.endpoint)
     request.app.state.wake.set()
     return JSONResponse(RegisterResponse(node_id=record.node_id, heartbeat_interval_s=svc.announce_interval(record),
@@ -118,7 +119,8 @@ async def heartbeat(request: Request) -> JSONResponse:
     node_id = request.path_params["node_id"]
     body = await request.body()
     signed_by(request, body, as_node=node_id)
-    directives = svc.heartbeat(node_id, validate_json(HeartbeatRequest, body))
+    directives = svc.heartbeat(node_id, validate_json(HeartbeatRequest, body),
+                               sent_at=float(request.headers[HEADER_TIMESTAMP]))  # verified just now
     start_challenges(request.app)
     if svc.dirty:
         request.app.state.wake.set()

@@ -80,6 +80,10 @@ class NodeRecord:
     interval_s: float = 0.0
     #: unix time the shared parts of this record last changed (trackers of one database keep the newest, ADR-0043)
     record_at: float = field(default_factory=time.time)
+    #: the signed time (unix seconds, the node's own clock) of the latest registration or heartbeat
+    #: applied: an older call, one that waited in a frozen tracker after the node moved on, is
+    #: refused (ADR-0054; 0 when unknown)
+    sent_at: float = 0.0
     #: the relay the node's endpoint goes through (ADR-0045), None when reached directly
     relay_url: str | None = None
     #: the relay tunnel's round trip the node measured at registration, seconds (added to each of its
@@ -120,7 +124,7 @@ class NodeRecord:
 #: last heartbeat, which travels apart) stays with each tracker
 _SHARED = ("node_id", "endpoint", "wallet", "vram_bytes", "ram_bytes", "device", "quantizations",
            "benchmark_tokens_per_sec", "benchmark_model", "max_loaded_shards", "accepts_placement", "registered_at",
-           "draining", "reachable", "reach_error", "interval_s", "record_at", "relay_url", "relay_rtt_s")
+           "draining", "reachable", "reach_error", "interval_s", "record_at", "relay_url", "relay_rtt_s", "sent_at")
 
 
 def record_to_json(node: NodeRecord) -> str:

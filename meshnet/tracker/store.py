@@ -31,11 +31,11 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from meshnet.errors import MeshnetError
+from meshnet.errors import Conflict, MeshnetError
 from meshnet.protocol.control import OPEN_STATUSES, Directive
 
 __all__ = ["FINISHED_STATUSES", "OPEN_STATUSES", "DemandEvent", "LeaseLost", "NewDirective", "NodeRow",
-           "SqliteStore", "TrackerStore"]
+           "SqliteStore", "StaleCall", "TrackerStore"]
 
 #: the schema; ``{id}`` and ``{real}`` are the backend's auto-increment key and float column types
 SCHEMA = """
@@ -49,7 +49,8 @@ CREATE TABLE IF NOT EXISTS pins (
 CREATE TABLE IF NOT EXISTS models (name TEXT PRIMARY KEY, added_at {real} NOT NULL, source TEXT);
 CREATE TABLE IF NOT EXISTS node_keys (node_id TEXT PRIMARY KEY, public_key TEXT NOT NULL, bound_at {real} NOT NULL);
 CREATE TABLE IF NOT EXISTS nodes (
-  node_id TEXT PRIMARY KEY, record TEXT NOT NULL, record_at {real} NOT NULL, heartbeat_at {real} NOT NULL);
+  node_id TEXT PRIMARY KEY, record TEXT NOT NULL, record_at {real} NOT NULL, heartbeat_at {real} NOT NULL,
+  sent_at {real} NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS demand (
   id {id}, model TEXT NOT NULL, kind TEXT NOT NULL, at {real} NOT NULL, origin TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS tracker_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -91,6 +92,16 @@ class LeaseLost(MeshnetError):
                          hint="this tracker stopped leading; the current leader plans instead")
 
 
+class StaleCall(Conflict):
+    """A node's call signed before one of its calls that a tracker of this database applied
+    already: it waited (in a frozen tracker's socket) while the node moved on (ADR-0054).
+    Nothing of it was kept (409 ``stale_call``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="stale_call",
+                         hint="a later call of this node was applied already; nothing changed")
+
+
 @dataclass(frozen=True)
 class NewDirective:
     """A directive to queue (inclusive ``shard_start``/``shard_end`` as stored; None for RUN_DOCTOR / RELOAD)."""
@@ -110,12 +121,14 @@ class NodeRow:
 
     ``record``: the record as JSON text (:func:`meshnet.tracker.registry.record_to_json`);
     ``record_at``: unix time the record last changed; ``heartbeat_at``: unix time of the node's
-    latest heartbeat at any tracker."""
+    latest heartbeat at any tracker; ``sent_at``: the signed time (the node's clock) of the call
+    that wrote the record (ADR-0054: an older call never overwrites it; 0: unordered)."""
 
     node_id: str
     record: str
     record_at: float
     heartbeat_at: float
+    sent_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -318,7 +331,11 @@ class TrackerStore:
         transaction (one commit): what a heartbeat reports and delivers (ADR-0037). An id of
         another node's directive, or an unknown one, changes nothing. ``node``: the node's record,
         written in the same transaction (a shared database: a finished load and the shard it
-        brought are seen together, ADR-0043)."""
+        brought are seen together, ADR-0043).
+
+        Raises:
+            StaleCall: the stored record came from a later call of the node; nothing was written.
+        """
         if not updates and node is None:
             return
         now = time.time()
@@ -327,8 +344,8 @@ class TrackerStore:
                 self._executemany("UPDATE directives SET status = ?, error = ?, updated_at = ? "
                                   "WHERE id = ? AND node_id = ?",
                                   [(status, error, now, i, node_id) for i, status, error in updates])
-            if node is not None:
-                self._save_node(node)
+            if node is not None and not self._save_node(node):
+                raise StaleCall(f"heartbeat of {node_id} is older than its stored record")
 
     # pins
     def add_pin(self, node_id: str, model: str, shard_start: int | None, shard_end: int | None) -> None:
@@ -376,15 +393,24 @@ class TrackerStore:
         return [r["name"] for r in self._rows("SELECT name FROM models ORDER BY added_at, name")]
 
     # node records, shared by the trackers of one database (ADR-0043)
-    def _save_node(self, row: NodeRow) -> None:
-        self._execute("INSERT INTO nodes VALUES (?,?,?,?) ON CONFLICT (node_id) DO UPDATE SET "
-                      "record = excluded.record, record_at = excluded.record_at, heartbeat_at = excluded.heartbeat_at",
-                      (row.node_id, row.record, row.record_at, row.heartbeat_at))
+    def _save_node(self, row: NodeRow) -> bool:
+        return self._execute(
+            "INSERT INTO nodes (node_id, record, record_at, heartbeat_at, sent_at) VALUES (?,?,?,?,?) "
+            "ON CONFLICT (node_id) DO UPDATE SET record = excluded.record, record_at = excluded.record_at, "
+            "heartbeat_at = excluded.heartbeat_at, sent_at = excluded.sent_at "
+            "WHERE excluded.sent_at = 0 OR nodes.sent_at <= excluded.sent_at",
+            (row.node_id, row.record, row.record_at, row.heartbeat_at, row.sent_at)).rowcount > 0
 
-    def save_node(self, row: NodeRow) -> None:
-        """Write (insert or replace) one node's record."""
+    def save_node(self, row: NodeRow) -> bool:
+        """Write (insert or replace) one node's record, unless the stored one came from a later
+        call of the node (``sent_at``, ADR-0054); returns whether it was written."""
         with self.lock:
-            self._save_node(row)
+            return self._save_node(row)
+
+    def node_sent_at(self, node_id: str) -> float:
+        """The signed time of the call that wrote ``node_id``'s stored record (0: none, or unordered)."""
+        rows = self._rows("SELECT sent_at FROM nodes WHERE node_id = ?", (node_id,))
+        return rows[0]["sent_at"] if rows else 0.0
 
     def touch_nodes(self, heartbeats: dict[str, float]) -> None:
         """Record the latest heartbeat (unix time) of many nodes in one transaction; a time older
@@ -474,6 +500,8 @@ class SqliteStore(TrackerStore):
         self.db.row_factory = sqlite3.Row
         with self.lock:
             self.db.executescript(SCHEMA.format(id="INTEGER PRIMARY KEY AUTOINCREMENT", real="REAL"))
+            if "sent_at" not in {r["name"] for r in self.db.execute("PRAGMA table_info(nodes)")}:  # older file
+                self.db.execute("ALTER TABLE nodes ADD COLUMN sent_at REAL NOT NULL DEFAULT 0")
             self.db.execute(_FAIL_DUPLICATES)
             self.db.execute(OPEN_ONCE)
 

@@ -154,3 +154,37 @@ async def test_rounds_come_at_most_once_per_interval():
     sharing = Sharing(svc, min_interval_s=60.0)
     assert [await sharing.sync_round() for _ in range(5)] == [True] * 5
     assert calls == [1]  # a storm of wake-ups is one round
+
+
+async def test_a_call_that_waited_in_a_frozen_tracker_cannot_undo_what_the_node_did_since(trackers):
+    """ADR-0054: calls are ordered by the node's signed time. A registration the node sent to a
+    tracker that then froze (the node moved on to the other) reaches it late: refused, whether
+    the late tracker has heard of the node or not, and the record written since stays."""
+    import time
+
+    from tests.payloads import signed
+    a, b = trackers
+    sent_to_a = time.time() - 10.0  # the registration that waited in a's socket
+    body = json.dumps(node("n1")).encode()  # no shards yet: the node joined model-less
+    newer = await b.post("/v1/nodes/register", json=node("n1", (0, 3)))  # it moved on to b and loaded since
+    assert newer.status_code == 200, newer.text
+    stored = b.service.store.node_sent_at("n1")
+    assert stored > sent_to_a
+
+    late = await a.post("/v1/nodes/register", content=body, headers={
+        "content-type": "application/json", **signed("n1", "POST", "/v1/nodes/register", body, now=sent_to_a)})
+    assert late.status_code == 409 and late.json()["error"]["code"] == "stale_call", late.text
+    assert "n1" not in a.service.nodes  # nothing kept in memory either
+    assert b.service.store.node_sent_at("n1") == stored
+    await a.sharing.sync_round()
+    assert [(s.model, s.layers.to_inclusive()) for s in a.service.nodes["n1"].shards] == [(MODEL, (0, 3))]
+
+    # a heartbeat signed before the registration b applied: refused by b from memory, nothing changed
+    beat = json.dumps(heartbeat()).encode()
+    old_beat = await b.post("/v1/nodes/n1/heartbeat", content=beat, headers={
+        "content-type": "application/json",
+        **signed("n1", "POST", "/v1/nodes/n1/heartbeat", beat, now=sent_to_a)})
+    assert old_beat.status_code == 409 and old_beat.json()["error"]["code"] == "stale_call"
+    assert len(b.service.nodes["n1"].shards) == 1
+    # the node's own next heartbeat goes through
+    assert (await b.post("/v1/nodes/n1/heartbeat", json=heartbeat(node("n1", (0, 3))["shards"]))).status_code == 200
