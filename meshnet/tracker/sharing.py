@@ -1,4 +1,4 @@
-"""Several trackers on one database: leadership and the shared registry, once a second (ADR-0043).
+"""Several trackers on one database: leadership and the shared registry, once a second (ADR-0043, ADR-0054).
 
 :func:`sync_round` runs at the top of every control-loop round. On sqlite it only confirms that
 the tracker leads. On a shared store (PostgreSQL) it:

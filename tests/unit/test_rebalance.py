@@ -94,7 +94,7 @@ async def test_off_loop_rebalance_writes_the_same_directives_in_one_batch():
     svc.add_demand("tiny-gpt2")
     batches = []
     write = svc.store.add_directives
-    svc.store.add_directives = lambda new: batches.append(len(new)) or write(new)
+    svc.store.add_directives = lambda new, term=None: batches.append(len(new)) or write(new, term=term)
     await rebalance_off_loop(svc)
     assert batches == [2]
     assert directives(svc) == [("n3", "DROP_SHARD", "tiny-llama", 0, 3, "managed"),
@@ -108,10 +108,10 @@ async def test_the_loop_serves_while_the_batch_is_written_and_a_node_that_left_m
     started, release = threading.Event(), threading.Event()
     write = svc.store.add_directives
 
-    def slow_write(new):
+    def slow_write(new, term=None):
         started.set()
         assert release.wait(5)
-        return write(new)
+        return write(new, term=term)
 
     svc.store.add_directives = slow_write
     task = asyncio.create_task(rebalance_off_loop(svc))
