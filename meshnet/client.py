@@ -56,6 +56,17 @@ def _raise_for(resp: httpx.Response, what: str) -> None:
         raise error_from_response(resp, what)
 
 
+def _database_unreachable(resp: httpx.Response) -> bool:
+    """Whether ``resp`` is a tracker's 503 ``database_unreachable`` (another tracker of the same
+    network may still answer: a client of several tries it, ADR-0054)."""
+    if resp.status_code != 503:
+        return False
+    try:
+        return resp.json()["error"]["code"] == "database_unreachable"
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 #: seconds to connect before a call fails as unreachable (the whole call may take ``timeout_s``)
 CONNECT_TIMEOUT_S = 5.0
 #: seconds a client of several equal services (every tracker of one database) waits for an
@@ -103,7 +114,8 @@ class _Base:
     answered last (:attr:`url`, the first at the start). When it cannot be connected to, the call
     goes to the next at once (nothing was sent). A call that is safe to send again (``GET``, or
     ``retry=True``: heartbeats, registrations, reports) waits at most :attr:`answer_deadline_s`
-    for an answer when there are several URLs, then goes to the next; any other call that fails
+    for an answer when there are several URLs, then goes to the next (as it does on a 503
+    ``database_unreachable``); any other call that fails
     later (a timeout, a dropped connection) fails, since it may have been carried out, and the
     next call goes to the next URL. ``token``: the operator's bearer token; ``auth``: httpx auth
     applied to every call (a node passes its :class:`NodeSigner`).
@@ -151,6 +163,9 @@ class _Base:
                 raise MeshnetError(f"{what}: cannot reach {url}: {type(exc).__name__}: {exc}",
                                    code="unreachable", status=503,
                                    hint="is the service running? check --url / --tracker") from exc
+            if resend and i + 1 < len(order) and _database_unreachable(resp):
+                log.warning("%s cannot reach its database for %s; trying %s", url, what, order[i + 1])
+                continue
             if url != self.url:
                 log.warning("%s did not answer; %s did, and takes the calls from now on", self.url, url)
                 self.url = url

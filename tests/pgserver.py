@@ -71,27 +71,35 @@ class EmbeddedPostgres:
         self.log = self.root / "server.log"
         self.port = 0
         self.user = UNPRIVILEGED_USER if os.geteuid() == 0 else None
+        self.prefix: list[str] = []
 
     def _run(self, command: str, *args: str) -> None:
+        as_user = ["runuser", "-u", self.user, "--"] if self.prefix and self.user else []
         try:
-            subprocess.run([str(bin_dir() / command), *args], check=True, capture_output=True, text=True,
-                           user=self.user, timeout=START_TIMEOUT_S, cwd=self.root)
+            subprocess.run([*self.prefix, *as_user, str(bin_dir() / command), *args], check=True, capture_output=True,
+                           text=True, user=None if self.prefix else self.user, timeout=START_TIMEOUT_S, cwd=self.root)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
             log = self.log.read_text() if self.log.exists() else ""
             raise RuntimeError(f"embedded PostgreSQL: {command} failed: {exc}\n{getattr(exc, 'stderr', '')}\n{log}") from exc
 
-    def start(self) -> str:
-        """initdb, then start the server on a free port; returns its URL."""
+    def start(self, host: str = "127.0.0.1", prefix: list[str] | None = None) -> str:
+        """initdb, then start the server on a free port of ``host``; returns its URL. ``prefix``
+        runs the server under a command that execs it in place (``ip netns exec NAME``: the
+        server then lives in that network namespace, reached at ``host``)."""
         if self.user is not None:  # the unprivileged user must own the directory and reach it
             entry = pwd.getpwnam(self.user)
             os.chown(self.root, entry.pw_uid, entry.pw_gid)
             self.root.chmod(0o755)
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "--encoding=UTF8",
                   "--no-sync", "--no-instructions")
+        if host != "127.0.0.1":
+            with open(self.data / "pg_hba.conf", "a") as hba:
+                hba.write("host all all 0.0.0.0/0 trust\n")  # it listens only on host
         self.port = free_port()
+        self.prefix = list(prefix or [])
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", str(START_TIMEOUT_S),
-                  "-o", f"-h 127.0.0.1 -p {self.port} -k '' -F -c max_connections=200", "start")
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+                  "-o", f"-h {host} -p {self.port} -k '' -F -c max_connections=200", "start")
+        return f"postgresql://postgres@{host}:{self.port}/postgres"
 
     def stop(self) -> None:
         """Stop the server (immediate) and delete its directory; no error when it never started."""
@@ -100,3 +108,42 @@ class EmbeddedPostgres:
                 self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+class DatabaseLink:
+    """A network namespace of its own for a database server, joined to this one by a veth pair
+    (``10.<a>.<b>.1`` here, ``10.<a>.<b>.2`` there). :meth:`cut` takes the far end down, so
+    packets to the server are dropped without an answer (as on a partitioned network: open
+    connections hang until their deadlines, new ones fail); :meth:`restore` brings it back;
+    :meth:`remove` deletes the namespace (and the pair with it). Needs root and ``ip``.
+    """
+
+    def __init__(self) -> None:
+        tag = os.urandom(2).hex()
+        self.netns, self.near, self.far = f"mdb{tag}", f"mdb{tag}a", f"mdb{tag}b"
+        a, b = 100 + int(tag[:2], 16) % 100, int(tag[2:], 16) % 250
+        self.host, near_ip = f"10.{a}.{b}.2", f"10.{a}.{b}.1"
+        for cmd in (["ip", "netns", "add", self.netns],
+                    ["ip", "link", "add", self.near, "type", "veth", "peer", "name", self.far],
+                    ["ip", "link", "set", self.far, "netns", self.netns],
+                    ["ip", "addr", "add", f"{near_ip}/24", "dev", self.near],
+                    ["ip", "link", "set", self.near, "up"],
+                    [*self.prefix, "ip", "addr", "add", f"{self.host}/24", "dev", self.far],
+                    [*self.prefix, "ip", "link", "set", self.far, "up"],
+                    [*self.prefix, "ip", "link", "set", "lo", "up"]):
+            subprocess.run(cmd, check=True, capture_output=True)
+
+    @property
+    def prefix(self) -> list[str]:
+        """Runs a command inside the namespace."""
+        return ["ip", "netns", "exec", self.netns]
+
+    def cut(self) -> None:
+        subprocess.run([*self.prefix, "ip", "link", "set", self.far, "down"], check=True)
+
+    def restore(self) -> None:
+        subprocess.run([*self.prefix, "ip", "link", "set", self.far, "up"], check=True)
+
+    def remove(self) -> None:
+        subprocess.run(["ip", "netns", "delete", self.netns], check=False, capture_output=True)
+        subprocess.run(["ip", "link", "delete", self.near], check=False, capture_output=True)

@@ -318,8 +318,11 @@ async def control_loop(app: Starlette) -> None:
         except LeaseLost as exc:  # a frozen leader woke up after its successor took over
             log.warning("this tracker lost the lease; its write was refused: %s", exc)
             svc.leader = False
-        except Exception:  # noqa: BLE001 - the loop must survive any single bad round
-            log.exception("control loop round failed")
+        except Exception as exc:  # noqa: BLE001 - the loop must survive any single bad round
+            if isinstance(exc, svc.store.database_errors) or getattr(exc, "code", "") == "database_unreachable":
+                log.warning("control loop round: tracker database unreachable: %s", exc)  # reconnects next round
+            else:
+                log.exception("control loop round failed")
 
 
 async def _on_error(request: Request, exc: MeshnetError) -> Response:
@@ -327,7 +330,14 @@ async def _on_error(request: Request, exc: MeshnetError) -> Response:
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
-    """Any other exception: the JSON envelope (500 ``internal_error``), never plain text."""
+    """Any other exception: the JSON envelope (500 ``internal_error``), never plain text; the
+    database unreachable (or its connection broken) is 503 ``database_unreachable``, and the
+    tracker carries on while the sync round reconnects (ADR-0054)."""
+    if isinstance(exc, request.app.state.service.store.database_errors):
+        log.warning("%s %s: tracker database unreachable: %s", request.method, request.url.path, exc)
+        return error_response(MeshnetError(f"the tracker's database is unreachable: {exc}".strip(),
+                                           code="database_unreachable", status=503,
+                                           hint="try again shortly, or another tracker of this network"))
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(MeshnetError(f"internal error on tracker: {type(exc).__name__}: {exc}"))
 

@@ -33,13 +33,16 @@ class DemandMixin:
     def _count(self, model: str, kind: str, now: float | None) -> None:
         target = self.demand if kind == "refused" else self.served
         target.setdefault(model, []).append(time.monotonic() if now is None else now)
-        self.store.add_demand_event(DemandEvent(model, kind, time.time(), self.origin))
+        try:
+            self.store.add_demand_event(DemandEvent(model, kind, time.time(), self.origin))
+        except self.store.database_errors as exc:  # counted here; the others miss it (ADR-0054)
+            log.warning("demand for %s not stored (database unreachable: %s)", model, exc)
 
     def add_demand(self, model: str, now: float | None = None) -> None:
         """Count a request refused because ``model`` was not routable (queued demand); stored, so it
         survives a restart and reaches the other trackers of a shared store."""
         self._count(model, "refused", now)
-        self.store.add_model(model, source="demand")
+        self.track_model(model, source="demand")
         self.dirty = True
 
     def add_served(self, model: str, now: float | None = None) -> None:

@@ -77,7 +77,7 @@ class DirectivesMixin:
             raise InvalidRequest(f"shard {start}-{end} beyond {info.name}'s {info.num_layers} layers",
                                  code="invalid_field", status=422)
         start, end = layers.to_inclusive()
-        self.store.add_model(info.name)
+        self.track_model(info.name)
         self.store.add_pin(node.node_id, info.name, start, end)
         queued = []
         free = node.max_loaded_shards - len(node.shards)

@@ -200,8 +200,10 @@ class MembershipMixin:
 
     def check_dropouts(self, now: float | None = None) -> list[str]:
         """Drop nodes whose last heartbeat is older than their timeout (:meth:`node_timeout_s`);
-        returns their ids."""
+        returns their ids. None while :attr:`blind_until` holds (after the database was unreachable)."""
         now = time.monotonic() if now is None else now
+        if now < self.blind_until:  # the database was unreachable: heartbeats others heard are not in yet
+            return []
         floor_s = self.cadence().timeout_s  # once per check, not once per node
         gone = [(nid, now - n.last_heartbeat_s) for nid, n in self.nodes.items()
                 if now - n.last_heartbeat_s > self.node_timeout_s(n, floor_s)]

@@ -123,6 +123,7 @@ class PostgresStore(TrackerStore):
 
     shared = True
     IntegrityError = psycopg.IntegrityError
+    database_errors = (psycopg.OperationalError,)
     placeholder = "%s"
 
     def __init__(self, url: str) -> None:
@@ -254,6 +255,19 @@ class PostgresStore(TrackerStore):
     def close(self) -> None:
         self.resign()
         self.db.close()
+
+    def reconnect(self) -> None:
+        """A new connection when the store's broke (the database was unreachable: a call on the
+        broken one fails at once, so the event loop never waits on it more than one deadline).
+
+        Raises:
+            MeshnetError (``database_unreachable``): still unreachable.
+        """
+        if self.db.closed:
+            fresh = connect(self.url)
+            with self.lock:
+                self.db = fresh
+            log.warning("reconnected to the tracker database %s", redact(self.url))
 
     def tracker_key(self) -> Ed25519PrivateKey:
         """The ticket key in ``tracker_meta`` (raw 32 bytes, base64), made by whichever tracker

@@ -135,6 +135,9 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
         self.origin = uuid.uuid4().hex[:16]
         self.started_at = time.time()  #: unix seconds this tracker started (its models' ``created``)
         self._leading = not self.store.shared  # as of the last sync round (sqlite: always)
+        #: monotonic time before which no node is dropped: a shared store was unreachable, so the
+        #: heartbeats other trackers heard meanwhile are not known here yet (ADR-0054)
+        self.blind_until = 0.0
         self.demand_seen = 0  # the highest demand event id read from the store
         self._heartbeats: dict[str, float] = {}  # node id -> unix time of a heartbeat not written yet
         #: on a shared store, the nodes with queued directives as of the last sync round plus those
@@ -143,7 +146,10 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
         self._queued_since_read: set[str] = set()
         for name in settings.models:
             self.store.add_model(canonical_model_name(name))
-        for name in self.store.models():
+        #: the tracked models' names as of the last read of the store (the sync round reads them
+        #: again on a shared store, so no request waits on the database for them, ADR-0054)
+        self.tracked_names: set[str] = set(self.store.models())
+        for name in self.tracked_names:
             self.ensure_model(name)
         self.apply_demand(self.store.demand_events(since=time.time() - settings.demand_window_s))
         self.apply_quarantines(self.store.quarantines())
@@ -178,7 +184,14 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
         self.models[info.name] = info
         return info
 
+    def track_model(self, name: str, source: str = "operator") -> None:
+        """Track ``name`` from now on (kept in the store, so it survives a restart)."""
+        self.store.add_model(name, source=source)
+        self.tracked_names.add(name)
+
     def tracked_models(self) -> list[ModelInfo]:
-        names = {canonical_model_name(m) for m in self.store.models()}
+        """The models this network keeps covered: those tracked (``--model``, pins, demand) and
+        those any node serves; read from memory."""
+        names = {canonical_model_name(m) for m in self.tracked_names}
         names |= {s.model for n in self.nodes.values() for s in n.shards}
         return [self.ensure_model(n) for n in sorted(names)]

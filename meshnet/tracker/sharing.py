@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from meshnet.tracker.service import TrackerService
@@ -82,8 +83,16 @@ class Sharing:
         since = max(0.0, self.read_at - SYNC_MARGIN_S) if self.read_at else 0.0
         read_at = time.time()
         svc.take_queued_since_read()
-        rows, events, queued, quarantines = await asyncio.to_thread(self._exchange, heartbeats, since)
+        try:
+            rows, events, queued, quarantines, models = await asyncio.to_thread(self._exchange, heartbeats, since)
+        except BaseException:
+            self.read_at = 0.0  # changes were missed meanwhile (the database unreachable): read all next time
+            svc.blind_until = math.inf
+            raise
         self.read_at = read_at
+        if svc.blind_until == math.inf:  # heartbeats other trackers heard meanwhile were not shared:
+            svc.blind_until = time.monotonic() + svc.cadence().timeout_s  # no dropouts for one timeout
+        svc.tracked_names |= set(models)
         svc.apply_quarantines(quarantines)
         svc.apply_rows(rows)
         svc.apply_demand(events)
@@ -92,10 +101,11 @@ class Sharing:
 
     def _exchange(self, heartbeats: dict[str, float], since: float):
         """Worker thread: write the heartbeat times, read the changes (node records, demand, the nodes
-        with queued directives, and the quarantines, a small table read whole)."""
+        with queued directives, and the quarantines and tracked models, small tables read whole)."""
         store, svc = self.service.store, self.service
+        store.reconnect()
         store.touch_nodes(heartbeats)
         return (store.nodes_changed(since),
                 store.demand_events(after_id=svc.demand_seen, since=time.time() - svc.settings.demand_window_s,
                                     not_from=svc.origin),
-                store.nodes_with_queued(), store.quarantines())
+                store.nodes_with_queued(), store.quarantines(), store.models())

@@ -92,6 +92,35 @@ class LeaseLost(MeshnetError):
                          hint="this tracker stopped leading; the current leader plans instead")
 
 
+#: the longest a store call waits for another call on the same connection (a worker thread's
+#: batch write, or a call stuck on an unreachable database) before it gives up, seconds: the
+#: event loop calls the store too, and must not wait out a network deadline (ADR-0054). A
+#: 10,000-node rebalance's batch write takes well under a second.
+LOCK_WAIT_S = 2.0
+
+
+class DeadlineLock:
+    """A mutex whose ``with`` waits at most ``wait_s`` seconds.
+
+    Raises:
+        MeshnetError (503 ``database_unreachable``): not acquired in time.
+    """
+
+    def __init__(self, wait_s: float = LOCK_WAIT_S) -> None:
+        self.wait_s = wait_s
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "DeadlineLock":
+        if not self._lock.acquire(timeout=self.wait_s):
+            raise MeshnetError(f"the tracker database has not answered another call for {self.wait_s:.0f} s",
+                               code="database_unreachable", status=503,
+                               hint="try again shortly, or another tracker of this network")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
 class StaleCall(Conflict):
     """A node's call signed before one of its calls that a tracker of this database applied
     already: it waited (in a frozen tracker's socket) while the node moved on (ADR-0054).
@@ -158,10 +187,13 @@ class TrackerStore:
     shared = False
     #: the exception a broken constraint (NOT NULL, ...) raises
     IntegrityError: type[Exception] = sqlite3.IntegrityError
+    #: what a call raises while the database cannot be reached or its connection broke: the
+    #: tracker answers 503 ``database_unreachable`` and carries on (ADR-0054)
+    database_errors: tuple[type[Exception], ...] = (sqlite3.OperationalError,)
     placeholder = "?"
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = DeadlineLock()
         self._sql_cache: dict[str, str] = {}
         #: the lease term this process leads under (the fencing token of its planning writes);
         #: None where it does not lead, or where only one tracker uses the database (ADR-0054)
@@ -216,6 +248,10 @@ class TrackerStore:
     def close(self) -> None:
         """Close the connection(s); the store is unusable afterwards."""
         self.db.close()
+
+    def reconnect(self) -> None:
+        """Open the connection again if it broke (a worker thread calls it every sync round; a
+        no-op where the database is a local file)."""
 
     # leadership (ADR-0043)
     def lead(self) -> bool:

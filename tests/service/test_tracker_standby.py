@@ -188,3 +188,27 @@ async def test_a_call_that_waited_in_a_frozen_tracker_cannot_undo_what_the_node_
     assert len(b.service.nodes["n1"].shards) == 1
     # the node's own next heartbeat goes through
     assert (await b.post("/v1/nodes/n1/heartbeat", json=heartbeat(node("n1", (0, 3))["shards"]))).status_code == 200
+
+
+async def test_after_the_database_was_unreachable_no_node_is_dropped_until_its_heartbeats_could_be_shared(trackers,
+                                                                                                        monkeypatch):
+    """ADR-0054: heartbeats other trackers heard during an outage are not in the store, so a
+    tracker drops nobody until one timeout after its first sync round that worked again."""
+    import time
+
+    a, b = trackers
+    assert (await b.post("/v1/nodes/register", json=node("n1", (0, 3)))).status_code == 200
+    await a.sharing.sync_round()
+    a.service.nodes["n1"].last_heartbeat_s = time.monotonic() - 3600  # nobody heard it for an hour
+    a.service.store._exec("UPDATE nodes SET heartbeat_at = ?", (time.time() - 3600,))
+    exchange = a.sharing._exchange
+    monkeypatch.setattr(a.sharing, "_exchange", lambda *args: (_ for _ in ()).throw(OSError("no route to host")))
+    with pytest.raises(OSError):
+        await a.sharing.sync_round()
+    assert a.service.check_dropouts() == []  # blind while the store is gone
+    monkeypatch.setattr(a.sharing, "_exchange", exchange)
+    await a.sharing.sync_round()
+    timeout_s = a.service.cadence().timeout_s
+    assert a.service.blind_until - time.monotonic() == pytest.approx(timeout_s, abs=1.0)
+    assert a.service.check_dropouts() == []
+    assert a.service.check_dropouts(now=a.service.blind_until + 1.0) == ["n1"]  # then as before

@@ -339,3 +339,31 @@ def test_every_connection_carries_the_statement_and_network_deadlines(pg_url):
         assert store.db.info.get_parameters()["tcp_user_timeout"] == "5000"
     finally:
         store.close()
+
+
+def test_a_store_call_waits_for_a_stuck_one_at_most_the_lock_deadline():
+    import threading
+    import time
+
+    from meshnet.errors import MeshnetError
+    from meshnet.tracker.store import DeadlineLock
+    store = SqliteStore()
+    store.lock = DeadlineLock(wait_s=0.2)
+    held, release = threading.Event(), threading.Event()
+
+    def stuck_call():  # a worker thread's call waiting on an unreachable database
+        with store.lock:
+            held.set()
+            release.wait(5)
+
+    worker = threading.Thread(target=stuck_call)
+    worker.start()
+    assert held.wait(5)
+    started = time.monotonic()
+    with pytest.raises(MeshnetError, match="has not answered another call for 0 s") as err:
+        store.models()
+    assert err.value.code == "database_unreachable" and err.value.status == 503
+    assert time.monotonic() - started < 2.0
+    release.set()
+    worker.join(5)
+    assert store.models() == []

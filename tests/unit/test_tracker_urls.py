@@ -98,3 +98,23 @@ async def test_a_hung_tracker_costs_a_read_or_a_heartbeat_one_answer_deadline_th
     assert net.deadlines == [30.0]
     await client.aclose()
     await single.aclose()
+
+
+async def test_a_tracker_without_its_database_passes_a_safe_call_to_the_next():
+    """ADR-0054: a 503 ``database_unreachable`` is as good as no answer for a call that may be
+    sent again; any other call takes the answer as it is."""
+    class NoDatabase(Trackers):
+        async def handle_async_request(self, request):
+            if request.url.host == "t1":
+                self.calls.append("t1")
+                return httpx.Response(503, json={"error": {"code": "database_unreachable", "message": "down"}})
+            return await super().handle_async_request(request)
+
+    net = NoDatabase()
+    client = TrackerClient("http://t1:8700,http://t2:8700", transport=net)
+    assert (await client.health())["host"] == "t2" and client.url == "http://t2:8700"
+    client.url = "http://t1:8700"
+    with pytest.raises(MeshnetError, match="down"):
+        await client.pin("m", "n1")
+    assert net.calls == ["t1", "t2", "t1"]
+    await client.aclose()
