@@ -50,6 +50,8 @@ GIB = 1024**3
 SIZES = (100, 1_000, 10_000)
 RUNS = 5
 TARGET_MS = 100.0
+#: the longest event-loop block a rebalance may cause, ms (issue: < 50 ms at 10,000 nodes)
+BLOCK_TARGET_MS = 50.0
 HIDDEN_SIZES = (576, 960, 2048, 3072, 4096, 5120, 8192)   # SmolLM2-135M ... 70B-class widths
 QUANTIZATIONS = ("bfloat16", "int8", "nf4")
 
@@ -131,7 +133,7 @@ def tracker_with(nodes: list[NodeState], models: list[ModelSpec], db_path: str) 
     now = time.monotonic()
     for m in models:
         svc.models[m.name] = ModelInfo(m.name, m.num_layers, dict(m.bytes_per_layer))
-        svc.store.add_model(m.name)
+        svc.track_model(m.name)
         svc.served[m.name] = [now] * round(m.demand * svc.settings.demand_window_s / 60)
     for n in nodes:
         shards = [ShardRecord(a.model, a.layers, a.tier, n.quantization, a.layers.start == 0, 0, None)
@@ -148,9 +150,9 @@ async def timed_rebalance(svc: TrackerService) -> dict[str, float]:
     worst_s, written, planned = 0.0, {"ms": 0.0, "rows": 0}, {"ms": 0.0}
     write, plan = svc.store.add_directives, placement.plan_placement
 
-    def timed_write(new):
+    def timed_write(new, **kw):
         t0 = time.perf_counter()
-        ids = write(new)
+        ids = write(new, **kw)
         written["ms"], written["rows"] = (time.perf_counter() - t0) * 1000, len(ids)
         return ids
 
@@ -201,25 +203,32 @@ def database(backend: str):
             yield url
 
 
-def rebalance_figures(size: int = SIZES[-1]) -> None:
-    """Print the full rebalance at ``size`` nodes (the ``cold`` network of :func:`main`'s seed), per backend."""
+def rebalance_figures(size: int = SIZES[-1], runs: int = 3) -> None:
+    """Print the full rebalance at ``size`` nodes (the ``cold`` network of :func:`main`'s seed), per
+    backend: the median of ``runs``, each on a fresh database, with the load average beside it."""
     rng = random.Random(size)
     models = make_models(rng)
     cold = [make_node(rng, f"node-{k:05d}", models, held=0.3) for k in range(size)]
     backends = ("sqlite",) if PG_SERVER == "off" else ("postgresql", "sqlite")
-    print(f"\nfull rebalance at {size:,} nodes x {len(models)} models (rebalance_off_loop), ms; target "
-          f"{TARGET_MS:.0f} ms for the plan and for the longest event-loop block:")
-    print(f"{'backend':>11} {'wall':>6} {'plan':>6} {'write':>6} {'rows':>6} {'rest':>6} {'block':>6}")
+    print(f"\nfull rebalance at {size:,} nodes x {len(models)} models (rebalance_off_loop), ms, median of {runs} "
+          f"(each on a fresh database); targets: wall with the write < {TARGET_MS:.0f}, block < {BLOCK_TARGET_MS:.0f}")
+    print(f"{'backend':>11} {'wall':>6} {'plan':>6} {'write':>6} {'rows':>6} {'rest':>6} {'block':>6}  "
+          f"{'runs (wall/block)':<30} load avg")
     for backend in backends:
-        with database(backend) as db:
-            svc = tracker_with(cold, models, db)
-            gc.collect()  # the previous backend's garbage is not this one's time
-            r = asyncio.run(timed_rebalance(svc))
-            svc.store.close()
-            del svc
+        results = []
+        for _ in range(runs):
+            with database(backend) as db:
+                svc = tracker_with(cold, models, db)
+                gc.collect()  # the previous run's garbage is not this one's time
+                results.append(asyncio.run(timed_rebalance(svc)))
+                svc.store.close()
+                del svc
+        r = {k: statistics.median(x[k] for x in results) for k in results[0]}
         rest = r["wall_ms"] - r["write_ms"] - r["plan_ms"]
-        print(f"{backend:>11} {r['wall_ms']:>6.0f} {r['plan_ms']:>6.0f} {r['write_ms']:>6.0f} {r['rows']:>6,} "
-              f"{rest:>6.0f} {r['block_ms']:>6.0f}")
+        each = " ".join(f"{x['wall_ms']:.0f}/{x['block_ms']:.0f}" for x in results)
+        verdict = "OK" if r["wall_ms"] < TARGET_MS and r["block_ms"] < BLOCK_TARGET_MS else "OVER"
+        print(f"{backend:>11} {r['wall_ms']:>6.0f} {r['plan_ms']:>6.0f} {r['write_ms']:>6.0f} {r['rows']:>6,.0f} "
+              f"{rest:>6.0f} {r['block_ms']:>6.0f}  {each:<30} {os.getloadavg()[0]:.2f}  {verdict}")
     print("  (write: every directive in one transaction, on a worker thread; rest: inputs, demand moves, apply; "
           "block: the longest the event loop waited)")
 
