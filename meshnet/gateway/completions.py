@@ -40,17 +40,38 @@ def prompt_ids(orchestrator: Orchestrator, prompt: str | list[int], index: int) 
     return list(prompt)
 
 
-def completion_logprobs(orchestrator: Orchestrator, stats: GenerationStats, offset: int) -> dict:
+def completion_logprobs(orchestrator: Orchestrator, stats: GenerationStats, offset: int,
+                        prompt: dict | None = None) -> dict:
     """OpenAI's completion ``logprobs``: each token's text, its log-probability, the most likely
-    tokens' (``{text: logprob}``) and its character offset in the choice's text (from ``offset``)."""
+    tokens' (``{text: logprob}``) and its character offset in the choice's text (from ``offset``);
+    after ``prompt``'s (:func:`prompt_logprobs`) when the prompt is echoed."""
+    out = prompt_logprobs(orchestrator, [e.token_id for e in stats.logprobs], stats.logprobs, offset)
+    if prompt is None:
+        return out
+    return {key: prompt[key] + out[key] for key in out}
+
+
+def prompt_logprobs(orchestrator: Orchestrator, ids: list[int], scores: list, offset: int = 0) -> dict:
+    """:func:`completion_logprobs` of tokens ``ids`` with their ``scores``
+    (:class:`~meshnet.gateway.entry.TokenLogprob`, or None for the prompt's first token: its
+    ``token_logprobs`` and ``top_logprobs`` entries are null, as in OpenAI's API)."""
     tokens, offsets = [], []
-    for entry in stats.logprobs:
+    for token_id in ids:
         offsets.append(offset)
-        tokens.append(token_text(orchestrator.tokenizer, entry.token_id))
+        tokens.append(token_text(orchestrator.tokenizer, token_id))
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in stats.logprobs],
-            "top_logprobs": [{token_text(orchestrator.tokenizer, t): lp for t, lp in e.top} for e in stats.logprobs],
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in scores],
+            "top_logprobs": [None if e is None else {token_text(orchestrator.tokenizer, t): lp for t, lp in e.top}
+                             for e in scores],
             "text_offset": offsets}
+
+
+async def _echoed_logprobs(orchestrator: Orchestrator, req: CompletionRequest, ids: list[int]) -> dict | None:
+    """The echoed prompt's ``logprobs`` (one prefill through the mesh, :meth:`Orchestrator.score`),
+    or None unless the request has both ``echo`` and ``logprobs``."""
+    if not (req.echo and req.logprobs is not None):
+        return None
+    return prompt_logprobs(orchestrator, ids, await orchestrator.score(ids, req.logprobs))
 
 
 def _usage(prompts: list[list[int]], stats: list[GenerationStats]) -> dict:
@@ -76,12 +97,13 @@ async def complete(orchestrator: Orchestrator, model: str, req: CompletionReques
         params_n, stats = choices_for(first, req.n, arrived_s)
         for s in stats:
             s.prompt_tokens = len(ids)
+        echoed = await _echoed_logprobs(orchestrator, req, ids)
         texts = [""] * req.n
         if req.max_tokens:
             async for i, piece, _ in choice_deltas(orchestrator, ids, params_n, stats, disconnected):
                 texts[i] += piece or ""
         for i, s in enumerate(stats):
-            logprobs = None if req.logprobs is None else completion_logprobs(orchestrator, s, len(echo))
+            logprobs = None if req.logprobs is None else completion_logprobs(orchestrator, s, len(echo), echoed)
             choices.append({"text": echo + texts[i], "index": p * req.n + i, "logprobs": logprobs,
                             "finish_reason": s.finish_reason})
         all_stats += stats
@@ -118,8 +140,9 @@ async def stream(orchestrator: Orchestrator, model: str, req: CompletionRequest)
                     s.prompt_tokens = len(ids)
                 all_stats += stats
                 if echo:
+                    echoed = await _echoed_logprobs(orchestrator, req, ids)
                     for i in range(req.n):
-                        yield chunk(p * req.n + i, echo)
+                        yield chunk(p * req.n + i, echo, logprobs=echoed)
                 if not req.max_tokens:
                     for i in range(req.n):
                         yield chunk(p * req.n + i, "", "length")

@@ -68,6 +68,11 @@ class EntryLayers(Protocol):
         """LM head on the last position of ``hidden`` and the next token (with its logprob when asked),
         for session ``session_id``."""
 
+    async def score(self, hidden: Activation, targets: list[int], top: int,
+                    session_id: SessionId) -> list[TokenLogprob]:
+        """Log-probability of each of ``targets`` given the matching position of ``hidden`` (all
+        positions of a prefill chunk, after the last layer), with the ``top`` most likely tokens."""
+
     def release(self, session_id: SessionId) -> None:
         """Drop the session's local KV cache; nothing waits for its steps any more (its head steps
         included)."""

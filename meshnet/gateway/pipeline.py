@@ -160,6 +160,47 @@ class Orchestrator:
             hidden = await self._step(session_id, remote, c, p, local)
         return hidden
 
+    async def _open(self, session_id: str) -> RemoteRoute | ChainRoute | None:
+        """The remote hops of a new session (None when the entry holds every layer).
+
+        Raises:
+            ModelNotRoutable: the tracker has no route for the remote layers.
+        """
+        if self.entry.local_end >= self.num_layers:
+            return None
+        layers = LayerRange(self.entry.local_end, self.num_layers)
+        route = await self.link.routes(self.model, layers, frozenset(), session_id)
+        return self._remote(session_id, layers, route)
+
+    async def score(self, prompt: list[int], top: int = 0) -> list[TokenLogprob | None]:
+        """The prompt's own log-probabilities, as OpenAI's ``echo`` with ``logprobs`` returns them:
+        None for the first token (nothing precedes it), then each token's natural-log probability
+        given those before it, with the ``top`` most likely tokens. One prefill through the mesh,
+        chunk after chunk, with every position's hidden state brought back from the last hop
+        (``last_only`` off) to the entry's LM head; the session is released at the end.
+
+        Raises:
+            ModelNotRoutable, HopFailed: as :meth:`generate`.
+        """
+        session_id = uuid.uuid4().hex
+        remote = await self._open(session_id)
+        out: list[TokenLogprob | None] = [None]
+        try:
+            size = self.settings.chunk_tokens
+            for p in range(0, len(prompt), size):
+                chunk = prompt[p:p + size]
+                hidden = await self.entry.run(session_id, chunk, p)
+                if remote is not None:
+                    hidden = await remote.forward(hidden, p, last_only=False)
+                targets = prompt[p + 1:p + 1 + len(chunk)]  # the last position predicts no prompt token
+                if targets:
+                    out += await self.entry.score(hidden, targets, top, session_id)
+        finally:
+            if remote is not None:
+                remote.close()
+            self.entry.release(session_id)
+        return out
+
     async def generate(self, prompt: list[int], params: SamplingParams,
                        stats: GenerationStats | None = None) -> AsyncIterator[int]:
         """Yield generated token ids one by one (EOS excluded); fills ``stats`` as it goes.
@@ -173,11 +214,7 @@ class Orchestrator:
         session_id = uuid.uuid4().hex
         local_end = self.entry.local_end
         entry_hop = Hop(self.node_id, self.endpoint, LayerRange(0, local_end))
-        remote = None
-        if local_end < self.num_layers:
-            layers = LayerRange(local_end, self.num_layers)
-            route = await self.link.routes(self.model, layers, frozenset(), session_id)
-            remote = self._remote(session_id, layers, route)
+        remote = await self._open(session_id)
         chooser: TokenChooser = self.entry.new_chooser(params)
         local = StageOrder()  # the entry's own layers
         if self.observer is not None:

@@ -294,6 +294,15 @@ class LocalEntry:
         logits = await self.runtime.logits_async(self.slot, session_id, hidden[:, -1:])
         return chooser.pick(logits[0, -1])
 
+    async def score(self, hidden: Activation, targets: list[int], top: int, session_id: str) -> list[TokenLogprob]:
+        """Log-probabilities of ``targets`` given the positions of ``hidden`` ``[1, n, hidden]``
+        (position i predicts ``targets[i]``; ``len(targets) <= n``), each with the ``top`` (0..5)
+        most likely tokens: the LM head over every position in one head step, then a float32
+        ``log_softmax`` per position (:func:`token_logprob`). No penalty or bias applies: this is
+        the model's own distribution, as a prompt's scores are."""
+        logits = await self.runtime.logits_async(self.slot, session_id, hidden[:, :len(targets)])
+        return [token_logprob(logits[i, -1], t, top) for i, t in enumerate(targets)]
+
     def release(self, session_id: str) -> None:
         """End the session's local KV cache for good (:meth:`NodeRuntime.end_session_soon`): a step
         of it still queued in the batcher (a generation cancelled while its prefill chunk waited)

@@ -91,8 +91,8 @@ def _compute(works: list[_Work], sessions: list[Session]) -> list[torch.Tensor]:
     step's ``[1, seq, hidden]`` (``[1, 1, vocab]`` float32 logits for head steps)."""
     first = works[0]
     shard = first.slot.shard
-    if first.kind == HEAD:
-        return list(shard.logits(torch.cat([w.inputs for w in works])).split(1))
+    if first.kind == HEAD:  # a step's rows are its positions (one for a decode step, more for scoring)
+        return list(shard.logits(torch.cat([w.inputs for w in works])).split([len(w.inputs) for w in works]))
     if len(works) == 1:
         inputs = shard.embed_tokens(first.inputs, first.position) if first.kind == TOKENS else first.inputs
         return [shard.forward(inputs, sessions[0].cache, first.position, first.layers)]
@@ -275,13 +275,14 @@ class NodeRuntime:
                     _Work(slot, layers, position, input_ids, TOKENS))
 
     def logits(self, slot: ShardSlot, session_id: str, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head of entry ``slot`` on the last hidden state ``hidden`` ``[1, 1,
-        hidden]`` of one session; ``[1, 1, vocab]`` float32. Thread-safe; batched with the other
-        sessions' head steps like decode steps (ADR-0052): one step of a session per batch, and
-        once the session is forgotten (:meth:`StepBatcher.forget`) no batch waits for its next.
+        """Final norm and LM head of entry ``slot`` on the hidden states ``hidden`` ``[1, n,
+        hidden]`` of one session (n = 1 for a decode step, more to score a prompt's positions);
+        ``[n, 1, vocab]`` float32. Thread-safe; batched with the other sessions' head steps like
+        decode steps (ADR-0052): one step of a session per batch, and once the session is
+        forgotten (:meth:`StepBatcher.forget`) no batch waits for its next.
 
         Raises:
-            InvalidRequest: ``slot`` holds no LM head, or ``hidden`` is not one position.
+            InvalidRequest: ``slot`` holds no LM head, or ``hidden`` is not ``[1, n, hidden]``.
         """
         return self.batcher.submit(self._head_step(slot, session_id, hidden))
 
@@ -293,9 +294,10 @@ class NodeRuntime:
     def _head_step(slot: ShardSlot, session_id: str, hidden: torch.Tensor) -> Step:
         if slot.shard.lm_head is None:
             raise InvalidRequest(f"{slot.key} holds no LM head (not an entry shard)")
-        if hidden.dim() != 3 or hidden.shape[:2] != (1, 1):
-            raise InvalidRequest(f"the LM head takes one position [1, 1, hidden], got {list(hidden.shape)}")
-        return Step(session_id, (slot.key, HEAD), 1, _Work(slot, slot.layers, 0, hidden.to(slot.shard.dtype), HEAD))
+        if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] < 1:
+            raise InvalidRequest(f"the LM head takes positions [1, n, hidden], got {list(hidden.shape)}")
+        rows = hidden.transpose(0, 1).to(slot.shard.dtype)  # [n, 1, hidden]: positions as rows of the batch
+        return Step(session_id, (slot.key, HEAD), 1, _Work(slot, slot.layers, 0, rows, HEAD))
 
     def _run_batch(self, steps: list[Step]) -> None:
         """Run one batch of steps of one group under the compute lock (:meth:`_run_locked`), then

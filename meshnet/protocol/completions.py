@@ -8,7 +8,6 @@ from typing import ClassVar
 from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
 
 from meshnet.cpu import off_loop
-from meshnet.errors import InvalidRequest
 from meshnet.protocol.http import validate_json
 from meshnet.protocol.openai import PARSE_OFF_LOOP_BYTES, SamplingParams, _Generation, _invalid
 
@@ -22,9 +21,10 @@ class CompletionRequest(_Generation):
     ``prompt`` is a string, a list of strings, a list of token ids or a list of such lists; each
     prompt gets ``n`` choices, indexed prompt by prompt. ``echo`` puts the prompt's text before
     each completion; ``logprobs`` (0..5) returns the chosen token's and the most likely tokens'
-    log-probabilities of each completion token. ``max_tokens`` defaults to 16 as in OpenAI's API
-    and may be 0 only with ``echo``. Refused with a 400: ``suffix``, ``best_of`` (other than 1),
-    and ``echo`` with ``logprobs`` (the prompt's own log-probabilities are not computed yet).
+    log-probabilities of each completion token, and with ``echo`` of each prompt token too (the
+    first one null, as OpenAI does). ``max_tokens`` defaults to 16 as in OpenAI's API and may be 0
+    only with ``echo`` (scoring a prompt). Refused with a 400: ``suffix`` and ``best_of`` (other
+    than 1).
     """
 
     unsupported: ClassVar[dict[str, str]] = {"suffix": "suffixes (insertion)"}
@@ -53,10 +53,6 @@ class CompletionRequest(_Generation):
     def _dependent_fields(self):
         if self.max_tokens == 0 and not self.echo:
             raise _invalid("max_tokens", "may be 0 only with echo: true (scoring a prompt)")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequest("unsupported parameter 'logprobs': meshnet does not return the prompt's "
-                                 "log-probabilities (echo with logprobs) yet", code="unsupported_parameter",
-                                 param="logprobs")
         if self.stream_options is not None and not self.stream:
             raise _invalid("stream_options", "is only allowed with stream: true")
         return self

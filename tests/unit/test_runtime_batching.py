@@ -181,13 +181,18 @@ def test_concurrent_lm_head_steps_batch_and_equal_solo_logits(shard_path, monkey
     assert len(rt.sessions) == 0
 
 
-def test_the_lm_head_needs_an_entry_slot_and_one_position(shard_path):
+def test_the_lm_head_needs_an_entry_slot_and_scores_every_position_it_is_given(shard_path):
     rt = runtime_of(shard_path, LayerRange(2, 4))
     with pytest.raises(MeshnetError, match="holds no LM head"):
         rt.logits(next(iter(rt.slots.values())), "g", prompt(1, 0))
     entry = runtime_of(shard_path, LayerRange(0, 4))
-    with pytest.raises(MeshnetError, match=r"takes one position \[1, 1, hidden\], got \[1, 3, 64\]"):
-        entry.logits(next(iter(entry.slots.values())), "g", prompt(3, 0))
+    slot = next(iter(entry.slots.values()))
+    with pytest.raises(MeshnetError, match=r"takes positions \[1, n, hidden\], got \[2, 3, 64\]"):
+        entry.logits(slot, "g", torch.zeros(2, 3, 64))
+    hidden = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(0))
+    rows = entry.logits(slot, "g", hidden)  # one row per position, as the head alone gives them
+    assert rows.shape == (3, 1, slot.shard.config.vocab_size)
+    assert torch.equal(rows[:, 0], slot.shard.logits(hidden)[0])
 
 
 async def test_a_lone_decode_step_awaited_from_a_loop_runs_off_the_loop_and_equals_forward(shard_path):
