@@ -197,8 +197,9 @@ ANY_OBJECT = {"type": "object"}
 
 class ResponseFormat(_Strict):
     """``text`` (free text), ``json_object`` (a JSON object) or ``json_schema`` (JSON valid under the
-    given schema): the two JSON kinds decode under a grammar (llguidance, ADR-0053), so the output
-    always parses, unless ``max_tokens`` cuts it (``finish_reason: "length"``)."""
+    given schema, its objects closed to unlisted keys unless it allows them: :func:`closed_objects`):
+    the two JSON kinds decode under a grammar (llguidance, ADR-0053), so the output always parses,
+    unless ``max_tokens`` cuts it (``finish_reason: "length"``)."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -224,7 +225,7 @@ class ResponseFormat(_Strict):
         if self.type == "json_object":
             return ANY_OBJECT
         if self.type == "json_schema":
-            return self.json_schema.schema_ or ANY_OBJECT
+            return closed_objects(self.json_schema.schema_) if self.json_schema.schema_ else ANY_OBJECT
         return None
 
 
@@ -380,15 +381,40 @@ class ChatRequest(_Generation):
         return params if schema is None else replace(params, json_schema=json.dumps(schema, sort_keys=True))
 
 
+#: the keywords whose values are schemas, or lists or maps of schemas (JSON Schema 2020-12 and draft 7)
+_SUBSCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def closed_objects(schema):
+    """``schema`` where every object schema with ``properties`` that does not say whether other
+    keys are allowed allows none, at any depth (as OpenAI's strict structured outputs and function
+    calling require of a schema): under constrained decoding a small model would otherwise spend
+    its tokens inventing keys until ``max_tokens`` cuts the JSON. ``additionalProperties: true``
+    keeps other keys allowed. Returns a new schema; the given one is not changed."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_objects(s) for name, s in value.items()}
+        elif key in _SUBSCHEMAS or key in _SCHEMA_LISTS:
+            out[key] = closed_objects(value)
+        else:
+            out[key] = value
+    if "properties" in out and "additionalProperties" not in out and out.get("type", "object") == "object":
+        out["additionalProperties"] = False
+    return out
+
+
 def _arguments(parameters: dict | None) -> dict:
-    """A tool's arguments schema for constrained decoding: an object schema that does not say
-    whether other keys are allowed allows none (as OpenAI's strict function calling), so a model
-    cannot spend its tokens inventing keys."""
+    """A tool's arguments schema for constrained decoding (:func:`closed_objects`)."""
     if not parameters:
         return {"type": "object"}
-    if parameters.get("type") == "object" and "properties" in parameters and "additionalProperties" not in parameters:
-        return {**parameters, "additionalProperties": False}
-    return parameters
+    return closed_objects(parameters)
 
 
 def call_schema(tools: list[Tool]) -> dict:

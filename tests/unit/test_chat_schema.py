@@ -133,7 +133,7 @@ def test_json_response_formats_carry_their_schema_into_the_sampling():
     assert json.loads(parse(response_format={"type": "json_object"}).sampling().json_schema) == {"type": "object"}
     schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}}
-    assert json.loads(parse(response_format=fmt).sampling().json_schema) == schema
+    assert json.loads(parse(response_format=fmt).sampling().json_schema) == {**schema, "additionalProperties": False}
 
 
 @pytest.mark.parametrize("fmt, param", [
@@ -147,3 +147,23 @@ def test_a_bad_response_format_is_400_naming_the_field(fmt, param):
     with pytest.raises(InvalidRequest) as info:
         parse(response_format=fmt)
     assert info.value.status == 400 and info.value.param == param
+
+
+def test_objects_of_a_schema_are_closed_to_unlisted_keys_at_every_depth_unless_they_allow_them():
+    from meshnet.protocol.openai import closed_objects
+    schema = {"type": "object", "properties": {
+        "city": {"type": "object", "properties": {"name": {"type": "string"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        "extra": {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+        "either": {"anyOf": [{"type": "object", "properties": {"x": {"type": "number"}}}, {"type": "null"}]},
+        "ref": {"$ref": "#/$defs/Point"}},
+        "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "number"}}}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["city"]["additionalProperties"] is False
+    assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["extra"]["additionalProperties"] is True  # said so: kept
+    assert closed["properties"]["either"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["$defs"]["Point"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is not changed
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # no properties: any object

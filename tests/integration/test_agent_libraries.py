@@ -1,0 +1,123 @@
+"""Agent and structuring libraries users run, against a real mesh of SmolLM2 (a tracker and two
+node processes): pydantic-ai's OpenAI model calling a tool, and ``instructor`` extracting a
+pydantic model. SmolLM2's template has no tools, so this drives meshnet's documented tool prompt
+(:mod:`meshnet.gateway.tools`) and the grammar that holds a forced call to its schema."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.integration.conftest import REAL
+from tests.integration.mesh import Mesh
+
+pytestmark = pytest.mark.slow
+
+
+class Requests(httpx.Client):
+    """An httpx client that keeps every chat request body it sends (the tool result's round trip)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.bodies: list[dict] = []
+
+    def send(self, request, **kw):
+        if request.url.path.endswith("/chat/completions"):
+            self.bodies.append(json.loads(request.content))
+        return super().send(request, **kw)
+
+
+class AsyncRequests(httpx.AsyncClient):
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.bodies: list[dict] = []
+        self.answers: list[dict] = []
+
+    async def send(self, request, **kw):
+        if request.url.path.endswith("/chat/completions"):
+            self.bodies.append(json.loads(request.content))
+        resp = await super().send(request, **kw)
+        if request.url.path.endswith("/chat/completions"):
+            await resp.aread()
+            self.answers.append(resp.json())
+        return resp
+
+
+@pytest.fixture(scope="module")
+def mesh(real_model_path, tmp_path_factory):
+    m = Mesh(tmp_path_factory.mktemp("agents"))
+    try:
+        m.start_tracker(REAL)
+        for i, (a, b) in enumerate([(0, 14), (15, 29)]):
+            m.start_node(f"node-{i}", "--model", REAL, "--shard-start", str(a), "--shard-end", str(b))
+        m.wait_routable(REAL, 180)
+        yield m
+    finally:
+        m.stop()
+
+
+def test_pydantic_ai_agent_calls_the_tool_gets_its_result_back_and_answers(mesh):
+    from pydantic_ai import Agent
+    from pydantic_ai.capabilities import AbstractCapability
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    class ToolFirst(AbstractCapability):
+        """Force the weather tool on the first step, text after it (pydantic-ai's per-step tool_choice)."""
+
+        def get_model_settings(self):
+            return lambda ctx: {"tool_choice": ["get_weather"] if ctx.run_step <= 1 else "none",
+                                "temperature": 0.0}
+
+    http = AsyncRequests(timeout=120)
+    model = OpenAIChatModel(REAL, provider=OpenAIProvider(base_url=f"{mesh.url}/v1", api_key="none",
+                                                          http_client=http))
+    agent = Agent(model, capabilities=[ToolFirst()])
+    calls: list[str] = []
+
+    @agent.tool_plain
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        calls.append(city)
+        return f"It is sunny and 21 degrees in {city}."
+
+    result = agent.run_sync("What is the weather in Paris?")
+    assert len(calls) == 1 and isinstance(calls[0], str) and calls[0]
+    first, second = http.answers[0], http.answers[-1]
+    assert first["choices"][0]["finish_reason"] == "tool_calls"
+    call = first["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "get_weather" and set(json.loads(call["function"]["arguments"])) == {"city"}
+    sent_back = [m for m in http.bodies[-1]["messages"] if m["role"] == "tool"]
+    assert sent_back and f"sunny and 21 degrees in {calls[0]}" in json.dumps(sent_back)
+    assert second["choices"][0]["finish_reason"] == "stop"
+    assert isinstance(result.output, str) and result.output.strip()
+    print(f"pydantic-ai: called get_weather({calls[0]!r}); final answer {result.output[:80]!r}")
+
+
+def test_instructor_extracts_a_pydantic_model_that_validates(mesh):
+    import instructor
+    from openai import OpenAI
+
+    class City(BaseModel):
+        name: str
+        country: str
+        population_millions: float = Field(ge=0, le=100)
+
+    http = Requests(timeout=120)
+    client = instructor.from_openai(OpenAI(base_url=f"{mesh.url}/v1", api_key="none", http_client=http),
+                                    mode=instructor.Mode.TOOLS)
+    city = client.chat.completions.create(model=REAL, response_model=City, temperature=0, max_retries=0,
+                                          messages=[{"role": "user", "content": "Paris is the capital of France. "
+                                                     "About 2.1 million people live there."}])
+    assert isinstance(city, City) and city.name and city.country
+    assert http.bodies[0]["tool_choice"] == {"type": "function", "function": {"name": "City"}}
+    print(f"instructor: {city!r}")
+    json_mode = instructor.from_openai(OpenAI(base_url=f"{mesh.url}/v1", api_key="none"),
+                                       mode=instructor.Mode.JSON_SCHEMA)
+    again = json_mode.chat.completions.create(model=REAL, response_model=City, temperature=0, max_retries=0,
+                                              messages=[{"role": "user", "content": "Tell me about Rome, Italy."}])
+    assert isinstance(again, City)
+    print(f"instructor (json_schema): {again!r}")
