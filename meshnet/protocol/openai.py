@@ -197,7 +197,7 @@ ANY_OBJECT = {"type": "object"}
 
 class ResponseFormat(_Strict):
     """``text`` (free text), ``json_object`` (a JSON object) or ``json_schema`` (JSON valid under the
-    given schema, its objects closed to unlisted keys unless it allows them: :func:`closed_objects`):
+    given schema, decoded under :func:`decoding_schema`):
     the two JSON kinds decode under a grammar (llguidance, ADR-0053), so the output always parses,
     unless ``max_tokens`` cuts it (``finish_reason: "length"``)."""
 
@@ -225,7 +225,7 @@ class ResponseFormat(_Strict):
         if self.type == "json_object":
             return ANY_OBJECT
         if self.type == "json_schema":
-            return closed_objects(self.json_schema.schema_) if self.json_schema.schema_ else ANY_OBJECT
+            return decoding_schema(self.json_schema.schema_) if self.json_schema.schema_ else ANY_OBJECT
         return None
 
 
@@ -387,34 +387,55 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
 
-def closed_objects(schema):
-    """``schema`` where every object schema with ``properties`` that does not say whether other
-    keys are allowed allows none, at any depth (as OpenAI's strict structured outputs and function
-    calling require of a schema): under constrained decoding a small model would otherwise spend
-    its tokens inventing keys until ``max_tokens`` cuts the JSON. ``additionalProperties: true``
-    keeps other keys allowed. Returns a new schema; the given one is not changed."""
+#: a number the grammar lets a model write has at most this many decimals and an absolute value
+#: below :data:`NUMBER_BOUND`, unless its schema says otherwise (:func:`decoding_schema`)
+NUMBER_STEP = 1e-6
+NUMBER_BOUND = 10**15
+
+
+def decoding_schema(schema):
+    """The schema a grammar decodes ``schema`` under: a subset of the values it allows, every one
+    of which it still allows, with no way to run on until ``max_tokens`` cuts the JSON (a small
+    model under a grammar otherwise invents keys, or writes digits forever:
+    ``1.1111123456789…``):
+
+    - an object schema with ``properties`` that does not say whether other keys are allowed
+      allows none, at any depth (as OpenAI's strict structured outputs and function calling
+      require of a schema; ``additionalProperties: true`` keeps them allowed);
+    - a ``number`` without ``multipleOf`` gets ``multipleOf`` :data:`NUMBER_STEP` (at most six
+      decimals, no exponent), and a number or ``integer`` without a lower or upper bound gets
+      ±:data:`NUMBER_BOUND`.
+
+    Returns a new schema; the given one is not changed."""
     if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
+        return [decoding_schema(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: closed_objects(s) for name, s in value.items()}
+            out[key] = {name: decoding_schema(s) for name, s in value.items()}
         elif key in _SUBSCHEMAS or key in _SCHEMA_LISTS:
-            out[key] = closed_objects(value)
+            out[key] = decoding_schema(value)
         else:
             out[key] = value
     if "properties" in out and "additionalProperties" not in out and out.get("type", "object") == "object":
         out["additionalProperties"] = False
+    if out.get("type") in ("number", "integer"):
+        if out["type"] == "number" and "multipleOf" not in out:
+            out["multipleOf"] = NUMBER_STEP
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -NUMBER_BOUND
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = NUMBER_BOUND
     return out
 
 
 def _arguments(parameters: dict | None) -> dict:
-    """A tool's arguments schema for constrained decoding (:func:`closed_objects`)."""
+    """A tool's arguments schema for constrained decoding (:func:`decoding_schema`)."""
     if not parameters:
         return {"type": "object"}
-    return closed_objects(parameters)
+    return decoding_schema(parameters)
 
 
 def call_schema(tools: list[Tool]) -> dict:

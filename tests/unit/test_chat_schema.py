@@ -134,6 +134,7 @@ def test_json_response_formats_carry_their_schema_into_the_sampling():
     schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}}
     assert json.loads(parse(response_format=fmt).sampling().json_schema) == {**schema, "additionalProperties": False}
+    # what the grammar decodes under: a subset of what the schema allows (decoding_schema)
 
 
 @pytest.mark.parametrize("fmt, param", [
@@ -150,7 +151,7 @@ def test_a_bad_response_format_is_400_naming_the_field(fmt, param):
 
 
 def test_objects_of_a_schema_are_closed_to_unlisted_keys_at_every_depth_unless_they_allow_them():
-    from meshnet.protocol.openai import closed_objects
+    from meshnet.protocol.openai import decoding_schema as closed_objects
     schema = {"type": "object", "properties": {
         "city": {"type": "object", "properties": {"name": {"type": "string"}}},
         "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
@@ -167,3 +168,14 @@ def test_objects_of_a_schema_are_closed_to_unlisted_keys_at_every_depth_unless_t
     assert closed["$defs"]["Point"]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the caller's schema is not changed
     assert closed_objects({"type": "object"}) == {"type": "object"}  # no properties: any object
+
+
+def test_numbers_are_decoded_with_bounded_digits_unless_their_schema_bounds_them():
+    from meshnet.protocol.openai import decoding_schema
+    schema = {"type": "object", "properties": {
+        "price": {"type": "number"}, "count": {"type": "integer", "minimum": 0},
+        "ratio": {"type": "number", "multipleOf": 0.5, "exclusiveMaximum": 1}}}
+    props = decoding_schema(schema)["properties"]
+    assert props["price"] == {"type": "number", "multipleOf": 1e-6, "minimum": -10**15, "maximum": 10**15}
+    assert props["count"] == {"type": "integer", "minimum": 0, "maximum": 10**15}
+    assert props["ratio"] == {"type": "number", "multipleOf": 0.5, "exclusiveMaximum": 1, "minimum": -10**15}
