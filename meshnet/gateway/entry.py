@@ -51,8 +51,9 @@ class EntryLayers(Protocol):
     tokenizer: Any
     codec: ActivationCodec
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of ``messages`` under the chat template, generation prompt added (CPU-bound)."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of ``messages`` under the chat template, generation prompt added, ``tools``
+        (OpenAI's shape) passed to a template that renders them (CPU-bound)."""
 
     async def run(self, session_id: SessionId, ids: list[int], position: int) -> Activation:
         """Embed ``ids`` at ``position`` and run the local layers in the session's KV cache.

@@ -35,7 +35,7 @@ from starlette.responses import Response, StreamingResponse
 from meshnet.cpu import off_loop
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator
-from meshnet.gateway.tools import parse_answer, prompt_messages
+from meshnet.gateway.tools import parse_answer, prompt_messages, tool_syntax
 from meshnet.gateway.entry import TokenLogprob
 from meshnet.protocol.http import error_response, sse_error
 from meshnet.protocol.openai import ChatRequest, SamplingParams, for_choice, parse_chat_request, read_chat_request
@@ -165,8 +165,9 @@ def fit_context(orchestrator: Orchestrator, prompt: list[int], params: SamplingP
     return dataclasses.replace(params, max_tokens=min(params.max_tokens, limit - len(prompt)))
 
 
-def encode_prompt(orchestrator: Orchestrator, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` under the chat template. CPU-bound: call it in a worker thread.
+def encode_prompt(orchestrator: Orchestrator, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of ``messages`` (and ``tools``, for a template that renders them) under the chat
+    template. CPU-bound: call it in a worker thread.
 
     A prompt that cannot fit is refused before tokenizing it: no token stands for more than
     :func:`max_token_chars` characters, so ``chars / max_token_chars`` tokens is a lower bound.
@@ -175,14 +176,14 @@ def encode_prompt(orchestrator: Orchestrator, messages: list[dict]) -> list[int]
         InvalidRequest: 400 ``context_length_exceeded`` (by the bound or the real count).
     """
     limit = context_limit(orchestrator)
-    chars = sum(len(m["content"]) for m in messages)
+    chars = sum(len(m.get("content") or "") for m in messages)
     if limit and chars:
         at_least = math.ceil(chars / max_token_chars(orchestrator.tokenizer))
         if at_least >= limit:
             raise InvalidRequest(f"prompt is at least {at_least} tokens ({chars} characters); the model's "
                                  f"context is {limit} tokens", code="context_length_exceeded",
                                  hint="shorten the messages", param="messages")
-    return orchestrator.encode_chat(messages)
+    return orchestrator.encode_chat(messages, tools)
 
 
 async def prepare(orchestrator: Orchestrator, req: ChatRequest) -> tuple[list[int], SamplingParams]:
@@ -196,7 +197,7 @@ async def prepare(orchestrator: Orchestrator, req: ChatRequest) -> tuple[list[in
     if bad:
         raise InvalidRequest(f"invalid field 'logit_bias': token id {bad[0]} is outside the vocabulary "
                              f"(0..{orchestrator.vocab_size - 1})", code="invalid_field", param="logit_bias")
-    prompt = await off_loop(encode_prompt, orchestrator, prompt_messages(req))
+    prompt = await off_loop(encode_prompt, orchestrator, *prompt_messages(req, tool_syntax(orchestrator.tokenizer)))
     return prompt, fit_context(orchestrator, prompt, params)
 
 
@@ -324,7 +325,8 @@ async def complete(orchestrator: Orchestrator, model: str, req: ChatRequest,
     texts = [""] * req.n
     async for i, piece, _ in choice_deltas(orchestrator, prompt, params_n, stats, disconnected):
         texts[i] += piece or ""
-    answers = [parse_answer(text, req) for text in texts]
+    syntax = tool_syntax(orchestrator.tokenizer)
+    answers = [parse_answer(text, req, syntax) for text in texts]
 
     def render() -> bytes:
         # up to n * max_tokens * (1 + top_logprobs) entries: built and serialised off the event loop
@@ -355,10 +357,10 @@ def _chunk(head: dict, want_logprobs: bool, include_usage: bool, index: int | No
     return f"data: {json.dumps(body)}\n\n"
 
 
-def _answer_deltas(text: str, req: ChatRequest) -> tuple[list[dict], str | None]:
+def _answer_deltas(text: str, req: ChatRequest, syntax) -> tuple[list[dict], str | None]:
     """The deltas of a held answer that may hold tool calls (its content, then its ``tool_calls``
     in OpenAI's streamed shape) and the finish reason they imply (None: the generation's own)."""
-    content, calls = parse_answer(text, req)
+    content, calls = parse_answer(text, req, syntax)
     deltas = [{"content": content}] if content else []
     if calls:
         deltas.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
@@ -386,6 +388,7 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
     chunk = functools.partial(_chunk, {"id": cid, "object": "chat.completion.chunk", "created": created,
                                        "model": model}, want_logprobs, include_usage)
     tooled = bool(req.calling_tools())  # an answer that may hold calls is sent once it is whole
+    syntax = tool_syntax(orchestrator.tokenizer)
     held = [""] * req.n
 
     async def events() -> AsyncIterator[str | bytes]:
@@ -404,7 +407,7 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
                 if piece is not None:
                     yield chunk(i, {"content": piece}, logprobs=entries)
                     continue
-                deltas, finish = _answer_deltas(held[i], req) if tooled else ([], None)
+                deltas, finish = _answer_deltas(held[i], req, syntax) if tooled else ([], None)
                 finish = finish or stats[i].finish_reason
                 for delta in deltas:
                     yield chunk(i, delta)

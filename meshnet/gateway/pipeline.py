@@ -112,9 +112,10 @@ class Orchestrator:
         self.eos_ids = entry.eos_ids
         self.vocab_size = entry.vocab_size
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of ``messages`` under the model's chat template (generation prompt added)."""
-        return self.entry.encode_chat(messages)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of ``messages`` under the model's chat template (generation prompt added;
+        ``tools`` rendered by a template that knows tools)."""
+        return self.entry.encode_chat(messages, tools)
 
     def _remote(self, session_id: str, layers: LayerRange, route) -> RemoteRoute | ChainRoute:
         """The remote hops of one session: a chain of hop streams when the node has them, else HTTP

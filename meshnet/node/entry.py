@@ -179,12 +179,12 @@ class TokenPicker:
         return token, logprob
 
 
-def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """See :meth:`LocalEntry.encode_chat`: the prompt is rendered once; where a message holds one of
     the tokenizer's added tokens (``get_added_vocab``: ``<|im_end|>`` and its kin), the template's
     text between messages is tokenized with its control tokens and each message's text with them
     split into plain text (``split_special_tokens``)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     controls = tuple(tokenizer.get_added_vocab())
     contents = [m.get("content") or "" for m in messages]
     if not any(c in content for content in contents for c in controls):
@@ -258,7 +258,7 @@ class LocalEntry:
         self.eos_ids = frozenset(i for i in ids if i is not None)
         self.codec = WireCodec(wire_dtype)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` under the model's chat template, generation prompt added.
 
         The template's own control tokens are real; the same strings typed inside a message are
@@ -270,7 +270,7 @@ class LocalEntry:
             InvalidRequest: the template changed a message so that its text cannot be found in the
                 prompt (then its control strings could not be kept as text).
         """
-        return chat_token_ids(self.tokenizer, messages)
+        return chat_token_ids(self.tokenizer, messages, tools)
 
     async def run(self, session_id: str, ids: list[int], position: int) -> torch.Tensor:
         """Hidden states ``[1, len(ids), hidden]`` (compute dtype) after the local layers."""

@@ -103,7 +103,8 @@ async def test_a_conversation_with_an_earlier_call_and_its_answer_is_accepted(en
     from meshnet.node.entry import chat_token_ids
     from meshnet.protocol.openai import parse_chat_request
 
-    rendered = prompt_messages(parse_chat_request(json.dumps(body).encode()))
+    rendered, tools = prompt_messages(parse_chat_request(json.dumps(body).encode()))
+    assert tools is None  # the tiny models' ChatML template knows no tools: the documented prompt
     assert "<tool_response>\n18 C\n</tool_response>" in rendered[-1]["content"]  # the call and its answer rendered
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path(MODEL))
     assert resp.json()["usage"]["prompt_tokens"] == len(chat_token_ids(tokenizer, rendered))
