@@ -331,10 +331,10 @@ async def complete(orchestrator: Orchestrator, model: str, req: ChatRequest,
     def render() -> bytes:
         # up to n * max_tokens * (1 + top_logprobs) entries: built and serialised off the event loop
         choices = [{"index": i, "message": {"role": "assistant", "content": answers[i][0],
-                                            **({"tool_calls": answers[i][1]} if answers[i][1] else {})},
+                                            **_calls_field(answers[i][1], req)},
                     "logprobs": ({"content": logprob_entries(orchestrator.tokenizer, stats[i].logprobs),
                                   "refusal": None} if params.top_logprobs is not None else None),
-                    "finish_reason": "tool_calls" if answers[i][1] else stats[i].finish_reason}
+                    "finish_reason": _calls_finish(answers[i][1], req) or stats[i].finish_reason}
                    for i in range(req.n)]
         return json.dumps({
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
@@ -362,9 +362,26 @@ def _answer_deltas(text: str, req: ChatRequest, syntax) -> tuple[list[dict], str
     in OpenAI's streamed shape) and the finish reason they imply (None: the generation's own)."""
     content, calls = parse_answer(text, req, syntax)
     deltas = [{"content": content}] if content else []
-    if calls:
+    if calls and req.legacy_functions:
+        deltas.append(_calls_field(calls, req))
+    elif calls:
         deltas.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
-    return deltas, "tool_calls" if calls else None
+    return deltas, _calls_finish(calls, req)
+
+
+def _calls_field(calls: list[dict], req: ChatRequest) -> dict:
+    """An answer's calls as its message carries them: ``tool_calls``, or with the legacy
+    ``functions`` one ``function_call`` (name and arguments); nothing without calls."""
+    if not calls:
+        return {}
+    return {"function_call": calls[0]["function"]} if req.legacy_functions else {"tool_calls": calls}
+
+
+def _calls_finish(calls: list[dict], req: ChatRequest) -> str | None:
+    """The finish reason calls give an answer (None without calls: the generation's own)."""
+    if not calls:
+        return None
+    return "function_call" if req.legacy_functions else "tool_calls"
 
 
 async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> StreamingResponse:

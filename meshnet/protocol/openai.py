@@ -8,6 +8,7 @@ heartbeat, ...) keep 422 for a field that fails validation.
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from dataclasses import dataclass, replace
@@ -35,8 +36,6 @@ PARSE_OFF_LOOP_BYTES = 64 * 1024
 #: of them (other than ``null``) is a 400 ``unsupported_parameter`` naming it: silently dropping
 #: a parameter would return an answer the client did not ask for.
 UNSUPPORTED = {
-    "functions": "the legacy function calling (send tools and tool_choice)",
-    "function_call": "the legacy function calling (send tools and tool_choice)",
     "audio": "audio output", "modalities": "output modalities other than text",
     "prediction": "predicted outputs", "web_search_options": "web search",
     "reasoning_effort": "reasoning models", "service_tier": "service tiers",
@@ -98,18 +97,40 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
+def legacy_call_id(name: str) -> str:
+    """The id a legacy ``function_call`` of ``name`` gets (the legacy API has none; templates
+    need one to pair a call with its result, and Mistral's wants nine letters and digits)."""
+    return "f" + hashlib.sha1(name.encode()).hexdigest()[:8]
+
+
 class ChatMessage(_Strict):
     """One message, as OpenAI's API accepts it: ``name`` (the template may render it) and an
     assistant's earlier ``refusal`` are taken, explicit ``null``s count as not sent. An assistant
     message may carry ``tool_calls`` (its ``content`` then may be null); a ``tool`` message answers
-    the call named by its ``tool_call_id``."""
+    the call named by its ``tool_call_id``. The legacy shapes are taken as those: an assistant's
+    ``function_call`` is one tool call, a ``function`` message (its ``name`` the function's) the
+    tool's answer to it (:func:`legacy_call_id` pairs them)."""
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | None = None
     name: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    function_call: FunctionCall | None = None
+
+    @model_validator(mode="after")
+    def _legacy(self):
+        if self.function_call is not None:
+            if self.role != "assistant" or self.tool_calls:
+                raise ValueError("function_call is only on assistant messages, without tool_calls")
+            self.tool_calls = [ToolCall(id=legacy_call_id(self.function_call.name), function=self.function_call)]
+            self.function_call = None
+        if self.role == "function":
+            if not self.name:
+                raise ValueError("a function message needs the name of the function it answers")
+            self.role, self.tool_call_id, self.name = "tool", legacy_call_id(self.name), None
+        return self
 
     @model_validator(mode="after")
     def _shape(self):
@@ -331,6 +352,10 @@ class ChatRequest(_Generation):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    #: the legacy function calling: ``functions`` are tools, ``function_call`` their choice; the
+    #: answer then carries one ``function_call`` (finish reason ``function_call``), not ``tool_calls``
+    functions: list[ToolFunction] | None = Field(default=None, min_length=1, max_length=128)
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
     store: bool | None = None
     #: meshnet extension: turn pipelined prefill off for this request (benchmarks compare both)
     pipelined_prefill: bool | None = None
@@ -341,6 +366,25 @@ class ChatRequest(_Generation):
         if value:
             raise _unsupported("stored completions (store: true)")
         return value
+
+    @property
+    def legacy_functions(self) -> bool:
+        """The request used ``functions`` (answer in the legacy shape)."""
+        return self.functions is not None
+
+    @model_validator(mode="after")
+    def _functions_as_tools(self):
+        if self.function_call is not None and self.functions is None:
+            raise _invalid("function_call", "needs functions")
+        if self.functions is not None:
+            if self.tools is not None or self.tool_choice is not None:
+                raise _invalid("functions", "send either functions (legacy) or tools, not both")
+            self.tools = [Tool(type="function", function=f) for f in self.functions]
+            choice = self.function_call
+            self.tool_choice = NamedToolChoice(type="function", function=choice) \
+                if isinstance(choice, NamedFunction) else choice
+            self.parallel_tool_calls = False  # the legacy answer holds one call
+        return self
 
     @model_validator(mode="after")
     def _dependent_fields(self):

@@ -119,7 +119,7 @@ def test_openai_parameters_on_the_real_mesh(mesh):
     400 naming it, an alias reaches the model, a huge prompt is refused at once."""
     url = f"{mesh.url}/v1/chat/completions"
     for fields, param in (({"stop": [""]}, "stop"), ({"seed": 2**64}, "seed"),
-                          ({"functions": [{"name": "f"}]}, "functions"), ({"seed": 2**64, "stream": True}, "seed")):
+                          ({"audio": {"voice": "x"}}, "audio"), ({"seed": 2**64, "stream": True}, "seed")):
         resp = httpx.post(url, json={"model": REAL, "messages": FRANCE, **fields}, timeout=30)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
     data = chat(mesh, FRANCE, n=3, logprobs=True, top_logprobs=3, max_tokens=4)

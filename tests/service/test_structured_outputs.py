@@ -89,6 +89,27 @@ async def test_a_forced_tool_call_is_a_valid_call_even_from_a_tiny_random_model(
     assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_legacy_functions_answer_in_the_legacy_shape(entry, stream):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
+            "temperature": 0, "functions": [WEATHER["function"]], "function_call": {"name": "get_weather"},
+            "stream": stream}
+    resp = await entry.post(URL, json=body)
+    assert resp.status_code == 200, resp.text
+    if stream:
+        chunks = [json.loads(e.removeprefix("data: ")) for e in resp.text.split("\n\n") if e and e != "data: [DONE]"]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert not [d for d in deltas if "tool_calls" in d]
+        [call] = [d["function_call"] for d in deltas if "function_call" in d]
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        message = resp.json()["choices"][0]["message"]
+        assert message["content"] is None and "tool_calls" not in message
+        call, finish = message["function_call"], resp.json()["choices"][0]["finish_reason"]
+    assert finish == "function_call" and call["name"] == "get_weather"
+    assert json.loads(call["arguments"])["city"] in ("Paris", "Oslo")
+
+
 async def test_a_conversation_with_an_earlier_call_and_its_answer_is_accepted(entry, tiny_model_path):
     body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "tools": [WEATHER], "messages": [
         {"role": "user", "content": "Weather in Paris?"},

@@ -56,8 +56,6 @@ def test_the_seed_error_states_the_accepted_range():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"functions": [{"name": "f"}]}, "functions"),
-    ({"function_call": "auto"}, "function_call"),
     ({"audio": {"voice": "x"}}, "audio"),
     ({"modalities": ["text"]}, "modalities"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),

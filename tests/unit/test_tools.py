@@ -181,3 +181,37 @@ def test_each_family_s_answers_are_parsed_into_openai_tool_calls(template, answe
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == calls
     if syntax.name == "mistral":  # its template accepts only 9-character ids when they come back
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in got_calls)
+
+
+def test_the_legacy_functions_are_tools_and_their_conversation_renders_as_calls_and_answers():
+    from meshnet.protocol.openai import legacy_call_id
+    fn = WEATHER["function"]
+    req = parse_chat_request(json.dumps({"functions": [fn], "function_call": {"name": "get_weather"}, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "function_call": {"name": "get_weather",
+                                                                  "arguments": '{"city": "Paris"}'}},
+        {"role": "function", "name": "get_weather", "content": "18 C"},
+        {"role": "user", "content": "And Oslo?"}]}).encode())
+    assert req.legacy_functions and [t.function.name for t in req.tools] == ["get_weather"]
+    assert [t.function.name for t in req.forced_tools()] == ["get_weather"] and req.parallel_tool_calls is False
+    call_id = legacy_call_id("get_weather")
+    assert len(call_id) == 9 and call_id.isalnum()
+    assert req.messages[1].tool_calls[0].id == call_id and req.messages[2].tool_call_id == call_id
+    messages, _ = prompt_messages(req)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in messages[2]["content"]
+    assert messages[3] == {"role": "user", "content": "<tool_response>\n18 C\n</tool_response>"}
+    auto = parse_chat_request(json.dumps({"functions": [fn], "function_call": "auto", "messages": ASK}).encode())
+    assert auto.tool_choice == "auto" and auto.legacy_functions
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"function_call": "auto"}, "function_call"),
+    ({"functions": [WEATHER["function"]], "tools": [WEATHER]}, "functions"),
+    ({"functions": [WEATHER["function"]], "messages": [{"role": "function", "content": "x"}]}, "messages.0"),
+    ({"functions": [WEATHER["function"]], "messages": [
+        {"role": "user", "content": "x", "function_call": {"name": "get_weather", "arguments": "{}"}}]}, "messages.0"),
+])
+def test_bad_legacy_function_fields_are_400_naming_them(fields, param):
+    with pytest.raises(InvalidRequest) as info:
+        parse_chat_request(json.dumps({"messages": ASK, **fields}).encode())
+    assert info.value.status == 400 and info.value.param == param
