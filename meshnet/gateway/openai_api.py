@@ -249,21 +249,30 @@ async def text_deltas(orchestrator: Orchestrator, prompt: list[int], params: Sam
         yield first(text[sent:])
 
 
+#: choices of one request generating at once: each is a session on every hop of its route (its
+#: own prefill and KV cache), and their decode steps batch together (ADR-0052); more would crowd
+#: out other clients' sessions, so ``n`` up to 128 runs in waves
+CHOICES_AT_ONCE = 8
+
+
 async def choice_deltas(orchestrator: Orchestrator, prompt: list[int], params: list[SamplingParams],
                         stats: list[GenerationStats], disconnected=None,
                         ) -> AsyncIterator[tuple[int, str | None, int]]:
-    """Run the choices concurrently; yield ``(index, piece, logprobs_so_far)`` as pieces come,
-    and ``(index, None, len(stats[index].logprobs))`` when choice ``index`` has finished.
+    """Run the choices concurrently, at most :data:`CHOICES_AT_ONCE` at a time (in index order);
+    yield ``(index, piece, logprobs_so_far)`` as pieces come, and ``(index, None,
+    len(stats[index].logprobs))`` when choice ``index`` has finished.
 
     ``logprobs_so_far`` is how many entries of ``stats[index].logprobs`` belong to the text
     yielded up to this piece. The first error of any choice is raised and stops the others.
     """
     queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+    slots = asyncio.Semaphore(CHOICES_AT_ONCE)
 
     async def run(i: int) -> None:
         try:
-            async for piece in text_deltas(orchestrator, prompt, params[i], stats[i], disconnected):
-                await queue.put((i, piece, len(stats[i].logprobs), None))
+            async with slots:
+                async for piece in text_deltas(orchestrator, prompt, params[i], stats[i], disconnected):
+                    await queue.put((i, piece, len(stats[i].logprobs), None))
             await queue.put((i, None, len(stats[i].logprobs), None))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             await queue.put((i, None, 0, exc))

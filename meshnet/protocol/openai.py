@@ -24,9 +24,9 @@ from meshnet.protocol.http import validate_json
 #: largest ``seed``: torch.Generator.manual_seed takes 64-bit values, and choice ``i`` of an
 #: ``n``-choice request uses ``(seed + i) mod 2**63``, so seeds live in [0, 2**63 - 1]
 SEED_MAX = 2**63 - 1
-#: most choices per request: each choice is a whole generation across the route, so ``n``
-#: multiplies the request's cost on every hop; 8 keeps one request from holding a mesh
-N_MAX = 8
+#: most choices per request (OpenAI's bound); each choice is a whole generation across the route,
+#: run :data:`meshnet.gateway.openai_api.CHOICES_AT_ONCE` at a time
+N_MAX = 128
 #: OpenAI's bound on ``top_logprobs``
 TOP_LOGPROBS_MAX = 20
 #: bodies above this many bytes are parsed in a worker thread, not on the event loop

@@ -93,7 +93,7 @@ def sse_chunks(resp) -> list[dict]:
 @pytest.mark.parametrize("fields, code, param", [
     ({"stop": [""]}, "invalid_field", "stop"),
     ({"seed": 2**64}, "invalid_field", "seed"),
-    ({"n": 9}, "invalid_field", "n"),
+    ({"n": 129}, "invalid_field", "n"),
     ({"logit_bias": {"512": 1}}, "invalid_field", "logit_bias"),  # tiny-llama's vocabulary is 0..511
     ({"response_format": {"type": "yaml"}}, "invalid_field", "response_format.type"),
     ({"tool_choice": "required"}, "invalid_field", "tool_choice"),  # no tools to call
@@ -166,6 +166,17 @@ async def test_n_choices_are_seeded_generations_of_their_own(entry):
     assert many["usage"]["prompt_tokens"] == singles[0]["usage"]["prompt_tokens"]
     assert many["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in singles)
     assert len(many["meshnet"]["choices"]) == 3
+
+
+async def test_up_to_128_choices_run_in_waves_and_each_is_its_own_seeded_generation(entry):
+    from meshnet.gateway.openai_api import CHOICES_AT_ONCE
+    body = {**CHAT, "temperature": 1.0, "seed": 5, "max_tokens": 3}
+    many = (await entry.post(URL, json={**body, "n": 20})).json()
+    assert 20 > CHOICES_AT_ONCE and [c["index"] for c in many["choices"]] == list(range(20))
+    for i in (0, 9, 19):  # choice i is the request seeded seed + i, whichever wave ran it
+        single = (await entry.post(URL, json={**body, "seed": 5 + i})).json()["choices"][0]
+        assert many["choices"][i]["message"]["content"] == single["message"]["content"]
+    assert len(many["meshnet"]["choices"]) == 20
 
 
 def assert_same_logprobs(got: list[dict], want: list[dict]) -> None:
@@ -252,11 +263,11 @@ async def test_health_answers_while_a_prompt_is_being_tokenized(entry, monkeypat
     started, release, finished = threading.Event(), threading.Event(), threading.Event()
     real = LocalEntry.encode_chat
 
-    def slow(self, messages):
+    def slow(self, messages, tools=None):
         started.set()
         release.wait(5)  # on the event loop this would block the health request below
         finished.set()
-        return real(self, messages)
+        return real(self, messages, tools)
 
     monkeypatch.setattr(LocalEntry, "encode_chat", slow)
     chat = asyncio.create_task(entry.post(URL, json={**CHAT, "max_tokens": 2}))
@@ -274,7 +285,7 @@ async def test_health_answers_while_a_prompt_is_being_tokenized(entry, monkeypat
 
 async def test_a_huge_prompt_is_refused_without_tokenizing_it(entry, monkeypatch):
     calls = []
-    monkeypatch.setattr(LocalEntry, "encode_chat", lambda self, messages: calls.append(1))
+    monkeypatch.setattr(LocalEntry, "encode_chat", lambda self, messages, tools=None: calls.append(1))
     huge = {**CHAT, "messages": [{"role": "user", "content": "hello world, " * 200000}]}  # 2.6 MB
     for stream in (False, True):
         error = envelope(await entry.post(URL, json={**huge, "stream": stream}), 400, "context_length_exceeded")

@@ -31,7 +31,7 @@ def refusal(**fields) -> InvalidRequest:
     ({"seed": 2**64}, "seed"),
     ({"seed": -1}, "seed"),
     ({"n": 0}, "n"),
-    ({"n": 9}, "n"),
+    ({"n": 129}, "n"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"top_logprobs": 3}, "top_logprobs"),
