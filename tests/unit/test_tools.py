@@ -215,3 +215,24 @@ def test_bad_legacy_function_fields_are_400_naming_them(fields, param):
     with pytest.raises(InvalidRequest) as info:
         parse_chat_request(json.dumps({"messages": ASK, **fields}).encode())
     assert info.value.status == 400 and info.value.param == param
+
+
+@pytest.mark.parametrize("template", [HERMES_TEMPLATE, LLAMA3_TEMPLATE, MISTRAL_TEMPLATE, None])
+def test_a_call_as_the_family_s_own_template_renders_it_parses_back_to_the_same_call(template):
+    """What a model of the family learned to write is what its template writes for an earlier
+    call: the assistant turn the template renders (after the generation prompt of the turn
+    before) parses back into that call."""
+    from meshnet.gateway.tools import tool_syntax
+    from meshnet.node.entry import chat_token_ids
+    tok = tokenizer_with(template)
+    syntax = tool_syntax(tok)
+    req = parse_chat_request(json.dumps(conversation("abcDEF123")).encode())
+    messages, tools = prompt_messages(req, syntax)
+    k = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    before = tok.decode(chat_token_ids(tok, messages[:k], tools))  # up to the assistant's turn
+    whole = tok.decode(chat_token_ids(tok, messages[:k + 1], tools))
+    turn = whole[len(before):] if whole.startswith(before) else whole[whole.rindex("[/INST]") + 7:]
+    turn = turn.split("<|im_end|>")[0].split("</s>")[0]
+    content, calls = parse_answer(turn, request(), syntax)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"})], (syntax.name, turn)
