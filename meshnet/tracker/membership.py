@@ -13,7 +13,7 @@ import time
 
 from meshnet.protocol.ids import NodeId
 from meshnet.errors import Conflict, NotFound
-from meshnet.tracker.cadence import TIMEOUT_FACTOR, Cadence, heartbeat_cadence
+from meshnet.tracker.cadence import MAX_DROPOUT_S, TIMEOUT_FACTOR, Cadence, heartbeat_cadence
 from meshnet.protocol.control import Directive, HeartbeatRequest, RegisterRequest
 from meshnet.tracker.registry import NodeRecord, ShardRecord, record_from_json, record_to_json
 from meshnet.tracker.store import NodeRow, StaleCall
@@ -180,10 +180,22 @@ class MembershipMixin:
             self.save(node)
 
     def to_probe(self, now: float | None = None) -> list[NodeRecord]:
-        """Unreachable nodes whose last probe is ``probe_interval_s`` old or more."""
+        """Unreachable nodes whose last probe is ``probe_interval_s`` old or more, and overdue
+        ones (:meth:`dropout_deadline_s`) not probed since their last heartbeat."""
         now = time.monotonic() if now is None else now
-        return [n for n in self.nodes.values() if not n.reachable
-                and (n.probed_s is None or now - n.probed_s >= self.settings.probe_interval_s)]
+        deadline_s = self.dropout_deadline_s()
+        return [n for n in self.nodes.values()
+                if (not n.reachable and (n.probed_s is None or now - n.probed_s >= self.settings.probe_interval_s))
+                or (n.reachable and now - n.last_heartbeat_s > deadline_s
+                    and (n.probed_s is None or n.probed_s <= n.last_heartbeat_s))]
+
+    def dropout_deadline_s(self) -> float:
+        """Seconds of silence after which a node is probed, and dropped at once when the probe
+        fails, however long its heartbeat timeout: the timeout grows with the network
+        (:mod:`meshnet.tracker.cadence`: 50 s at 10,000 nodes), this keeps dropout detection
+        within :data:`~meshnet.tracker.cadence.MAX_DROPOUT_S` (30 s) at any size, less the probe's
+        own timeout and two control-loop rounds (ADR-0054)."""
+        return max(1.0, MAX_DROPOUT_S - self.settings.probe_timeout_s - 2.0)
 
     def public_key(self, node_id: str) -> str | None:
         """The public key bound to ``node_id`` (base64url), or None when the id was never registered.
@@ -199,21 +211,27 @@ class MembershipMixin:
         return key
 
     def check_dropouts(self, now: float | None = None) -> list[str]:
-        """Drop nodes whose last heartbeat is older than their timeout (:meth:`node_timeout_s`);
+        """Drop nodes whose last heartbeat is older than their timeout (:meth:`node_timeout_s`), and
+        overdue ones (:meth:`dropout_deadline_s`) whose probe since their last heartbeat failed;
         returns their ids. None while :attr:`blind_until` holds (after the database was unreachable)."""
         now = time.monotonic() if now is None else now
         if now < self.blind_until:  # the database was unreachable: heartbeats others heard are not in yet
             return []
         floor_s = self.cadence().timeout_s  # once per check, not once per node
-        gone = [(nid, now - n.last_heartbeat_s) for nid, n in self.nodes.items()
-                if now - n.last_heartbeat_s > self.node_timeout_s(n, floor_s)]
+        deadline_s = self.dropout_deadline_s()
+
+        def is_gone(n: NodeRecord) -> bool:  # silent past its timeout, or overdue and its probe since failed
+            silent = now - n.last_heartbeat_s
+            return silent > self.node_timeout_s(n, floor_s) or (
+                silent > deadline_s and not n.reachable and n.probed_s is not None and n.probed_s > n.last_heartbeat_s)
+
+        gone = [(nid, now - n.last_heartbeat_s) for nid, n in self.nodes.items() if is_gone(n)]
         if gone and self.store.shared:  # it may heartbeat to another tracker of this database
             elsewhere = self.store.heartbeat_times([nid for nid, _ in gone])
             wall = time.time()
             for nid, at in elsewhere.items():
                 self.nodes[nid].last_heartbeat_s = max(self.nodes[nid].last_heartbeat_s, now - (wall - at))
-            gone = [(nid, now - self.nodes[nid].last_heartbeat_s) for nid, _ in gone
-                    if now - self.nodes[nid].last_heartbeat_s > self.node_timeout_s(self.nodes[nid], floor_s)]
+            gone = [(nid, now - self.nodes[nid].last_heartbeat_s) for nid, _ in gone if is_gone(self.nodes[nid])]
         for nid, silent_s in gone:
             self._forget(nid, "node dropped out")
             log.warning("node %s dropped out (no heartbeat for %.0f s)", nid, silent_s)

@@ -37,3 +37,37 @@ def test_rate_and_dropout_bounds(nodes):
         assert c.timeout_s <= MAX_DROPOUT_S
     if rate > TARGET_HEARTBEATS_PER_S + 1e-9:
         assert c.timeout_s == pytest.approx(max(MAX_DROPOUT_S, 2.5 * nodes / MAX_HEARTBEATS_PER_S))
+
+
+def test_a_silent_node_of_a_10000_node_network_is_dropped_within_30_s_when_its_probe_fails():
+    """ADR-0054: the heartbeat timeout at 10,000 nodes is 50 s, but a node silent past the dropout
+    deadline is probed, and dropped at once when the probe fails; one that answers stays until
+    its timeout (it may only be slow to heartbeat)."""
+    from meshnet.tracker.registry import NodeRecord
+    from meshnet.tracker.service import TrackerService, TrackerSettings
+
+    svc = TrackerService(TrackerSettings(db_path=":memory:", probe_timeout_s=3.0))
+    for k in range(10_000):
+        svc.nodes[f"n{k:05d}"] = NodeRecord(f"n{k:05d}", f"http://n{k}.test:1", "", 2**30, 0, "cpu", ["bfloat16"],
+                                            10.0, None, 1, True, reachable=True, last_heartbeat_s=0.0, probed_s=0.0)
+    assert svc.cadence().timeout_s == 50.0 and svc.dropout_deadline_s() == 25.0
+    for node in svc.nodes.values():  # every node heartbeats at t = 10 s, then two go silent
+        node.last_heartbeat_s = 10.0
+    alive = [n for n in svc.nodes.values() if n.node_id not in ("n00001", "n00002")]
+
+    def heartbeat_all(t: float) -> None:
+        for node in alive:
+            node.last_heartbeat_s = t
+
+    heartbeat_all(30.0)
+    assert svc.to_probe(now=30.0) == [] and svc.check_dropouts(now=30.0) == []
+    heartbeat_all(35.5)
+    assert [n.node_id for n in svc.to_probe(now=35.5)] == ["n00001", "n00002"]  # 25.5 s silent: probe them
+    svc.set_reachability("n00001", "http://n1.test:1", "GET http://n1.test:1/v1/health failed: ConnectError",
+                         now=37.0)  # dead: its probe fails
+    svc.set_reachability("n00002", "http://n2.test:1", "", now=37.0)  # alive, only slow to heartbeat
+    heartbeat_all(38.0)
+    assert svc.check_dropouts(now=38.0) == ["n00001"]  # 28 s after its last heartbeat
+    assert [n.node_id for n in svc.to_probe(now=39.0)] == []  # n00002 answered since its last heartbeat
+    heartbeat_all(60.5)
+    assert svc.check_dropouts(now=60.5) == ["n00002"]  # its own 50 s timeout
