@@ -139,6 +139,7 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
         #: heartbeats other trackers heard meanwhile are not known here yet (ADR-0054)
         self.blind_until = 0.0
         self.demand_seen = 0  # the highest demand event id read from the store
+        self.hop_failures_seen = 0  # the highest hop failure id read from the store
         self._heartbeats: dict[str, float] = {}  # node id -> unix time of a heartbeat not written yet
         #: on a shared store, the nodes with queued directives as of the last sync round plus those
         #: this tracker queued since: a heartbeat of any other node reads nothing (None: always read)

@@ -23,6 +23,7 @@ import logging
 import math
 import time
 
+from meshnet.tracker.routing import FAILURE_COOLDOWN_S
 from meshnet.tracker.service import TrackerService
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,8 @@ class Sharing:
         read_at = time.time()
         svc.take_queued_since_read()
         try:
-            rows, events, queued, quarantines, models = await asyncio.to_thread(self._exchange, heartbeats, since)
+            rows, events, queued, quarantines, models, failures = await asyncio.to_thread(self._exchange, heartbeats,
+                                                                                       since)
         except BaseException:
             self.read_at = 0.0  # changes were missed meanwhile (the database unreachable): read all next time
             svc.blind_until = math.inf
@@ -96,16 +98,20 @@ class Sharing:
         svc.apply_quarantines(quarantines)
         svc.apply_rows(rows)
         svc.apply_demand(events)
+        svc.apply_hop_failures(failures)
         svc.queued_hint = set(queued) | svc.take_queued_since_read()
         return leading
 
     def _exchange(self, heartbeats: dict[str, float], since: float):
         """Worker thread: write the heartbeat times, read the changes (node records, demand, the nodes
-        with queued directives, and the quarantines and tracked models, small tables read whole)."""
+        with queued directives, hop failures other trackers heard within their cooldown, and the
+        quarantines and tracked models, small tables read whole)."""
         store, svc = self.service.store, self.service
         store.reconnect()
         store.touch_nodes(heartbeats)
         return (store.nodes_changed(since),
                 store.demand_events(after_id=svc.demand_seen, since=time.time() - svc.settings.demand_window_s,
                                     not_from=svc.origin),
-                store.nodes_with_queued(), store.quarantines(), store.models())
+                store.nodes_with_queued(), store.quarantines(), store.models(),
+                store.hop_failures(after_id=svc.hop_failures_seen, since=time.time() - FAILURE_COOLDOWN_S,
+                                   not_from=svc.origin))

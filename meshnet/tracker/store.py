@@ -54,6 +54,7 @@ CREATE TABLE IF NOT EXISTS nodes (
 CREATE TABLE IF NOT EXISTS demand (
   id {id}, model TEXT NOT NULL, kind TEXT NOT NULL, at {real} NOT NULL, origin TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS tracker_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS hop_failures (id {id}, node_id TEXT NOT NULL, at {real} NOT NULL, origin TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS quarantines (node_id TEXT PRIMARY KEY, record TEXT NOT NULL, since {real} NOT NULL);
 CREATE TABLE IF NOT EXISTS digests (shard_key TEXT PRIMARY KEY, digest TEXT NOT NULL, known_at {real} NOT NULL);
 -- what every heartbeat reads (a node's queued directives) and what rebalance and pruning read
@@ -62,6 +63,7 @@ CREATE INDEX IF NOT EXISTS directives_by_node_status ON directives (node_id, sta
 CREATE INDEX IF NOT EXISTS directives_by_status ON directives (status, updated_at);
 CREATE INDEX IF NOT EXISTS nodes_by_record_at ON nodes (record_at);
 CREATE INDEX IF NOT EXISTS demand_by_at ON demand (at);
+CREATE INDEX IF NOT EXISTS hop_failures_by_at ON hop_failures (at);
 """
 
 #: one open load or drop per node, model and range, whichever tracker queues it (ADR-0043)
@@ -521,8 +523,24 @@ class TrackerStore:
         return [DemandEvent(**r) for r in rows]
 
     def prune_demand(self, older_than: float) -> int:
-        """Delete demand events before unix time ``older_than``; returns how many."""
+        """Delete demand events (and hop failures) before unix time ``older_than``; returns how many
+        demand events."""
+        self._exec("DELETE FROM hop_failures WHERE at < ?", (older_than,))
         return self._exec("DELETE FROM demand WHERE at < ?", (older_than,))
+
+    # hop failures, shared by the trackers of one database (ADR-0054)
+    def add_hop_failure(self, node_id: str, at: float, origin: str) -> int:
+        """Store one reported hop failure of ``node_id`` at unix time ``at``, heard by tracker
+        ``origin``; returns its id."""
+        with self.lock:
+            return self._execute("INSERT INTO hop_failures (node_id, at, origin) VALUES (?,?,?) RETURNING id",
+                                 (node_id, at, origin)).fetchone()["id"]
+
+    def hop_failures(self, *, after_id: int = 0, since: float = 0.0, not_from: str = "") -> list[dict]:
+        """Hop failures (``id``, ``node_id``, ``at``) with an id over ``after_id`` and a time at or
+        after ``since``, oldest first, except those heard by tracker ``not_from``."""
+        return self._rows("SELECT id, node_id, at FROM hop_failures WHERE id > ? AND at >= ? AND origin != ? "
+                          "ORDER BY id", (after_id, since, not_from))
 
 
 class SqliteStore(TrackerStore):

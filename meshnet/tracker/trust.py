@@ -262,3 +262,19 @@ class TrustMixin:
         if node_id in self.nodes:
             self.nodes[node_id].last_failure_s = time.monotonic()
             log.warning("hop failure reported for %s: %s", node_id, reason)
+            if self.store.shared:  # the other trackers route around it too (ADR-0054)
+                try:
+                    self.store.add_hop_failure(node_id, time.time(), self.origin)
+                except self.store.database_errors as exc:
+                    log.warning("hop failure of %s not shared (database unreachable: %s)", node_id, exc)
+
+    def apply_hop_failures(self, rows: list[dict]) -> None:
+        """Hop failures other trackers heard (:meth:`TrackerStore.hop_failures`): routes here
+        avoid those nodes for the rest of their cooldown too."""
+        now, wall = time.monotonic(), time.time()
+        for row in rows:
+            node = self.nodes.get(row["node_id"])
+            if node is not None:
+                at = now - max(0.0, wall - row["at"])
+                node.last_failure_s = at if node.last_failure_s is None else max(node.last_failure_s, at)
+            self.hop_failures_seen = max(self.hop_failures_seen, row["id"])

@@ -212,3 +212,22 @@ async def test_after_the_database_was_unreachable_no_node_is_dropped_until_its_h
     assert a.service.blind_until - time.monotonic() == pytest.approx(timeout_s, abs=1.0)
     assert a.service.check_dropouts() == []
     assert a.service.check_dropouts(now=a.service.blind_until + 1.0) == ["n1"]  # then as before
+
+
+async def test_a_hop_failure_heard_by_one_tracker_is_avoided_by_the_other_within_a_round(trackers):
+    """ADR-0054: recent hop failures are shared through the store, so a successor (or any other
+    tracker) routes around the failed node for the rest of its cooldown too."""
+    import time
+
+    a, b = trackers
+    assert (await a.post("/v1/nodes/register", json=node("n1", (0, 3)))).status_code == 200
+    await b.sharing.sync_round()
+    assert b.service.nodes["n1"].last_failure_s is None
+    a.service.report_failure("n1", "connection reset (reported by an entry)")
+    await a.sharing.sync_round()  # a does not read back its own report
+    await b.sharing.sync_round()
+    assert time.monotonic() - b.service.nodes["n1"].last_failure_s < 5.0
+    assert b.service.hop_failures_seen == 1
+    seen = b.service.nodes["n1"].last_failure_s
+    await b.sharing.sync_round()  # read once
+    assert b.service.nodes["n1"].last_failure_s == seen
