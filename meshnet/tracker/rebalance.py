@@ -56,31 +56,67 @@ def measured_bytes_per_layer(node) -> dict[str, int]:
     return measured
 
 
-def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState], list[placement.ModelSpec]]:
-    """Placement's view of the registry. Directives are read from the store once per call,
-    not once per node."""
-    now = time.time()
-    models = [placement.ModelSpec(m.name, m.num_layers, m.bytes_per_layer, service.load_rate(m.name))
-              for m in service.tracked_models()]
-    known = {m.name for m in models}
+def store_inputs(service: TrackerService) -> tuple[dict[str, list[Directive]], set[str]]:
+    """What placement reads from the store (safe on a worker thread): each node's open
+    directives, and the nodes whose ``LOAD_SHARD`` failed within the cooldown. Read once per
+    rebalance, not once per node."""
     open_by_node: dict[str, list[Directive]] = {}
     for d in service.store.directives(statuses=OPEN_STATUSES, limit=1_000_000):
         open_by_node.setdefault(d.node_id, []).append(d)
-    cooldown = service.settings.load_failure_cooldown_s
-    failed_recently = {d.node_id for d in service.store.directives(statuses=("failed",), updated_after=now - cooldown,
+    since = time.time() - service.settings.load_failure_cooldown_s
+    failed_recently = {d.node_id for d in service.store.directives(statuses=("failed",), updated_after=since,
                                                                    limit=1_000_000)
                        if d.type == "LOAD_SHARD"}
-    nodes = []
-    for node in service.nodes.values():
-        assignments = tuple(a for a in _assignments(node, open_by_node.get(node.node_id, []))
-                            if a.model in known)
-        speed = max((node.tokens_per_s(s) for s in node.shards), default=node.benchmark_tokens_per_sec or 1.0)
-        accepts = (node.accepts_placement and not node.draining and node.reachable and node.quarantine is None
-                   and node.node_id not in failed_recently)
-        nodes.append(placement.NodeState(node.node_id, node.vram_bytes, node.quantization, speed,
-                                         node.max_loaded_shards, assignments, accepts,
-                                         measured_bytes_per_layer(node)))
-    return nodes, models
+    return open_by_node, failed_recently
+
+
+def _model_specs(service: TrackerService) -> list[placement.ModelSpec]:
+    return [placement.ModelSpec(m.name, m.num_layers, m.bytes_per_layer, service.load_rate(m.name))
+            for m in service.tracked_models()]
+
+
+def _node_state(node, known: set[str], open_directives: list[Directive], failed_recently: set[str]) -> placement.NodeState:
+    assignments = tuple(a for a in _assignments(node, open_directives) if a.model in known)
+    speed = max((node.tokens_per_s(s) for s in node.shards), default=node.benchmark_tokens_per_sec or 1.0)
+    accepts = (node.accepts_placement and not node.draining and node.reachable and node.quarantine is None
+               and node.node_id not in failed_recently)
+    return placement.NodeState(node.node_id, node.vram_bytes, node.quantization, speed, node.max_loaded_shards,
+                               assignments, accepts, measured_bytes_per_layer(node))
+
+
+def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState], list[placement.ModelSpec]]:
+    """Placement's view of the registry, all on the calling thread (tests, tools; the tracker's
+    loop uses :func:`placement_inputs_async`)."""
+    models = _model_specs(service)
+    known = {m.name for m in models}
+    open_by_node, failed_recently = store_inputs(service)
+    return [_node_state(n, known, open_by_node.get(n.node_id, []), failed_recently)
+            for n in service.nodes.values()], models
+
+
+#: nodes turned into placement states between two yields of the event loop (about 4 ms of work)
+SNAPSHOT_BATCH = 1000
+
+
+async def placement_inputs_async(service: TrackerService) -> tuple[list[placement.NodeState],
+                                                                   list[placement.ModelSpec]]:
+    """:func:`placement_inputs` for the event loop: the store reads on a worker thread, the
+    registry snapshot on the loop (the service is not thread-safe) in batches of
+    :data:`SNAPSHOT_BATCH` nodes with a yield between them, so heartbeats are served meanwhile
+    (the longest loop block stays a few milliseconds at 10,000 nodes, ADR-0054). A node that
+    leaves during the snapshot is left out; one that joins waits for the next rebalance."""
+    models = _model_specs(service)
+    known = {m.name for m in models}
+    open_by_node, failed_recently = await asyncio.to_thread(store_inputs, service)
+    ids = list(service.nodes)
+    states = []
+    for start in range(0, len(ids), SNAPSHOT_BATCH):
+        for node_id in ids[start:start + SNAPSHOT_BATCH]:
+            node = service.nodes.get(node_id)
+            if node is not None:
+                states.append(_node_state(node, known, open_by_node.get(node_id, []), failed_recently))
+        await asyncio.sleep(0)
+    return states, models
 
 
 @dataclass
@@ -162,7 +198,8 @@ async def rebalance_off_loop(service: TrackerService) -> placement.PlacementPlan
     Only pure work and the store leave the event loop; the service is not thread-safe, so every
     read and change of its state stays on the loop:
 
-    1. loop: :func:`placement_inputs`, a snapshot of frozen :class:`placement.NodeState`;
+    1. thread: the store's directives; loop: a snapshot of frozen :class:`placement.NodeState`, in
+       batches with yields between them (:func:`placement_inputs_async`);
     2. thread: :func:`placement.plan_placement` over that snapshot (pure);
     3. loop: :func:`directives_for` (demand moves read the service);
     4. thread: :meth:`TrackerStore.add_directives`, one transaction under the store's lock;
@@ -175,7 +212,7 @@ async def rebalance_off_loop(service: TrackerService) -> placement.PlacementPlan
     """
     service.dirty = False
     term = service.store.term  # the lease this plan is made under: its writes are fenced by it
-    nodes, models = placement_inputs(service)
+    nodes, models = await placement_inputs_async(service)
     plan = await asyncio.to_thread(placement.plan_placement, nodes, models)
     result = directives_for(service, nodes, models, plan)
     result.term = term
