@@ -404,8 +404,7 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
     ``tool_calls`` (:mod:`meshnet.gateway.tools`). An error after the first event is sent as an
     ``{"error": ...}`` event.
     """
-    cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    arrived_s = time.perf_counter()
+    cid, created, arrived_s = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), time.perf_counter()
     prompt, params = await prepare(orchestrator, req)  # a bad or too-long prompt is a 400 before any event
     params_n, stats = choices_for(params, req.n, arrived_s)
     want_logprobs = params.top_logprobs is not None
@@ -413,8 +412,7 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
 
     chunk = functools.partial(_chunk, {"id": cid, "object": "chat.completion.chunk", "created": created,
                                        "model": model}, want_logprobs, include_usage)
-    tooled = bool(req.calling_tools())  # an answer that may hold calls is sent once it is whole
-    syntax = tool_syntax(orchestrator.tokenizer)
+    tooled = tool_syntax(orchestrator.tokenizer) if req.calling_tools() else None  # held whole, then parsed
     held = [""] * req.n
 
     async def events() -> AsyncIterator[str | bytes]:
@@ -433,7 +431,7 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
                 if piece is not None:
                     yield chunk(i, {"content": piece}, logprobs=entries)
                     continue
-                deltas, finish = _answer_deltas(held[i], req, syntax) if tooled else ([], None)
+                deltas, finish = _answer_deltas(held[i], req, tooled) if tooled else ([], None)
                 finish = finish or stats[i].finish_reason
                 for delta in deltas:
                     yield chunk(i, delta)

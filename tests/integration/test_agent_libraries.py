@@ -121,3 +121,30 @@ def test_instructor_extracts_a_pydantic_model_that_validates(mesh):
                                               messages=[{"role": "user", "content": "Tell me about Rome, Italy."}])
     assert isinstance(again, City)
     print(f"instructor (json_schema): {again!r}")
+
+
+def test_the_official_client_calls_a_tool_sends_its_result_back_and_gets_a_final_answer(mesh):
+    from openai import OpenAI
+
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                       "required": ["city"]}}}
+    http = Requests(timeout=120)
+    client = OpenAI(base_url=f"{mesh.url}/v1", api_key="none", http_client=http)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=REAL, messages=messages, tools=[weather], tool_choice="required",
+                                           temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(arguments) == {"city"} and isinstance(arguments["city"], str)
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees."}]
+    second = client.chat.completions.create(model=REAL, messages=messages, tools=[weather], tool_choice="none",
+                                            temperature=0, max_tokens=96)
+    assert http.bodies[-1]["messages"][-1] == {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees."}
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in the prompt
+    assert second.choices[0].finish_reason == "stop" and second.choices[0].message.content
+    print(f"openai client: get_weather({arguments}) then {second.choices[0].message.content!r}")
