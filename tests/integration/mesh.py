@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
-from typing import Callable
+import contextlib
+from pathlib import Path
+from typing import Callable, Iterator
 
 import httpx
 
@@ -50,3 +52,19 @@ class Mesh(LocalMesh):
                     final = chunk["meshnet"]
         assert final is not None, lines[-3:]
         return final["completion_token_ids"], final, lines
+
+
+@contextlib.contextmanager
+def serving(log_dir: Path, model: str, ranges: list[tuple[int, int]], *node_args: str,
+            wait_s: float = 240.0) -> Iterator[Mesh]:
+    """A tracker and one node per inclusive layer range of ``model`` (``node-0``, ``node-1``, ...,
+    each started with ``node_args``), routable before the block runs, stopped after it."""
+    m = Mesh(log_dir)
+    try:
+        m.start_tracker(model)
+        for i, (a, b) in enumerate(ranges):
+            m.start_node(f"node-{i}", "--model", model, "--shard-start", str(a), "--shard-end", str(b), *node_args)
+        m.wait_routable(model, wait_s)
+        yield m
+    finally:
+        m.stop()

@@ -12,7 +12,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.integration.conftest import REAL
-from tests.integration.mesh import Mesh
+from tests.integration.mesh import serving
 
 pytestmark = pytest.mark.slow
 
@@ -48,15 +48,8 @@ class AsyncRequests(httpx.AsyncClient):
 
 @pytest.fixture(scope="module")
 def mesh(real_model_path, tmp_path_factory):
-    m = Mesh(tmp_path_factory.mktemp("agents"))
-    try:
-        m.start_tracker(REAL)
-        for i, (a, b) in enumerate([(0, 14), (15, 29)]):
-            m.start_node(f"node-{i}", "--model", REAL, "--shard-start", str(a), "--shard-end", str(b))
-        m.wait_routable(REAL, 180)
+    with serving(tmp_path_factory.mktemp("agents"), REAL, [(0, 14), (15, 29)]) as m:
         yield m
-    finally:
-        m.stop()
 
 
 def test_pydantic_ai_agent_calls_the_tool_gets_its_result_back_and_answers(mesh):

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from tests.integration.conftest import REAL
-from tests.integration.mesh import Mesh
+from tests.integration.mesh import Mesh, serving
 
 pytestmark = pytest.mark.slow
 
@@ -55,14 +55,8 @@ SCHEMAS = [schema(random.Random(k)) for k in range(50)]
 
 @pytest.fixture(scope="module")
 def mesh(real_model_path, tmp_path_factory):
-    m = Mesh(tmp_path_factory.mktemp("schemas"))
-    try:
-        m.start_tracker(REAL)
-        m.start_node("node-0", "--model", REAL, "--shard-start", "0", "--shard-end", "29")
-        m.wait_routable(REAL, 180)
+    with serving(tmp_path_factory.mktemp("schemas"), REAL, [(0, 29)]) as m:
         yield m
-    finally:
-        m.stop()
 
 
 def answer(mesh: Mesh, body: dict) -> tuple[str, str]:
