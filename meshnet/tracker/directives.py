@@ -40,12 +40,15 @@ class DirectivesMixin:
         with tier ``pinned``, unless it already holds that range or such a load is still open.
         Returns the directives queued.
         """
+        pins = self.store.pins(node.node_id)
+        if not pins:  # the usual case: one read
+            return []
         held = {(s.model, s.layers) for s in node.shards}
         open_loads = {(d.model, d.shard_start, d.shard_end)
                       for d in self.store.directives(node_id=node.node_id, statuses=OPEN_STATUSES)
                       if d.type == "LOAD_SHARD"}
         queued = []
-        for pin in self.store.pins(node.node_id):
+        for pin in pins:
             layers = LayerRange.from_inclusive(pin["shard_start"], pin["shard_end"])
             if (pin["model"], layers) in held or (pin["model"], pin["shard_start"], pin["shard_end"]) in open_loads:
                 continue

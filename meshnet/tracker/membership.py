@@ -40,8 +40,10 @@ class MembershipMixin:
             NotFound: a shard of an unknown model without a layer count.
         """
         node_id = payload.node_id
-        self.refuse_stale(node_id, sent_at, read_store=True)
-        bound = self.store.bind_key(node_id, payload.public_key)
+        self.refuse_stale(node_id, sent_at)  # in memory; the record's conditional write settles the rest
+        bound = self._bound_keys.get(node_id)
+        if bound != payload.public_key:  # a key this tracker has not seen bound to the id: ask the store
+            bound = self.store.bind_key(node_id, payload.public_key)
         self._bound_keys[node_id] = bound  # its heartbeats' signatures are checked against it
         if bound != payload.public_key:
             log.warning("refused a registration of %s with another key (endpoint %s)", node_id, payload.endpoint)
@@ -274,11 +276,12 @@ class MembershipMixin:
             return self.store.save_node(self.node_row(node))
         return True
 
-    def refuse_stale(self, node_id: str, sent_at: float, *, read_store: bool = False) -> None:
-        """Refuse a node's call signed before one already applied, here or (``read_store``, a
-        registration) at any tracker of a shared store: a call that waited in a frozen tracker's
-        socket while the node moved on to another tracker must not undo what it did there
-        (ADR-0054). ``sent_at`` 0 (an unsigned, in-process call) is never refused.
+    def refuse_stale(self, node_id: str, sent_at: float) -> None:
+        """Refuse a node's call signed before one this tracker applied: a call that waited in a
+        frozen tracker's socket while the node moved on must not undo what it did since (ADR-0054;
+        a call another tracker of a shared store applied is caught by the record's conditional
+        write, :meth:`TrackerStore.save_node`). ``sent_at`` 0 (an unsigned, in-process call) is
+        never refused.
 
         Raises:
             StaleCall (409 ``stale_call``): the call is older than the last applied one.
@@ -287,8 +290,6 @@ class MembershipMixin:
             return
         node = self.nodes.get(node_id)
         latest = node.sent_at if node is not None else 0.0
-        if read_store and self.store.shared:
-            latest = max(latest, self.store.node_sent_at(node_id))
         if sent_at < latest:
             log.warning("refused a call of %s signed %.1f s before one already applied (it waited in this "
                         "tracker while the node moved on)", node_id, latest - sent_at)

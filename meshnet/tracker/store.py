@@ -405,7 +405,10 @@ class TrackerStore:
         """Insert ``row`` (key first, ``column`` second) into ``table`` unless its key is there; returns
         ``column`` of the row in force (the earlier one when there was one), in one locked step."""
         with self.lock:
-            self._execute(f"INSERT INTO {table} VALUES ({','.join('?' * len(row))}) ON CONFLICT DO NOTHING", row)
+            inserted = self._execute(f"INSERT INTO {table} VALUES ({','.join('?' * len(row))}) ON CONFLICT DO NOTHING "
+                                     f"RETURNING {column}", row).fetchone()
+            if inserted is not None:  # the usual case, a first registration: one statement
+                return inserted[column]
             return self._execute(f"SELECT {column} FROM {table} WHERE {key} = ?", (row[0],)).fetchone()[column]
 
     # node keys (ADR-0035)
