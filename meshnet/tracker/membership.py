@@ -306,6 +306,8 @@ class MembershipMixin:
             self.nodes.pop(node_id, None)
         else:
             self.nodes[node_id] = old
+        log.warning("refused a call of %s: another tracker applied a later one (it waited in this tracker "
+                    "while the node moved on)", node_id)
         raise StaleCall(f"registration of {node_id} is older than its stored record")
 
     def take_heartbeats(self) -> dict[str, float]:
