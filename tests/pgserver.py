@@ -123,6 +123,13 @@ class DatabaseLink:
         self.netns, self.near, self.far = f"mdb{tag}", f"mdb{tag}a", f"mdb{tag}b"
         a, b = 100 + int(tag[:2], 16) % 100, int(tag[2:], 16) % 250
         self.host, near_ip = f"10.{a}.{b}.2", f"10.{a}.{b}.1"
+        try:
+            self._create(near_ip)
+        except subprocess.CalledProcessError:
+            self.remove()  # nothing half-made is left behind
+            raise
+
+    def _create(self, near_ip: str) -> None:
         for cmd in (["ip", "netns", "add", self.netns],
                     ["ip", "link", "add", self.near, "type", "veth", "peer", "name", self.far],
                     ["ip", "link", "set", self.far, "netns", self.netns],

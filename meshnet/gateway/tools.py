@@ -192,12 +192,12 @@ def _mistral_calls(text: str, tools: list[Tool]) -> tuple[list[tuple[str, dict]]
     if isinstance(value, list):
         calls = [c for c in (_named(v, tools) for v in value) if c]
         return (calls, head) if calls else ([], text)
-    calls, at = [], 0
+    calls = []
     for part in rest.split("[TOOL_CALLS]"):
         named = _MISTRAL_NAMED.match(part)
         if not named:
             continue
-        arguments, at = _json_at(part, named.end())
+        arguments, _ = _json_at(part, named.end())
         call = _named({"name": named.group(1), "arguments": arguments}, tools)
         if call:
             calls.append(call)

@@ -157,8 +157,7 @@ class PostgresStore(TrackerStore):
             return []
         now = time.time()
         columns = list(zip(*[(d.node_id, d.type, d.model, d.shard_start, d.shard_end, d.tier, d.reason) for d in new]))
-        with self._transaction():
-            self._check_term(term)
+        with self._fenced(term):
             got = self.db.execute(_INSERT_ARRAYS, (now, now, *[list(c) for c in columns])).fetchall()
         got.sort(key=lambda r: r["id"])
         out: list[int | None] = []

@@ -14,7 +14,6 @@ DROP_SHARDs. A node whose load failed recently gets no new placement for a coold
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -139,15 +138,16 @@ def plan_rebalance(service: TrackerService) -> RebalanceResult:
     """Plan placement and demand moves over the live registry; changes nothing (call it on the
     event loop: it reads the service's state)."""
     nodes, models = placement_inputs(service)
-    return directives_for(service, nodes, models, placement.plan_placement(nodes, models))
+    return directives_for(service, nodes, models, placement.plan_placement(nodes, models), term=service.store.term)
 
 
 def directives_for(service: TrackerService, nodes: list[placement.NodeState], models: list[placement.ModelSpec],
-                   plan: placement.PlacementPlan) -> RebalanceResult:
+                   plan: placement.PlacementPlan, *, term: int | None) -> RebalanceResult:
     """The directives that carry out ``plan`` (planned over ``nodes`` and ``models``), and the
-    demand moves after it; changes nothing (on the event loop: it reads the service's state)."""
+    demand moves after it, under lease ``term`` (its writes' fencing token); changes nothing (on the
+    event loop: it reads the service's state)."""
     sources = service.store.model_sources()
-    result = RebalanceResult(plan, term=service.store.term)
+    result = RebalanceResult(plan, term=term)
     for node_id, a in plan.loads:
         # a model tracked only because chat demand asked for it is placed as `managed` (ADR-0026)
         tier = "managed" if sources.get(a.model) == "demand" and a.tier == "bootstrap" else a.tier
@@ -214,9 +214,8 @@ async def rebalance_off_loop(service: TrackerService) -> placement.PlacementPlan
     term = service.store.term  # the lease this plan is made under: its writes are fenced by it
     nodes, models = await placement_inputs_async(service)
     plan = await asyncio.to_thread(placement.plan_placement, nodes, models)
-    result = directives_for(service, nodes, models, plan)
-    result.term = term
-    await asyncio.to_thread(functools.partial(service.store.add_directives, result.directives, term=term))
+    result = directives_for(service, nodes, models, plan, term=term)
+    await asyncio.to_thread(service.store.add_directives, result.directives, term=result.term)
     service.note_queued(d.node_id for d in result.directives)
     apply_rebalance(service, result)
     return result.plan

@@ -226,6 +226,23 @@ class TrackerStore:
                 self.db.execute("ROLLBACK")
                 raise
 
+    @contextlib.contextmanager
+    def _fenced(self, term: int | None):
+        """The block of one planning write of a single statement: under the store's lock alone
+        without a ``term`` (one statement is atomic), else in a transaction that first checks
+        the term (:meth:`_check_term`, ADR-0054).
+
+        Raises:
+            LeaseLost: ``term`` is no longer this process's lease.
+        """
+        if term is None:
+            with self.lock:
+                yield
+            return
+        with self._transaction():
+            self._check_term(term)
+            yield
+
     def _rows(self, sql: str, args: tuple = ()) -> list[dict]:
         with self.lock:
             return [dict(r) for r in self._execute(sql, args).fetchall()]
@@ -327,8 +344,7 @@ class TrackerStore:
             LeaseLost: ``term`` is no longer this process's lease (nothing changed).
         """
         marks = ",".join("?" * len(OPEN_STATUSES))
-        with self._transaction():
-            self._check_term(term)
+        with self._fenced(term):
             return self._execute(f"UPDATE directives SET status = 'failed', error = ?, updated_at = ? "
                                  f"WHERE node_id = ? AND status IN ({marks})",
                                  (error, time.time(), node_id, *OPEN_STATUSES)).rowcount
@@ -448,11 +464,6 @@ class TrackerStore:
         with self.lock:
             return self._save_node(row)
 
-    def node_sent_at(self, node_id: str) -> float:
-        """The signed time of the call that wrote ``node_id``'s stored record (0: none, or unordered)."""
-        rows = self._rows("SELECT sent_at FROM nodes WHERE node_id = ?", (node_id,))
-        return rows[0]["sent_at"] if rows else 0.0
-
     def touch_nodes(self, heartbeats: dict[str, float]) -> None:
         """Record the latest heartbeat (unix time) of many nodes in one transaction; a time older
         than the stored one changes nothing."""
@@ -481,8 +492,7 @@ class TrackerStore:
         Raises:
             LeaseLost: ``term`` is no longer this process's lease (nothing changed).
         """
-        with self._transaction():
-            self._check_term(term)
+        with self._fenced(term):
             self._execute("DELETE FROM nodes WHERE node_id = ?", (node_id,))
 
     # quarantines (ADR-0042)

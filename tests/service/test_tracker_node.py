@@ -115,17 +115,23 @@ async def test_the_tracker_node_is_registered_and_shown_like_any_node(mesh):
     assert [(s["start_layer"], s["end_layer"], s["node_count"]) for s in segments] == [(0, 3, 1)]
 
 
-async def test_chat_at_the_tracker_is_answered_in_process_by_its_own_node(mesh):
-    client, hosts, _ = mesh
-    direct = await client.post("/node/v1/chat/completions", json=CHAT)
+async def direct_then_via_tracker(client, hosts, path: str, body: dict) -> tuple[dict, dict]:
+    """The answers to ``body`` from the tracker's own node (``/node{path}``) and then from the
+    tracker (``path``), the hosts' record cleared in between; both must be 200."""
+    direct = await client.post(f"/node{path}", json=body)
     assert direct.status_code == 200, direct.text
     hosts.sent.clear()
-    resp = await client.post("/v1/chat/completions", json=CHAT)
+    resp = await client.post(path, json=body)
     assert resp.status_code == 200, resp.text
-    data = resp.json()
+    return direct.json(), resp.json()
+
+
+async def test_chat_at_the_tracker_is_answered_in_process_by_its_own_node(mesh):
+    client, hosts, _ = mesh
+    direct, data = await direct_then_via_tracker(client, hosts, "/v1/chat/completions", CHAT)
     route = [(h["node_id"], h["endpoint"], h["start_layer"], h["end_layer"]) for h in data["meshnet"]["route"]]
     assert route == [("tracker", "http://tracker.test/node", 0, 1), ("n2", "http://n2.test", 2, 3)]
-    assert data["meshnet"]["completion_token_ids"] == direct.json()["meshnet"]["completion_token_ids"]
+    assert data["meshnet"]["completion_token_ids"] == direct["meshnet"]["completion_token_ids"]
     assert len(data["meshnet"]["completion_token_ids"]) == 6
     chats = [s for s in hosts.sent if s[2].endswith("/chat/completions")]
     assert chats == [("POST", "tracker.test", "/v1/chat/completions")]  # the test's own call, no proxy hop
@@ -135,13 +141,8 @@ async def test_chat_at_the_tracker_is_answered_in_process_by_its_own_node(mesh):
 async def test_a_text_completion_at_the_tracker_is_answered_by_its_own_node_across_the_mesh(mesh):
     client, hosts, _ = mesh
     body = {"model": MODEL, "prompt": [40, 41, 42], "max_tokens": 5, "temperature": 0}
-    direct = await client.post("/node/v1/completions", json=body)
-    assert direct.status_code == 200, direct.text
-    hosts.sent.clear()
-    resp = await client.post("/v1/completions", json=body)
-    assert resp.status_code == 200, resp.text
-    data = resp.json()
-    assert data["object"] == "text_completion" and data["choices"][0]["text"] == direct.json()["choices"][0]["text"]
+    direct, data = await direct_then_via_tracker(client, hosts, "/v1/completions", body)
+    assert data["object"] == "text_completion" and data["choices"][0]["text"] == direct["choices"][0]["text"]
     route = [(h["node_id"], h["start_layer"], h["end_layer"]) for h in data["meshnet"]["route"]]
     assert route == [("tracker", 0, 1), ("n2", 2, 3)]
     assert [s for s in hosts.sent if s[2].endswith("/completions")] == [("POST", "tracker.test", "/v1/completions")]

@@ -168,14 +168,17 @@ async def test_a_call_that_waited_in_a_frozen_tracker_cannot_undo_what_the_node_
     body = json.dumps(node("n1")).encode()  # no shards yet: the node joined model-less
     newer = await b.post("/v1/nodes/register", json=node("n1", (0, 3)))  # it moved on to b and loaded since
     assert newer.status_code == 200, newer.text
-    stored = b.service.store.node_sent_at("n1")
+    def stored_sent_at() -> float:
+        return b.service.store._rows("SELECT sent_at FROM nodes WHERE node_id = 'n1'")[0]["sent_at"]
+
+    stored = stored_sent_at()
     assert stored > sent_to_a
 
     late = await a.post("/v1/nodes/register", content=body, headers={
         "content-type": "application/json", **signed("n1", "POST", "/v1/nodes/register", body, now=sent_to_a)})
     assert late.status_code == 409 and late.json()["error"]["code"] == "stale_call", late.text
     assert "n1" not in a.service.nodes  # nothing kept in memory either
-    assert b.service.store.node_sent_at("n1") == stored
+    assert stored_sent_at() == stored
     await a.sharing.sync_round()
     assert [(s.model, s.layers.to_inclusive()) for s in a.service.nodes["n1"].shards] == [(MODEL, (0, 3))]
 
