@@ -40,7 +40,6 @@ class MembershipMixin:
             NotFound: a shard of an unknown model without a layer count.
         """
         node_id = payload.node_id
-        self.refuse_stale(node_id, sent_at)  # in memory; the record's conditional write settles the rest
         bound = self._bound_keys.get(node_id)
         if bound != payload.public_key:  # a key this tracker has not seen bound to the id: ask the store
             bound = self.store.bind_key(node_id, payload.public_key)
@@ -51,6 +50,8 @@ class MembershipMixin:
                            code="node_id_taken",
                            hint="a node keeps its key in its --state-dir (node.key): start it with the same "
                                 "state dir, or choose another --node-id")
+        # only the node's own calls are ordered by its clock: another key is refused above, whatever its time
+        self.refuse_stale(node_id, sent_at)  # in memory; the record's conditional write settles the rest
         for s in payload.shards:
             self.ensure_model(s.model, s.num_layers)
         record = NodeRecord(node_id=node_id, endpoint=payload.endpoint.rstrip("/"), wallet=payload.wallet,

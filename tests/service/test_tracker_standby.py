@@ -234,3 +234,18 @@ async def test_a_hop_failure_heard_by_one_tracker_is_avoided_by_the_other_within
     seen = b.service.nodes["n1"].last_failure_s
     await b.sharing.sync_round()  # read once
     assert b.service.nodes["n1"].last_failure_s == seen
+
+
+async def test_another_key_signed_before_the_node_s_latest_call_is_refused_as_an_impostor(trackers):
+    """Only the node's own calls are ordered by its clock: a registration under another key is
+    refused for its key (409 node_id_taken), whatever time it was signed at (ADR-0035, ADR-0054)."""
+    import time
+
+    from tests.payloads import public_key, signed
+    a, _ = trackers
+    assert (await a.post("/v1/nodes/register", json=node("n1", (0, 3)))).status_code == 200
+    body = json.dumps({**node("n1"), "public_key": public_key("n1", salt="impostor")}).encode()
+    headers = {"content-type": "application/json",
+               **signed("n1", "POST", "/v1/nodes/register", body, salt="impostor", now=time.time() - 5.0)}
+    refused = await a.post("/v1/nodes/register", content=body, headers=headers)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "node_id_taken", refused.text
