@@ -10,7 +10,7 @@ them) and prints one JSON line:
   dtype (:func:`warm_runtime`: transformers' modeling code imported, a tiny model run once;
   :func:`prepare_layouts`: the weight layouts of the shard's shapes measured);
 * ``shard``: ``bare``, then loads a :class:`ShardModel` of SmolLM2 layers 10-19 in the
-  given compute dtype as a node does (:func:`meshnet.node.runtime.measure_load`: modeling
+  given compute dtype as a node does (:func:`meshnet.node.slots.measure_load`: modeling
   code imported and layouts measured first, a warm-up forward, the shard's own measured
   ``resident_bytes``, the figure doctor reports) and runs one more 16-token forward.
 
@@ -41,7 +41,7 @@ import psutil, torch, transformers
 from meshnet.layers import LayerRange
 from meshnet.models import shard as shard_mod
 from meshnet.models.attention import KVCache
-from meshnet.node.runtime import measure_load
+from meshnet.node.slots import measure_load
 
 def smaps():
     out = {}

@@ -45,7 +45,7 @@ def summary(values: list[float]) -> str:
 def distances(probes: int) -> None:
     import torch
 
-    from meshnet import wire
+    from meshnet.node import wire
     from meshnet.layers import LayerRange
     from meshnet.models.attention import KVCache
     from meshnet.models.shard import ShardModel

@@ -1,7 +1,7 @@
 """How far the bfloat16 wire drifts from float32: SmolLM2 split 0-9 / 10-19 / 20-29.
 
 Runs the three shards in this process exactly as three nodes would (float32 compute, every
-hop's input encoded and decoded with meshnet.wire), greedy, against transformers'
+hop's input encoded and decoded with meshnet.node.wire), greedy, against transformers'
 monolithic float32 forward with KV cache. Prints the first differing token (if any) and
 the max absolute logit difference over the compared steps, for both wire dtypes.
 
@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from meshnet import wire
+from meshnet.node import wire
 from meshnet.layers import LayerRange
 from meshnet.models.attention import KVCache
 from meshnet.models.shard import ShardModel

@@ -47,7 +47,7 @@ class InvalidRequest(MeshnetError):
 
 
 class WireError(InvalidRequest):
-    """A binary activation frame that fails validation (see meshnet.wire)."""
+    """A binary activation frame that fails validation (see meshnet.node.wire)."""
 
     code = "invalid_activation"
 

@@ -1,7 +1,8 @@
 """Small statistics utilities for node and tracker bookkeeping (docs/adr/0013-node-stats.md).
 
 - :class:`PerformanceEMA`: throughput of a node, tokens/s, as a bias-corrected EMA.
-- :class:`EMA`: a plain value such as hop latency in seconds, bias-corrected.
+- :class:`EMA`: a plain value such as hop latency in seconds, bias-corrected (defined with the
+  hop deadlines it times, :mod:`meshnet.dataplane.deadlines`, and used here).
 - :class:`RollingCounter`: events per minute over a sliding window (requests per minute).
 - :class:`TimeBuckets`: count, sum and max of named series in fixed time buckets over the last
   minutes (the traffic history the console draws as sparklines, ADR-0046).
@@ -15,48 +16,12 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from meshnet.dataplane.deadlines import DEFAULT_ALPHA, EMA
+
 __all__ = ["EMA", "PerformanceEMA", "RollingCounter", "TimeBuckets", "BucketStat"]
 
-#: Default EMA smoothing factor: weight of the newest sample (ADR-0013).
-DEFAULT_ALPHA = 0.1
 #: Default sliding window of :class:`RollingCounter`, seconds (ADR-0013).
 DEFAULT_WINDOW_S = 60.0
-
-
-def _check_alpha(alpha: float) -> float:
-    if not 0.0 < alpha <= 1.0:
-        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-    return alpha
-
-
-class EMA:
-    """Exponential moving average of a plain value, bias-corrected as in Adam (ADR-0013).
-
-    After samples ``x1..xn`` the raw average is ``m = sum(alpha * (1-alpha)**(n-i) * xi)``;
-    it starts at 0 and so leans towards 0 early on. :attr:`value` divides by
-    ``1 - (1-alpha)**n``, the weight the samples actually carry, so the first sample is
-    reported as itself. Units are the caller's (meshnet uses it for latency in seconds).
-    """
-
-    def __init__(self, alpha: float = DEFAULT_ALPHA) -> None:
-        self.alpha = _check_alpha(alpha)
-        self._raw = 0.0
-        self._decay = 1.0  # (1 - alpha) ** count
-        self.count = 0
-
-    def update(self, sample: float) -> float:
-        """Add one sample; return the new :attr:`value`."""
-        self._raw = self.alpha * sample + (1.0 - self.alpha) * self._raw
-        self._decay *= 1.0 - self.alpha
-        self.count += 1
-        return self.value
-
-    @property
-    def value(self) -> float:
-        """The bias-corrected average; 0.0 before any sample."""
-        if self.count == 0:
-            return 0.0
-        return self._raw / (1.0 - self._decay)
 
 
 class PerformanceEMA:

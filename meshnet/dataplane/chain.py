@@ -3,7 +3,7 @@
 The entry sends OPEN (route, tickets, its own endpoint) and then one STEP per prefill chunk or
 decode step to the first remote hop; each hop runs its layers and pushes its output to the
 next hop; the last hop sends the RESULT straight back to the entry (its stream endpoint, not
-back along the chain). Messages are :mod:`meshnet.dataplane.messages`; connections come from the
+back along the chain). Messages are :mod:`meshnet.dataplane.frames`; connections come from the
 node's :class:`meshnet.dataplane.transport.StreamPool` and are shared with other sessions.
 
 A step's deadline is derived from the chain's own observed step times (floor 0.5 s,
@@ -36,7 +36,7 @@ from meshnet.dataplane.transport import StreamPool
 from meshnet.layers import LayerRange
 from meshnet.protocol.ids import NodeId, SessionId
 from meshnet.protocol.route import Hop, Route
-from meshnet.dataplane.messages import FLAG_LAST_ONLY, FLAG_NO_RESULT, ChainError, ChainOpen, Kind, Message, \
+from meshnet.dataplane.frames import FLAG_LAST_ONLY, FLAG_NO_RESULT, ChainError, ChainOpen, Kind, Message, \
     new_chain_id, new_chain_key, pack, same_key
 
 log = logging.getLogger(__name__)

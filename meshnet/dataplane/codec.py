@@ -3,7 +3,7 @@
 The data plane moves activations it never looks into: an :data:`Activation` is whatever the
 node computes with (a torch tensor there), and an :class:`ActivationCodec` turns it into a
 frame (:mod:`meshnet.dataplane.frames`) and back. The node implements it
-(:class:`meshnet.node.entry.WireCodec`, over :mod:`meshnet.wire`); tests may use a fake.
+(:class:`meshnet.node.entry.WireCodec`, over :mod:`meshnet.node.wire`); tests may use a fake.
 """
 
 from __future__ import annotations

@@ -8,14 +8,52 @@ is ``cold_s``. A call that misses its deadline is not yet a failure: the entry p
 hop's ``/v1/health`` for ``probe_timeout_s``. A node that answers is slow but alive and is
 given another deadline; one that does not is frozen and is failed over.
 
-Pure numbers, no I/O: :func:`deadline_s` is table-tested.
+Pure numbers, no I/O: :func:`deadline_s` is table-tested. :class:`EMA`, the moving average the
+hop timings, the node's batch window and its stats keep, lives here: it runs on every step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshnet.stats import EMA
+#: Default EMA smoothing factor: weight of the newest sample (ADR-0013).
+DEFAULT_ALPHA = 0.1
+
+
+def _check_alpha(alpha: float) -> float:
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    return alpha
+
+
+class EMA:
+    """Exponential moving average of a plain value, bias-corrected as in Adam (ADR-0013).
+
+    After samples ``x1..xn`` the raw average is ``m = sum(alpha * (1-alpha)**(n-i) * xi)``;
+    it starts at 0 and so leans towards 0 early on. :attr:`value` divides by
+    ``1 - (1-alpha)**n``, the weight the samples actually carry, so the first sample is
+    reported as itself. Units are the caller's (meshnet uses it for latency in seconds).
+    """
+
+    def __init__(self, alpha: float = DEFAULT_ALPHA) -> None:
+        self.alpha = _check_alpha(alpha)
+        self._raw = 0.0
+        self._decay = 1.0  # (1 - alpha) ** count
+        self.count = 0
+
+    def update(self, sample: float) -> float:
+        """Add one sample; return the new :attr:`value`."""
+        self._raw = self.alpha * sample + (1.0 - self.alpha) * self._raw
+        self._decay *= 1.0 - self.alpha
+        self.count += 1
+        return self.value
+
+    @property
+    def value(self) -> float:
+        """The bias-corrected average; 0.0 before any sample."""
+        if self.count == 0:
+            return 0.0
+        return self._raw / (1.0 - self._decay)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Outbound hop streams of one node: one WebSocket per peer, shared by every session (ADR-0040).
 
-A node sends every stream message (:mod:`meshnet.dataplane.messages`) to a peer over one
+A node sends every stream message (:mod:`meshnet.dataplane.frames`) to a peer over one
 persistent WebSocket to ``<peer endpoint>/v1/stream``, opened on first use and kept for all
 later sessions: a session costs no connection set-up once its peers have been reached. The
 messages of many sessions are multiplexed on it (each carries its chain id), in the order they
@@ -8,10 +8,10 @@ were sent. A reader task per connection hands whatever the peer sends back to th
 ``on_message`` callback the node's own stream endpoint uses, so a connection works both ways.
 
 Messages sent to one peer in the same turn of the event loop leave together as one BUNDLE
-message (:func:`meshnet.dataplane.messages.bundle`): the results of a node's batch reach their
+message (:func:`meshnet.dataplane.frames.bundle`): the results of a node's batch reach their
 chains at once, and their steps go on to the next hop in one WebSocket message, not one each
 (ADR-0040's bundle amendment). A message sent alone goes as it is, and so does every message to
-a peer that did not accept the :data:`~meshnet.dataplane.messages.READS_BUNDLES` subprotocol when
+a peer that did not accept the :data:`~meshnet.dataplane.frames.READS_BUNDLES` subprotocol when
 its stream opened (a node from before bundles, which would drop them).
 
 A send that fails on a connection opened earlier (the peer restarted, an idle timeout) is tried
@@ -29,7 +29,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
 from meshnet.errors import MeshnetError
-from meshnet.dataplane.messages import READS_BUNDLES, bundle, stream_url
+from meshnet.dataplane.frames import READS_BUNDLES, bundle, stream_url
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class StreamPool:
 
     async def _write(self, url: str, messages: list[bytes]) -> None:
         """Write ``messages`` to ``url``: as one BUNDLE where the peer accepted
-        :data:`~meshnet.dataplane.messages.READS_BUNDLES` and there are several, else one WebSocket
+        :data:`~meshnet.dataplane.frames.READS_BUNDLES` and there are several, else one WebSocket
         message each; all again on a fresh connection when the open one fails.
 
         Raises:

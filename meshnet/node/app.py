@@ -46,7 +46,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
-from meshnet import wire
+from meshnet.node import wire
 from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.gateway import completions, openai_api
@@ -62,11 +62,10 @@ from meshnet.node import hardware
 from meshnet.node.entry import LocalEntry
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.readiness import gather_facts, node_readiness
-from meshnet.node.runtime import NodeRuntime
-from meshnet.node.sessions import SessionStore
+from meshnet.node.runtime import NodeRuntime, SessionStore
 from meshnet.node.settings import NodeSettings
 from meshnet.node.callers import TrackerLink, admit_hop, advertised_endpoint, asked_by_tracker, check_release
-from meshnet.node.streams import ChainHost, stream_endpoint
+from meshnet.node.wire import ChainHost, stream_endpoint
 from meshnet.protocol.control import CapabilityReport, DoctorResponse, QuarantineReport
 from meshnet.protocol.completions import read_completion_request
 from meshnet.protocol.openai import find_model, model_entry

@@ -17,11 +17,12 @@ import weakref
 
 import torch
 
-from meshnet import wire
+from meshnet.node import wire
 from meshnet.errors import InvalidRequest
 from meshnet.gateway.entry import Activation, TokenLogprob
 from meshnet.layers import LayerRange
-from meshnet.node.runtime import NodeRuntime, ShardSlot
+from meshnet.node.runtime import NodeRuntime
+from meshnet.node.slots import ShardSlot
 from meshnet.protocol.openai import SamplingParams
 
 

@@ -1,71 +1,51 @@
-"""Shard slots: the loaded shard backends of one node, and the forward entry point.
+"""What runs on every step of a node: the forward entry points, the batched compute, and the
+KV-cache sessions it reads and writes.
 
-A node holds up to ``max_loaded_shards`` slots; each slot is one :class:`ShardModel`
-(one model, one layer range, one recipe). A forward call names the layers to run; the
-runtime picks the slot whose range contains them (a hop may start inside a shard,
-ADR-0012). Compute is serialised per node with one lock (torch already uses every core for one
-forward), but concurrent callers do not queue one by one: their steps meet in a
-:class:`~meshnet.node.batching.StepBatcher`, and the decode steps of different sessions run as
-one batched forward (ADR-0052).
+A forward call names the layers to run; the runtime picks the slot (:mod:`meshnet.node.slots`)
+whose range contains them (a hop may start inside a shard, ADR-0012). Compute is serialised per
+node with one lock (torch already uses every core for one forward), but concurrent callers do
+not queue one by one: their steps meet in a :class:`~meshnet.node.batching.StepBatcher`, and the
+decode steps of different sessions run as one batched forward (ADR-0052).
 
-Each load measures the shard's resident memory (ADR-0039): the process RSS after the shard is
-built and has run one warm-up forward, minus the RSS just before, with transformers' modeling
-code imported and run once beforehand so its fixed cost is not charged to the first shard. doctor reports
-the figure and the tracker budgets with it where it exceeds the preset.
+Sessions: one generation's KV cache per slot, admitted under a memory cap, expired by TTL,
+never evicted live.
+
+A session is one generation's KV cache for one shard slot, keyed by the session id the
+orchestrator sends in ``X-Meshnet-Session``. Position 0 (re)starts a session; any other
+position must equal the cached length, so a lost or expired session surfaces as a clear
+409 instead of silently wrong attention.
+
+A session is *in use* from its position-0 call until it is released (``DELETE
+/v1/sessions/{id}``) or stays idle for more than ``ttl_s``. A session in use is never
+evicted: the memory cap is enforced when a session starts, not by dropping another
+generation half-way. When the cap is reached a new session is refused with 503
+``session_cache_full`` (the entry node then tries another holder of the layers); a
+session already admitted may still grow past the cap; new ones are refused until releases
+or expiry bring the total back under it (ADR-0031).
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from meshnet.errors import InvalidRequest, MeshnetError, NotFound
+from meshnet.errors import InvalidRequest, MeshnetError, NotFound, SessionConflict, Unavailable
 from meshnet.layers import LayerRange
 from meshnet.models.attention import KVCache
-from meshnet.models.shard import ShardModel, prepare_layouts, trim_heap, warm_runtime
-from meshnet.node.hardware import rss_bytes
 from meshnet.node.batching import Step, StepBatcher
-from meshnet.presets import canonical_model_name
-from meshnet.node.sessions import Session, SessionStore
 from meshnet.node.settings import NodeSettings
-from meshnet.protocol.control import CapabilityReport, ShardInfo
+from meshnet.node.slots import ShardSlot, SlotHolder
+from meshnet.presets import canonical_model_name
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class ShardSlot:
-    """One loaded shard backend; ``resident_bytes`` is its measured memory (see :func:`measure_load`)."""
-
-    model: str
-    layers: LayerRange
-    quantization: str
-    shard: ShardModel
-    tier: str = "pinned"
-    resident_bytes: int = 0
-    loaded_at: float = field(default_factory=time.time)
-
-    @property
-    def key(self) -> str:
-        return f"{self.model}:{self.layers.start}-{self.layers.end}"
-
-    def describe(self, report: CapabilityReport | None = None) -> ShardInfo:
-        """This slot as the node reports it to the tracker (with its latest capability report)."""
-        start, end = self.layers.to_inclusive()
-        return ShardInfo(model=self.model, shard_start=start, shard_end=end, tier=self.tier,
-                         quantization=self.quantization, weight_bytes=self.shard.weight_bytes(),
-                         entry=self.shard.is_entry, num_layers=self.shard.num_layers, report=report)
-
-
-WARM_UP_TOKENS = 16
 DEFAULT_BATCH_WINDOW_S = NodeSettings.batch_window_s  # one place for defaults: the node's settings
 DEFAULT_MAX_BATCH_SIZE = NodeSettings.max_batch_size
 
@@ -105,32 +85,176 @@ def _compute(works: list[_Work], sessions: list[Session]) -> list[torch.Tensor]:
     return list(out.split(1))
 
 
-def measure_load(build, dtype: str, prepare=None) -> tuple[ShardModel, int]:
-    """Build a shard with ``build()`` and measure its resident memory, bytes.
+class SessionCacheFull(Unavailable):
+    """No room under the node's session memory cap for a new session (HTTP 503, try another node)."""
 
-    The figure is the process RSS after the build, one ``WARM_UP_TOKENS``-token forward on a
-    throwaway cache (the compute's lasting buffers) and :func:`trim_heap`, minus the RSS just
-    before the build. The process's fixed costs are paid first (:func:`warm_runtime` in compute
-    dtype ``dtype``: transformers' modeling code, the kernels' first run; then ``prepare()``
-    when given, for the build's own fixed costs: :func:`prepare_layouts`). It is
-    never below the shard's :meth:`ShardModel.weight_bytes` (page reuse can hide a small shard).
-    Concurrent work in the process (another slot's sessions growing) adds to it: the figure errs
-    high, the safe side for placement. Errors of ``build`` propagate.
+    code = "session_cache_full"
+
+
+@dataclass
+class Session:
+    cache: KVCache = field(default_factory=KVCache)
+    length: int = 0            # tokens cached
+    last_used_s: float = 0.0   # monotonic seconds
+    nbytes: int = 0            # cache bytes as of the last commit
+    released: bool = False     # dropped from the store (a forward still running on it counts nothing)
+
+
+class SessionStore:
+    """Sessions keyed by ``(session_id, slot_key)``, kept in least-recently-used order.
+
+    The per-token path stays O(1) in the number of sessions: expiry pops from the old end
+    until it meets a live session, and the byte total is updated by each commit's delta.
+
+    Args:
+        ttl_s: idle seconds after which a session expires (default 300 s); > 0.
+        max_bytes: cap on the bytes held by all KV caches (default 1 GiB); > 0. A new session
+            is refused while the total is at or over it; live sessions are never evicted.
+
+    Raises:
+        ValueError: ``ttl_s`` or ``max_bytes`` not positive.
     """
-    warm_runtime(dtype)
-    if prepare is not None:
-        prepare()
-    trim_heap()
-    before = rss_bytes()
-    shard = build()
-    with torch.inference_mode():
-        hidden = torch.zeros(1, WARM_UP_TOKENS, shard.config.hidden_size)
-        shard.forward(hidden, KVCache(), 0)
-    trim_heap()
-    return shard, max(rss_bytes() - before, shard.weight_bytes())
+
+    def __init__(self, ttl_s: float = 300.0, max_bytes: int = 1 << 30) -> None:
+        if ttl_s <= 0 or max_bytes <= 0:
+            raise ValueError(f"session ttl_s and max_bytes must be > 0, got {ttl_s} and {max_bytes}")
+        self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+        self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
+        self._nbytes = 0
+        self._ended: OrderedDict[str, float] = OrderedDict()  # session id -> when its entry ended it
+        self._ended_lock = threading.Lock()  # the tombstones are written from event loops too
+
+    def acquire(self, session_id: str, slot_key: str, position: int, now: float | None = None) -> Session:
+        """Session to run ``position..``; position 0 starts it afresh.
+
+        Raises:
+            SessionCacheFull: position 0 while the cached bytes are at or over ``max_bytes``
+                (an existing session restarted at 0 first gives back its own bytes).
+            SessionConflict: ``position`` differs from the cached length, or position 0 of a
+                session its entry ended (:meth:`end`) less than ``ttl_s`` ago.
+        """
+        now = time.monotonic() if now is None else now
+        self.expire(now)
+        key = (session_id, slot_key)
+        if position == 0 and session_id in self._ended:
+            raise SessionConflict(f"session {session_id!r} was ended by its entry node",
+                                  hint="a late call of a generation that is over (or failed over); nothing to do")
+        if position == 0:
+            self._drop(key)
+            self.check_room(session_id, now)
+            self._sessions[key] = Session(last_used_s=now)
+        session = self._sessions.get(key)
+        if session is None:
+            raise SessionConflict(f"unknown session {session_id!r} at position {position}",
+                                  hint="the session expired or was released; replay it from position 0")
+        if session.length != position:
+            raise SessionConflict(f"session {session_id!r} holds {session.length} tokens, "
+                                  f"request is at position {position}")
+        session.last_used_s = now
+        self._sessions.move_to_end(key)
+        return session
+
+    def check_room(self, session_id: str = "", now: float | None = None) -> None:
+        """Expire idle sessions, then check that a new session may start.
+
+        Raises:
+            SessionCacheFull: the live sessions hold ``max_bytes`` or more.
+        """
+        self.expire(now)
+        if self._nbytes >= self.max_bytes:
+            raise SessionCacheFull(
+                f"session cache full: {self._nbytes} of {self.max_bytes} bytes held by {len(self)} live "
+                f"session(s); new session{f' {session_id!r}' if session_id else ''} refused",
+                hint="another node holding these layers can take it; or raise --session-cache-mb "
+                     "(MESHNET_SESSION_CACHE_MB) on this node")
+
+    def commit(self, session: Session, n_tokens: int) -> None:
+        """Record ``n_tokens`` more cached tokens and the cache's new size (bytes).
+
+        Never evicts: a live session may grow past ``max_bytes``; new ones are then refused. A
+        session released while its forward ran (a late call from an abandoned hop) counts nothing:
+        its bytes left the total when it was dropped.
+        """
+        session.length += n_tokens
+        if session.released:
+            return
+        size = session.cache.nbytes
+        self._nbytes += size - session.nbytes
+        session.nbytes = size
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            self._nbytes -= session.nbytes
+            session.released = True
+
+    def release(self, session_id: str) -> int:
+        """Drop every slot's cache of ``session_id``; returns how many were dropped."""
+        keys = [k for k in self._sessions if k[0] == session_id]
+        for key in keys:
+            self._drop(key)
+        return len(keys)
+
+    def end(self, session_id: str, now: float | None = None) -> int:
+        """Release ``session_id`` for good (its entry says the generation is over here); returns
+        how many caches were dropped.
+
+        For ``ttl_s`` afterwards a call that would start it again (position 0) is refused: a node
+        that was frozen and resumes may still run the calls it had queued, and a late first chunk
+        must not rebuild a cache that nobody will use or release (docs/adr/0036-hop-deadlines.md).
+        """
+        self.mark_ended(session_id, now)
+        return self.release(session_id)
+
+    def mark_ended(self, session_id: str, now: float | None = None) -> None:
+        """Record that the entry ended ``session_id`` (the tombstone of :meth:`end`) without touching
+        its caches: safe from any thread while a batch runs, so a step of it still queued is refused
+        whoever takes the compute lock first."""
+        with self._ended_lock:
+            self._ended[session_id] = time.monotonic() if now is None else now
+            self._ended.move_to_end(session_id)
+
+    def was_ended(self, session_id: str, now: float | None = None) -> bool:
+        """Whether the entry ended ``session_id`` here less than ``ttl_s`` ago (:meth:`end`). A
+        read only (one dict lookup): safe from the event loop while a batch runs."""
+        at = self._ended.get(session_id)
+        return at is not None and (time.monotonic() if now is None else now) - at <= self.ttl_s
+
+    def release_slot(self, slot_key: str) -> None:
+        for key in [k for k in self._sessions if k[1] == slot_key]:
+            self._drop(key)
+
+    def expire(self, now: float | None = None) -> int:
+        """Drop sessions idle for more than ``ttl_s``; returns how many."""
+        now = time.monotonic() if now is None else now
+        with self._ended_lock:
+            while self._ended and now - next(iter(self._ended.values())) > self.ttl_s:
+                self._ended.popitem(last=False)
+        expired = 0
+        while self._sessions:
+            key, oldest = next(iter(self._sessions.items()))
+            if now - oldest.last_used_s <= self.ttl_s:
+                break
+            self._drop(key)
+            expired += 1
+        return expired
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all sessions' KV caches (as of their last commit)."""
+        return self._nbytes
+
+    @property
+    def bytes_left(self) -> int:
+        """Cache space left under the cap, in bytes."""
+        return max(0, self.max_bytes - self._nbytes)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
 
 
-class NodeRuntime:
+class NodeRuntime(SlotHolder):
     """Slots plus sessions of one node.
 
     Args:
@@ -162,45 +286,6 @@ class NodeRuntime:
         self.batch_sizes: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
         #: called with the size of each forward run, outside the compute lock (the node's metrics)
         self.on_batch: Callable[[int], None] | None = None
-
-    # ---- slot lifecycle ---------------------------------------------------------------
-
-    def load(self, model: str, model_path: Path, layers: LayerRange, *, quantization: str = "bfloat16",
-             tier: str = "pinned") -> ShardSlot:
-        """Load a shard into a free slot (blocking; seconds for real weights).
-
-        Raises:
-            MeshnetError: no free slot.
-        """
-        model = canonical_model_name(model)
-        for slot in self.slots.values():
-            if slot.model == model and slot.layers == layers:
-                return slot
-        if len(self.slots) >= self.max_loaded_shards:
-            raise MeshnetError(f"no free shard slot ({len(self.slots)}/{self.max_loaded_shards} used)",
-                               code="no_free_slot", status=409)
-        recipe = {"dtype": self.compute_dtype, "quantization": quantization}
-        shard, resident = measure_load(lambda: ShardModel(model_path, layers, **recipe), self.compute_dtype,
-                                       lambda: prepare_layouts(model_path, layers, **recipe))
-        slot = ShardSlot(model=model, layers=layers, quantization=quantization, shard=shard, tier=tier,
-                         resident_bytes=resident)
-        with self.lock:
-            self.slots[slot.key] = slot
-            self._found.clear()
-        log.info("loaded %s layers %s (%d bytes of weights, %d resident)", model, layers,
-                 shard.weight_bytes(), resident)
-        return slot
-
-    def drop(self, model: str, layers: LayerRange) -> ShardSlot | None:
-        """Free a slot's weights and its sessions; the slot dropped (its ``key`` names its reports),
-        None when it was not loaded."""
-        key = f"{canonical_model_name(model)}:{layers.start}-{layers.end}"
-        with self.lock:
-            slot = self.slots.pop(key, None)
-            self._found.clear()
-            if slot is not None:
-                self.sessions.release_slot(key)
-        return slot
 
     def find_slot(self, model: str | None, layers: LayerRange) -> ShardSlot:
         """The slot of ``model`` whose range contains ``layers``.
@@ -363,40 +448,3 @@ class NodeRuntime:
             return
         for step, out in zip(steps, outs):
             step.finish(out)
-
-    def end_session(self, session_id: str) -> int:
-        """End ``session_id`` on this node (:meth:`SessionStore.end`) once no forward runs
-        (blocking: waits for the compute lock); returns how many caches were dropped."""
-        self.batcher.forget(session_id)
-        with self.lock:
-            return self.sessions.end(session_id)
-
-    def end_session_soon(self, session_id: str) -> None:
-        """:meth:`end_session` without blocking the caller (an event loop, or a generation being
-        cancelled): batches stop waiting for the session at once, and its caches are ended in a
-        worker thread once the running forward is over. Its ``end`` tombstone refuses a step of it
-        still queued, so nothing re-creates the session (ADR-0031). Never raises."""
-        self.batcher.forget(session_id)
-        self.sessions.mark_ended(session_id)  # at once: a queued step of it is refused, whoever runs first
-        if self.lock.acquire(blocking=False):  # no forward runs: end it now, without a thread hop
-            try:
-                self.sessions.end(session_id)
-            finally:
-                self.lock.release()
-            return
-        try:
-            asyncio.get_running_loop().run_in_executor(None, self.end_session, session_id)
-        except RuntimeError:  # no running loop, or its executor is shut down: end it here
-            self.end_session(session_id)
-
-    def check_room(self) -> None:
-        """Whether a new session may start here now (blocking: waits for a running forward).
-
-        Raises:
-            SessionCacheFull: the session cache is at its cap (HTTP 503).
-        """
-        with self.lock:
-            self.sessions.check_room()
-
-    def describe(self) -> list[ShardInfo]:
-        return [slot.describe() for slot in self.slots.values()]

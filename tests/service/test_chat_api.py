@@ -309,7 +309,7 @@ async def test_a_body_over_the_limit_is_413(asgi_client, runtime):
              413, "payload_too_large")
     assert (await node.post(URL, json=CHAT)).status_code == 200
     # activation frames are bounded by the wire format's limit, not the JSON one
-    from meshnet import wire
+    from meshnet.node import wire
 
     frame = wire.encode(torch.zeros(1, 20, 64), dtype="float32", compress=False)
     assert len(frame) > 4096

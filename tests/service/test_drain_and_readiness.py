@@ -15,7 +15,7 @@ import uuid
 import httpx
 import pytest
 
-from meshnet import wire
+from meshnet.node import wire
 from meshnet.layers import LayerRange
 from meshnet.node.app import build_app as build_node
 from meshnet.node.runtime import NodeRuntime

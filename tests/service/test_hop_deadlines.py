@@ -17,7 +17,7 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 
-from meshnet import wire
+from meshnet.node import wire
 from meshnet.errors import HopFailed, NotFound
 from meshnet.dataplane.deadlines import DeadlinePolicy
 from meshnet.dataplane.failover import settle_releases

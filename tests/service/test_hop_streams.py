@@ -17,7 +17,7 @@ import pytest
 import torch
 import uvicorn
 
-from meshnet import wire
+from meshnet.node import wire
 from meshnet.endpoints import free_port
 from meshnet.errors import HopFailed, NotFound
 from meshnet.dataplane.failover import settle_releases
@@ -225,7 +225,7 @@ async def test_an_error_the_entry_cannot_read_blames_the_hop_that_sent_it(nodes,
     """``c`` reports a step failure in an ERROR whose body does not parse: its place in the chain,
     in the message header, still names it, so ``c`` is excluded and reported, the chain goes
     through ``c2``, and the tokens are unchanged."""
-    from meshnet.node import streams as node_streams
+    from meshnet.node import wire as node_streams
 
     class Garbled(node_streams.ChainError):
         def to_body(self) -> bytes:
@@ -350,7 +350,7 @@ def record_stream(port: int, reads_bundles: bool, received: list[bytes]):
     from starlette.applications import Starlette
     from starlette.routing import WebSocketRoute
 
-    from meshnet.dataplane.messages import READS_BUNDLES
+    from meshnet.dataplane.frames import READS_BUNDLES
 
     async def record(websocket):
         offered = websocket.scope.get("subprotocols", [])
@@ -365,7 +365,7 @@ def record_stream(port: int, reads_bundles: bool, received: list[bytes]):
 @pytest.mark.parametrize("reads_bundles", [True, False])
 async def test_messages_sent_to_one_peer_in_one_turn_leave_as_one_bundle_where_it_reads_them(reads_bundles):
     from meshnet.dataplane.transport import PeerUnreachable, StreamPool
-    from meshnet.dataplane.messages import Kind, pack, unbundle, unpack
+    from meshnet.dataplane.frames import Kind, pack, unbundle, unpack
 
     received: list[bytes] = []
     port = free_port()
@@ -399,7 +399,7 @@ async def test_messages_sent_to_one_peer_in_one_turn_leave_as_one_bundle_where_i
 async def test_a_node_accepts_the_bundle_subprotocol_only_when_offered(nodes):
     from websockets.asyncio.client import connect
 
-    from meshnet.dataplane.messages import READS_BUNDLES, stream_url
+    from meshnet.dataplane.frames import READS_BUNDLES, stream_url
 
     url = stream_url(nodes["b"][0])
     async with asyncio.timeout(30):
@@ -410,7 +410,7 @@ async def test_a_node_accepts_the_bundle_subprotocol_only_when_offered(nodes):
 
 
 async def test_a_node_handles_each_message_of_a_bundle_as_if_it_came_alone(nodes, tiny_hf_model):
-    from meshnet.dataplane.messages import Kind, bundle, pack
+    from meshnet.dataplane.frames import Kind, bundle, pack
 
     _, node = nodes["b"]
     delivered = []
@@ -428,7 +428,7 @@ async def test_messages_without_the_chain_key_are_dropped_at_the_entry_and_at_a_
     reported, and the hop ran exactly the chain's own tokens."""
     from websockets.asyncio.client import connect
 
-    from meshnet.dataplane.messages import ChainError, Kind, pack, stream_url
+    from meshnet.dataplane.frames import ChainError, Kind, pack, stream_url
 
     reported: list[str] = []
     orch = orchestrator(nodes, routes_over(nodes, ["b", "c"]), reported)

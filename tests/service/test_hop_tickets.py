@@ -16,7 +16,7 @@ import pytest
 import torch
 from asgi_lifespan import LifespanManager
 
-from meshnet import wire
+from meshnet.node import wire
 from meshnet.client import NodeSigner
 from meshnet.errors import NotFound
 from meshnet.dataplane.failover import settle_releases

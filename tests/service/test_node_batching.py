@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from meshnet import wire
+from meshnet.node import wire
 from meshnet.layers import LayerRange
 from meshnet.models.attention import KVCache
 from meshnet.node.app import build_app

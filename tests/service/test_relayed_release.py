@@ -8,7 +8,7 @@ import httpx
 import torch
 from asgi_lifespan import LifespanManager
 
-from meshnet import wire
+from meshnet.node import wire
 from meshnet.layers import LayerRange
 from meshnet.node.app import build_app
 from meshnet.node.runtime import NodeRuntime

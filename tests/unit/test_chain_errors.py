@@ -10,7 +10,7 @@ from meshnet.dataplane.chain import ChainEnd, ChainInbox, ChainRoute
 from meshnet.dataplane.failover import MeshLink, RemoteContext
 from meshnet.layers import LayerRange
 from meshnet.protocol.route import Hop, Route
-from meshnet.dataplane.messages import ChainError, Kind, new_chain_id, pack, unpack
+from meshnet.dataplane.frames import ChainError, Kind, new_chain_id, pack, unpack
 
 HOPS = [Hop("node-a", "http://127.0.0.1:9001", LayerRange(10, 20)),
         Hop("node-b", "http://127.0.0.1:9002", LayerRange(20, 30))]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshnet import wire
+from meshnet.node import wire
 from meshnet.errors import WireError
 from meshnet.dataplane.evidence import challenge_frame, frame_distance, outvoted, tolerance
 from meshnet.dataplane.frames import read_array as read_frame

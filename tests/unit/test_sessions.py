@@ -1,11 +1,11 @@
-"""KV-cache sessions (meshnet.node.sessions): start, continuation, TTL expiry, admission under the cap, release."""
+"""KV-cache sessions (meshnet.node.runtime): start, continuation, TTL expiry, admission under the cap, release."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from meshnet.node.sessions import SessionCacheFull, SessionConflict, SessionStore
+from meshnet.node.runtime import SessionCacheFull, SessionConflict, SessionStore
 
 
 def fill(session, n_bytes: int) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from meshnet import wire
+from meshnet.node import wire
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
 from meshnet.models import attention, linears

@@ -1,4 +1,4 @@
-"""Hop stream messages (meshnet.dataplane.messages): layout, round trips, refusals, stream URLs."""
+"""Hop stream messages (meshnet.dataplane.frames): layout, round trips, refusals, stream URLs."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import struct
 import pytest
 import torch
 
-from meshnet import wire
+from meshnet.node import wire
 from meshnet.errors import InvalidRequest
-from meshnet.dataplane.messages import FLAG_LAST_ONLY, FLAG_NO_RESULT, HEADER_BYTES, ChainError, ChainOpen, Kind, \
+from meshnet.dataplane.frames import FLAG_LAST_ONLY, FLAG_NO_RESULT, HEADER_BYTES, ChainError, ChainOpen, Kind, \
     NO_KEY, Message, bundle, new_chain_key, pack, same_key, stream_url, unbundle, unpack
 
 CHAIN = "0123456789abcdef0123456789abcdef"

@@ -1,4 +1,4 @@
-"""Activation frames (meshnet.wire): exact round trips and one clear error per malformed frame."""
+"""Activation frames (meshnet.node.wire): exact round trips and one clear error per malformed frame."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshnet import wire
+from meshnet.node import wire
 from meshnet.errors import InvalidRequest, PayloadTooLarge, WireError
 
 

@@ -1,6 +1,13 @@
-"""The node's side of hop streams (ADR-0040): the ``/v1/stream`` WebSocket endpoint, and its hop
-of every chain that passes through it.
+"""What a node puts on the wire and takes off it: activation frames to and from torch tensors,
+and the node's side of hop streams (ADR-0040), the ``/v1/stream`` endpoint and its hop of every
+chain that passes through it.
 
+Frames: :func:`encode` and :func:`decode` are the torch adapter of
+:mod:`meshnet.dataplane.frames`, which defines the format (header, dtype codes, zstd rules and
+limits; ADR-0001). Big frames are encoded and decoded off the event loop (:func:`encode_async`,
+:func:`decode_async`, :func:`decode_soon`).
+
+Streams:
 Every message that reaches the node, on a stream a peer opened (:func:`stream_endpoint`) or
 on one the node opened itself (:class:`meshnet.dataplane.transport.StreamPool`), goes to
 :meth:`ChainHost.dispatch`:
@@ -30,19 +37,108 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
 
+import torch
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from meshnet import wire
+from meshnet.dataplane import frames
 from meshnet.node.callers import HopHost, admit_hop
 from meshnet.node.metrics import NodeMetrics
 from meshnet.dataplane.chain import ChainInbox
 from meshnet.dataplane.transport import StreamPool
-from meshnet.errors import Forbidden, MeshnetError, TicketExpired
+from meshnet.errors import Forbidden, MeshnetError, TicketExpired, WireError
 from meshnet.protocol.route import Hop
-from meshnet.dataplane.messages import READS_BUNDLES, ChainError, ChainOpen, Kind, Message, pack, same_key, unbundle, \
-    unpack
+from meshnet.dataplane.frames import DEFAULT_MAX_BYTES, MAGIC, MAX_NDIM, MIN_SAVING, READS_BUNDLES, VERSION, ZSTD_MAGIC, \
+    ChainError, ChainOpen, Kind, Message, pack, same_key, unbundle, unpack  # noqa: F401 - frame constants re-exported
 
 log = logging.getLogger(__name__)
+
+#: torch dtype of each wire dtype name of :data:`meshnet.dataplane.frames.CODES`
+DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+_WIRE_NAMES = {dtype: name for name, dtype in DTYPE_NAMES.items()}
+
+
+def encode(tensor: torch.Tensor, *, dtype: torch.dtype | str = torch.bfloat16,
+           compress: bool = True, level: int = 1) -> bytes:
+    """Serialise ``tensor`` into a frame.
+
+    Args:
+        tensor: any shape with 1-4 dims (hidden states are ``[batch, seq, hidden]``).
+        dtype: wire dtype (bfloat16 default; float32 for exactness checks).
+        compress: try zstd (``level``) and keep it when it saves ``MIN_SAVING`` or more.
+
+    Returns:
+        The frame bytes.
+
+    Raises:
+        WireError: unsupported dtype or rank.
+    """
+    name = dtype if isinstance(dtype, str) else _WIRE_NAMES.get(dtype)
+    if name not in DTYPE_NAMES:
+        raise WireError(f"unsupported wire dtype {dtype}")
+    header = frames.pack_header(name, tuple(tensor.shape))
+    data = tensor.detach().to("cpu", DTYPE_NAMES[name]).contiguous()
+    raw = header + data.view(torch.uint8).numpy().tobytes()
+    return frames.compress(raw, level) if compress else raw
+
+
+def decode(body: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, check_finite: bool = True) -> torch.Tensor:
+    """Parse a frame back into a tensor (in its wire dtype).
+
+    Raises:
+        PayloadTooLarge: body or decompressed body larger than ``max_bytes`` (HTTP 413).
+        WireError: bad magic, unknown version or dtype, bad rank, a shape that does not
+            match the byte count (:func:`meshnet.dataplane.frames.read_frame`), or non-finite
+            values (HTTP 400).
+    """
+    frame = frames.read_frame(body, max_bytes)
+    dtype = DTYPE_NAMES[frame.dtype]
+    tensor = torch.frombuffer(bytearray(frame.payload), dtype=dtype).reshape(frame.shape) if len(frame.payload) \
+        else torch.empty(frame.shape, dtype=dtype)
+    if check_finite and not bool(torch.isfinite(tensor).all()):
+        raise WireError("activation contains NaN or infinite values")
+    return tensor
+
+
+#: frames bigger than this (bytes) are encoded and decoded in a worker thread
+OFF_LOOP_BYTES = 64 * 1024
+
+
+async def encode_async(tensor: torch.Tensor, **kw) -> bytes:
+    """:func:`encode` for async callers: in a worker thread when the tensor is over
+    :data:`OFF_LOOP_BYTES`, so a big frame never blocks the event loop (a one-token decode
+    step is encoded inline, where a thread hop would cost more than it saves)."""
+    if tensor.numel() * tensor.element_size() > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(encode, tensor, **kw)
+    return encode(tensor, **kw)
+
+
+def _off_loop(body: bytes) -> bool:
+    """Whether ``body`` is decoded in a worker thread: over :data:`OFF_LOOP_BYTES`, or compressed
+    (a small zstd body may expand to ``max_bytes``)."""
+    return len(body) > OFF_LOOP_BYTES or body[:4] == ZSTD_MAGIC
+
+
+async def decode_async(body: bytes, **kw) -> torch.Tensor:
+    """:func:`decode` for async callers: in a worker thread when the body is big or compressed."""
+    if _off_loop(body):
+        return await asyncio.to_thread(decode, body, **kw)
+    return decode(body, **kw)
+
+
+def decode_soon(body: bytes, **kw) -> asyncio.Future:
+    """Start decoding ``body`` on the running loop and return the future of its tensor (or of its
+    :class:`WireError`). A small frame is decoded at once, its future already done (no task,
+    no thread: a one-token decode step); a big or compressed one in a worker thread."""
+    loop = asyncio.get_running_loop()
+    if _off_loop(body):
+        return asyncio.ensure_future(asyncio.to_thread(decode, body, **kw))
+    future = loop.create_future()
+    try:
+        future.set_result(decode(body, **kw))
+    except Exception as exc:  # noqa: BLE001 - the awaiting step reports it
+        future.set_exception(exc)
+    return future
+
 
 
 @dataclass
@@ -116,7 +212,7 @@ class ChainHost:
                             message.position)
                 return
             # decoding starts now, so a chunk's frame is decoded while the step before it computes
-            chain.queue.put_nowait((message, wire.decode_soon(message.body)))
+            chain.queue.put_nowait((message, decode_soon(message.body)))
         elif not self.node.inbox.deliver(message):
             log.debug("%s of unknown chain %s dropped", message.kind.name, message.chain_id)
 
@@ -243,7 +339,7 @@ class ChainHost:
         if out.shape[1] == 1 and chain.outbox.empty() and not chain.sending:
             # a decode step with nothing ahead of it: sent at once, without a hand-off to the sender
             # (no next step can arrive before its output has gone round the route)
-            if not await self._send_output(chain, message, wire.encode(out, dtype=hidden.dtype)):
+            if not await self._send_output(chain, message, encode(out, dtype=hidden.dtype)):
                 self.drop(chain.chain_id)
                 return False
             return True
@@ -256,7 +352,7 @@ class ChainHost:
             message, out, dtype = item
             chain.sending = True
             try:
-                sent = await self._send_output(chain, message, await wire.encode_async(out, dtype=dtype))
+                sent = await self._send_output(chain, message, await encode_async(out, dtype=dtype))
             finally:
                 chain.sending = False
             if not sent:
@@ -327,7 +423,7 @@ def _settle(future: asyncio.Future) -> None:
 
 async def stream_endpoint(websocket: WebSocket) -> None:
     """``/v1/stream``: accept a peer's hop stream and dispatch every binary message it sends. The
-    :data:`~meshnet.dataplane.messages.READS_BUNDLES` subprotocol is accepted when the peer offers it."""
+    :data:`~meshnet.dataplane.frames.READS_BUNDLES` subprotocol is accepted when the peer offers it."""
     node = websocket.app.state.node
     offered = websocket.scope.get("subprotocols", ())
     await websocket.accept(subprotocol=READS_BUNDLES if READS_BUNDLES in offered else None)
