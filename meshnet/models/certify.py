@@ -123,7 +123,7 @@ def certify(model_path: Path, *, splits: Iterable[tuple[int, ...]] | None = None
 def _split_logits(chain: list, ids: list[int], decode_from: int, chunk: int) -> torch.Tensor:
     """Logits ``[len(ids), vocab]`` of ``ids`` through the shards of ``chain``, each with its own
     cache: chunked prefill up to ``decode_from``, then one token per step."""
-    from meshnet.models.attention import KVCache
+    from meshnet.models.kernels import KVCache
 
     caches = [KVCache() for _ in chain]
     steps = [(p, ids[p:min(p + chunk, decode_from)]) for p in range(0, decode_from, chunk)]

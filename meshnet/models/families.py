@@ -11,7 +11,7 @@ float32 logits equal to the unsplit transformers model's. The attention kinds:
 
 - ``full``: causal attention over the whole context.
 - ``sliding``: causal attention over the last ``sliding_window`` positions (Mistral, and the
-  sliding layers of Qwen2/Qwen3 with ``use_sliding_window``); :func:`meshnet.models.attention.attention`
+  sliding layers of Qwen2/Qwen3 with ``use_sliding_window``); :func:`meshnet.models.kernels.attention`
   applies the window, since one causal mask serves every layer of a shard.
 
 Mixtures of experts (Mixtral, Qwen3-MoE) load their per-expert checkpoint tensors into the

@@ -32,25 +32,18 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshnet.models.hosttimings import KEPT, remembered
+from meshnet.models.kernels import ENV, HALF, MIN_GAIN, PackedLinear, UpcastLinear, per_thread_count, upcast_off
 
 log = logging.getLogger(__name__)
 
 #: row counts timed by :func:`measure` (a decode batch's sizes up to a prefill chunk's)
 ROWS = (4, 8, 16, 32, 64)
-#: the float32 path is taken from the first timed row count where it is at least this many
-#: times as fast as the half kernel, and stays so for every larger count (a margin for noise)
-MIN_GAIN = 1.2
 #: the timed product: the MLP up-projection of a 576-wide model, ``[rows, 576] × [576, 1536]``
 #: (the crossover depends on the kernels; cast and product both scale with the weight's size)
 SHAPE = (1536, 576)
-#: environment override: ``off`` keeps the half kernels everywhere, an integer fixes ``min_rows``
-ENV = "MESHNET_UPCAST_MIN_ROWS"
-HALF = (torch.bfloat16, torch.float16)
-
 #: weight layouts: ``row`` is ``nn.Linear``'s own ``[out, in]``, ``transposed`` stores ``[in, out]``,
 #: ``packed`` oneDNN's blocked format (:class:`PackedLinear`; measured only where torch has oneDNN)
 LAYOUTS = ("row", "transposed", "packed")
@@ -70,45 +63,6 @@ LAYOUT_MIN_ELEMENTS = 65_536
 LAYOUT_MAX_WEIGHTS = 512
 #: environment override of the layout: ``row``, ``transposed`` or ``packed``
 LAYOUT_ENV = "MESHNET_WEIGHT_LAYOUT"
-
-
-def per_thread_count(measured):
-    """Cache a host timing's result per argument tuple and torch intra-op thread count.
-
-    A kernel's speed, and so a layout or path chosen from timing it, depends on the threads it
-    runs on: a node's calibration builds shards at one candidate count and the node then runs at
-    the count it chose. Keyed by the count, a timing made at one count is never reused at another,
-    and one made at the node's own count is not made twice. ``cache_clear()`` forgets every count.
-    """
-    cached = functools.cache(lambda threads, *args: measured(*args))
-
-    @functools.wraps(measured)
-    def at_this_count(*args):
-        return cached(torch.get_num_threads(), *args)
-
-    at_this_count.cache_clear = cached.cache_clear
-    return at_this_count
-
-
-class UpcastLinear(nn.Linear):
-    """``nn.Linear`` whose product runs in float32 for inputs of at least ``min_rows`` rows.
-
-    Input ``[..., in_features]`` and output ``[..., out_features]`` are in the weight's dtype,
-    as for ``nn.Linear``; rows are the input's elements over ``in_features`` (batch × tokens).
-    Below ``min_rows`` it is exactly ``nn.Linear``.
-    """
-
-    min_rows: int = 1 << 62
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < self.min_rows * self.in_features:
-            return F.linear(x, self.weight, self.bias)
-        return _float32_product(x, self.weight, self.bias)
-
-
-def _float32_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` in float32, rounded once back to ``x``'s dtype (ADR-0047's path)."""
-    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
 @functools.cache
@@ -136,32 +90,6 @@ def available_layouts(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
     """The :data:`LAYOUTS` this torch build and CPU can store ``dtype`` weights in (``packed`` only
     where :func:`packing_available` for ``dtype``)."""
     return tuple(name for name in LAYOUTS if name != "packed" or packing_available(dtype))
-
-
-class PackedLinear(nn.Linear):
-    """``nn.Linear`` whose weight is held in oneDNN's blocked format for :data:`PACK_ROWS` rows.
-
-    The ``weight`` is a buffer: an opaque oneDNN tensor of shape ``[out, in]`` and the layer's
-    dtype, the same bytes as a plain weight. It cannot be sliced or written in place:
-    :func:`dense_weight` reads it, :func:`set_weight` replaces it. The state dict holds it
-    plain (``[out, in]`` contiguous), so digests and saved shards do not depend on the layout.
-    Made by :func:`pack`, never constructed directly.
-
-    Input ``[..., in_features]`` and output ``[..., out_features]`` are in the weight's dtype. A
-    half-precision layer runs inputs of at least ``min_rows`` rows in float32 on a plain copy of
-    its weight (ADR-0047), as :class:`UpcastLinear` does.
-    """
-
-    min_rows: int = 1 << 62
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() >= self.min_rows * self.in_features:
-            return _float32_product(x, self.weight.to_dense(), self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "weight"] = self.weight.to_dense()
 
 
 def pack(linear: nn.Linear) -> None:
@@ -437,12 +365,6 @@ def min_rows(dtype: torch.dtype) -> int | None:
     if not measured:
         log.info("%s products %s (this host's timing, %s)", name, _from_rows(chosen), KEPT)
     return chosen
-
-
-def upcast_off() -> bool:
-    """Whether :data:`ENV` is ``off``: every half-precision product and decode attention stays in
-    half precision (ADR-0047)."""
-    return os.environ.get(ENV, "").strip().lower() == "off"
 
 
 def _from_rows(rows: int | None) -> str:

@@ -35,7 +35,7 @@ from torch import nn
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
 from meshnet.models.families import family_of
-from meshnet.models.attention import ATTENTION, IN_FLOAT32, BatchCache, KVCache, _register_attention, \
+from meshnet.models.kernels import ATTENTION, IN_FLOAT32, BatchCache, KVCache, _register_attention, \
     attention_in_float32, causal_mask
 from meshnet.models.linears import apply_layouts, layout, min_rows, upcast_linears
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from meshnet.models.attention import KVCache
+from meshnet.models.kernels import KVCache
 from meshnet.node import hardware
 from meshnet.protocol.control import CapabilityReport
 

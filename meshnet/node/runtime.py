@@ -38,7 +38,7 @@ import torch
 
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound, SessionConflict, Unavailable
 from meshnet.layers import LayerRange
-from meshnet.models.attention import KVCache
+from meshnet.models.kernels import KVCache
 from meshnet.node.batching import Step, StepBatcher
 from meshnet.node.settings import NodeSettings
 from meshnet.node.slots import ShardSlot, SlotHolder

@@ -23,7 +23,7 @@ import torch
 
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
-from meshnet.models.attention import KVCache
+from meshnet.models.kernels import KVCache
 from meshnet.models.shard import ShardModel, prepare_layouts, trim_heap, warm_runtime
 from meshnet.node.hardware import rss_bytes
 from meshnet.presets import canonical_model_name

@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
-from meshnet.models.attention import KVCache
+from meshnet.models.kernels import KVCache
 
 FAMILIES = ["tiny-llama", "tiny-gpt2"]
 PROMPT_LENGTHS = [3, 11, 7, 1, 20]  # ragged on purpose: every session at its own position
@@ -110,10 +110,10 @@ def test_forward_batch_takes_one_token_and_one_cache_per_row(tiny_shard):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_decode_attention_is_transformers_sdpa_exactly(name, tiny_shard):
-    """The direct decode call (meshnet.models.attention.decode_attention) gives transformers' SDPA
+    """The direct decode call (meshnet.models.kernels.decode_attention) gives transformers' SDPA
     wrapper's output bit for bit: one query token, grouped heads (tiny-llama: 4 heads on 2
     key/value heads) or not (tiny-gpt2), with the module's own scale."""
-    from meshnet.models import attention as shard_module
+    from meshnet.models import kernels as shard_module
 
     shard = tiny_shard(name, 0, 4)
     block = shard.blocks["0"]

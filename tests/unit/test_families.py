@@ -60,7 +60,7 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
 def split_logits(entry, rest, ids: list[int], decode_from: int) -> torch.Tensor:
     """Logits of ``ids`` through ``entry`` then ``rest``: chunked prefill up to ``decode_from``,
     then one token per step (each shard with its own cache, as two nodes hold them)."""
-    from meshnet.models.attention import KVCache
+    from meshnet.models.kernels import KVCache
 
     caches, out = (KVCache(), KVCache()), []
     steps = [(p, ids[p:min(p + CHUNK, decode_from)]) for p in range(0, decode_from, CHUNK)]
@@ -91,7 +91,7 @@ def test_every_split_of_the_family_gives_the_unsplit_models_logits(family_model,
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_a_batched_decode_step_of_sessions_of_different_lengths_gives_each_its_own_logits(family_model, name):
-    from meshnet.models.attention import KVCache
+    from meshnet.models.kernels import KVCache
     from meshnet.models.shard import ShardModel
 
     path, reference = family_model(name)
@@ -163,7 +163,7 @@ async def test_a_replacement_hop_rebuilt_from_the_replayed_input_gives_the_same_
     float32 through the node's wire codec), rebuilds the session's KV cache, and the decode goes
     on with the whole model's logits."""
     from meshnet.dataplane.replay import rechunk
-    from meshnet.models.attention import KVCache
+    from meshnet.models.kernels import KVCache
     from meshnet.models.shard import ShardModel
     from meshnet.node.entry import WireCodec
 

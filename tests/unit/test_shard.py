@@ -9,8 +9,8 @@ from torch.testing import assert_close
 from meshnet.node import wire
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
-from meshnet.models import attention, linears
-from meshnet.models.attention import KVCache, causal_mask
+from meshnet.models import kernels, linears
+from meshnet.models.kernels import KVCache, causal_mask
 from meshnet.models.shard import ShardModel
 
 FAMILIES = ["tiny-llama", "tiny-gpt2"]
@@ -203,9 +203,9 @@ def test_trim_heap_runs_on_glibc_and_is_a_no_op_elsewhere():
 @pytest.fixture
 def fresh_attention(monkeypatch, tmp_path):
     monkeypatch.setenv("MESHNET_HOST_TIMINGS", str(tmp_path / "host-timings.json"))  # nothing measured yet
-    attention.attention_in_float32.cache_clear()
+    kernels.attention_in_float32.cache_clear()
     yield monkeypatch
-    attention.attention_in_float32.cache_clear()
+    kernels.attention_in_float32.cache_clear()
 
 
 def attention_inputs(dtype):
@@ -218,16 +218,16 @@ def attention_inputs(dtype):
 def test_half_decode_attention_in_float32_is_the_float32_result_rounded_once():
     query, key, value = attention_inputs(torch.bfloat16)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    half = attention.decode_attention(query, key, value, None)
+    half = kernels.decode_attention(query, key, value, None)
     assert torch.equal(half, sdpa(query, key, value, enable_gqa=True))  # not chosen: the half kernel
-    cast = attention.decode_attention(query, key, value, None, in_float32=True)
+    cast = kernels.decode_attention(query, key, value, None, in_float32=True)
     want = sdpa(query.float(), key.float(), value.float(), enable_gqa=True).to(torch.bfloat16)
     assert cast.dtype == torch.bfloat16 and cast.shape == (2, 6, 1, 16) and torch.equal(cast, want)
     assert torch.allclose(cast.float(), half.float(), rtol=2e-2, atol=1e-2)
     q32, k32, v32 = attention_inputs(torch.float32)
     for in_float32 in (False, True):
         want = sdpa(q32, k32, v32, enable_gqa=True)
-        assert torch.equal(attention.decode_attention(q32, k32, v32, None, in_float32), want)
+        assert torch.equal(kernels.decode_attention(q32, k32, v32, None, in_float32), want)
 
 
 @pytest.mark.parametrize("samples, chosen", [
@@ -236,28 +236,28 @@ def test_half_decode_attention_in_float32_is_the_float32_result_rounded_once():
     ({128: (40e-6, 60e-6), 1024: (200e-6, 300e-6)}, False),    # native half kernels: kept
 ])
 def test_decode_attention_runs_in_float32_only_where_that_wins_at_every_length(fresh_attention, samples, chosen):
-    fresh_attention.setattr(attention, "measure_attention", lambda dtype: samples)
-    assert attention.attention_in_float32(torch.bfloat16) is chosen
+    fresh_attention.setattr(kernels, "measure_attention", lambda dtype: samples)
+    assert kernels.attention_in_float32(torch.bfloat16) is chosen
 
 
 def test_float32_and_the_off_switch_measure_no_attention(fresh_attention):
-    fresh_attention.setattr(attention, "measure_attention", lambda dtype: pytest.fail("measured"))
-    assert attention.attention_in_float32(torch.float32) is False
+    fresh_attention.setattr(kernels, "measure_attention", lambda dtype: pytest.fail("measured"))
+    assert kernels.attention_in_float32(torch.float32) is False
     fresh_attention.setenv("MESHNET_UPCAST_MIN_ROWS", "off")
-    assert attention.attention_in_float32(torch.bfloat16) is False
+    assert kernels.attention_in_float32(torch.bfloat16) is False
 
 
 def test_measure_attention_times_both_paths_at_each_length():
-    samples = attention.measure_attention(torch.bfloat16, lengths=(8, 32), calls=2, repeats=1)
+    samples = kernels.measure_attention(torch.bfloat16, lengths=(8, 32), calls=2, repeats=1)
     assert sorted(samples) == [8, 32] and all(h > 0 and u > 0 for h, u in samples.values())
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
 def test_a_shard_runs_its_decode_attention_as_its_host_timing_chose(fresh_attention, name, tiny_model_path):
-    fresh_attention.setattr(attention, "measure_attention", lambda dtype: {128: (154e-6, 41e-6), 1024: (1281e-6, 222e-6)})
+    fresh_attention.setattr(kernels, "measure_attention", lambda dtype: {128: (154e-6, 41e-6), 1024: (1281e-6, 222e-6)})
     calls = []
-    real = attention.decode_attention
-    fresh_attention.setattr(attention, "decode_attention", lambda *args: calls.append(args[-1]) or real(*args))
+    real = kernels.decode_attention
+    fresh_attention.setattr(kernels, "decode_attention", lambda *args: calls.append(args[-1]) or real(*args))
     half = ShardModel(tiny_model_path(name), LayerRange(0, 2), dtype="bfloat16")
     exact = ShardModel(tiny_model_path(name), LayerRange(0, 2), dtype="float32")
     for model in (half, exact):

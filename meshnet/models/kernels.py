@@ -1,4 +1,4 @@
-"""A shard's attention and its KV cache: what a decoder layer reads and writes per session.
+"""What a shard runs on every step: attention with its KV cache, and its linear layers' products.
 
 - :class:`KVCache` keeps one session's keys and values for the layers of one shard, grown in
   blocks so a decode step copies nothing (ADR-0052); :class:`BatchCache` and :class:`RaggedKV`
@@ -9,19 +9,57 @@
   (ADR-0050).
 - :func:`attention_in_float32`: whether this host runs a half-precision decode step's attention
   in float32 (measured, ADR-0047).
+- :class:`UpcastLinear` and :class:`PackedLinear`: ``nn.Linear`` with a half-precision product
+  run in float32 from a row count on (ADR-0047), and with its weight in oneDNN's blocked format
+  (ADR-0048). Which layer gets which, and from how many rows, is chosen by timing on this host
+  (:mod:`meshnet.models.linears`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from meshnet.models.hosttimings import KEPT, remembered
-from meshnet.models.linears import per_thread_count
 
 log = logging.getLogger(__name__)
+
+#: the float32 path is taken from the first timed row count where it is at least this many
+#: times as fast as the half kernel, and stays so for every larger count (a margin for noise)
+MIN_GAIN = 1.2
+#: environment override: ``off`` keeps the half kernels everywhere, an integer fixes ``min_rows``
+ENV = "MESHNET_UPCAST_MIN_ROWS"
+HALF = (torch.bfloat16, torch.float16)
+
+
+def per_thread_count(measured):
+    """Cache a host timing's result per argument tuple and torch intra-op thread count.
+
+    A kernel's speed, and so a layout or path chosen from timing it, depends on the threads it
+    runs on: a node's calibration builds shards at one candidate count and the node then runs at
+    the count it chose. Keyed by the count, a timing made at one count is never reused at another,
+    and one made at the node's own count is not made twice. ``cache_clear()`` forgets every count.
+    """
+    cached = functools.cache(lambda threads, *args: measured(*args))
+
+    @functools.wraps(measured)
+    def at_this_count(*args):
+        return cached(torch.get_num_threads(), *args)
+
+    at_this_count.cache_clear = cached.cache_clear
+    return at_this_count
+
+
+def upcast_off() -> bool:
+    """Whether :data:`ENV` is ``off``: every half-precision product and decode attention stays in
+    half precision (ADR-0047)."""
+    return os.environ.get(ENV, "").strip().lower() == "off"
+
 
 #: tokens a KV-cache buffer grows by when it is full (ADR-0052): one copy of the cache every this many tokens
 KV_BLOCK_TOKENS = 128
@@ -238,14 +276,12 @@ def attention_in_float32(dtype: torch.dtype) -> bool:
 
     Measured once per host, dtype and thread count (:func:`measure_attention`, kept as
     :func:`meshnet.models.linears.layout` keeps its timings): chosen when the float32 path is at
-    least :data:`meshnet.models.linears.MIN_GAIN` times as fast as the half kernel at every length
+    least :data:`MIN_GAIN` times as fast as the half kernel at every length
     timed. A CPU without native bfloat16 runs the cast float32 path several times faster
     (ADR-0047's attention amendment gives the figures); where the CPU computes bfloat16 natively
     the half kernel may win, and is kept. False for float32, and where ``MESHNET_UPCAST_MIN_ROWS=off``
     keeps every product in half precision (ADR-0047).
     """
-    from meshnet.models.linears import HALF, MIN_GAIN, upcast_off
-
     if dtype not in HALF or upcast_off():
         return False
     name = str(dtype).removeprefix("torch.")
@@ -305,3 +341,52 @@ def _register_attention() -> None:
 
         _sdpa = sdpa_attention_forward
         AttentionInterface.register(ATTENTION, attention)
+
+
+# --- linear layers' kernels (ADR-0047, ADR-0048) ---
+
+class UpcastLinear(nn.Linear):
+    """``nn.Linear`` whose product runs in float32 for inputs of at least ``min_rows`` rows.
+
+    Input ``[..., in_features]`` and output ``[..., out_features]`` are in the weight's dtype,
+    as for ``nn.Linear``; rows are the input's elements over ``in_features`` (batch × tokens).
+    Below ``min_rows`` it is exactly ``nn.Linear``.
+    """
+
+    min_rows: int = 1 << 62
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < self.min_rows * self.in_features:
+            return F.linear(x, self.weight, self.bias)
+        return _float32_product(x, self.weight, self.bias)
+
+
+def _float32_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` in float32, rounded once back to ``x``'s dtype (ADR-0047's path)."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+class PackedLinear(nn.Linear):
+    """``nn.Linear`` whose weight is held in oneDNN's blocked format for :data:`~meshnet.models.linears.PACK_ROWS` rows.
+
+    The ``weight`` is a buffer: an opaque oneDNN tensor of shape ``[out, in]`` and the layer's
+    dtype, the same bytes as a plain weight. It cannot be sliced or written in place:
+    :func:`~meshnet.models.linears.dense_weight` reads it, :func:`~meshnet.models.linears.set_weight` replaces it. The state dict holds it
+    plain (``[out, in]`` contiguous), so digests and saved shards do not depend on the layout.
+    Made by :func:`~meshnet.models.linears.pack`, never constructed directly.
+
+    Input ``[..., in_features]`` and output ``[..., out_features]`` are in the weight's dtype. A
+    half-precision layer runs inputs of at least ``min_rows`` rows in float32 on a plain copy of
+    its weight (ADR-0047), as :class:`UpcastLinear` does.
+    """
+
+    min_rows: int = 1 << 62
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() >= self.min_rows * self.in_features:
+            return _float32_product(x, self.weight.to_dense(), self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.weight.to_dense()
