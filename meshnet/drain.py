@@ -21,6 +21,8 @@ import logging
 import time
 from typing import Awaitable, Callable
 
+from starlette.responses import StreamingResponse
+
 from meshnet.errors import Draining, MeshnetError
 from meshnet.protocol.http import route_path, sse_error
 
@@ -146,15 +148,41 @@ class DrainGroup:
         return all(results)
 
 
+#: the scope key under which :class:`DrainMiddleware` keeps what a tracked response is (see
+#: :class:`EventStream`)
+RESPONSE_STATE = "meshnet.drain.response"
+
+
+class EventStream(StreamingResponse):
+    """A ``text/event-stream`` response that a drain can end with an error event.
+
+    Calling it marks the request's state in the scope (:data:`RESPONSE_STATE`, set by
+    :class:`DrainMiddleware`) as a started event stream, once, before Starlette sends the response
+    start; nothing of meshnet runs per event after that (the middleware does not wrap ``send``).
+    ``media_type`` is ``text/event-stream`` unless ``headers`` name another content type.
+    """
+
+    media_type = "text/event-stream"
+
+    def __call__(self, scope, receive, send):
+        state = scope.get(RESPONSE_STATE)
+        if state is not None:
+            state["event_stream"] = True
+        return super().__call__(scope, receive, send)
+
+
 class DrainMiddleware:
     """ASGI middleware: requests to ``paths`` are work that a drain waits for.
 
     While draining, a new such request is a 503 ``draining``. One in flight counts in
-    ``drain.in_flight`` until its response is fully sent. If ``drain.cut`` is set first, the
-    request is cancelled: a started event stream ends with an SSE error event (code
-    ``draining``) and a proper end of body; a response not started yet becomes the 503.
-    Likewise an exception after the response started (a bug, a torch error) ends an event
-    stream with an ``internal_error`` event instead of a silently dropped connection.
+    ``drain.in_flight`` until the app has finished with it. If ``drain.cut`` is set first, the
+    request is cancelled: an event stream (:class:`EventStream`) ends with an SSE error event (code
+    ``draining``) and a proper end of body; a response not started yet becomes the 503; any other
+    started response gets its end of body. Likewise an exception after an event stream started (a
+    bug, a torch error) ends it with an ``internal_error`` event instead of a silently dropped
+    connection. The app runs in a task of its own with the server's ``send`` (no wrapper: no
+    frame of this middleware runs per event); a message the server refuses because the response
+    had already started or ended is how the middleware learns it, as ASGI servers must refuse them.
 
     Args:
         app: the ASGI app; ``drain``: the process's :class:`Drain`; ``paths``: exact paths, as the
@@ -178,20 +206,10 @@ class DrainMiddleware:
         except Draining as exc:
             await _send_error(send, exc)
             return
-        sent = {"started": False, "event_stream": False, "finished": False}
-
-        async def tracked_send(message) -> None:
-            if message["type"] == "http.response.start":
-                sent["started"] = True
-                ctype = dict(message.get("headers") or []).get(b"content-type", b"")
-                sent["event_stream"] = ctype.startswith(b"text/event-stream")
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                sent["finished"] = True
-            await send(message)
-
+        state = scope[RESPONSE_STATE] = {"event_stream": False}
         drain.in_flight += 1
         try:
-            task = asyncio.ensure_future(self.app(scope, receive, tracked_send))
+            task = asyncio.ensure_future(self.app(scope, receive, send))
             cut = asyncio.ensure_future(drain.cut.wait())
             try:
                 await asyncio.wait({task, cut}, return_when=asyncio.FIRST_COMPLETED)
@@ -201,12 +219,12 @@ class DrainMiddleware:
             finally:
                 cut.cancel()
             if task.done():
-                if task.cancelled() or task.exception() is None or not sent["started"]:
+                if task.cancelled() or task.exception() is None or not state["event_stream"]:
                     task.result()  # a response not started yet: the server's own 500
                     return
                 log.error("chat failed mid-response", exc_info=task.exception())
-                await _end_stream(send, sent, MeshnetError("the generation failed: "
-                                                           f"{type(task.exception()).__name__}"))
+                await _end_stream(send, state, MeshnetError("the generation failed: "
+                                                            f"{type(task.exception()).__name__}"))
                 return
             task.cancel()
             try:
@@ -215,32 +233,38 @@ class DrainMiddleware:
                 pass
             if asyncio.current_task().cancelling():
                 raise asyncio.CancelledError
-            await _end_cut(send, sent)
+            await _end_stream(send, state, Draining(
+                "the service stopped before this generation finished (drain grace ran out)",
+                hint="send the request again: another node will serve it"))
         finally:
             drain.in_flight -= 1
 
 
-async def _end_cut(send, sent: dict) -> None:
-    exc = Draining("the service stopped before this generation finished (drain grace ran out)",
-                   hint="send the request again: another node will serve it")
-    if not sent["started"]:
-        await _send_error(send, exc)
-    else:
-        await _end_stream(send, sent, exc)
+async def _end_stream(send, state: dict, exc: MeshnetError) -> None:
+    """End a cut or failed response: an event stream with ``exc`` as its last event; a response not
+    started yet as ``exc``'s JSON error; any other started response with its end of body. The server
+    refuses what no longer fits (the response had started, or ended): the next way is tried."""
+    ends = [[{"type": "http.response.body", "body": sse_error(exc), "more_body": True}]] if state["event_stream"] else []
+    ends += [_error_messages(exc), []]
+    for messages in ends:
+        try:
+            for message in messages + [{"type": "http.response.body", "body": b"", "more_body": False}]:
+                await send(message)
+            return
+        except Exception as refused:  # noqa: BLE001 - an ASGI server refuses out-of-order messages
+            log.debug("the server refused a drain's ending (%s); trying the next", refused)
 
 
-async def _end_stream(send, sent: dict, exc: MeshnetError) -> None:
-    """End a started response: an event stream gets ``exc`` as its last event; any body its end."""
-    if sent["finished"]:
-        return
-    if sent["event_stream"]:
-        await send({"type": "http.response.body", "body": sse_error(exc), "more_body": True})
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+def _error_messages(exc: MeshnetError) -> list[dict]:
+    """``exc``'s JSON error response as ASGI messages, less its end of body."""
+    body = json.dumps(exc.to_envelope()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if getattr(exc, "retry_after_s", None) is not None:
+        headers.append((b"retry-after", str(exc.retry_after_s).encode()))
+    return [{"type": "http.response.start", "status": exc.status, "headers": headers},
+            {"type": "http.response.body", "body": body, "more_body": True}]
 
 
 async def _send_error(send, exc: Draining) -> None:
-    body = json.dumps(exc.to_envelope()).encode()
-    await send({"type": "http.response.start", "status": exc.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", str(exc.retry_after_s).encode())]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    for message in _error_messages(exc) + [{"type": "http.response.body", "body": b"", "more_body": False}]:
+        await send(message)

@@ -13,9 +13,10 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from meshnet.cpu import off_loop
+from meshnet.drain import EventStream
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.gateway.openai_api import choices_for, choice_deltas, fit_context, meshnet_block, token_text
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator
@@ -114,7 +115,7 @@ async def complete(orchestrator: Orchestrator, model: str, req: CompletionReques
                     media_type="application/json")
 
 
-async def stream(orchestrator: Orchestrator, model: str, req: CompletionRequest) -> StreamingResponse:
+async def stream(orchestrator: Orchestrator, model: str, req: CompletionRequest) -> EventStream:
     """Server-sent events of ``text_completion`` chunks ending with ``data: [DONE]``: the echoed
     prompt first (with ``echo``), then text pieces, then each choice's ``finish_reason`` (with its
     ``logprobs`` when asked); usage once,
@@ -160,5 +161,4 @@ async def stream(orchestrator: Orchestrator, model: str, req: CompletionRequest)
             yield chunk(None, usage=_usage(prompts, all_stats))
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventStream(events(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -30,9 +30,10 @@ import weakref
 from typing import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from meshnet.cpu import off_loop
+from meshnet.drain import EventStream
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator
 from meshnet.gateway.tools import parse_answer, prompt_messages, tool_syntax
@@ -393,7 +394,7 @@ def _calls_finish(calls: list[dict], req: ChatRequest) -> str | None:
     return "function_call" if req.legacy_functions else "tool_calls"
 
 
-async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> StreamingResponse:
+async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> EventStream:
     """Server-sent events in OpenAI's chunk shape, ending with ``data: [DONE]``.
 
     Each choice opens with a role chunk and ends with a chunk carrying its ``finish_reason``;
@@ -450,8 +451,7 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> St
             yield chunk(None, usage=usage(stats))
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventStream(events(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def read_chat(request: Request) -> ChatRequest:

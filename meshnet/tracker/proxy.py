@@ -34,6 +34,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshnet.protocol.http import sse_error
+from meshnet.drain import EventStream
 from meshnet.errors import Draining, MeshnetError
 from meshnet.tracker.registry import NodeRecord
 from meshnet.tracker.service import TrackerService
@@ -123,8 +124,9 @@ async def forward_chat(svc: TrackerService, http: httpx.AsyncClient, entries: li
             return Response(answer, status_code=503, media_type=resp.headers.get("content-type"))
         headers = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "cache-control")}
         event_stream = resp.headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(relay(svc, resp, node.node_id, event_stream), status_code=resp.status_code,
-                                 headers=headers, background=BackgroundTask(resp.aclose))
+        response = EventStream if event_stream else StreamingResponse  # a drain ends an event stream with an event
+        return response(relay(svc, resp, node.node_id, event_stream), status_code=resp.status_code,
+                        headers=headers, background=BackgroundTask(resp.aclose))
     raise failure
 
 

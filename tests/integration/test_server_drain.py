@@ -23,10 +23,9 @@ import asyncio, sys
 from contextlib import asynccontextmanager
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.responses import StreamingResponse
 from starlette.routing import Route
 from meshnet.cli.server import serve
-from meshnet.drain import Drain, DrainMiddleware
+from meshnet.drain import Drain, DrainMiddleware, EventStream
 
 port, startup_s, grace_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 drain = Drain(grace_s)
@@ -40,7 +39,7 @@ async def chat(request):
             await asyncio.sleep(0.1)
             yield f"data: {i}\\n\\n"
         yield "data: [DONE]\\n\\n"
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return EventStream(events())
 
 @asynccontextmanager
 async def lifespan(app):

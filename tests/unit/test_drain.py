@@ -10,10 +10,10 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from meshnet.drain import Drain, DrainGroup, DrainMiddleware
+from meshnet.drain import Drain, DrainGroup, DrainMiddleware, EventStream
 from meshnet.errors import Draining
 
 EVENTS = 10
@@ -30,7 +30,7 @@ def app_with(drain: Drain) -> Starlette:
                 yield f"data: {json.dumps({'i': i})}\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return EventStream(events())
 
     async def other(request):
         return JSONResponse({"ok": True})
@@ -40,7 +40,7 @@ def app_with(drain: Drain) -> Starlette:
             yield "data: {}\n\n"
             raise RuntimeError("a bug mid-stream")
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return EventStream(events())
 
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/other", other),
                              Route("/broken", broken, methods=["POST"])],
