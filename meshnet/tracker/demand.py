@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from meshnet.tracker.store import DemandEvent
+from meshnet.tracker.tables import DemandEvent
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from psycopg.rows import dict_row
 
 from meshnet.errors import MeshnetError
-from meshnet.tracker.store import _FAIL_DUPLICATES, OPEN_ONCE, SCHEMA, LeaseLost, NewDirective, TrackerStore
+from meshnet.tracker.store import LeaseLost, NewDirective, TrackerStore
+from meshnet.tracker.tables import _FAIL_DUPLICATES, OPEN_ONCE, SCHEMA
 
 log = logging.getLogger(__name__)
 

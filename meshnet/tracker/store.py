@@ -9,9 +9,10 @@ once per statement) and how they lead:
 - :class:`SqliteStore` (the embedded default, a file or ``:memory:``): one tracker process per
   database, which always leads.
 - :class:`meshnet.tracker.pgstore.PostgresStore` (``--db postgresql://...``): several tracker
-  processes share the database; one leads (an advisory lock) and the others stand by.
+  processes share the database; one leads (a lease, ADR-0054) and the others stand by.
 
-What only the tracker knows lives here: operator pins, the directive queue, the tracked models,
+What only the tracker knows lives here (the schema and the small shared tables in
+:mod:`meshnet.tracker.tables`): operator pins, the directive queue, the tracked models,
 which public key owns each node id (ADR-0035), the demand events, the quarantines and the
 known weights digests (ADR-0042: a restart must neither lift a quarantine nor let the first node
 to register again set the digest its peers are held to), and (on a shared database)
@@ -33,48 +34,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshnet.errors import Conflict, MeshnetError
 from meshnet.protocol.control import OPEN_STATUSES, Directive
+from meshnet.tracker.tables import _FAIL_DUPLICATES, OPEN_ONCE, SCHEMA, SharedRecords
 
-__all__ = ["FINISHED_STATUSES", "OPEN_STATUSES", "DemandEvent", "LeaseLost", "NewDirective", "NodeRow",
+__all__ = ["FINISHED_STATUSES", "OPEN_STATUSES", "LeaseLost", "NewDirective", "NodeRow",
            "SqliteStore", "StaleCall", "TrackerStore"]
-
-#: the schema; ``{id}`` and ``{real}`` are the backend's auto-increment key and float column types
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS directives (
-  id {id}, node_id TEXT NOT NULL, type TEXT NOT NULL,
-  model TEXT, shard_start INTEGER, shard_end INTEGER, tier TEXT, status TEXT NOT NULL,
-  error TEXT, reason TEXT, created_at {real} NOT NULL, updated_at {real} NOT NULL);
-CREATE TABLE IF NOT EXISTS pins (
-  node_id TEXT NOT NULL, model TEXT NOT NULL, shard_start INTEGER, shard_end INTEGER,
-  created_at {real} NOT NULL, PRIMARY KEY (node_id, model));
-CREATE TABLE IF NOT EXISTS models (name TEXT PRIMARY KEY, added_at {real} NOT NULL, source TEXT);
-CREATE TABLE IF NOT EXISTS node_keys (node_id TEXT PRIMARY KEY, public_key TEXT NOT NULL, bound_at {real} NOT NULL);
-CREATE TABLE IF NOT EXISTS nodes (
-  node_id TEXT PRIMARY KEY, record TEXT NOT NULL, record_at {real} NOT NULL, heartbeat_at {real} NOT NULL,
-  sent_at {real} NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS demand (
-  id {id}, model TEXT NOT NULL, kind TEXT NOT NULL, at {real} NOT NULL, origin TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS tracker_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS hop_failures (id {id}, node_id TEXT NOT NULL, at {real} NOT NULL, origin TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS quarantines (node_id TEXT PRIMARY KEY, record TEXT NOT NULL, since {real} NOT NULL);
-CREATE TABLE IF NOT EXISTS digests (shard_key TEXT PRIMARY KEY, digest TEXT NOT NULL, known_at {real} NOT NULL);
--- what every heartbeat reads (a node's queued directives) and what rebalance and pruning read
--- (directives by status, finished ones by age); IF NOT EXISTS adds them to older databases (ADR-0037)
-CREATE INDEX IF NOT EXISTS directives_by_node_status ON directives (node_id, status);
-CREATE INDEX IF NOT EXISTS directives_by_status ON directives (status, updated_at);
-CREATE INDEX IF NOT EXISTS nodes_by_record_at ON nodes (record_at);
-CREATE INDEX IF NOT EXISTS demand_by_at ON demand (at);
-CREATE INDEX IF NOT EXISTS hop_failures_by_at ON hop_failures (at);
-"""
-
-#: one open load or drop per node, model and range, whichever tracker queues it (ADR-0043)
-OPEN_ONCE = ("CREATE UNIQUE INDEX IF NOT EXISTS directives_open_once ON directives "
-             "(node_id, type, model, shard_start, shard_end) "
-             "WHERE status IN ('queued', 'delivered', 'acked') AND type IN ('LOAD_SHARD', 'DROP_SHARD')")
-#: an older database may hold duplicates the index would refuse: all but the oldest fail first
-_FAIL_DUPLICATES = ("UPDATE directives SET status = 'failed', error = 'duplicate open directive' "
-                    "WHERE status IN ('queued', 'delivered', 'acked') AND type IN ('LOAD_SHARD', 'DROP_SHARD') "
-                    "AND id NOT IN (SELECT MIN(id) FROM directives WHERE status IN ('queued', 'delivered', 'acked') "
-                    "AND type IN ('LOAD_SHARD', 'DROP_SHARD') GROUP BY node_id, type, model, shard_start, shard_end)")
 
 #: statuses of a finished directive, pruned after the retention period (ADR-0037)
 FINISHED_STATUSES = ("done", "failed")
@@ -162,20 +125,7 @@ class NodeRow:
     sent_at: float = 0.0
 
 
-@dataclass(frozen=True)
-class DemandEvent:
-    """One chat request counted for placement: ``kind`` is ``refused`` (queued demand, the model
-    was not routable) or ``served`` (forwarded to an entry node); ``at`` unix time; ``origin`` the
-    tracker process that counted it."""
-
-    model: str
-    kind: str
-    at: float
-    origin: str
-    id: int = 0
-
-
-class TrackerStore:
+class TrackerStore(SharedRecords):
     """The store's interface and its shared SQL. Thread-safe: every method takes :attr:`lock` for
     its whole statement or transaction, so a thread (the rebalance's batched write, the pruning)
     and the event loop never interleave inside one. Directives come back as :class:`Directive`,
@@ -417,38 +367,6 @@ class TrackerStore:
         """Delete the pin of ``model`` on ``node_id``; True when there was one."""
         return self._exec("DELETE FROM pins WHERE node_id = ? AND model = ?", (node_id, model)) > 0
 
-    def _first_wins(self, table: str, key: str, column: str, row: tuple) -> str:
-        """Insert ``row`` (key first, ``column`` second) into ``table`` unless its key is there; returns
-        ``column`` of the row in force (the earlier one when there was one), in one locked step."""
-        with self.lock:
-            inserted = self._execute(f"INSERT INTO {table} VALUES ({','.join('?' * len(row))}) ON CONFLICT DO NOTHING "
-                                     f"RETURNING {column}", row).fetchone()
-            if inserted is not None:  # the usual case, a first registration: one statement
-                return inserted[column]
-            return self._execute(f"SELECT {column} FROM {table} WHERE {key} = ?", (row[0],)).fetchone()[column]
-
-    # node keys (ADR-0035)
-    def bind_key(self, node_id: str, public_key: str) -> str:
-        """Bind ``node_id`` to ``public_key`` unless it is bound already; returns the key it is bound
-        to now (the earlier one when there was one: first registration wins, on any tracker)."""
-        return self._first_wins("node_keys", "node_id", "public_key", (node_id, public_key, time.time()))
-
-    def node_key(self, node_id: str) -> str | None:
-        """The public key bound to ``node_id`` (base64url), or None."""
-        rows = self._rows("SELECT public_key FROM node_keys WHERE node_id = ?", (node_id,))
-        return rows[0]["public_key"] if rows else None
-
-    # models
-    def add_model(self, name: str, source: str = "operator") -> None:
-        self._exec("INSERT INTO models VALUES (?,?,?) ON CONFLICT DO NOTHING", (name, time.time(), source))
-
-    def model_sources(self) -> dict[str, str]:
-        """Model name → how it became tracked: ``operator`` (``--model``/pin) or ``demand``."""
-        return {r["name"]: r["source"] for r in self._rows("SELECT name, source FROM models")}
-
-    def models(self) -> list[str]:
-        return [r["name"] for r in self._rows("SELECT name FROM models ORDER BY added_at, name")]
-
     # node records, shared by the trackers of one database (ADR-0043)
     def _save_node(self, row: NodeRow) -> bool:
         return self._execute(
@@ -494,67 +412,6 @@ class TrackerStore:
         """
         with self._fenced(term):
             self._execute("DELETE FROM nodes WHERE node_id = ?", (node_id,))
-
-    # quarantines (ADR-0042)
-    def add_quarantine(self, node_id: str, record: str, since: float) -> str:
-        """Quarantine ``node_id`` with ``record`` (the evidence as JSON text) at unix time ``since``
-        unless it is quarantined already; returns the record it is quarantined with now (the earlier
-        one when there was one: the first evidence stays, on any tracker)."""
-        return self._first_wins("quarantines", "node_id", "record", (node_id, record, since))
-
-    def remove_quarantine(self, node_id: str) -> bool:
-        """Lift ``node_id``'s quarantine; True when there was one."""
-        return self._exec("DELETE FROM quarantines WHERE node_id = ?", (node_id,)) > 0
-
-    def quarantines(self) -> dict[str, str]:
-        """Every quarantined node id → its record (JSON text), oldest first."""
-        return {r["node_id"]: r["record"] for r in self._rows("SELECT node_id, record FROM quarantines ORDER BY since")}
-
-    # known weights digests (ADR-0042)
-    def learn_digest(self, shard_key: str, digest: str) -> str:
-        """Record ``digest`` as the weights digest of ``shard_key`` (model, exact range and recipe, as
-        text) unless one is known already; returns the one known now (first one wins, on any tracker)."""
-        return self._first_wins("digests", "shard_key", "digest", (shard_key, digest, time.time()))
-
-    def known_digest(self, shard_key: str) -> str | None:
-        """The weights digest known for ``shard_key``, or None."""
-        rows = self._rows("SELECT digest FROM digests WHERE shard_key = ?", (shard_key,))
-        return rows[0]["digest"] if rows else None
-
-    # demand events (ADR-0043)
-    def add_demand_event(self, event: DemandEvent) -> int:
-        """Store one demand event; returns its id."""
-        with self.lock:
-            return self._execute("INSERT INTO demand (model, kind, at, origin) VALUES (?,?,?,?) RETURNING id",
-                                 (event.model, event.kind, event.at, event.origin)).fetchone()["id"]
-
-    def demand_events(self, *, after_id: int = 0, since: float = 0.0, not_from: str = "") -> list[DemandEvent]:
-        """Demand events with an id over ``after_id`` and a time at or after ``since``, oldest
-        first, except those counted by tracker ``not_from``."""
-        rows = self._rows("SELECT * FROM demand WHERE id > ? AND at >= ? AND origin != ? ORDER BY id",
-                          (after_id, since, not_from))
-        return [DemandEvent(**r) for r in rows]
-
-    def prune_demand(self, older_than: float) -> int:
-        """Delete demand events (and hop failures) before unix time ``older_than``; returns how many
-        demand events."""
-        self._exec("DELETE FROM hop_failures WHERE at < ?", (older_than,))
-        return self._exec("DELETE FROM demand WHERE at < ?", (older_than,))
-
-    # hop failures, shared by the trackers of one database (ADR-0054)
-    def add_hop_failure(self, node_id: str, at: float, origin: str) -> int:
-        """Store one reported hop failure of ``node_id`` at unix time ``at``, heard by tracker
-        ``origin``; returns its id."""
-        with self.lock:
-            return self._execute("INSERT INTO hop_failures (node_id, at, origin) VALUES (?,?,?) RETURNING id",
-                                 (node_id, at, origin)).fetchone()["id"]
-
-    def hop_failures(self, *, after_id: int = 0, since: float = 0.0, not_from: str = "") -> list[dict]:
-        """Hop failures (``id``, ``node_id``, ``at``) with an id over ``after_id`` and a time at or
-        after ``since``, oldest first, except those heard by tracker ``not_from``."""
-        return self._rows("SELECT id, node_id, at FROM hop_failures WHERE id > ? AND at >= ? AND origin != ? "
-                          "ORDER BY id", (after_id, since, not_from))
-
 
 class SqliteStore(TrackerStore):
     """The embedded store: a sqlite file, or ``":memory:"`` (tests). One tracker process per file;

@@ -8,7 +8,8 @@ import sqlite3
 
 import pytest
 
-from meshnet.tracker.store import DemandEvent, NewDirective, NodeRow, SqliteStore
+from meshnet.tracker.store import NewDirective, NodeRow, SqliteStore
+from meshnet.tracker.tables import DemandEvent
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
