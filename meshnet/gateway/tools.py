@@ -29,7 +29,8 @@ import string
 import uuid
 from dataclasses import dataclass
 
-from meshnet.protocol.openai import ChatRequest, Tool
+from meshnet.protocol.openai import ChatRequest
+from meshnet.protocol.structured import Tool
 
 TOOLS_PROMPT = ("You may call functions to answer. They are described, one JSON Schema per line, inside "
                 "<tools></tools>:\n<tools>\n{tools}\n</tools>\nTo call a function, answer with "

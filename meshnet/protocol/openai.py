@@ -8,18 +8,19 @@ heartbeat, ...) keep 422 for a field that fails validation.
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from meshnet.errors import InvalidRequest, NotFound
 from meshnet.cpu import off_loop
 from meshnet.protocol.http import validate_json
+from meshnet.protocol.structured import FunctionCall, JsonSchemaFormat, NamedFunction, NamedToolChoice, Strict, Tool, \
+    ToolCall, ToolFunction, call_schema, decoding_schema, legacy_call_id
 
 #: largest ``seed``: torch.Generator.manual_seed takes 64-bit values, and choice ``i`` of an
 #: ``n``-choice request uses ``(seed + i) mod 2**63``, so seeds live in [0, 2**63 - 1]
@@ -76,34 +77,7 @@ def _unsupported(what: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported", "meshnet does not support {what}", {"what": what})
 
 
-class _Strict(BaseModel):
-    """Unknown fields are refused, not ignored (``extra="forbid"``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-class FunctionCall(_Strict):
-    """A call the assistant made: the function's ``name`` and its ``arguments`` as JSON text."""
-
-    name: str
-    arguments: str
-
-
-class ToolCall(_Strict):
-    """One entry of an assistant message's ``tool_calls``."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-def legacy_call_id(name: str) -> str:
-    """The id a legacy ``function_call`` of ``name`` gets (the legacy API has none; templates
-    need one to pair a call with its result, and Mistral's wants nine letters and digits)."""
-    return "f" + hashlib.sha1(name.encode()).hexdigest()[:8]
-
-
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     """One message, as OpenAI's API accepts it: ``name`` (the template may render it) and an
     assistant's earlier ``refusal`` are taken, explicit ``null``s count as not sent. An assistant
     message may carry ``tool_calls`` (its ``content`` then may be null); a ``tool`` message answers
@@ -177,46 +151,11 @@ class ChatMessage(_Strict):
         return value
 
 
-class ToolFunction(_Strict):
-    """A function the model may call: its ``name``, what it does, and its arguments' JSON Schema."""
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
-
-
-class Tool(_Strict):
-    type: Literal["function"]
-    function: ToolFunction
-
-
-class NamedFunction(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    """``tool_choice`` naming one function: the answer is a call of it."""
-
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class JsonSchemaFormat(_Strict):
-    """``response_format.json_schema``: a name, the JSON Schema the output must satisfy, and
-    ``strict`` (output always satisfies the schema here: the decoding is constrained)."""
-
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
-    schema_: dict | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
 #: the schema of ``response_format: {"type": "json_object"}``: any JSON object
 ANY_OBJECT = {"type": "object"}
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     """``text`` (free text), ``json_object`` (a JSON object) or ``json_schema`` (JSON valid under the
     given schema, decoded under :func:`decoding_schema`):
     the two JSON kinds decode under a grammar (llguidance, ADR-0053), so the output always parses,
@@ -250,11 +189,11 @@ class ResponseFormat(_Strict):
         return None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _Generation(_Strict):
+class _Generation(Strict):
     """The sampling and streaming fields chat and text completions share, validated once.
 
     ``null`` counts as not sent, as in OpenAI's API; a parameter in the subclass's ``unsupported``
@@ -423,72 +362,6 @@ class ChatRequest(_Generation):
                                 (self.top_logprobs or 0) if self.logprobs else None)
         schema = None if self.response_format is None else self.response_format.schema()
         return params if schema is None else replace(params, json_schema=json.dumps(schema, sort_keys=True))
-
-
-#: the keywords whose values are schemas, or lists or maps of schemas (JSON Schema 2020-12 and draft 7)
-_SUBSCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-
-
-#: a number the grammar lets a model write has at most this many decimals and an absolute value
-#: below :data:`NUMBER_BOUND`, unless its schema says otherwise (:func:`decoding_schema`)
-NUMBER_STEP = 1e-6
-NUMBER_BOUND = 10**15
-
-
-def decoding_schema(schema):
-    """The schema a grammar decodes ``schema`` under: a subset of the values it allows, every one
-    of which it still allows, with no way to run on until ``max_tokens`` cuts the JSON (a small
-    model under a grammar otherwise invents keys, or writes digits forever:
-    ``1.1111123456789…``):
-
-    - an object schema with ``properties`` that does not say whether other keys are allowed
-      allows none, at any depth (as OpenAI's strict structured outputs and function calling
-      require of a schema; ``additionalProperties: true`` keeps them allowed);
-    - a ``number`` without ``multipleOf`` gets ``multipleOf`` :data:`NUMBER_STEP` (at most six
-      decimals, no exponent), and a number or ``integer`` without a lower or upper bound gets
-      ±:data:`NUMBER_BOUND`.
-
-    Returns a new schema; the given one is not changed."""
-    if isinstance(schema, list):
-        return [decoding_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: decoding_schema(s) for name, s in value.items()}
-        elif key in _SUBSCHEMAS or key in _SCHEMA_LISTS:
-            out[key] = decoding_schema(value)
-        else:
-            out[key] = value
-    if "properties" in out and "additionalProperties" not in out and out.get("type", "object") == "object":
-        out["additionalProperties"] = False
-    if out.get("type") in ("number", "integer"):
-        if out["type"] == "number" and "multipleOf" not in out:
-            out["multipleOf"] = NUMBER_STEP
-        if "minimum" not in out and "exclusiveMinimum" not in out:
-            out["minimum"] = -NUMBER_BOUND
-        if "maximum" not in out and "exclusiveMaximum" not in out:
-            out["maximum"] = NUMBER_BOUND
-    return out
-
-
-def _arguments(parameters: dict | None) -> dict:
-    """A tool's arguments schema for constrained decoding (:func:`decoding_schema`)."""
-    if not parameters:
-        return {"type": "object"}
-    return decoding_schema(parameters)
-
-
-def call_schema(tools: list[Tool]) -> dict:
-    """The JSON Schema of one call of one of ``tools``: ``{"name": <its name>, "arguments": <its
-    parameters>}`` (any object where a tool gives no parameters)."""
-    options = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                 "arguments": _arguments(t.function.parameters)},
-                "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    return options[0] if len(options) == 1 else {"anyOf": options}
 
 
 def for_choice(params: SamplingParams, index: int) -> SamplingParams:

@@ -149,7 +149,7 @@ def test_a_bad_response_format_is_400_naming_the_field(fmt, param):
 
 
 def test_objects_of_a_schema_are_closed_to_unlisted_keys_at_every_depth_unless_they_allow_them():
-    from meshnet.protocol.openai import decoding_schema as closed_objects
+    from meshnet.protocol.structured import decoding_schema as closed_objects
     schema = {"type": "object", "properties": {
         "city": {"type": "object", "properties": {"name": {"type": "string"}}},
         "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
@@ -169,7 +169,7 @@ def test_objects_of_a_schema_are_closed_to_unlisted_keys_at_every_depth_unless_t
 
 
 def test_numbers_are_decoded_with_bounded_digits_unless_their_schema_bounds_them():
-    from meshnet.protocol.openai import decoding_schema
+    from meshnet.protocol.structured import decoding_schema
     schema = {"type": "object", "properties": {
         "price": {"type": "number"}, "count": {"type": "integer", "minimum": 0},
         "ratio": {"type": "number", "multipleOf": 0.5, "exclusiveMaximum": 1}}}

@@ -184,7 +184,7 @@ def test_each_family_s_answers_are_parsed_into_openai_tool_calls(template, answe
 
 
 def test_the_legacy_functions_are_tools_and_their_conversation_renders_as_calls_and_answers():
-    from meshnet.protocol.openai import legacy_call_id
+    from meshnet.protocol.structured import legacy_call_id
     fn = WEATHER["function"]
     req = parse_chat_request(json.dumps({"functions": [fn], "function_call": {"name": "get_weather"}, "messages": [
         {"role": "user", "content": "Weather in Paris?"},
