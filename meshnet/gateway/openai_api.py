@@ -36,7 +36,7 @@ from meshnet.cpu import off_loop
 from meshnet.drain import EventStream
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.gateway.pipeline import GenerationStats, Orchestrator
-from meshnet.gateway.tools import parse_answer, prompt_messages, tool_syntax
+from meshnet.gateway.tools import answer_deltas, calls_field, calls_finish, parse_answer, prompt_messages, tool_syntax
 from meshnet.gateway.entry import TokenLogprob
 from meshnet.protocol.http import error_response, sse_error
 from meshnet.protocol.openai import ChatRequest, SamplingParams, for_choice, parse_chat_request, read_chat_request
@@ -341,10 +341,10 @@ async def complete(orchestrator: Orchestrator, model: str, req: ChatRequest,
     def render() -> bytes:
         # up to n * max_tokens * (1 + top_logprobs) entries: built and serialised off the event loop
         choices = [{"index": i, "message": {"role": "assistant", "content": answers[i][0],
-                                            **_calls_field(answers[i][1], req)},
+                                            **calls_field(answers[i][1], req)},
                     "logprobs": ({"content": logprob_entries(orchestrator.tokenizer, stats[i].logprobs),
                                   "refusal": None} if params.top_logprobs is not None else None),
-                    "finish_reason": _calls_finish(answers[i][1], req) or stats[i].finish_reason}
+                    "finish_reason": calls_finish(answers[i][1], req) or stats[i].finish_reason}
                    for i in range(req.n)]
         return json.dumps({
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
@@ -365,33 +365,6 @@ def _chunk(head: dict, want_logprobs: bool, include_usage: bool, index: int | No
         choices.append(choice)
     body = {**head, "choices": choices, **({"usage": None} if include_usage else {}), **extra}
     return f"data: {json.dumps(body)}\n\n"
-
-
-def _answer_deltas(text: str, req: ChatRequest, syntax) -> tuple[list[dict], str | None]:
-    """The deltas of a held answer that may hold tool calls (its content, then its ``tool_calls``
-    in OpenAI's streamed shape) and the finish reason they imply (None: the generation's own)."""
-    content, calls = parse_answer(text, req, syntax)
-    deltas = [{"content": content}] if content else []
-    if calls and req.legacy_functions:
-        deltas.append(_calls_field(calls, req))
-    elif calls:
-        deltas.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
-    return deltas, _calls_finish(calls, req)
-
-
-def _calls_field(calls: list[dict], req: ChatRequest) -> dict:
-    """An answer's calls as its message carries them: ``tool_calls``, or with the legacy
-    ``functions`` one ``function_call`` (name and arguments); nothing without calls."""
-    if not calls:
-        return {}
-    return {"function_call": calls[0]["function"]} if req.legacy_functions else {"tool_calls": calls}
-
-
-def _calls_finish(calls: list[dict], req: ChatRequest) -> str | None:
-    """The finish reason calls give an answer (None without calls: the generation's own)."""
-    if not calls:
-        return None
-    return "function_call" if req.legacy_functions else "tool_calls"
 
 
 async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> EventStream:
@@ -432,7 +405,7 @@ async def stream(orchestrator: Orchestrator, model: str, req: ChatRequest) -> Ev
                 if piece is not None:
                     yield chunk(i, {"content": piece}, logprobs=entries)
                     continue
-                deltas, finish = _answer_deltas(held[i], req, tooled) if tooled else ([], None)
+                deltas, finish = answer_deltas(held[i], req, tooled) if tooled else ([], None)
                 finish = finish or stats[i].finish_reason
                 for delta in deltas:
                     yield chunk(i, delta)

@@ -228,3 +228,30 @@ def parse_answer(text: str, req: ChatRequest, syntax: ToolSyntax = PROMPT) -> tu
         calls = calls[:1]
     content = kept.strip() if calls else text
     return (content or None), calls
+
+
+def answer_deltas(text: str, req: ChatRequest, syntax) -> tuple[list[dict], str | None]:
+    """The deltas of a held answer that may hold tool calls (its content, then its ``tool_calls``
+    in OpenAI's streamed shape) and the finish reason they imply (None: the generation's own)."""
+    content, calls = parse_answer(text, req, syntax)
+    deltas = [{"content": content}] if content else []
+    if calls and req.legacy_functions:
+        deltas.append(calls_field(calls, req))
+    elif calls:
+        deltas.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
+    return deltas, calls_finish(calls, req)
+
+
+def calls_field(calls: list[dict], req: ChatRequest) -> dict:
+    """An answer's calls as its message carries them: ``tool_calls``, or with the legacy
+    ``functions`` one ``function_call`` (name and arguments); nothing without calls."""
+    if not calls:
+        return {}
+    return {"function_call": calls[0]["function"]} if req.legacy_functions else {"tool_calls": calls}
+
+
+def calls_finish(calls: list[dict], req: ChatRequest) -> str | None:
+    """The finish reason calls give an answer (None without calls: the generation's own)."""
+    if not calls:
+        return None
+    return "function_call" if req.legacy_functions else "tool_calls"
