@@ -10,7 +10,7 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from meshnet.drain import Drain, DrainGroup, DrainMiddleware, EventStream
@@ -42,10 +42,23 @@ def app_with(drain: Drain) -> Starlette:
 
         return EventStream(events())
 
+    async def lines(request):  # a started response that is no event stream: JSON lines
+        async def body():
+            for i in range(EVENTS):
+                await asyncio.sleep(STEP_S)
+                yield json.dumps({"i": i}) + "\n"
+
+        return StreamingResponse(body(), media_type="application/x-ndjson")
+
+    async def slow_json(request):  # nothing sent before the whole answer
+        await asyncio.sleep(EVENTS * STEP_S)
+        return JSONResponse({"ok": True})
+
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/other", other),
-                             Route("/broken", broken, methods=["POST"])],
+                             Route("/broken", broken, methods=["POST"]), Route("/lines", lines, methods=["POST"]),
+                             Route("/slow", slow_json, methods=["POST"])],
                      middleware=[Middleware(DrainMiddleware, drain=drain,
-                                            paths=("/v1/chat/completions", "/broken"))])
+                                            paths=("/v1/chat/completions", "/broken", "/lines", "/slow"))])
 
 
 def client(drain: Drain) -> httpx.AsyncClient:
@@ -158,6 +171,25 @@ async def test_past_the_grace_a_stream_ends_with_an_error_event():
     assert clean is False
     assert "[DONE]" not in lines and len(lines) < EVENTS
     assert json.loads(lines[-1])["error"]["code"] == "draining"
+    assert drain.in_flight == 0
+
+
+async def test_past_the_grace_a_started_response_that_is_no_event_stream_gets_its_end_of_body():
+    drain = Drain(0.1, cut_linger_s=1.0)
+    async with client(drain) as c:
+        resp, (clean, _) = await asyncio.gather(c.post("/lines"), drain_after(drain, 0.12))
+    rows = [json.loads(line) for line in resp.text.splitlines()]
+    assert clean is False and resp.status_code == 200
+    assert 1 <= len(rows) < EVENTS and rows == [{"i": i} for i in range(len(rows))]  # cut, nothing appended
+    assert drain.in_flight == 0
+
+
+async def test_past_the_grace_a_response_not_started_is_a_503_draining():
+    drain = Drain(0.1, cut_linger_s=1.0)
+    async with client(drain) as c:
+        resp, (clean, _) = await asyncio.gather(c.post("/slow"), drain_after(drain, 0.05))
+    assert clean is False and resp.status_code == 503
+    assert resp.json()["error"]["code"] == "draining" and resp.headers["retry-after"] == "1"
     assert drain.in_flight == 0
 
 
