@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from starlette.requests import Request
@@ -22,7 +24,6 @@ from starlette.requests import Request
 from meshnet.drain import Drain
 from meshnet.errors import Forbidden, InvalidRequest, SessionConflict, Unauthorized
 from meshnet.layers import LayerRange
-from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings
 from meshnet.presets import canonical_model_name
 from meshnet.protocol.control import QuarantineReport
@@ -66,10 +67,22 @@ class Caller(Protocol):
     agent: TrackerLink | None
 
 
-class HopHost(Caller, Protocol):
-    """What hop admission reads besides: the node's sessions (its runtime's) and its drain."""
+class HopCompute(Protocol):
+    """What a hop needs of its node's compute (:class:`meshnet.node.runtime.NodeRuntime`): run
+    layers for a session in the batcher, and whether the session's entry ended it here."""
 
-    runtime: NodeRuntime
+    async def forward_async(self, *, model: str | None, session_id: str, layers: LayerRange, position: int,
+                            hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[1, seq, hidden]`` through ``layers`` at ``position``; the same shape back."""
+
+    def was_ended(self, session_id: str) -> bool:
+        """Whether the entry ended ``session_id`` here (a late step must not re-create it)."""
+
+
+class HopHost(Caller, Protocol):
+    """What hop admission reads besides: the node's compute (for its ended sessions) and its drain."""
+
+    runtime: HopCompute
     drain: Drain
 
 
@@ -103,7 +116,7 @@ def admit_hop(node: HopHost, *, session: str, layers: LayerRange, model: str | N
     """
     claims = verify_hop_ticket(node, ticket, session, layers, model)
     if position == 0:
-        if node.runtime.sessions.was_ended(session):
+        if node.runtime.was_ended(session):
             raise SessionConflict(f"session {session} was ended by its entry",
                                   hint="a late call of a generation that is over; nothing to do")
         node.drain.refuse_new("new hop sessions")

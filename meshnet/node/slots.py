@@ -145,6 +145,10 @@ class SlotHolder:
     def describe(self) -> list[ShardInfo]:
         return [slot.describe() for slot in self.slots.values()]
 
+    def was_ended(self, session_id: str) -> bool:
+        """Whether the entry ended ``session_id`` on this node (:meth:`~meshnet.node.runtime.SessionStore.was_ended`)."""
+        return self.sessions.was_ended(session_id)
+
     def end_session(self, session_id: str) -> int:
         """End ``session_id`` on this node (:meth:`SessionStore.end`) once no forward runs
         (blocking: waits for the compute lock); returns how many caches were dropped."""
