@@ -1,7 +1,10 @@
 """Model presets: ``model_presets.toml`` → :class:`ModelPreset`.
 
 Layer counts and per-layer byte sizes of catalogued models are known here without any
-network call. The file is looked up at ``$MESHNET_PRESETS`` or beside the package.
+network call. The built-in file is looked up at ``$MESHNET_PRESETS`` or beside the package; the
+presets an operator added (``meshnet models add``) follow it, from ``$MESHNET_USER_PRESETS`` or
+``<MESHNET_CACHE or ~/.cache/meshnet>/model_presets.toml``. An added preset never replaces a
+built-in one of the same name.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ class ModelPreset:
     Attributes:
         name: preset name, the model id used on the API (``smollm2-135m-instruct``).
         hf_repo: hub repository id of the original weights.
-        family: ``llama`` or ``gpt2``, as the preset file states it (informational: a shard's
-            code is chosen from the model's ``config.json``, :func:`meshnet.models.families.family_of`).
+        family: the model's family as the preset file states it (a shard's code is chosen from the
+            model's ``config.json``, :func:`meshnet.models.families.family_of`; ``models certify``
+            refuses a preset whose family differs).
         num_layers: decoder layer count.
         hidden_size: width of the activations that travel between hops.
         bytes_per_layer: resident bytes of one decoder layer per quantization.
@@ -41,15 +45,33 @@ class ModelPreset:
     source: dict = field(default_factory=dict)
 
 
-def _path() -> Path:
-    return Path(os.environ.get("MESHNET_PRESETS", PRESETS_PATH))
+def user_presets_path() -> Path:
+    """Where ``meshnet models add`` keeps the presets it adds (see the module docstring)."""
+    forced = os.environ.get("MESHNET_USER_PRESETS")
+    if forced:
+        return Path(forced)
+    return Path(os.environ.get("MESHNET_CACHE", Path.home() / ".cache" / "meshnet")) / "model_presets.toml"
+
+
+def _path() -> tuple[str, str, int]:
+    """The presets files as one cache key: both paths and the added file's change time."""
+    user = user_presets_path()
+    stamp = user.stat().st_mtime_ns if user.exists() else 0
+    return str(os.environ.get("MESHNET_PRESETS", PRESETS_PATH)), str(user), stamp
+
+
+def _entries(path: Path) -> dict:
+    return tomllib.loads(path.read_text()) if path.exists() else {}
 
 
 @lru_cache(maxsize=4)
-def _load(path: str) -> tuple[str, dict[str, ModelPreset]]:
-    data = tomllib.loads(Path(path).read_text())
+def _load(key: tuple[str, str, int]) -> tuple[str, dict[str, ModelPreset]]:
+    builtin, user, _ = key
+    data, added = tomllib.loads(Path(builtin).read_text()), _entries(Path(user))
     presets = {}
-    for name, entry in data.get("models", {}).items():
+    for name, entry in [*data.get("models", {}).items(), *added.get("models", {}).items()]:
+        if name in presets:  # an added preset never shadows a built-in one
+            continue
         presets[name] = ModelPreset(name=name, hf_repo=entry["hf_repo"], family=entry["family"],
                                     num_layers=int(entry["num_layers"]),
                                     hidden_size=int(entry["hidden_size"]),
@@ -59,19 +81,19 @@ def _load(path: str) -> tuple[str, dict[str, ModelPreset]]:
 
 
 def all_presets() -> dict[str, ModelPreset]:
-    """Every preset by name, in file order."""
-    return dict(_load(str(_path()))[1])
+    """Every preset by name: the built-in ones in file order, then the added ones."""
+    return dict(_load(_path())[1])
 
 
 def default_model() -> str:
-    """Name of the default preset (``default =`` in the presets file)."""
-    return _load(str(_path()))[0]
+    """Name of the default preset (``default =`` in the built-in presets file)."""
+    return _load(_path())[0]
 
 
 @lru_cache(maxsize=4)
-def _aliases(path: str) -> dict[str, str]:
+def _aliases(key: tuple[str, str, int]) -> dict[str, str]:
     """Lower-cased preset name and ``hf_repo`` → preset name."""
-    presets = _load(path)[1]
+    presets = _load(key)[1]
     table = {p.hf_repo.lower(): p.name for p in presets.values() if p.hf_repo}
     table.update({name.lower(): name for name in presets})
     return table
@@ -92,7 +114,7 @@ def canonical_model_name(name: str) -> str:
     Tracker, nodes, model listings and metrics labels all name models through this function,
     so an alias reaches the same coverage, routes, entry shards and counters as the name.
     """
-    return _aliases(str(_path())).get(name.lower(), name)
+    return _aliases(_path()).get(name.lower(), name)
 
 
 def get_preset(name: str) -> ModelPreset:

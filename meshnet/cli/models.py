@@ -1,6 +1,8 @@
-"""``meshnet models list | pull | certify``."""
+"""``meshnet models list | add | pull | certify``."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 from rich.table import Table
@@ -19,10 +21,11 @@ def list_models(as_json: bool = JsonOpt) -> None:
 
     rows = []
     for p in all_presets().values():
+        where = Path(p.source["path"]).expanduser() if p.source.get("kind") == "local" else model_dir(p.name)
         rows.append({"name": p.name, "hf_repo": p.hf_repo, "family": p.family, "num_layers": p.num_layers,
                      "hidden_size": p.hidden_size, "bytes_per_layer": p.bytes_per_layer,
                      "source": p.source.get("kind"), "default": p.name == default_model(),
-                     "cached": is_ready(model_dir(p.name)), "cache_dir": str(model_dir(p.name))})
+                     "cached": is_ready(where), "cache_dir": str(where)})
 
     def human(data):
         table = Table("name", "family", "layers", "hidden", "bf16/layer", "source", "cached")
@@ -33,6 +36,33 @@ def list_models(as_json: bool = JsonOpt) -> None:
         console.print(table)
 
     emit(rows, as_json, human)
+
+
+@app.command("add")
+def add(source: str = typer.Argument(..., help="Hub repository id (e.g. Qwen/Qwen3-0.6B) or local model directory."),
+        name: str = typer.Option(None, "--name", help="Preset name (default: the source's last part, lower case)."),
+        as_json: bool = JsonOpt) -> None:
+    """Add a model to the presets from its config.json: its family, layer count, hidden size and
+    bytes per layer per recipe (counted from one layer built on the meta device; no weights are
+    fetched). The preset goes to the added presets file; every command of this machine then knows
+    the model by its name. Exits 1 when no certified family serves the model or the name is taken."""
+    from dataclasses import asdict
+
+    from meshnet.models.catalog import add_preset, preset_for
+
+    try:
+        with console.status(f"reading {source}'s config") as status:
+            preset = preset_for(source, name, progress=lambda msg: status.update(f"{source}: {msg}"))
+        path = add_preset(preset)
+    except MeshnetError as exc:
+        fail(exc)
+
+    def human(d):
+        sizes = ", ".join(f"{k} {human_bytes(v)}" for k, v in d["bytes_per_layer"].items())
+        console.print(f"[green]✓[/] added {d['name']} ({d['family']}, {d['num_layers']} layers, hidden "
+                      f"{d['hidden_size']}; per layer: {sizes}) to {d['presets_file']}")
+
+    emit({**asdict(preset), "presets_file": str(path)}, as_json, human)
 
 
 @app.command("pull")

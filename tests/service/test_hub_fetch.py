@@ -165,3 +165,19 @@ def test_a_second_range_fetches_only_what_is_missing_and_the_split_computes_the_
 def test_a_hub_that_lacks_the_repository_is_one_clear_error(cache, hub):
     with pytest.raises(ModelSourceError, match="cannot fetch 'meshnet-test/nothing-here' from the hub"):
         sources.resolve("meshnet-test/nothing-here", layers=LayerRange(0, 2))
+
+
+def test_models_add_reads_only_the_config_and_the_added_preset_fetches_only_its_layers(cache, hub, monkeypatch):
+    from meshnet.models.catalog import add_preset, preset_for
+    from meshnet.presets import get_preset
+
+    monkeypatch.setenv("MESHNET_USER_PRESETS", str(cache / "added.toml"))
+    preset = preset_for(REPO)
+    assert weights_fetched(hub) == [] and "config.json" in hub.fetched
+    add_preset(preset)
+    added = get_preset("tiny-six")
+    assert (added.hf_repo, added.family, added.num_layers, added.source) == (REPO, "llama", 6, {"kind": "hub"})
+    assert added.bytes_per_layer == {"bfloat16": 73_984, "int8": 37_376, "nf4": 19_520}
+    hub.fetched.clear()
+    sources.resolve("tiny-six", layers=LayerRange(2, 4))
+    assert weights_fetched(hub) == ["model-00002-of-00003.safetensors"]
