@@ -77,7 +77,7 @@ class NodeAuth:
         if not self.join_token:
             return
         given = headers.get(HEADER_JOIN_TOKEN, "")
-        if not hmac.compare_digest(given.encode(), self.join_token.encode()):
+        if not hmac.compare_digest(given.encode("latin-1"), self.join_token.encode("utf-8")):  # header bytes as sent
             raise Unauthorized("join token missing or wrong: this tracker admits only nodes that present it",
                                code="join_token", hint="start the node with --join-token (or MESHNET_JOIN_TOKEN)")
 

@@ -41,7 +41,9 @@ def is_operator(request: Request) -> bool:
     if not token:
         return True
     given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    return hmac.compare_digest(given, token)
+    # as bytes: the header's own (Starlette decodes headers as latin-1), the token's in UTF-8; a str
+    # comparison raises on a non-ASCII header (a 500 where a wrong token is a 401)
+    return hmac.compare_digest(given.encode("latin-1"), token.encode("utf-8"))
 
 
 def _authorize(request: Request) -> None:

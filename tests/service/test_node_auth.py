@@ -69,6 +69,7 @@ async def test_a_tracker_with_a_join_token_refuses_a_registration_without_it(mak
     tracker = await make_tracker(join_token="j0in")
     error(await register(tracker, "node-a"), 401, "join_token")
     error(await register(tracker, "node-a", **{"X-Meshnet-Join-Token": "guess"}), 401, "join_token")
+    error(await register(tracker, "node-a", **{"X-Meshnet-Join-Token": "jöin".encode()}), 401, "join_token")
     assert await endpoints(tracker) == {}
     assert (await register(tracker, "node-a", **{"X-Meshnet-Join-Token": "j0in"})).status_code == 200
 

@@ -373,13 +373,22 @@ async def test_bad_network_assign_queries(tracker, params, status, code):
 async def test_operator_endpoints_refuse_without_the_token(make_tracker, path, body):
     tracker = await make_tracker(operator_token="s3cret")
     await register(tracker, node("node-a", shard(0, 3)))
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cre"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cre"},
+                    {"Authorization": "Bearer s3crét".encode()}):  # non-ASCII: a 401 too, not a 500
         resp = await tracker.post(path, json=body, headers=headers)
         error = assert_envelope(resp, 401, "unauthorized")["error"]
         assert error["type"] == "authentication_error"
     assert (await tracker.get("/v1/directives")).json()["directives"] == []
     (view,) = (await tracker.get("/v1/nodes")).json()["nodes"]
     assert view["draining"] is False
+
+
+async def test_an_operator_token_of_any_characters_is_accepted_as_utf_8(make_tracker):
+    tracker = await make_tracker(operator_token="sécret")
+    await register(tracker, node("node-a", shard(0, 3)))
+    resp = await tracker.post("/v1/operator/drain", json={"node_id": "node-a"},
+                              headers={"Authorization": "Bearer sécret".encode()})
+    assert resp.status_code == 200
 
 
 async def test_operator_drain_with_the_token(make_tracker):
