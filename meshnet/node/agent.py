@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 
 
 from meshnet.client import NodeSigner, TrackerClient
@@ -52,7 +53,10 @@ class TrackerAgent(RelayMixin):
     def __init__(self, node) -> None:
         self.node = node
         self.settings = node.settings
-        key = identity.load_or_create_key(self.settings.state_dir or identity.default_state_dir(self.settings.node_id))
+        state_dir = self.settings.state_dir or identity.default_state_dir(self.settings.node_id)
+        #: this process's hold on the state directory: one node process per id and host
+        self._state_lock: int | None = identity.lock_state_dir(state_dir, self.settings.node_id)
+        key = identity.load_or_create_key(state_dir)
         self.key = key
         self.public_key = encode_public_key(key.public_key())
         #: signs this node's calls: to the tracker, and its session releases on hops (ADR-0038)
@@ -239,12 +243,16 @@ class TrackerAgent(RelayMixin):
     # ---- relay (ADR-0045) ---------------------------------------------------------------
 
     async def close(self) -> None:
-        """Stop the relay tunnel and a pending relay check (the app's lifespan ends)."""
+        """Stop the relay tunnel and a pending relay check, and let go of the state directory (the
+        app's lifespan ends)."""
         for task in (self._tunnel_task, self._considering):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        if self._state_lock is not None:
+            os.close(self._state_lock)
+            self._state_lock = None
 
     def wake_soon(self, delay_s: float) -> None:
         """Heartbeat early, in ``delay_s`` seconds (to learn the tracker's next verdict sooner)."""

@@ -4,6 +4,7 @@ about the link (readiness reads ``last_error`` / ``heartbeat_age_s``). A fake tr
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from meshnet.client import TrackerClient
 from meshnet.node.agent import TrackerAgent
@@ -86,3 +87,23 @@ async def test_a_registration_sets_the_announced_interval(tmp_path):
                                                                    "tracker_key": public_key("tracker")}), tmp_path)
     await agent.start(attempts=1)
     assert agent.interval_s == 30.0
+
+
+async def test_a_second_process_of_the_same_node_on_this_host_is_refused_until_the_first_stops(tmp_path):
+    import subprocess
+    import sys
+
+    from meshnet.errors import MeshnetError
+
+    first, _ = await agent_with(status(404), tmp_path)
+    with pytest.raises(MeshnetError, match=r"node n1 runs already on this host") as info:
+        await agent_with(status(404), tmp_path)
+    assert info.value.code == "node_id_in_use" and info.value.status == 409
+    # another process is refused as well (the lock is the operating system's, not this process's)
+    probe = ("import sys; from meshnet.node.identity import lock_state_dir\n"
+             "try:\n    lock_state_dir(sys.argv[1], 'n1')\nexcept Exception as exc:\n    print(exc.code)")
+    held = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert held.stdout.strip() == "node_id_in_use", held.stderr
+    await first.close()
+    second, _ = await agent_with(status(404), tmp_path)  # free again once the first let go
+    await second.close()
