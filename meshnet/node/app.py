@@ -48,7 +48,7 @@ from starlette.routing import Route, WebSocketRoute
 
 from meshnet.node import wire
 from meshnet.drain import Drain, DrainMiddleware
-from meshnet.errors import InvalidRequest, MeshnetError, NotFound
+from meshnet.errors import InvalidRequest, MeshnetError, NotFound, Unauthorized
 from meshnet.gateway import completions, openai_api
 from meshnet.dataplane.chain import ChainEnd, ChainInbox
 from meshnet.dataplane.transport import StreamPool
@@ -291,9 +291,18 @@ async def get_model(request: Request) -> JSONResponse:
 
 
 async def doctor(request: Request) -> JSONResponse:
+    """``POST /v1/doctor``: a real forward pass per loaded shard (seconds of compute), so only for
+    the node's tracker (a call it signed, :func:`asked_by_tracker`; the operator asks through it).
+
+    Raises:
+        Unauthorized (401 ``tracker_only``): not signed by the node's tracker.
+    """
     from meshnet.node.doctor import run_doctor_all
 
     node = _state(request)
+    if not asked_by_tracker(node, request):
+        raise Unauthorized("doctor runs on this node only when its tracker asks (a call the tracker signed)",
+                           code="tracker_only", hint="ask the tracker: meshnet node doctor --node <id>")
     reports = await asyncio.to_thread(run_doctor_all, node)
     return JSONResponse(DoctorResponse(reports=reports).model_dump())
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hmac
 
+import httpx
+
 from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -18,6 +20,7 @@ from meshnet.errors import InvalidRequest, MeshnetError, NotFound, Unauthorized
 from meshnet.protocol.http import validate_json
 from meshnet.layers import LayerRange
 from meshnet.protocol.control import DoctorResponse
+from meshnet.protocol.signing import TRACKER_SIGNER, sign_request
 
 
 class PinRequest(BaseModel):
@@ -88,7 +91,10 @@ async def doctor(request: Request) -> JSONResponse:
     directive = svc.queue_directive(node.node_id, "RUN_DOCTOR", reason="operator doctor")
     svc.store.set_status(directive.id, "delivered")
     try:
-        resp = await request.app.state.http.post(f"{node.endpoint}/v1/doctor", timeout=300.0)
+        url = f"{node.endpoint}/v1/doctor"
+        # a node runs doctor only for its tracker: the call is signed as the tracker (ADR-0049)
+        signed = sign_request(svc.tickets.key, TRACKER_SIGNER, "POST", httpx.URL(url).path, b"")
+        resp = await request.app.state.http.post(url, timeout=300.0, headers=signed)
         resp.raise_for_status()
         reports = DoctorResponse.model_validate(resp.json()).reports
     except Exception as exc:  # noqa: BLE001 - unreachable, error status, a body without valid reports

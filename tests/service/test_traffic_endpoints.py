@@ -196,3 +196,31 @@ async def test_session_ids_are_shown_only_to_the_tracker_and_the_operator(asgi_c
     assert await ids(tracker, {"Authorization": "Bearer wrong"}) == [session_alias(session)]
     assert await ids(tracker, {"Authorization": "Bearer op-secret"}) == [session]  # the tracker's call was signed
     node.traffic.session_ended(session)
+
+
+async def test_doctor_runs_on_a_node_only_when_its_tracker_asks(asgi_client, full_runtime):
+    """A doctor run is a forward pass per shard: an unsigned call, or one signed by another key, is
+    a 401 and runs nothing; the operator's doctor through the tracker (which signs) runs it."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from meshnet.protocol.signing import TRACKER_SIGNER, sign_request
+
+    n1 = build_app(NodeSettings(node_id="n1", port=1, wire_dtype="float32"), runtime=full_runtime)
+    app = build_tracker(TrackerSettings(models=(MODEL,), db_path=":memory:", admission_challenges=False,
+                                        operator_token="op-secret"),
+                        run_loop=False, transport=HealthyNodes(NodeNetwork(n1)))
+    tracker = await asgi_client(app, "http://tracker", auth=SignAsNodes())
+    direct = await asgi_client(n1, "http://n1")
+    n1.state.node.tracker_key = app.state.service.tickets.key.public_key()
+    reports = n1.state.node.reports  # every doctor run keeps its reports here
+    reports.clear()
+    for headers in (None, sign_request(Ed25519PrivateKey.generate(), TRACKER_SIGNER, "POST", "/v1/doctor", b"")):
+        resp = await direct.post("/v1/doctor", headers=headers)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "tracker_only"
+    assert reports == {}
+    shard = {"model": MODEL, "shard_start": 0, "shard_end": 3, "entry": True,
+             "report": capability_report(MODEL, 0, 3)}
+    assert (await tracker.post("/v1/nodes/register", json=registration("n1", "http://n1", shards=[shard]))).status_code == 200
+    resp = await tracker.post("/v1/operator/doctor", json={"node_id": "n1"}, headers={"Authorization": "Bearer op-secret"})
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["reports"]) == len(reports) == 1
