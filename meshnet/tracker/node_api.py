@@ -15,14 +15,14 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from meshnet.errors import NotFound
+from meshnet.errors import Conflict, NotFound
 from meshnet.protocol.control import (FailureReport, HeartbeatRequest, HeartbeatResponse, QuarantineReport,
                                       RegisterRequest, RegisterResponse, check_revision)
 from meshnet.protocol.http import validate_json
 from meshnet.protocol.signing import HEADER_NODE, HEADER_TIMESTAMP
 from meshnet.tracker.admission import Challenge, run_challenge
 from meshnet.tracker.auth import NodeAuth
-from meshnet.tracker.probe import probe_endpoint
+from meshnet.tracker.probe import answers_as, probe_endpoint
 from meshnet.tracker.service import TrackerService
 
 
@@ -102,11 +102,31 @@ def _read_registration(request: Request, body: bytes) -> RegisterRequest:
     return payload
 
 
+async def refuse_a_second_live_process(app: Starlette, payload: RegisterRequest) -> None:
+    """A registration with a node's own key from another endpoint while the node's recorded
+    endpoint still answers as that node is a second live process with one identity (a cloned
+    machine image): refused, so the record stays with the process that holds it. A node that moved
+    (its old endpoint is silent, or answers as someone else) registers as usual.
+
+    Raises:
+        Conflict (409 ``node_id_in_use``): the recorded endpoint answered as the node just now.
+    """
+    svc: TrackerService = app.state.service
+    known = svc.nodes.get(payload.node_id)
+    if known is None or known.endpoint == payload.endpoint or svc.public_key(payload.node_id) != payload.public_key:
+        return  # new, the same endpoint again, or another key (refused as an impostor by the service)
+    if await answers_as(app.state.http, known.endpoint, payload.node_id, svc.settings.probe_timeout_s):
+        raise Conflict(f"node {payload.node_id} runs already at {known.endpoint} (it answered just now): a second "
+                       f"process with its identity is refused", code="node_id_in_use",
+                       hint="stop the other process (or give this one its own --node-id and --state-dir)")
+
+
 async def register(request: Request) -> JSONResponse:
     """Register a node, then probe its endpoint once before answering: its shards are admitted only
     once the tracker has reached it (a node that registers before it listens is probed again)."""
     svc = service_of(request)
     payload = _read_registration(request, await request.body())
+    await refuse_a_second_live_process(request.app, payload)
     record = svc.register(payload, sent_at=float(request.headers[HEADER_TIMESTAMP]))  # verified just now
     await probe(request.app, record.node_id, record.endpoint)
     request.app.state.wake.set()

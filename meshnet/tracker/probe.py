@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import httpx
 
-__all__ = ["probe_endpoint"]
+__all__ = ["answers_as", "probe_endpoint"]
 
 
 async def probe_endpoint(http: httpx.AsyncClient, endpoint: str, node_id: str, timeout_s: float) -> str:
@@ -41,3 +41,14 @@ async def probe_endpoint(http: httpx.AsyncClient, endpoint: str, node_id: str, t
     if answered is None and resp.status_code != 200:
         return f"GET {url} answered HTTP {resp.status_code}"
     return ""
+
+
+async def answers_as(http: httpx.AsyncClient, endpoint: str, node_id: str, timeout_s: float) -> bool:
+    """Whether ``GET {endpoint}/v1/health`` answers, within ``timeout_s`` seconds, with a body that
+    names ``node_id``: a live process of that node is there. Never raises."""
+    try:
+        resp = await http.get(f"{endpoint}/v1/health", timeout=timeout_s)
+        body = resp.json()
+    except Exception:  # noqa: BLE001 - refused, timed out, not JSON: nobody answers as the node
+        return False
+    return isinstance(body, dict) and body.get("node_id") == node_id

@@ -181,3 +181,36 @@ async def test_a_failure_report_counts_only_from_a_node_that_routes_through_the_
     assert tracker.service.nodes["node-hop"].last_failure_s is None  # not pushed to last resort
     resp = await post(tracker, path, {"reason": "timeout"}, as_node="node-entry")
     assert resp.status_code == 200 and tracker.service.nodes["node-hop"].last_failure_s is not None
+
+
+class AnsweringNodes(HealthyNodes):
+    """``GET /v1/health`` answers as the node a host names in :attr:`answers` (as a live node does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answers: dict[str, str] = {}
+
+    async def handle_async_request(self, request):
+        import httpx
+
+        if request.url.host in self.answers and request.url.path == "/v1/health":
+            return httpx.Response(200, json={"status": "ok", "node_id": self.answers[request.url.host]})
+        return await super().handle_async_request(request)
+
+
+async def test_a_second_live_process_with_a_node_s_key_is_refused_and_a_moved_node_is_not(asgi_client):
+    nodes = AnsweringNodes()
+    app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:"), run_loop=False, transport=nodes)
+    tracker = await asgi_client(app, "http://tracker")
+    nodes.answers["first.test"] = "node-1"
+    assert (await register(tracker, "node-1", shard(0, 3), endpoint="http://first.test:8000")).status_code == 200
+    # a clone (same id, same key) elsewhere while the first still answers as node-1
+    message = error(await register(tracker, "node-1", endpoint="http://clone.test:8000"), 409, "node_id_in_use")
+    assert "runs already at http://first.test:8000" in message
+    assert (await endpoints(tracker))["node-1"] == "http://first.test:8000"
+    nodes.answers["first.test"] = "node-9"  # the old address now serves another node: node-1 moved
+    assert (await register(tracker, "node-1", endpoint="http://moved.test:8000")).status_code == 200
+    nodes.answers.pop("first.test")
+    nodes.down.add("moved.test")  # and once its recorded endpoint is silent, it may move again
+    assert (await register(tracker, "node-1", endpoint="http://again.test:8000")).status_code == 200
+    assert (await endpoints(tracker))["node-1"] == "http://again.test:8000"
