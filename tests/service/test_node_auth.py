@@ -3,6 +3,7 @@ bound to keys, signed heartbeats, who may report a failure, and the protocol rev
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -147,6 +148,24 @@ async def test_a_replayed_heartbeat_is_refused(tracker):
     headers = {**signed("node-a", "POST", path, raw), "Content-Type": "application/json"}
     assert (await tracker.post(path, content=raw, headers=headers)).status_code == 200
     error(await tracker.post(path, content=raw, headers=headers), 401, "replayed")
+
+
+async def test_a_heartbeat_captured_before_a_tracker_restart_is_refused_after_it(asgi_client, tmp_path):
+    """The nonces a tracker remembers are gone after a restart, but a node's calls are ordered by the
+    time it signed them: once the node registered again, a captured older call is stale."""
+    import time
+
+    settings = TrackerSettings(models=(MODEL,), db_path=str(tmp_path / "tracker.db"))
+    before = await asgi_client(build_app(settings, run_loop=False, transport=HealthyNodes()), "http://tracker")
+    assert (await register(before, "node-a")).status_code == 200
+    path = "/v1/nodes/node-a/heartbeat"
+    raw = json.dumps(HEARTBEAT).encode()
+    captured = {**signed("node-a", "POST", path, raw), "Content-Type": "application/json"}
+    assert (await before.post(path, content=raw, headers=captured)).status_code == 200
+    after = await asgi_client(build_app(settings, run_loop=False, transport=HealthyNodes()), "http://tracker")
+    await asyncio.sleep(0.01)  # the node signs its next call later than the captured one
+    assert (await register(after, "node-a")).status_code == 200  # the node comes back
+    error(await after.post(path, content=raw, headers=captured), 409, "stale_call")
 
 
 async def test_drain_and_deregister_are_the_nodes_own(tracker):
