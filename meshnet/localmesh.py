@@ -36,16 +36,18 @@ class LocalMesh:
         env: extra environment for every child.
         join_token, operator_token: the tracker's tokens (ADR-0035), handed to it and (the join
             token) to every node through the environment, never on a command line; None: none.
-        state_dir: each node keeps its key in ``state_dir/<name>`` (None: the node's default,
-            ``<cache>/nodes/<name>``).
+        state_dir: each node (and a tracker serving layers) keeps its key in ``state_dir/<name>``
+            (None: ``log_dir/state``, so two meshes on one host never share a node identity: a
+            node's state directory is locked while it runs, ADR-0056). ``meshnet serve`` passes
+            ``<cache>/nodes``, the nodes' own default.
     """
 
     def __init__(self, log_dir: Path, *, port: int | None = None, heartbeat_s: float = 0.5,
                  detach: bool = False, env: dict[str, str] | None = None, join_token: str | None = None,
                  operator_token: str | None = None, state_dir: Path | None = None) -> None:
         self.join_token, self.operator_token = join_token, operator_token
-        self.state_dir = state_dir
         self.log_dir = Path(log_dir)
+        self.state_dir = Path(state_dir) if state_dir is not None else self.log_dir / "state"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.heartbeat_s = heartbeat_s
         self.detach = detach
@@ -98,6 +100,8 @@ class LocalMesh:
                 "--rebalance-interval", str(rebalance_s)]
         for m in models:
             args += ["--model", m]
+        if "--serve-layers" in (extra or []):  # its node keeps its key with this mesh's other nodes
+            args += ["--state-dir", str(self.state_dir / name)]
         tokens = {"MESHNET_JOIN_TOKEN": self.join_token, "MESHNET_OPERATOR_TOKEN": self.operator_token}
         self.spawn(name, args + (extra or []), {k: v for k, v in tokens.items() if v})
         self.wait(lambda: httpx.get(f"{url}/v1/health", timeout=1).status_code == 200, wait_s, f"{name} up")
@@ -108,7 +112,7 @@ class LocalMesh:
         """Start node ``name`` (its ``--node-id``) joining this mesh's trackers (all of them, the
         first one first); ``args`` as for ``meshnet node start`` (for example ``--model M
         --shard-start 0 --shard-end 9``); ``prefix`` and ``module`` as for :meth:`spawn`."""
-        state = ["--state-dir", str(self.state_dir / name)] if self.state_dir is not None else []
+        state = ["--state-dir", str(self.state_dir / name)]
         token = {"MESHNET_JOIN_TOKEN": self.join_token} if self.join_token else {}
         trackers = [arg for url in (self.trackers.values() or [self.url]) for arg in ("--tracker", url)]
         self.spawn(name, ["node", "start", *trackers, "--node-id", name, *state,

@@ -84,7 +84,8 @@ def serve(opts: ServeOptions) -> None:
     operator_token = secrets.token_urlsafe(32)
     token_file = write_token(cache_dir() / f"serve-{opts.port}.operator-token", operator_token)
     mesh = LocalMesh(logs, port=opts.port, heartbeat_s=opts.heartbeat_interval, detach=True,
-                     join_token=secrets.token_urlsafe(32), operator_token=operator_token)
+                     join_token=secrets.token_urlsafe(32), operator_token=operator_token,
+                     state_dir=cache_dir() / "nodes")  # the nodes' own default: keys kept across runs
     url = mesh.url
     try:
         _start(mesh, opts, preset.name, ranges, choice)
