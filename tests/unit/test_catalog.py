@@ -52,7 +52,7 @@ def test_add_writes_a_preset_every_command_then_knows(added):
     assert preset.source == {"kind": "local", "path": str(source.resolve())}
     # hidden 64, 4 heads of 16, 2 key-value heads, MLP 128: 36,864 linear weights and two 64-wide norms
     assert preset.bytes_per_layer == {"bfloat16": 73_984, "int8": 37_376, "nf4": 19_520}
-    assert canonical_model_name("MY-TINY") == "my-tiny" and resolve("my-tiny") == source
+    assert canonical_model_name("MY-TINY") == "my-tiny" and resolve("my-tiny") == source.resolve()
     listed = json.loads(CliRunner().invoke(app, ["models", "list", "--json"]).stdout)
     assert [r["name"] for r in listed][-1] == "my-tiny" and listed[-1]["cached"] is True
 
