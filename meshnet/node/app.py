@@ -8,20 +8,19 @@ Routes:
     GET    /v1/ready                readiness: 200 {"ready": true} or 503 {"ready": false, "reasons"} (ADR-0032)
     GET    /v1/traffic              sessions in flight as entry, recent failovers, the last minutes'
                                     TTFT/TPOT/tokens/batch sizes (ADR-0046, ``NodeTraffic``)
-    POST   /v1/doctor               run doctor on the loaded shards, return capability reports
+    POST   /v1/doctor               run doctor on the loaded shards (for its tracker only, ADR-0056)
     GET    /v1/models, POST /v1/chat/completions, POST /v1/completions   OpenAI surface (entry nodes)
     GET    /metrics                 Prometheus text
 
 Forward headers: ``X-Meshnet-Session``, ``X-Meshnet-Start-Layer`` and
-``X-Meshnet-End-Layer`` (inclusive, ADR-0002), ``X-Meshnet-Position``, optional
-``X-Meshnet-Model`` and ``X-Meshnet-Last-Only: 1`` (return only the last position).
+``X-Meshnet-End-Layer`` (inclusive, ADR-0002), ``X-Meshnet-Position``, optional ``X-Meshnet-Model``
+and ``X-Meshnet-Last-Only: 1`` (return only the last position).
 
 Session tickets (ADR-0038): once the node has registered with a tracker it knows the tracker's
 key, and from then on a forward call runs only with a ticket (``X-Meshnet-Ticket``) that names
 this node for exactly the asked layers of that session (401 missing/invalid/expired, 403 another
 session, model, node or layers), checked before any KV cache is touched; a release needs the
-session's ticket and a call signed by the entry node it names. A node without a tracker (tests,
-a standalone node) has no key and takes hop calls as before.
+session's ticket and a call signed by the entry node it names; a node without a tracker checks no tickets.
 
 SIGTERM drains (ADR-0032, :mod:`meshnet.drain`): the node tells the tracker, refuses new
 chats and new hop sessions (position 0) with 503 ``draining``, keeps serving the sessions it
@@ -291,12 +290,8 @@ async def get_model(request: Request) -> JSONResponse:
 
 
 async def doctor(request: Request) -> JSONResponse:
-    """``POST /v1/doctor``: a real forward pass per loaded shard (seconds of compute), so only for
-    the node's tracker (a call it signed, :func:`asked_by_tracker`; the operator asks through it).
-
-    Raises:
-        Unauthorized (401 ``tracker_only``): not signed by the node's tracker.
-    """
+    """``POST /v1/doctor``: a forward pass per shard, so only for a call the node's tracker signed
+    (:func:`asked_by_tracker`); else Unauthorized (401 ``tracker_only``), ADR-0056."""
     from meshnet.node.doctor import run_doctor_all
 
     node = _state(request)
