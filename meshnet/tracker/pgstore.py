@@ -33,7 +33,7 @@ from psycopg.rows import dict_row
 
 from meshnet.errors import MeshnetError
 from meshnet.tracker.store import LeaseLost, NewDirective, TrackerStore
-from meshnet.tracker.tables import _FAIL_DUPLICATES, OPEN_ONCE, SCHEMA
+from meshnet.tracker.tables import _FAIL_DUPLICATES, OPEN_ONCE, SCHEMA, matched_ids
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,6 @@ FROM unnest(%s::text[], %s::text[], %s::text[], %s::int[], %s::int[], %s::text[]
 ORDER BY ord
 ON CONFLICT DO NOTHING
 RETURNING id, node_id, type, model, shard_start, shard_end"""
-
-
-def _key(row: dict) -> tuple:
-    return row["node_id"], row["type"], row["model"], row["shard_start"], row["shard_end"]
 
 
 #: libpq parameters of every connection: the deadlines above (ADR-0054)
@@ -160,16 +156,7 @@ class PostgresStore(TrackerStore):
         columns = list(zip(*[(d.node_id, d.type, d.model, d.shard_start, d.shard_end, d.tier, d.reason) for d in new]))
         with self._fenced(term):
             got = self.db.execute(_INSERT_ARRAYS, (now, now, *[list(c) for c in columns])).fetchall()
-        got.sort(key=lambda r: r["id"])
-        out: list[int | None] = []
-        k = 0
-        for d in new:
-            if k < len(got) and _key(got[k]) == (d.node_id, d.type, d.model, d.shard_start, d.shard_end):
-                out.append(got[k]["id"])
-                k += 1
-            else:
-                out.append(None)
-        return out
+        return matched_ids(new, got)
 
     def touch_nodes(self, heartbeats: dict[str, float]) -> None:
         """:meth:`TrackerStore.touch_nodes` as one statement over arrays."""

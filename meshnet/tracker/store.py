@@ -34,7 +34,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshnet.errors import Conflict, MeshnetError
 from meshnet.protocol.control import OPEN_STATUSES, Directive
-from meshnet.tracker.tables import _FAIL_DUPLICATES, OPEN_ONCE, SCHEMA, SharedRecords
+from meshnet.tracker.tables import _FAIL_DUPLICATES, _INSERT_VALUES, INSERT_CHUNK, OPEN_ONCE, SCHEMA, SharedRecords, \
+    matched_ids
 
 __all__ = ["FINISHED_STATUSES", "OPEN_STATUSES", "LeaseLost", "NewDirective", "NodeRow",
            "SqliteStore", "StaleCall", "TrackerStore"]
@@ -42,8 +43,6 @@ __all__ = ["FINISHED_STATUSES", "OPEN_STATUSES", "LeaseLost", "NewDirective", "N
 #: statuses of a finished directive, pruned after the retention period (ADR-0037)
 FINISHED_STATUSES = ("done", "failed")
 
-_INSERT_DIRECTIVE = ("INSERT INTO directives (node_id, type, model, shard_start, shard_end, tier, status, reason, "
-                     "created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?) ON CONFLICT DO NOTHING RETURNING id")
 _OPEN_TWIN = ("SELECT * FROM directives WHERE node_id = ? AND type = ? AND model = ? AND shard_start = ? "
               "AND shard_end = ? AND status IN ('queued', 'delivered', 'acked')")
 
@@ -132,7 +131,7 @@ class TrackerStore(SharedRecords):
     other rows as dicts or the dataclasses above.
 
     A backend sets :attr:`db` (a DB-API connection in autocommit mode whose rows read as
-    mappings) and implements :meth:`_insert_returning_many`, :meth:`tracker_key` and :meth:`lead`.
+    mappings) and implements :meth:`tracker_key` and :meth:`lead`.
     """
 
     #: several tracker processes may use this database at once (so node records are shared)
@@ -205,14 +204,17 @@ class TrackerStore(SharedRecords):
     def _executemany(self, sql: str, rows: list[tuple]) -> None:
         self.db.executemany(self._sql(sql), rows)
 
-    def _insert_returning_many(self, sql: str, rows: list[tuple]) -> list[int | None]:
-        """Run ``sql`` (an INSERT ... RETURNING id) once per row inside the caller's transaction;
-        the id of each row, None where a conflict skipped it."""
-        out = []
-        for row in rows:
-            got = self._execute(sql, row).fetchone()
-            out.append(None if got is None else got["id"])
-        return out
+    def _insert_directives(self, rows: list[tuple]) -> list[dict]:
+        """Insert directive ``rows`` (the columns of :data:`_INSERT_VALUES`, in order) inside the
+        caller's transaction, :data:`INSERT_CHUNK` rows per statement; the rows inserted (``id`` and
+        key), a conflict's skipped. A backend may do it its own way (PostgreSQL: one statement over
+        arrays)."""
+        got: list[dict] = []
+        for start in range(0, len(rows), INSERT_CHUNK):
+            part = rows[start:start + INSERT_CHUNK]
+            sql = _INSERT_VALUES.format(values=",".join(["(?,?,?,?,?,?,?,?,?,?)"] * len(part)))
+            got += self.db.execute(sql, [value for row in part for value in row]).fetchall()
+        return got
 
     def close(self) -> None:
         """Close the connection(s); the store is unusable afterwards."""
@@ -275,7 +277,7 @@ class TrackerStore(SharedRecords):
                 for d in new]
         with self._transaction():
             self._check_term(term)
-            return self._insert_returning_many(_INSERT_DIRECTIVE, rows)
+            return matched_ids(new, self._insert_directives(rows))
 
     def prune_finished(self, older_than_s: float, now: float | None = None) -> int:
         """Delete finished directives (:data:`FINISHED_STATUSES`) last updated more than

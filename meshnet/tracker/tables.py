@@ -1,5 +1,6 @@
-"""The tracker store's tables: the schema every backend creates, and the small tables the
-trackers of one database share (ADR-0035, ADR-0042, ADR-0043, ADR-0054).
+"""The tracker store's tables: the schema every backend creates (and how a batch of directives is
+inserted and matched to its ids), and the small tables the trackers of one database share
+(ADR-0035, ADR-0042, ADR-0043, ADR-0054).
 
 :class:`SharedRecords` is the part of :class:`meshnet.tracker.store.TrackerStore` that keeps them:
 which public key owns each node id, the tracked models, the quarantines, the known weights
@@ -51,6 +52,32 @@ _FAIL_DUPLICATES = ("UPDATE directives SET status = 'failed', error = 'duplicate
                     "WHERE status IN ('queued', 'delivered', 'acked') AND type IN ('LOAD_SHARD', 'DROP_SHARD') "
                     "AND id NOT IN (SELECT MIN(id) FROM directives WHERE status IN ('queued', 'delivered', 'acked') "
                     "AND type IN ('LOAD_SHARD', 'DROP_SHARD') GROUP BY node_id, type, model, shard_start, shard_end)")
+
+
+#: directives per multi-row INSERT of :meth:`TrackerStore.add_directives`: ten bound values each,
+#: within sqlite's default limit of 32,766 variables per statement
+INSERT_CHUNK = 3000
+_INSERT_VALUES = ("INSERT INTO directives (node_id, type, model, shard_start, shard_end, tier, status, reason, "
+                  "created_at, updated_at) VALUES {values} ON CONFLICT DO NOTHING "
+                  "RETURNING id, node_id, type, model, shard_start, shard_end")
+
+
+def matched_ids(new: list, got: list) -> list[int | None]:
+    """The id of each directive of ``new`` among the rows an insert returned (``id`` and key), None
+    for one a conflict skipped. Ids are drawn in the order given, so the returned rows sorted by id
+    match ``new`` in order, the skipped ones left out."""
+    rows = sorted(got, key=lambda r: r["id"])
+    out: list[int | None] = []
+    k = 0
+    for d in new:
+        row = rows[k] if k < len(rows) else None
+        if row is not None and (row["node_id"], row["type"], row["model"], row["shard_start"], row["shard_end"]) == \
+                (d.node_id, d.type, d.model, d.shard_start, d.shard_end):
+            out.append(row["id"])
+            k += 1
+        else:
+            out.append(None)
+    return out
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,18 @@ def test_a_batch_returns_its_ids_in_order_and_an_empty_one_writes_nothing(store)
     assert [store.directive(i).node_id for i in ids] == ["a", "b"]
 
 
+def test_a_batch_over_several_statements_skips_an_open_twin_and_keeps_the_order(store, monkeypatch):
+    import meshnet.tracker.store as store_module
+
+    monkeypatch.setattr(store_module, "INSERT_CHUNK", 2)  # sqlite: three statements for five directives
+    first = store.add_directives([new("a", 0)])
+    ids = store.add_directives([new("b", 0), new("a", 0), new("c", 0), new("b", 0), new("d", 0)])
+    assert ids[1] is None and ids[3] is None  # the open twin of a queued one, and of one in this batch
+    assert [store.directive(i).node_id for i in (ids[0], ids[2], ids[4])] == ["b", "c", "d"]
+    assert ids[0] < ids[2] < ids[4] and first[0] < ids[0]
+    assert len(store.directives(limit=100)) == 4
+
+
 def test_a_failing_batch_is_rolled_back_whole(store):
     bad = NewDirective("n1", None, None)  # type NOT NULL
     with pytest.raises(store.IntegrityError):
