@@ -10,14 +10,16 @@ built-in one of the same name.
 from __future__ import annotations
 
 import os
+import time
 import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from meshnet.errors import NotFound
+from meshnet.errors import InvalidRequest, NotFound
 
 PRESETS_PATH = Path(__file__).resolve().parent.parent / "model_presets.toml"
+_BUILTIN = str(PRESETS_PATH)
 
 
 @dataclass(frozen=True)
@@ -45,23 +47,58 @@ class ModelPreset:
     source: dict = field(default_factory=dict)
 
 
-def user_presets_path() -> Path:
-    """Where ``meshnet models add`` keeps the presets it adds (see the module docstring)."""
+def _user_presets_file() -> str:
     forced = os.environ.get("MESHNET_USER_PRESETS")
     if forced:
-        return Path(forced)
-    return Path(os.environ.get("MESHNET_CACHE", Path.home() / ".cache" / "meshnet")) / "model_presets.toml"
+        return forced
+    cache = os.environ.get("MESHNET_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "meshnet")
+    return os.path.join(cache, "model_presets.toml")
+
+
+def user_presets_path() -> Path:
+    """Where ``meshnet models add`` keeps the presets it adds (see the module docstring)."""
+    return Path(_user_presets_file())
+
+
+#: how long a look at the added presets file's change time holds, seconds: every model name the
+#: tracker and the nodes read goes through :func:`_path`, and a ``stat`` each time cost more than the
+#: lookup itself; ``meshnet models add`` in this process forgets it at once (:func:`forget_added`)
+RECHECK_S = 1.0
+_stamps: dict[str, tuple[float, int]] = {}
+
+
+def forget_added() -> None:
+    """Read the added presets file again on the next lookup (after this process wrote it)."""
+    _stamps.clear()
 
 
 def _path() -> tuple[str, str, int]:
-    """The presets files as one cache key: both paths and the added file's change time."""
-    user = user_presets_path()
-    stamp = user.stat().st_mtime_ns if user.exists() else 0
-    return str(os.environ.get("MESHNET_PRESETS", PRESETS_PATH)), str(user), stamp
+    """The presets files as one cache key: both paths and the added file's change time (looked at
+    again after :data:`RECHECK_S`)."""
+    user, now = _user_presets_file(), time.monotonic()
+    seen = _stamps.get(user)
+    if seen is None or now - seen[0] >= RECHECK_S:
+        try:
+            stamp = os.stat(user).st_mtime_ns
+        except OSError:  # none added
+            stamp = 0
+        seen = _stamps[user] = (now, stamp)
+    return os.environ.get("MESHNET_PRESETS") or _BUILTIN, user, seen[1]
 
 
 def _entries(path: Path) -> dict:
-    return tomllib.loads(path.read_text()) if path.exists() else {}
+    """The added presets file's contents (none when it does not exist).
+
+    Raises:
+        InvalidRequest: the file is not valid TOML (it names the file and the place).
+    """
+    if not path.exists():
+        return {}
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidRequest(f"the added presets file {path} is not valid TOML: {exc}",
+                             hint="mend or remove that entry (meshnet models add writes it)") from exc
 
 
 @lru_cache(maxsize=4)

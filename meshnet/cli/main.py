@@ -32,5 +32,19 @@ def tui(url: str = typer.Option(None, "--url", envvar="MESHNET_URL", help="Track
     MeshnetConsole(url=tracker_url(url), token=token, readonly=readonly, interval_s=interval, theme=theme).run()
 
 
+def main() -> None:
+    """The ``meshnet`` executable: :data:`app`, with any :class:`~meshnet.errors.MeshnetError` a
+    command did not handle itself (a broken presets file, a state directory in use…) printed as its
+    one-line message and hint, exit status 1, instead of a traceback."""
+    from meshnet.cli.output import report
+    from meshnet.errors import MeshnetError
+
+    try:
+        app()
+    except MeshnetError as exc:
+        report(exc)
+        raise SystemExit(1) from None
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -52,12 +52,17 @@ def emit(data: Any, as_json: bool, human: Callable[[Any], None]) -> None:
         human(data)
 
 
-def fail(exc: MeshnetError) -> None:
-    """Print a MeshnetError (message and hint) to stderr and exit 1; each stays one line
-    (``soft_wrap``: the terminal wraps it, Rich does not cut it into several)."""
+def report(exc: MeshnetError) -> None:
+    """Print a MeshnetError (message and hint) to stderr; each stays one line (``soft_wrap``: the
+    terminal wraps it, Rich does not cut it into several)."""
     err_console.print(f"[bold red]error:[/] {escape(exc.message)}", soft_wrap=True, highlight=False)
     if exc.hint:
         err_console.print(f"[dim]hint: {escape(exc.hint)}[/]", soft_wrap=True, highlight=False)
+
+
+def fail(exc: MeshnetError) -> None:
+    """:func:`report` ``exc`` and exit 1 (inside a command)."""
+    report(exc)
     raise typer.Exit(1)
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.models.families import family_of
-from meshnet.presets import ModelPreset, all_presets, user_presets_path
+from meshnet.presets import ModelPreset, all_presets, forget_added, user_presets_path
 
 __all__ = ["LayerParameters", "add_preset", "layer_bytes", "layer_parameters", "preset_for"]
 
@@ -122,10 +122,12 @@ def preset_for(source: str, name: str | None = None, *, progress=None) -> ModelP
 
 
 def _toml(value) -> str:
-    """``value`` (a string, int or flat dict of them) as TOML: JSON's string escapes are TOML's."""
+    """``value`` (a string, int or flat dict of them) as TOML. A string is JSON's, its characters as
+    they are: JSON escapes only quotes, backslashes and control characters, all as TOML does, while
+    its ``\\uXXXX`` pairs for characters beyond U+FFFF are not valid TOML."""
     if isinstance(value, dict):
         return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
-    return str(value) if isinstance(value, int) else json.dumps(value)
+    return str(value) if isinstance(value, int) else json.dumps(value, ensure_ascii=False)
 
 
 def add_preset(preset: ModelPreset) -> Path:
@@ -141,8 +143,9 @@ def add_preset(preset: ModelPreset) -> Path:
     fields = {"hf_repo": preset.hf_repo, "family": preset.family, "num_layers": preset.num_layers,
               "hidden_size": preset.hidden_size, "bytes_per_layer": preset.bytes_per_layer, "source": preset.source}
     entry = f"\n[models.{json.dumps(preset.name)}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in fields.items())
-    with path.open("a") as out:
+    with path.open("a", encoding="utf-8") as out:
         if out.tell() == 0:
             out.write("# model presets added by `meshnet models add` (meshnet.models.catalog)\n")
         out.write(entry)
+    forget_added()
     return path

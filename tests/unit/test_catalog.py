@@ -75,3 +75,21 @@ def test_a_model_of_no_certified_family_is_refused_naming_its_type(added, tmp_pa
         preset_for(str(model))
     result = CliRunner().invoke(app, ["models", "add", str(model)])
     assert result.exit_code == 1 and "supported model types:" in result.output and not added.exists()
+
+
+def test_a_source_path_of_any_characters_round_trips_through_the_added_file(added, tmp_path):
+    source = tmp_path / "modèle-😀"  # beyond U+FFFF: JSON would write a surrogate pair TOML refuses
+    shutil.copytree(resolve("tiny-llama"), source)
+    assert CliRunner().invoke(app, ["models", "add", str(source), "--name", "emoji"]).exit_code == 0
+    assert all_presets()["emoji"].source == {"kind": "local", "path": str(source.resolve())}
+
+
+def test_a_broken_added_file_is_one_error_line_naming_it_not_a_traceback(added):
+    import subprocess
+    import sys
+
+    added.write_text("[models.x\n")
+    run = subprocess.run([sys.executable, "-m", "meshnet.cli.main", "models", "list"], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert f"error: the added presets file {added} is not valid TOML" in run.stderr
