@@ -88,6 +88,12 @@ def _default_name(source: str) -> str:
     return re.sub(r"[^a-z0-9._-]+", "-", Path(source.rstrip("/")).name.lower()).strip("-")
 
 
+def _refuse_taken(name: str) -> None:
+    """Raises InvalidRequest when a preset named ``name`` exists (built in or added)."""
+    if name in all_presets():
+        raise InvalidRequest(f"a preset named {name!r} exists already", hint="choose another with --name")
+
+
 def preset_for(source: str, name: str | None = None, *, progress=None) -> ModelPreset:
     """The preset of ``source`` (a hub repository id or a local model directory), named ``name`` or
     after the source. A hub source fetches its config and tokenizer only.
@@ -104,8 +110,7 @@ def preset_for(source: str, name: str | None = None, *, progress=None) -> ModelP
     if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", name):
         raise InvalidRequest(f"preset name {name!r} is not valid: lower-case letters, digits, '.', '_' and '-'",
                              hint="choose one with --name")
-    if name in all_presets():
-        raise InvalidRequest(f"a preset named {name!r} exists already", hint="choose another with --name")
+    _refuse_taken(name)
     local = Path(source).expanduser()
     path = local if local.is_dir() else fetch_config(source, progress=progress)
     try:
@@ -136,8 +141,8 @@ def add_preset(preset: ModelPreset) -> Path:
     Raises:
         InvalidRequest: a preset of that name exists already.
     """
-    if preset.name in all_presets():
-        raise InvalidRequest(f"a preset named {preset.name!r} exists already", hint="choose another with --name")
+    forget_added()  # read the file as it is now: another process may have added the name meanwhile
+    _refuse_taken(preset.name)
     path = user_presets_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     fields = {"hf_repo": preset.hf_repo, "family": preset.family, "num_layers": preset.num_layers,

@@ -11,6 +11,7 @@ limit (chunked uploads), so a huge body is never buffered nor parsed.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from collections.abc import Awaitable
@@ -26,6 +27,13 @@ def route_path(scope: Scope) -> str:
     above it (``/v1/forward`` for a node app mounted at ``/node`` and called at ``/node/v1/forward``)."""
     path, root = scope["path"], scope.get("root_path", "")
     return (path[len(root):] or "/") if root and path.startswith(root) else path
+
+
+def same_secret(given: str, secret: str) -> bool:
+    """Whether a header's value ``given`` is ``secret`` (a token), in constant time. Compared as
+    bytes: the header's as sent (Starlette decodes header values as latin-1) against the secret's
+    UTF-8; a ``str`` comparison raises on non-ASCII text, a 500 where a wrong token is a 401."""
+    return hmac.compare_digest(given.encode("latin-1"), secret.encode("utf-8"))
 
 
 def error_response(exc: MeshnetError) -> JSONResponse:

@@ -57,7 +57,6 @@ from meshnet.protocol.control import AssignResponse
 from meshnet.protocol.traffic import BUCKET_COUNT
 from meshnet.protocol.views import CoverageList, DemandList, DemandRow
 from meshnet.protocol.route import RouteResponse
-from meshnet.protocol.signing import TRACKER_SIGNER, sign_request
 from meshnet.relay.hub import DEFAULT_RELAY_BODY_BYTES, RelayHub
 from meshnet.tracker.service import TrackerService, TrackerSettings
 from meshnet.tracker.traffic import TrafficGatherer, last_buckets
@@ -407,7 +406,7 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
     app.state.auth = NodeAuth(settings.join_token)
     app.state.traffic = TrafficGatherer(lambda: app.state.http, lambda: [
         (n.node_id, n.endpoint) for n in app.state.service.nodes.values()],  # ADR-0046
-        sign=lambda method, path: sign_request(app.state.service.tickets.key, TRACKER_SIGNER, method, path, b""))
+        sign=lambda method, path: app.state.service.tickets.sign_call(method, path))
     app.state.local_node = local_node
     app.state.local_node_error = None  # set by the composition when that node fails to start
     app.state.relay = relay_hub(app, DEFAULT_RELAY_BODY_BYTES)

@@ -13,14 +13,13 @@
 from __future__ import annotations
 
 import functools
-
-import hmac
 import ipaddress
 import time
 from collections.abc import Mapping
 
 from meshnet.errors import Forbidden, InvalidRequest, NotFound, Unauthorized
 from meshnet.protocol.control import RegisterRequest
+from meshnet.protocol.http import same_secret
 from meshnet.protocol.signing import HEADER_JOIN_TOKEN, MAX_SKEW_S, decode_public_key, signer_of, verify_request
 
 
@@ -77,7 +76,7 @@ class NodeAuth:
         if not self.join_token:
             return
         given = headers.get(HEADER_JOIN_TOKEN, "")
-        if not hmac.compare_digest(given.encode("latin-1"), self.join_token.encode("utf-8")):  # header bytes as sent
+        if not same_secret(given, self.join_token):
             raise Unauthorized("join token missing or wrong: this tracker admits only nodes that present it",
                                code="join_token", hint="start the node with --join-token (or MESHNET_JOIN_TOKEN)")
 

@@ -7,20 +7,15 @@ shards are never retargeted by placement (ADR-0026).
 
 from __future__ import annotations
 
-import hmac
-
-import httpx
-
 from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound, Unauthorized
-from meshnet.protocol.http import validate_json
+from meshnet.protocol.http import same_secret, validate_json
 from meshnet.layers import LayerRange
 from meshnet.protocol.control import DoctorResponse
-from meshnet.protocol.signing import TRACKER_SIGNER, sign_request
 
 
 class PinRequest(BaseModel):
@@ -44,9 +39,7 @@ def is_operator(request: Request) -> bool:
     if not token:
         return True
     given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    # as bytes: the header's own (Starlette decodes headers as latin-1), the token's in UTF-8; a str
-    # comparison raises on a non-ASCII header (a 500 where a wrong token is a 401)
-    return hmac.compare_digest(given.encode("latin-1"), token.encode("utf-8"))
+    return same_secret(given, token)
 
 
 def _authorize(request: Request) -> None:
@@ -91,10 +84,8 @@ async def doctor(request: Request) -> JSONResponse:
     directive = svc.queue_directive(node.node_id, "RUN_DOCTOR", reason="operator doctor")
     svc.store.set_status(directive.id, "delivered")
     try:
-        url = f"{node.endpoint}/v1/doctor"
-        # a node runs doctor only for its tracker: the call is signed as the tracker (ADR-0049)
-        signed = sign_request(svc.tickets.key, TRACKER_SIGNER, "POST", httpx.URL(url).path, b"")
-        resp = await request.app.state.http.post(url, timeout=300.0, headers=signed)
+        url = f"{node.endpoint}/v1/doctor"  # a node runs doctor only for its tracker (ADR-0056)
+        resp = await request.app.state.http.post(url, timeout=300.0, headers=svc.tickets.sign_call("POST", url))
         resp.raise_for_status()
         reports = DoctorResponse.model_validate(resp.json()).reports
     except Exception as exc:  # noqa: BLE001 - unreachable, error status, a body without valid reports

@@ -27,28 +27,31 @@ async def probe_endpoint(http: httpx.AsyncClient, endpoint: str, node_id: str, t
         Never raises for a network or protocol error.
     """
     url = f"{endpoint}/v1/health"
-    try:
-        resp = await http.get(url, timeout=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - refused, timed out, bad URL...: all mean unreachable
-        return f"GET {url} failed: {type(exc).__name__}: {exc}"[:500]
-    try:
-        body = resp.json()
-    except ValueError:
-        body = None
-    answered = body.get("node_id") if isinstance(body, dict) else None
+    status, answered, failed = await _health(http, url, timeout_s)
+    if failed:
+        return failed
     if answered is not None and answered != node_id:
         return f"GET {url} answered as node {answered!r}, not {node_id!r}"
-    if answered is None and resp.status_code != 200:
-        return f"GET {url} answered HTTP {resp.status_code}"
+    if answered is None and status != 200:
+        return f"GET {url} answered HTTP {status}"
     return ""
 
 
 async def answers_as(http: httpx.AsyncClient, endpoint: str, node_id: str, timeout_s: float) -> bool:
     """Whether ``GET {endpoint}/v1/health`` answers, within ``timeout_s`` seconds, with a body that
     names ``node_id``: a live process of that node is there. Never raises."""
+    return (await _health(http, f"{endpoint}/v1/health", timeout_s))[1] == node_id
+
+
+async def _health(http: httpx.AsyncClient, url: str, timeout_s: float) -> tuple[int, str | None, str]:
+    """One ``GET`` of a health ``url``: its status, the ``node_id`` its JSON body names (None: no
+    such body) and, when it could not be asked at all, why (else ``""``). Never raises."""
     try:
-        resp = await http.get(f"{endpoint}/v1/health", timeout=timeout_s)
+        resp = await http.get(url, timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - refused, timed out, bad URL...: all mean unreachable
+        return 0, None, f"GET {url} failed: {type(exc).__name__}: {exc}"[:500]
+    try:
         body = resp.json()
-    except Exception:  # noqa: BLE001 - refused, timed out, not JSON: nobody answers as the node
-        return False
-    return isinstance(body, dict) and body.get("node_id") == node_id
+    except ValueError:
+        body = None
+    return resp.status_code, body.get("node_id") if isinstance(body, dict) else None, ""

@@ -16,12 +16,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshnet import keyfile
 from meshnet.errors import Forbidden
 from meshnet.protocol.route import Hop
-from meshnet.protocol.signing import encode_public_key
+from meshnet.protocol.signing import TRACKER_SIGNER, encode_public_key, sign_request
 from meshnet.protocol.tickets import TICKET_TTL_S, TicketClaims, issue_ticket
 
 KEY_FILE = "tracker.key"
@@ -74,3 +75,9 @@ class TicketIssuer:
                                         now=now, ttl_s=self.ttl_s)
         self._owners[session] = (entry, claims.expires_at)
         return issue_ticket(self.key, claims)
+
+    def sign_call(self, method: str, url: str) -> dict[str, str]:
+        """Headers that sign a bodiless call to ``url`` (its path is what is signed) as the tracker,
+        with the key nodes check tickets with: what a node shows or does only for its tracker
+        (``GET /v1/traffic``'s session ids, ``POST /v1/doctor``; ADR-0049, ADR-0056)."""
+        return sign_request(self.key, TRACKER_SIGNER, method, httpx.URL(url).path, b"")
