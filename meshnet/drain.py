@@ -240,6 +240,10 @@ class DrainMiddleware:
             drain.in_flight -= 1
 
 
+#: the last message of every response body
+_END = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
 async def _end_stream(send, state: dict, exc: MeshnetError) -> None:
     """End a cut or failed response: an event stream with ``exc`` as its last event; a response not
     started yet as ``exc``'s JSON error; any other started response with its end of body. The server
@@ -248,7 +252,7 @@ async def _end_stream(send, state: dict, exc: MeshnetError) -> None:
     ends += [_error_messages(exc), []]
     for messages in ends:
         try:
-            for message in messages + [{"type": "http.response.body", "body": b"", "more_body": False}]:
+            for message in [*messages, _END]:
                 await send(message)
             return
         except Exception as refused:  # noqa: BLE001 - an ASGI server refuses out-of-order messages
@@ -266,5 +270,5 @@ def _error_messages(exc: MeshnetError) -> list[dict]:
 
 
 async def _send_error(send, exc: Draining) -> None:
-    for message in _error_messages(exc) + [{"type": "http.response.body", "body": b"", "more_body": False}]:
+    for message in [*_error_messages(exc), _END]:
         await send(message)
