@@ -95,6 +95,19 @@ def _tracked_presets(models: list[str], *, default: bool) -> tuple[str, ...]:
         fail(exc)
 
 
+def _refuse_a_running_identity(node_id: str, state_dir) -> None:
+    """Fail at once, as one line, when a node with this id already runs from its state directory on
+    this host (the node's agent takes the lock for good once the server starts, ADR-0056)."""
+    import os
+
+    from meshnet.node import identity
+
+    try:
+        os.close(identity.lock_state_dir(state_dir or identity.default_state_dir(node_id), node_id))
+    except MeshnetError as exc:
+        fail(exc)
+
+
 def _tracker_node_settings(tracker, model: str, opts: TrackerOptions):
     """The settings of the node a tracker runs for ``--serve-layers`` (ADR-0044); exits on a bad
     range or URL. Sets torch's thread count to the one chosen."""
@@ -124,6 +137,7 @@ def _tracker_node_settings(tracker, model: str, opts: TrackerOptions):
 
     torch.set_num_threads(choice.threads)
     own_url = local_tracker_url(tracker.host, tracker.port)
+    _refuse_a_running_identity(opts.node_id, opts.state_dir)
     return NodeSettings(host=tracker.host, port=tracker.port, public_url=node_endpoint(public_url or own_url),
                         node_id=opts.node_id, tracker_url=own_url, join_token=tracker.join_token, state_dir=opts.state_dir,
                         model=model, shard=layers, memory_bytes=None if opts.memory is None else opts.memory * MB,
@@ -151,6 +165,8 @@ def node_start(opts: NodeOptions) -> None:
 
     torch.set_num_threads(choice.threads)
     settings = opts.settings(choice.compute_dtype, choice.threads)
+    if settings.tracker_url:  # a node that joins a mesh signs as its identity: one process per identity
+        _refuse_a_running_identity(settings.node_id, settings.state_dir)
     from meshnet.node.app import build_app
 
     app = build_app(settings)

@@ -104,6 +104,12 @@ async def test_a_second_process_of_the_same_node_on_this_host_is_refused_until_t
              "try:\n    lock_state_dir(sys.argv[1], 'n1')\nexcept Exception as exc:\n    print(exc.code)")
     held = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert held.stdout.strip() == "node_id_in_use", held.stderr
+    # `meshnet node start` says so before its server starts: one line, exit 1, no traceback
+    start = subprocess.run([sys.executable, "-m", "meshnet.cli.main", "node", "start", "--tracker", "http://127.0.0.1:9",
+                            "--node-id", "n1", "--state-dir", str(tmp_path), "--dtype", "float32", "--threads", "1"],
+                           capture_output=True, text=True, timeout=120)
+    assert start.returncode == 1 and "Traceback" not in start.stderr
+    assert f"error: node n1 runs already on this host (its state directory {tmp_path} is in use)" in start.stderr
     await first.close()
     second, _ = await agent_with(status(404), tmp_path)  # free again once the first let go
     await second.close()
