@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshnet.errors import InvalidRequest, ModelSourceError
-from meshnet.models.families import family_of
+from meshnet.models.families import family_of, language_config
 from meshnet.presets import ModelPreset, all_presets, forget_added, user_presets_path
 
 __all__ = ["LayerParameters", "add_preset", "layer_bytes", "layer_parameters", "preset_for"]
@@ -114,7 +114,7 @@ def preset_for(source: str, name: str | None = None, *, progress=None) -> ModelP
     local = Path(source).expanduser()
     path = local if local.is_dir() else fetch_config(source, progress=progress)
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = language_config(AutoConfig.from_pretrained(path))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # what a malformed config raises
         raise ModelSourceError(f"{source}: its config.json cannot be read: {exc}",
                                hint="point at a Hugging Face model directory or hub repository") from exc

@@ -58,11 +58,9 @@ def check_family(model_path: Path, expected: str | None) -> str:
         ModelSourceError: an unsupported ``model_type``, or a family other than ``expected`` (the
             preset's ``family``).
     """
-    from transformers import AutoConfig
+    from meshnet.models.families import family_of, load_config
 
-    from meshnet.models.families import family_of
-
-    family = family_of(AutoConfig.from_pretrained(model_path)).name
+    family = family_of(load_config(model_path)).name
     if expected and family != expected:
         raise ModelSourceError(f"{model_path}/config.json is a {family} model, its preset says {expected}",
                                hint="fix the preset's family in model_presets.toml, or the model's config.json")
@@ -86,9 +84,9 @@ def certify(model_path: Path, *, splits: Iterable[tuple[int, ...]] | None = None
 
     from meshnet.models.shard import ShardModel
 
-    from transformers import AutoConfig
+    from meshnet.models.families import load_config
 
-    num_layers = int(AutoConfig.from_pretrained(model_path).num_hidden_layers)
+    num_layers = int(load_config(model_path).num_hidden_layers)
     splits = list(splits or default_splits(num_layers))
     for boundaries in splits:  # checked before anything is loaded
         edges = [0, *boundaries, num_layers]

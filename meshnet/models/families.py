@@ -18,9 +18,13 @@ Mixtures of experts (Mixtral, Qwen3-MoE) load their per-expert checkpoint tensor
 stacked experts transformers runs (:class:`ExpertLayout`). Gemma 3's text decoder scales its
 embeddings (inside its embedding module), gives local and global layers their own rotary bases
 (``rotary_by_layer_type``), and may soft-cap its final logits (``final_logit_softcapping``,
-applied by :meth:`meshnet.models.shard.ShardModel.logits`). Families whose layers need more
-(linear attention with recurrent state, gpt-oss's attention sinks, the multimodal wrappers) are
-not listed yet, so they are refused.
+applied by :meth:`meshnet.models.shard.ShardModel.logits`). gpt-oss alternates sliding and full
+layers, adds a learned sink logit per head to every softmax
+(:func:`meshnet.models.kernels.sink_attention`) and ships its experts as MXFP4
+(:func:`meshnet.models.checkpoints.dequantize_mxfp4`). A multimodal wrapper whose text model is a
+family (``gemma3`` around ``gemma3_text``) is served as its language model
+(:func:`language_config`, :func:`language_key`). Families whose layers need more (linear
+attention with recurrent state) are not listed yet, so they are refused.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from dataclasses import dataclass, field
 
 from meshnet.errors import ModelSourceError
 
-__all__ = ["FAMILIES", "ExpertLayout", "Family", "family_of", "layer_kinds"]
+__all__ = ["FAMILIES", "WRAPPED_PREFIXES", "ExpertLayout", "Family", "family_of", "language_config", "language_key",
+           "layer_kinds", "load_config"]
 
 FULL, SLIDING = "full", "sliding"
 
@@ -124,6 +129,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
             "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
             "final_logit_softcapping": 30.0},
            rotary_by_layer_type=True),
+    Family("gpt_oss", ("gpt_oss",), "model.layers", "model.embed_tokens", "model.norm", None, "model.rotary_emb",
+           {"model_type": "gpt_oss", **_TINY, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 32,
+                                "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 150000.0}}),
 )}
 _BY_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
 
@@ -152,3 +162,41 @@ def layer_kinds(config) -> list[str]:
     if types:
         return [SLIDING if t == "sliding_attention" else FULL for t in types]
     return [SLIDING if getattr(config, "sliding_window", None) else FULL] * count
+
+
+#: where multimodal wrappers (Gemma 3's ``gemma3``, Qwen3.5's ``qwen3_5``, …) keep their language
+#: model's tensors: (stored prefix, the language model's own prefix). The first is what
+#: transformers 5 saves, the second and third what releases saved by earlier versions hold.
+WRAPPED_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                    ("language_model.lm_head.", "lm_head."))
+
+
+def language_key(key: str) -> str:
+    """A checkpoint tensor's name in its language model: a wrapper's prefix
+    (:data:`WRAPPED_PREFIXES`) becomes the text model's; every other name is kept."""
+    for stored, own in WRAPPED_PREFIXES:
+        if key.startswith(stored):
+            return own + key[len(stored):]
+    return key
+
+
+def language_config(config):
+    """The config of the language model meshnet serves: a multimodal wrapper's ``text_config``
+    where the wrapper's own type is not a family and its text model's is (``gemma3`` →
+    ``gemma3_text``); any other config as it is (an unknown type is then refused by
+    :func:`family_of`)."""
+    text = getattr(config, "text_config", None)
+    if getattr(config, "model_type", None) not in _BY_TYPE and getattr(text, "model_type", None) in _BY_TYPE:
+        return text
+    return config
+
+
+def load_config(model_path):
+    """The language model's config (:func:`language_config`) of the model directory ``model_path``.
+
+    Raises:
+        OSError, ValueError: no readable ``config.json`` (transformers' own errors).
+    """
+    from transformers import AutoConfig
+
+    return language_config(AutoConfig.from_pretrained(model_path))

@@ -198,7 +198,12 @@ def attention(module: nn.Module, query: torch.Tensor, key, value, attention_mask
     scale = kwargs.get("scaling")
     in_float32 = getattr(module.config, IN_FLOAT32, False)
     window = kwargs.pop("sliding_window", None)
+    sinks = kwargs.pop("s_aux", None)
     if isinstance(key, RaggedKV):
+        if sinks is not None:
+            rows = [sink_attention(query[b:b + 1], *_last(k, v, window), None, scale, sinks)
+                    for b, (k, v) in enumerate(zip(key.rows, value.rows))]
+            return torch.cat(rows), None
         rows = [decode_attention(query[b:b + 1], *_last(k, v, window), scale, in_float32)
                 for b, (k, v) in enumerate(zip(key.rows, value.rows))]
         return torch.cat(rows).transpose(1, 2), None
@@ -207,9 +212,42 @@ def attention(module: nn.Module, query: torch.Tensor, key, value, attention_mask
             key, value = _last(key, value, window)
         else:
             attention_mask = sliding_mask(attention_mask, query.shape[2], key.shape[2], window, query.dtype)
+    if sinks is not None:
+        return sink_attention(query, key, value, attention_mask, scale, sinks), None
     if query.shape[2] == 1 and attention_mask is None and not module.training and kwargs.get("softcap") is None:
         return decode_attention(query, key, value, scale, in_float32).transpose(1, 2), None
     return _sdpa(module, query, key, value, attention_mask, **kwargs)
+
+
+def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float | None, sinks: torch.Tensor) -> torch.Tensor:
+    """Causal attention with one learned sink logit per head (gpt-oss's attention sinks): the sink
+    takes part in the softmax's normalisation and contributes no value, so a head may attend to
+    nothing. The rule of transformers' gpt-oss eager attention, which SDPA has no argument for.
+
+    Args:
+        query: ``[batch, heads, q_len, head_dim]``, the last ``q_len`` of ``kv_len`` positions.
+        key, value: ``[batch, kv_heads, kv_len, head_dim]`` (grouped heads are repeated here).
+        mask: additive ``[1 or batch, 1, q_len, kv_len]``; None: causal (and nothing for one query).
+        scale: the softmax scale (None: ``1 / sqrt(head_dim)``).
+        sinks: ``[heads]`` sink logits.
+
+    Returns:
+        ``[batch, q_len, heads, head_dim]`` in the query's dtype.
+    """
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    scores = torch.matmul(query, key.transpose(2, 3)) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    if mask is None and q_len > 1:  # causal: a window wider than every key blocks only the future
+        mask = sliding_mask(None, q_len, kv_len, kv_len + 1, scores.dtype)
+    if mask is not None:
+        scores = scores + mask
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, q_len, 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(value.dtype), value).transpose(1, 2)
 
 
 def _last(key: torch.Tensor, value: torch.Tensor, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:

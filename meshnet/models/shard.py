@@ -20,12 +20,9 @@ memory is its own.
 
 from __future__ import annotations
 
-import contextlib
-
 import ctypes
 import functools
 import importlib
-import json
 import logging
 from pathlib import Path
 
@@ -34,7 +31,8 @@ from torch import nn
 
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
-from meshnet.models.families import family_of
+from meshnet.models.checkpoints import Checkpoint, dequantize_mxfp4, stack_experts
+from meshnet.models.families import family_of, load_config
 from meshnet.models.kernels import ATTENTION, IN_FLOAT32, BatchCache, KVCache, _register_attention, \
     attention_in_float32, causal_mask
 from meshnet.models.linears import apply_layouts, layout, min_rows, upcast_linears
@@ -124,25 +122,15 @@ def _get(module: nn.Module, path: str) -> nn.Module:
     return module
 
 
-def _tensor_index(model_path: Path) -> dict[str, Path]:
-    index = model_path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {key: model_path / name for key, name in weight_map.items()}
-    from safetensors import safe_open
-    out = {}
-    for file in sorted(model_path.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as fh:
-            out.update({key: file for key in fh.keys()})
-    return out
-
-
 def _meta_model(config, dtype: torch.dtype) -> nn.Module:
-    """The whole model of ``config`` on the ``meta`` device (shapes only, no memory)."""
+    """The whole model of ``config`` on the ``meta`` device (shapes only, no memory).
+
+    Built with transformers' eager attention, which every family has (gpt-oss has no SDPA path);
+    a shard then runs meshnet's own (:data:`ATTENTION`) whatever the skeleton was built with."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
 
 
 def prepare_layouts(model_path: Path, layers: LayerRange, *, dtype: str = "float32", load_head: bool | None = None,
@@ -160,9 +148,7 @@ def prepare_layouts(model_path: Path, layers: LayerRange, *, dtype: str = "float
     Raises:
         KeyError: unknown ``dtype``; OSError and ValueError: an unreadable ``config.json``.
     """
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path)
+    config = load_config(model_path)
     skeleton = _meta_model(config, DTYPES[dtype])
     modules: list[nn.Module] = []
     if quantization in ("bfloat16", "float32"):
@@ -198,11 +184,8 @@ class ShardModel:
 
     def __init__(self, model_path: Path, layers: LayerRange, *, dtype: str = "float32",
                  load_head: bool | None = None, quantization: str = "bfloat16") -> None:
-        from transformers import AutoConfig
-
         self.model_path = Path(model_path)
-        self.config = AutoConfig.from_pretrained(self.model_path)
-        self.config._attn_implementation = "sdpa"
+        self.config = load_config(self.model_path)
         self.num_layers = int(self.config.num_hidden_layers)
         if layers.end > self.num_layers:
             raise ModelSourceError(f"shard {layers} beyond the model's {self.num_layers} layers")
@@ -256,38 +239,32 @@ class ShardModel:
                 "pos_embed": self.pos_embed, "lm_head": self.lm_head}
 
     def _load_tensors(self, prefixes: dict[str, str]) -> None:
-        from safetensors import safe_open
-
-        index = _tensor_index(self.model_path)
-        wanted: dict[str, str] = {}
-        for key in index:
-            for src, dst in prefixes.items():
-                if key.startswith(src):
-                    name = dst + key[len(src):]
-                    for stored, module_name in self.family.renames:
-                        name = name.replace(f".{stored}", f".{module_name}", 1)
-                    wanted[key] = name
-        for module in self._modules().values():
-            if module is not None:
-                module.to_empty(device="cpu")
-        params = {}
-        for name, module in self._modules().items():
-            if module is not None:
-                params.update({f"{name}.{k}": v for k, v in module.state_dict(keep_vars=True).items()})
-        loaded: set[str] = set()
-        by_file: dict[Path, list[str]] = {}
-        for key in wanted:
-            by_file.setdefault(index[key], []).append(key)
-        for file, keys in by_file.items():
-            with safe_open(file, framework="pt") as fh:
-                for key in keys:
-                    target = params.get(wanted[key])
-                    if target is not None:
-                        with torch.no_grad():
-                            target.copy_(fh.get_tensor(key))  # casts in place: no second temporary
-                        loaded.add(wanted[key])
-        if self.family.experts is not None:
-            self._stack_experts(index, params, loaded)
+        with Checkpoint(self.model_path) as checkpoint:
+            wanted: dict[str, str] = {}
+            for key in checkpoint.names():
+                for src, dst in prefixes.items():
+                    if key.startswith(src):
+                        name = dst + key[len(src):]
+                        for stored, module_name in self.family.renames:
+                            name = name.replace(f".{stored}", f".{module_name}", 1)
+                        wanted[key] = name
+            for module in self._modules().values():
+                if module is not None:
+                    module.to_empty(device="cpu")
+            params = {}
+            for name, module in self._modules().items():
+                if module is not None:
+                    params.update({f"{name}.{k}": v for k, v in module.state_dict(keep_vars=True).items()})
+            loaded: set[str] = set()
+            for key, name in wanted.items():
+                target = params.get(name)
+                if target is not None:
+                    with torch.no_grad():
+                        target.copy_(checkpoint.tensor(key))  # casts in place: no second temporary
+                    loaded.add(name)
+            if self.family.experts is not None:
+                stack_experts(checkpoint, self.family, self.config, self.layers, params, loaded)
+            dequantize_mxfp4(checkpoint, wanted, params, loaded)
         if self.lm_head is not None and "lm_head.weight" not in loaded:
             self.lm_head.weight = self.embed.weight  # tied embeddings
             loaded.add("lm_head.weight")
@@ -299,39 +276,6 @@ class ShardModel:
         for module in self._modules().values():
             if module is not None:
                 module.eval()
-
-    def _stack_experts(self, index: dict[str, Path], params: dict[str, torch.Tensor], loaded: set[str]) -> None:
-        """Fill each layer's stacked experts from a checkpoint that stores them one by one
-        (:class:`meshnet.models.families.ExpertLayout`); a checkpoint already stacked was loaded
-        by name.
-
-        Raises:
-            ModelSourceError: an expert's tensor is missing.
-        """
-        from safetensors import safe_open
-
-        layout, count = self.family.experts, int(getattr(self.config, self.family.experts.count))
-        with contextlib.ExitStack() as files:
-            handles: dict[Path, object] = {}
-
-            def tensor(key: str) -> torch.Tensor:
-                if key not in index:
-                    raise ModelSourceError(f"shard {self.layers} of {self.model_path}: missing tensor {key}")
-                if index[key] not in handles:
-                    handles[index[key]] = files.enter_context(safe_open(index[key], framework="pt"))
-                return handles[index[key]].get_tensor(key)
-
-            for i in range(self.layers.start, self.layers.end):
-                target, stored = f"blocks.{i}.{layout.module}", f"{self.family.layers_path}.{i}.{layout.checkpoint}"
-                if f"{target}.gate_up_proj" in loaded or f"{target}.gate_up_proj" not in params:
-                    continue
-                expert = [{name: tensor(f"{stored}.{e}.{name}.weight") for name in (layout.gate, layout.up, layout.down)}
-                          for e in range(count)]
-                with torch.no_grad():
-                    params[f"{target}.gate_up_proj"].copy_(
-                        torch.stack([torch.cat([w[layout.gate], w[layout.up]]) for w in expert]))
-                    params[f"{target}.down_proj"].copy_(torch.stack([w[layout.down] for w in expert]))
-                loaded.update({f"{target}.gate_up_proj", f"{target}.down_proj"})
 
     # ---- compute -------------------------------------------------------------------
 

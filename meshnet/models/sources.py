@@ -214,16 +214,14 @@ def weight_files(path: Path, layers: LayerRange | None, entry: bool | None = Non
         raise ModelSourceError(f"unreadable {index}: {exc}", hint=f"delete {path} to fetch it again") from exc
     if layers is None:
         return sorted(set(weight_map.values()))
-    from transformers import AutoConfig
+    from meshnet.models.families import family_of, language_key, load_config
 
-    from meshnet.models.families import family_of
-
-    family = family_of(AutoConfig.from_pretrained(path))
+    family = family_of(load_config(path))
     prefixes = [f"{family.layers_path}.{i}." for i in range(layers.start, layers.end)]
     if layers.start == 0 if entry is None else entry:
         prefixes += [f"{p}." for p in (family.embed_path, family.norm_path, family.pos_embed_path) if p]
         prefixes.append("lm_head.")
-    return sorted({name for key, name in weight_map.items() if key.startswith(tuple(prefixes))})
+    return sorted({name for key, name in weight_map.items() if language_key(key).startswith(tuple(prefixes))})
 
 
 def _download_wheel(package: str, say: Progress) -> Path:

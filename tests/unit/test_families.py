@@ -112,11 +112,11 @@ def test_a_batched_decode_step_of_sessions_of_different_lengths_gives_each_its_o
                      msg=lambda m: f"{name} row {row}: {m}")
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "qwen3_next", "gpt_oss", "mystery", None])
+@pytest.mark.parametrize("model_type", ["gemma3", "qwen3_next", "mamba", "mystery", None])
 def test_a_model_type_no_family_serves_is_refused_naming_the_supported_ones(model_type):
     with pytest.raises(ModelSourceError, match=f"model type {model_type!r} is not supported") as info:
         family_of(types.SimpleNamespace(model_type=model_type))
-    assert "gemma3_text, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe" in info.value.hint
+    assert "gemma3_text, gpt2, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe" in info.value.hint
 
 
 def test_families_are_chosen_by_model_type():
@@ -187,3 +187,77 @@ async def test_a_replacement_hop_rebuilt_from_the_replayed_input_gives_the_same_
         history.append((position, frame, len(chunk)))
         out.append(entry.logits(rest.forward(await codec.decode(frame), caches[1], position))[0])
     assert_close(torch.cat(out), want, atol=ATOL, rtol=0)
+
+
+def test_gpt_oss_experts_stored_as_mxfp4_load_as_their_dequantized_values(family_model, tmp_path):
+    """gpt-oss's released checkpoints store the experts as MXFP4 (``*_blocks`` and ``*_scales``);
+    a shard dequantizes them at load. Random 4-bit codes and exponents are written as such a
+    checkpoint; the whole model given their dequantized values is the reference."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from meshnet.models.shard import ShardModel
+
+    path, reference = family_model("gpt_oss")
+    config = reference.config
+    generator = torch.Generator().manual_seed(3)
+    state, packed = {k: v.clone() for k, v in reference.state_dict().items()}, {}
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, rows, cols = state[key].shape  # stored transposed: the codes run along the rows
+        blocks = torch.randint(0, 256, (experts, cols, rows // 32, 16), dtype=torch.uint8, generator=generator)
+        scales = torch.randint(120, 127, (experts, cols, rows // 32), dtype=torch.uint8, generator=generator)
+        state[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        packed.update({f"{key}_blocks": blocks, f"{key}_scales": scales})
+    mxfp4 = tmp_path / "mxfp4"
+    shutil.copytree(path, mxfp4)
+    for file in mxfp4.glob("*.safetensors"):
+        file.unlink()
+    (mxfp4 / "model.safetensors.index.json").unlink(missing_ok=True)
+    stored = {k: v.contiguous() for k, v in state.items() if not k.endswith(("gate_up_proj", "down_proj"))}
+    save_file({**stored, **packed}, mxfp4 / "model.safetensors", metadata={"format": "pt"})
+    dense = AutoModelForCausalLM.from_config(config).eval()
+    dense.load_state_dict(state)
+    ids = PROMPT + DECODED
+    layers = config.num_hidden_layers
+    entry = ShardModel(mxfp4, LayerRange(0, 2), dtype="float32")
+    rest = ShardModel(mxfp4, LayerRange(2, layers), dtype="float32", load_head=False)
+    assert_close(split_logits(entry, rest, ids, len(PROMPT)), reference_logits(dense, ids), atol=ATOL, rtol=0)
+    assert not torch.equal(state["model.layers.0.mlp.experts.down_proj"],
+                           reference.state_dict()["model.layers.0.mlp.experts.down_proj"])
+
+
+@pytest.mark.parametrize("layout", ["language_model.model.", "model.language_model."])
+def test_the_language_model_of_a_multimodal_wrapper_is_served_as_its_text_family(tmp_path, layout):
+    """Gemma 3's released checkpoints are the image-text wrapper (``gemma3``, a ``text_config``,
+    the language model's tensors under a prefix: older releases' or transformers 5's); a shard
+    serves its language model, split, with the whole wrapper's logits on text, and never reads
+    the vision tower."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText, Gemma3Config
+
+    from meshnet.models.families import family_of, load_config
+    from meshnet.models.shard import ShardModel
+    from meshnet.models.sources import byte_tokenizer
+
+    text = dict(FAMILIES["gemma3"].tiny_config)
+    text.pop("model_type")
+    text["final_logit_softcapping"] = None  # as Gemma 3's released text configs; the wrapper's head never caps
+    config = Gemma3Config(text_config=text, mm_tokens_per_image=4,
+                          vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                         "num_attention_heads": 2, "image_size": 56, "patch_size": 14})
+    torch.manual_seed(0)
+    wrapper = AutoModelForImageTextToText.from_config(config).eval()
+    wrapper.save_pretrained(tmp_path)
+    byte_tokenizer(config.text_config.vocab_size).save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert any(k.startswith("language_model.model.layers.") for k in stored)
+    save_file({k.replace("language_model.model.", layout, 1): v.contiguous() for k, v in stored.items()},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert load_config(tmp_path).model_type == "gemma3_text" and family_of(load_config(tmp_path)).name == "gemma3"
+    ids = PROMPT + DECODED
+    entry = ShardModel(tmp_path, LayerRange(0, 1), dtype="float32")
+    rest = ShardModel(tmp_path, LayerRange(1, 4), dtype="float32", load_head=False)
+    assert_close(split_logits(entry, rest, ids, len(PROMPT)), reference_logits(wrapper, ids), atol=ATOL, rtol=0)
