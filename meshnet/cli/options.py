@@ -63,8 +63,14 @@ def max_body_option():
 
 def dtype_option():
     return typer.Option("auto", "--dtype",
-                        help="Compute dtype: auto (measured on this host: bfloat16 when clearly faster, else the "
-                             "exact float32), float32 or bfloat16.")
+                        help="Compute dtype: auto (on a CPU measured on this host: bfloat16 when clearly faster, else "
+                             "the exact float32; on a GPU bfloat16, or float16 where it has no bfloat16), float32, "
+                             "bfloat16 or float16 (GPU only).")
+
+
+def device_option(help: str = "Where the shards run: auto (the first CUDA GPU when torch sees one, else the CPU), "
+                              "cpu, cuda or cuda:N. On a GPU the node offers the GPU's free memory."):
+    return typer.Option("auto", "--device", envvar="MESHNET_DEVICE", help=help)
 
 
 def threads_option(help: str = "torch intra-op threads (default: measured on this host, at most the usable cores)."):
@@ -106,6 +112,7 @@ class NodeOptions:
     max_shards: int = typer.Option(N.max_loaded_shards, "--max-shards", min=1,
                                    help="Shard slots (loaded shards at once).")
     dtype: str = dtype_option()
+    device: str = device_option()
     quantization: str = typer.Option(N.quantization, "--quantization", help="Recipe: bfloat16, int8, nf4.")
     wire_dtype: str = wire_dtype_option()
     host: str = typer.Option(N.host, "--host", help="Address to listen on.")
@@ -183,9 +190,9 @@ class NodeOptions:
             fail(MeshnetError(f"cannot pick a free port on --host {self.host}: {exc}",
                               hint="pass an address of this machine (127.0.0.1, ::1, 0.0.0.0) or --port"))
 
-    def settings(self, compute_dtype: str, threads: int):
-        """The node's :class:`NodeSettings` (after :meth:`check`), with the compute dtype and
-        threads chosen for this host."""
+    def settings(self, compute_dtype: str, threads: int, device: str = "cpu"):
+        """The node's :class:`NodeSettings` (after :meth:`check`), with the compute dtype, threads
+        and device (``cpu``, ``cuda:N``) chosen for this host."""
         from meshnet.layers import LayerRange
         from meshnet.node.settings import NodeSettings, new_node_id
 
@@ -195,7 +202,7 @@ class NodeOptions:
             tracker_url=",".join(self.tracker) if self.tracker else None, join_token=self.join_token,
             state_dir=self.state_dir, model=self.model, shard=shard,
             memory_bytes=None if self.memory is None else self.memory * MB, max_loaded_shards=self.max_shards,
-            compute_dtype=compute_dtype, quantization=self.quantization, wire_dtype=self.wire_dtype,
+            compute_dtype=compute_dtype, device=device, quantization=self.quantization, wire_dtype=self.wire_dtype,
             heartbeat_interval_s=self.heartbeat_interval, accepts_placement=not self.no_placement,
             torch_threads=threads, session_cache_bytes=self.session_cache_mb * MB, session_ttl_s=self.session_ttl,
             hop_timeout_s=self.hop_timeout, hop_connect_timeout_s=self.hop_connect_timeout, wallet=self.wallet,
@@ -250,6 +257,7 @@ class TrackerOptions:
                                                "http://HOST:PORT); its node is at that URL + /node.")
     memory: int | None = typer.Option(None, "--memory", min=1, help="With --serve-layers: memory budget in MB.")
     dtype: str = dtype_option()
+    device: str = device_option("With --serve-layers: where its layers run (auto, cpu, cuda, cuda:N).")
     wire_dtype: str = wire_dtype_option("With --serve-layers: activation dtype.")
     threads: int | None = threads_option()
     state_dir: Path | None = typer.Option(None, "--state-dir", envvar="MESHNET_STATE_DIR",
@@ -295,7 +303,10 @@ class ServeOptions:
                                              "(ADR-0044); without, a node process serves every shard.")
     port: int = typer.Option(T.port, "--port", help="Tracker port (the URL clients use).")
     dtype: str = typer.Option("auto", "--dtype",
-                              help="Compute dtype: auto (measured on this host), bfloat16 or float32 (exact).")
+                              help="Compute dtype: auto (measured on this host; a GPU's bfloat16 or float16), "
+                                   "bfloat16, float32 (exact) or float16 (GPU only).")
+    device: str = device_option("Where every process's shard runs: auto (the first CUDA GPU when torch sees one, "
+                                "else the CPU), cpu, cuda or cuda:N.")
     wire_dtype: str = wire_dtype_option("Activation dtype between nodes.")
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the model to be routable.")
     threads: int | None = threads_option("torch threads per process (default: measured on this host within the "

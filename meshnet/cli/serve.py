@@ -149,7 +149,7 @@ def _prepare(opts: ServeOptions):
     """Fetch the model once, split its layers into the shards the cores allow and choose the
     compute dtype and threads per process; returns ``(preset, ranges, choice)``. Exits on a bad
     model or split."""
-    from meshnet.cli.services import compute_defaults
+    from meshnet.cli.services import chosen_device, compute_defaults
     from meshnet.models.sources import resolve
     from meshnet.node.calibration import max_processes, thread_budget, usable_cores
     from meshnet.presets import default_model, get_preset
@@ -166,9 +166,10 @@ def _prepare(opts: ServeOptions):
     if shards > cores:
         err_console.print(f"[yellow]--nodes {shards} on {cores} usable core(s): {shards} processes share them "
                           "(more threads than cores)[/]")
-    choice = compute_defaults(preset.name, opts.dtype, opts.threads, thread_budget(cores, shards))
-    console.print(f"compute: {choice.compute_dtype}, {choice.threads} thread(s) per process: {choice.reason}",
-                  highlight=False)
+    opts.device = chosen_device(opts.device)  # every process gets the device itself, not "auto"
+    choice = compute_defaults(preset.name, opts.dtype, opts.threads, thread_budget(cores, shards), opts.device)
+    console.print(f"compute: {choice.compute_dtype} on {opts.device}, {choice.threads} thread(s) per process: "
+                  f"{choice.reason}", highlight=False)
     if opts.threads is not None and shards <= cores < opts.threads * shards:
         err_console.print(f"[yellow]--threads {opts.threads} in {shards} processes: {opts.threads * shards} threads "
                           f"on {cores} usable core(s)[/]")
@@ -183,11 +184,15 @@ def _start(mesh: LocalMesh, opts: ServeOptions, model: str, ranges: list[LayerRa
     from meshnet.models.sources import cache_dir
     from meshnet.tracker.service import TrackerSettings as T
 
+    from meshnet.models.devices import device_memory_bytes
+
     shards = len(ranges)
-    memory_mb = memory_per_node_mb(shards, psutil.virtual_memory().total)
+    # the processes share the machine's RAM, or the one GPU's free memory
+    memory_mb = memory_per_node_mb(shards, device_memory_bytes(opts.device) or psutil.virtual_memory().total)
     drain = ["--drain-grace", str(opts.drain_grace)]
     spot = ["--spot-check-rate", str(opts.spot_check_rate)]
-    compute = ["--dtype", choice.compute_dtype, "--wire-dtype", opts.wire_dtype, "--memory", str(memory_mb)]
+    compute = ["--dtype", choice.compute_dtype, "--device", opts.device, "--wire-dtype", opts.wire_dtype,
+               "--memory", str(memory_mb)]
     own = (["--serve-layers", str(ranges[0]), "--threads", str(choice.threads), *compute, *spot]
            if opts.tracker_layers else [])
     mesh.start_tracker(model, node_timeout_s=T.node_timeout_s, rebalance_s=T.rebalance_interval_s,

@@ -13,20 +13,40 @@ from meshnet.errors import MeshnetError
 tracker_app = typer.Typer(help="Run the tracker (coverage map, placement, routing).", no_args_is_help=True)
 node_app = typer.Typer(help="Run a node that serves layer shards.", no_args_is_help=True)
 
-def compute_defaults(model: str | None, dtype: str, threads: int | None, budget: int):
+def compute_defaults(model: str | None, dtype: str, threads: int | None, budget: int, device: str = "cpu"):
     """The compute dtype and threads a node runs with: the flags where given, the rest measured on
     this host for ``model`` within ``budget`` threads (:func:`meshnet.node.calibration.calibrate`).
-    Without a model there is nothing to measure: bfloat16 (ADR-0006) and ``budget`` threads.
+    Without a model there is nothing to measure: bfloat16 (ADR-0006) and ``budget`` threads. On a
+    GPU (``device`` ``cuda:N``) nothing is timed on the CPU: the GPU's half dtype
+    (:func:`meshnet.models.devices.gpu_dtype`) unless ``--dtype`` gives one.
     Exits with the error on a bad ``--dtype``."""
     from meshnet.node.calibration import Choice, calibrate
 
-    if dtype not in ("auto", "float32", "bfloat16"):
-        fail(MeshnetError(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}"))
+    gpu = device.startswith("cuda")
+    if dtype not in ("auto", "float32", "bfloat16") and not (gpu and dtype == "float16"):
+        fail(MeshnetError(f"--dtype must be auto, float32 or bfloat16{', float16' if gpu else ''}, got {dtype!r}",
+                          hint="float16 is for GPUs (--device cuda)" if dtype == "float16" else None))
     given = None if dtype == "auto" else dtype
+    if gpu:
+        from meshnet.models.devices import gpu_dtype
+
+        chosen = given or gpu_dtype(device)
+        return Choice(chosen, threads or budget, f"on {device}: {chosen}{' as given' if given else ''}")
     if model is None:
         return Choice(given or "bfloat16", threads or budget, "no model to measure on: ADR-0006 defaults")
     with err_console.status(f"measuring decode speed of {model} on this host"):
         return calibrate(model, budget, dtype=given, threads=threads)
+
+
+def chosen_device(spec: str) -> str:
+    """The device ``--device spec`` names (:func:`meshnet.models.devices.resolve_device`); exits with
+    one line naming the flag on a device this machine lacks."""
+    from meshnet.models.devices import resolve_device
+
+    try:
+        return resolve_device(spec)
+    except MeshnetError as exc:
+        fail(exc)
 
 
 def _serve(app, host: str, port: int) -> None:
@@ -131,8 +151,10 @@ def _tracker_node_settings(tracker, model: str, opts: TrackerOptions):
         fail(exc)
     if opts.wire_dtype not in ("float32", "bfloat16"):
         fail(MeshnetError(f"--wire-dtype must be float32 or bfloat16, got {opts.wire_dtype!r}"))
-    choice = compute_defaults(model, opts.dtype, opts.threads, usable_cores())
-    err_console.print(f"compute: {choice.compute_dtype}, {choice.threads} thread(s): {choice.reason}", highlight=False)
+    device = chosen_device(opts.device)
+    choice = compute_defaults(model, opts.dtype, opts.threads, usable_cores(), device)
+    err_console.print(f"compute: {choice.compute_dtype} on {device}, {choice.threads} thread(s): {choice.reason}",
+                      highlight=False)
     import torch
 
     torch.set_num_threads(choice.threads)
@@ -141,7 +163,7 @@ def _tracker_node_settings(tracker, model: str, opts: TrackerOptions):
     return NodeSettings(host=tracker.host, port=tracker.port, public_url=node_endpoint(public_url or own_url),
                         node_id=opts.node_id, tracker_url=own_url, join_token=tracker.join_token, state_dir=opts.state_dir,
                         model=model, shard=layers, memory_bytes=None if opts.memory is None else opts.memory * MB,
-                        compute_dtype=choice.compute_dtype, wire_dtype=opts.wire_dtype,
+                        compute_dtype=choice.compute_dtype, device=device, wire_dtype=opts.wire_dtype,
                         heartbeat_interval_s=tracker.heartbeat_interval_s, torch_threads=choice.threads,
                         drain_grace_s=tracker.drain_grace_s, spot_check_rate=opts.spot_check_rate)
 
@@ -159,12 +181,13 @@ def node_start(opts: NodeOptions) -> None:
     if not opts.tracker:
         err_console.print("no --tracker: this node serves on its own and joins no mesh (nothing routes to it)",
                           highlight=False)
-    choice = compute_defaults(opts.model, opts.dtype, opts.threads, usable_cores())
-    print(f"compute: {choice.compute_dtype}, {choice.threads} thread(s): {choice.reason}", flush=True)
+    device = chosen_device(opts.device)
+    choice = compute_defaults(opts.model, opts.dtype, opts.threads, usable_cores(), device)
+    print(f"compute: {choice.compute_dtype} on {device}, {choice.threads} thread(s): {choice.reason}", flush=True)
     import torch
 
     torch.set_num_threads(choice.threads)
-    settings = opts.settings(choice.compute_dtype, choice.threads)
+    settings = opts.settings(choice.compute_dtype, choice.threads, device)
     if settings.tracker_url:  # a node that joins a mesh signs as its identity: one process per identity
         _refuse_a_running_identity(settings.node_id, settings.state_dir)
     from meshnet.node.app import build_app

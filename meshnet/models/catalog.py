@@ -48,31 +48,39 @@ class LayerParameters:
 
 
 def layer_parameters(config) -> LayerParameters:
-    """Count one decoder layer's parameters of the model ``config`` describes, on the ``meta``
-    device (no weights are made). Every layer of the certified families has the same size.
+    """Count a decoder layer's parameters of the model ``config`` describes, on the ``meta``
+    device (no weights are made): one layer of each kind the config's ``layer_types`` lists
+    (a hybrid's linear-attention and full-attention layers differ), averaged over the model's
+    layers and rounded up, so that the layer count times it is the decoder's size.
 
     Raises:
         ModelSourceError: no certified family serves the config (:func:`family_of`).
     """
     import copy
+    import math
+    from collections import Counter
 
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
     family = family_of(config)
+    counts = Counter(getattr(config, "layer_types", None) or [None])
     one = copy.deepcopy(config)
     for attr in ("num_hidden_layers", "n_layer"):
         if hasattr(one, attr):
-            setattr(one, attr, 1)
+            setattr(one, attr, len(counts))
     if getattr(one, "layer_types", None):
-        one.layer_types = list(one.layer_types[:1])
+        one.layer_types = list(counts)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(one)
-    layer = model.get_submodule(family.layers_path)[0]
-    total = sum(p.numel() for p in layer.parameters())
-    linear = sum(m.weight.numel() for m in layer.modules() if isinstance(m, (torch.nn.Linear, Conv1D)))
-    return LayerParameters(total, linear)
+    layers = model.get_submodule(family.layers_path)
+    total = linear = 0
+    for layer, count in zip(layers, counts.values()):
+        total += count * sum(p.numel() for p in layer.parameters())
+        linear += count * sum(m.weight.numel() for m in layer.modules() if isinstance(m, (torch.nn.Linear, Conv1D)))
+    n = sum(counts.values())
+    return LayerParameters(math.ceil(total / n), math.ceil(linear / n))
 
 
 def layer_bytes(params: LayerParameters) -> dict[str, int]:

@@ -36,7 +36,7 @@ from meshnet.errors import ModelSourceError
 __all__ = ["FAMILIES", "WRAPPED_PREFIXES", "ExpertLayout", "Family", "family_of", "language_config", "language_key",
            "layer_kinds", "load_config"]
 
-FULL, SLIDING = "full", "sliding"
+FULL, SLIDING, LINEAR = "full", "sliding", "linear"
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,8 @@ class Family:
         experts: how the checkpoint stores a mixture-of-experts layer's experts (None: no experts).
         rotary_by_layer_type: the rotary embedding takes the layer's type (Gemma 3: local sliding
             layers and global layers use different bases), so each layer gets its type's positions.
+        rotary_axes: position axes of the rotary embedding (Qwen3.5's multimodal rotary: 3, time,
+            height and width, all equal to the token position for text).
     """
 
     name: str
@@ -92,6 +94,7 @@ class Family:
     renames: tuple[tuple[str, str], ...] = ()
     experts: ExpertLayout | None = None
     rotary_by_layer_type: bool = False
+    rotary_axes: int = 1
 
 
 _TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -129,6 +132,21 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
             "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
             "final_logit_softcapping": 30.0},
            rotary_by_layer_type=True),
+    Family("qwen3_5", ("qwen3_5_text",), "model.layers", "model.embed_tokens", "model.norm", None,
+           "model.rotary_emb",
+           {"model_type": "qwen3_5_text", **_TINY, "head_dim": 16, "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"]},
+           rotary_axes=3),
+    Family("qwen3_next", ("qwen3_next",), "model.layers", "model.embed_tokens", "model.norm", None,
+           "model.rotary_emb",
+           {"model_type": "qwen3_next", **_TINY, "head_dim": 16, "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1, "norm_topk_prob": True,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"]},
+           experts=ExpertLayout("mlp.experts", "mlp.experts", "gate_proj", "up_proj", "down_proj", "num_experts")),
     Family("gpt_oss", ("gpt_oss",), "model.layers", "model.embed_tokens", "model.norm", None, "model.rotary_emb",
            {"model_type": "gpt_oss", **_TINY, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
             "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"] * 2,
@@ -160,7 +178,7 @@ def layer_kinds(config) -> list[str]:
     count = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0))
     types = getattr(config, "layer_types", None)
     if types:
-        return [SLIDING if t == "sliding_attention" else FULL for t in types]
+        return [{"sliding_attention": SLIDING, "linear_attention": LINEAR}.get(t, FULL) for t in types]
     return [SLIDING if getattr(config, "sliding_window", None) else FULL] * count
 
 

@@ -2,7 +2,7 @@
 
 A node chooses its weight layouts (:func:`meshnet.models.linears.layout`), its float32 crossover
 (:func:`~meshnet.models.linears.min_rows`) and its attention path
-(:func:`meshnet.models.kernels.attention_in_float32`) by timing kernels, and its compute dtype and
+(:func:`meshnet.models.linears.attention_in_float32`) by timing kernels, and its compute dtype and
 threads by timing decode steps (:mod:`meshnet.node.calibration`). Node processes that start
 together time the same kernels at the same moment, each slowing the others, and may then choose
 different layouts for the same weight (ADR-0048's host amendment).

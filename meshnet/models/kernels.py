@@ -7,8 +7,8 @@
   :data:`ATTENTION`): SDPA, row by row for a ragged batch, straight to the kernel for a decode
   step (:func:`decode_attention`), and within the window for a sliding-window layer
   (ADR-0050).
-- :func:`attention_in_float32`: whether this host runs a half-precision decode step's attention
-  in float32 (measured, ADR-0047).
+- whether this host runs a half-precision decode step's attention in float32 is measured by
+  :func:`meshnet.models.linears.attention_in_float32` (ADR-0047) and read from :data:`IN_FLOAT32`.
 - :class:`UpcastLinear` and :class:`PackedLinear`: ``nn.Linear`` with a half-precision product
   run in float32 from a row count on (ADR-0047), and with its weight in oneDNN's blocked format
   (ADR-0048). Which layer gets which, and from how many rows, is chosen by timing on this host
@@ -18,16 +18,14 @@
 from __future__ import annotations
 
 import functools
-import logging
 import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshnet.models.hosttimings import KEPT, remembered
+from meshnet.models.states import BatchLinearStates, LinearStates
 
-log = logging.getLogger(__name__)
 
 #: the float32 path is taken from the first timed row count where it is at least this many
 #: times as fast as the half kernel, and stays so for every larger count (a margin for noise)
@@ -65,7 +63,7 @@ def upcast_off() -> bool:
 KV_BLOCK_TOKENS = 128
 
 
-class KVCache:
+class KVCache(LinearStates):
     """Per-session key/value cache for the layers of one shard, stored without per-token copies.
 
     Duck-types the ``update(key, value, layer_idx, ...)`` call transformers' attention modules
@@ -74,7 +72,9 @@ class KVCache:
     The first update sizes the buffers to its own tokens; when a later update does not fit, the
     buffers are reallocated with room for ``block_tokens`` more positions and the filled part is
     copied once. A decode step therefore writes one position in place, and the cache is
-    copied once every ``block_tokens`` tokens, never once per token.
+    copied once every ``block_tokens`` tokens, never once per token. A sliding-window layer
+    (``windows``) keeps only its last ``window`` positions when its buffers are reallocated, so
+    it holds at most ``window + block_tokens`` positions plus one chunk, whatever the context.
 
     Args:
         block_tokens: positions added when a buffer grows (> 0).
@@ -87,12 +87,24 @@ class KVCache:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.lengths: dict[int, int] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+        self.recurrent: dict[int, torch.Tensor] = {}
+        #: sliding-window layers' windows (positions), set by the shard that runs the session
+        self.windows: dict[int, int] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states``/``value_states`` ``[batch, kv_heads, seq, head_dim]`` to layer
         ``layer_idx``; returns every cached key and value of that layer (views, no copy)."""
         length = self.lengths.get(layer_idx)
+        window = self.windows.get(layer_idx)
+        if length is None and window is not None and key_states.shape[-2] > window:
+            # a first chunk longer than the window attends to all of itself, and only its last
+            # ``window`` positions are kept for the queries after it
+            self.keys[layer_idx] = key_states[..., -window:, :].clone(memory_format=torch.contiguous_format)
+            self.values[layer_idx] = value_states[..., -window:, :].clone(memory_format=torch.contiguous_format)
+            self.lengths[layer_idx] = window
+            return key_states, value_states
         if length is None:  # exactly the first chunk's size: a one-shot prefill leaves no slack
             keys = self.keys[layer_idx] = key_states.clone(memory_format=torch.contiguous_format)
             values = self.values[layer_idx] = value_states.clone(memory_format=torch.contiguous_format)
@@ -102,20 +114,27 @@ class KVCache:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if length + new > keys.shape[-2]:
             keys, values = self._grow(layer_idx, length, length + new)
+            length = self.lengths[layer_idx]
         keys[..., length:length + new, :].copy_(key_states)
         values[..., length:length + new, :].copy_(value_states)
         self.lengths[layer_idx] = length = length + new
         return keys[..., :length, :], values[..., :length, :]
 
     def _grow(self, layer_idx: int, length: int, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        capacity = needed + self.block_tokens
+        """Reallocate layer ``layer_idx``'s buffers for ``needed`` positions plus a block; a
+        sliding-window layer moves only its last ``window`` positions (what later queries can
+        see) to the front of the new buffers, the rest is dropped."""
+        window = self.windows.get(layer_idx)
+        keep = length if window is None else min(length, window)
+        capacity = needed - length + keep + self.block_tokens
         grown = []
         for store in (self.keys, self.values):
             old = store[layer_idx]
             buffer = old.new_empty((*old.shape[:-2], capacity, old.shape[-1]))
-            buffer[..., :length, :].copy_(old[..., :length, :])
+            buffer[..., :keep, :].copy_(old[..., length - keep:length, :])
             store[layer_idx] = buffer
             grown.append(buffer)
+        self.lengths[layer_idx] = keep
         return grown[0], grown[1]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -124,9 +143,11 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the keys' and values' buffers, the room for later tokens included: what
-        the session costs in memory (the session cache cap counts this, ADR-0031)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+        """Bytes held by the keys' and values' buffers (the room for later tokens included) and
+        the linear-attention layers' states: what the session costs in memory (the session cache
+        cap counts this, ADR-0031)."""
+        held = (*self.keys.values(), *self.values.values(), *self.conv.values(), *self.recurrent.values())
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 def causal_mask(q_len: int, past_len: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -154,7 +175,7 @@ class RaggedKV:
         self.rows = rows
 
 
-class BatchCache:
+class BatchCache(BatchLinearStates):
     """The KV caches of a batch of sessions, one per row, seen as one cache by the attention modules.
 
     ``update`` writes row ``b`` of the new keys and values into ``caches[b]`` (in place, see
@@ -163,6 +184,7 @@ class BatchCache:
 
     def __init__(self, caches: list[KVCache]) -> None:
         self.caches = caches
+        self._conv: dict[int, torch.Tensor] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[RaggedKV, RaggedKV]:
@@ -211,7 +233,9 @@ def attention(module: nn.Module, query: torch.Tensor, key, value, attention_mask
         if query.shape[2] == 1:  # one query: the window is the last ``window`` keys
             key, value = _last(key, value, window)
         else:
-            attention_mask = sliding_mask(attention_mask, query.shape[2], key.shape[2], window, query.dtype)
+            # the window's own causal mask: the shard's mask spans every position, and a
+            # sliding layer's cache may hold only its last ``window`` of them
+            attention_mask = sliding_mask(None, query.shape[2], key.shape[2], window, query.dtype)
     if sinks is not None:
         return sink_attention(query, key, value, attention_mask, scale, sinks), None
     if query.shape[2] == 1 and attention_mask is None and not module.training and kwargs.get("softcap") is None:
@@ -281,7 +305,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             (grouped-query attention runs on the key/value heads as stored, no repeat).
         scale: the softmax scale (None: ``1 / sqrt(head_dim)``).
         in_float32: a half-precision query, keys and values are cast to float32 and the output
-            rounded once back (:func:`attention_in_float32` chose it for this host; ADR-0047).
+            rounded once back (:func:`meshnet.models.linears.attention_in_float32` chose it for
+            this host; ADR-0047).
 
     Returns:
         ``[batch, heads, 1, head_dim]`` in the query's dtype.
@@ -298,79 +323,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 #: the attribute of a shard's model config that says its decode attention runs in float32
-#: (:func:`attention_in_float32`, set at load; the layers' attention modules share the config)
+#: (:func:`meshnet.models.linears.attention_in_float32`, set at load; the layers' attention modules share the config)
 IN_FLOAT32 = "meshnet_attention_in_float32"
-#: cached lengths a decode step's attention is timed at: a short chat, and a long one
-ATTENTION_LENGTHS = (128, 1024)
-#: query heads, key-value heads and head size of the timed attention (SmolLM2-135M's grouping of
-#: 3 query heads per key-value head, at the head size most Llama-style models use)
-ATTENTION_SHAPE = (9, 3, 64)
-
-
-@per_thread_count
-def attention_in_float32(dtype: torch.dtype) -> bool:
-    """Whether this process runs a half-precision decode step's attention in float32: the query,
-    keys and values cast up, torch's SDPA in float32, the output rounded once back to ``dtype``.
-
-    Measured once per host, dtype and thread count (:func:`measure_attention`, kept as
-    :func:`meshnet.models.linears.layout` keeps its timings): chosen when the float32 path is at
-    least :data:`MIN_GAIN` times as fast as the half kernel at every length
-    timed. A CPU without native bfloat16 runs the cast float32 path several times faster
-    (ADR-0047's attention amendment gives the figures); where the CPU computes bfloat16 natively
-    the half kernel may win, and is kept. False for float32, and where ``MESHNET_UPCAST_MIN_ROWS=off``
-    keeps every product in half precision (ADR-0047).
-    """
-    if dtype not in HALF or upcast_off():
-        return False
-    name = str(dtype).removeprefix("torch.")
-
-    def timed() -> bool:
-        samples = measure_attention(dtype)
-        chosen = all(half >= MIN_GAIN * upcast for half, upcast in samples.values())
-        log.info("%s decode attention runs in %s (half / float32 path µs by cached length: %s)", name,
-                 "float32" if chosen else "half precision",
-                 ", ".join(f"{n}: {h * 1e6:.0f}/{u * 1e6:.0f}" for n, (h, u) in samples.items()))
-        return chosen
-
-    chosen, measured = remembered(f"attention in float32|{name}|threads {torch.get_num_threads()}", timed,
-                                  valid=lambda value: isinstance(value, bool))
-    if not measured:
-        log.info("%s decode attention runs in %s (this host's timing, %s)", name,
-                 "float32" if chosen else "half precision", KEPT)
-    return chosen
-
-
-def measure_attention(dtype: torch.dtype, lengths: tuple[int, ...] = ATTENTION_LENGTHS, calls: int = 50,
-                      repeats: int = 5) -> dict[int, tuple[float, float]]:
-    """Seconds per decode-step attention call in ``dtype``, at each cached length: ``(half kernel,
-    float32 path)``, medians of ``repeats`` interleaved passes of ``calls`` calls. Keys and values
-    are views of a longer buffer, as a KV cache holds them (:data:`ATTENTION_SHAPE` heads)."""
-    import statistics
-    import time
-
-    heads, kv_heads, head_dim = ATTENTION_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    out: dict[int, tuple[float, float]] = {}
-    with torch.inference_mode():
-        for length in lengths:
-            query = torch.randn(1, heads, 1, head_dim, generator=gen).to(dtype)
-            key, value = (torch.randn(1, kv_heads, length + 64, head_dim, generator=gen).to(dtype)[..., :length, :]
-                          for _ in range(2))
-            paths = (lambda: sdpa(query, key, value, enable_gqa=True),
-                     lambda: sdpa(query.float(), key.float(), value.float(), enable_gqa=True).to(dtype))
-            times: list[list[float]] = [[], []]
-            for i in range(repeats + 1):
-                for path, into in zip(paths, times):
-                    start = time.perf_counter()
-                    for _ in range(calls):
-                        path()
-                    if i:  # the first pass warms both
-                        into.append((time.perf_counter() - start) / calls)
-            out[length] = (statistics.median(times[0]), statistics.median(times[1]))
-    return out
-
-
 def _register_attention() -> None:
     global _sdpa
     if _sdpa is None:

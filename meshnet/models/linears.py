@@ -370,3 +370,71 @@ def min_rows(dtype: torch.dtype) -> int | None:
 def _from_rows(rows: int | None) -> str:
     """How a :func:`min_rows` answer reads in a log line."""
     return "stay in half precision at every row count" if rows is None else f"from {rows} rows run in float32"
+
+
+#: cached lengths a decode step's attention is timed at: a short chat, and a long one
+ATTENTION_LENGTHS = (128, 1024)
+#: query heads, key-value heads and head size of the timed attention (SmolLM2-135M's grouping of
+#: 3 query heads per key-value head, at the head size most Llama-style models use)
+ATTENTION_SHAPE = (9, 3, 64)
+
+
+@per_thread_count
+def attention_in_float32(dtype: torch.dtype) -> bool:
+    """Whether this process runs a half-precision decode step's attention in float32: the query,
+    keys and values cast up, torch's SDPA in float32, the output rounded once back to ``dtype``.
+
+    Measured once per host, dtype and thread count (:func:`measure_attention`, kept as
+    :func:`meshnet.models.linears.layout` keeps its timings): chosen when the float32 path is at
+    least :data:`MIN_GAIN` times as fast as the half kernel at every length
+    timed. A CPU without native bfloat16 runs the cast float32 path several times faster
+    (ADR-0047's attention amendment gives the figures); where the CPU computes bfloat16 natively
+    the half kernel may win, and is kept. False for float32, and where ``MESHNET_UPCAST_MIN_ROWS=off``
+    keeps every product in half precision (ADR-0047).
+    """
+    if dtype not in HALF or upcast_off():
+        return False
+    name = str(dtype).removeprefix("torch.")
+
+    def timed() -> bool:
+        samples = measure_attention(dtype)
+        chosen = all(half >= MIN_GAIN * upcast for half, upcast in samples.values())
+        log.info("%s decode attention runs in %s (half / float32 path µs by cached length: %s)", name,
+                 "float32" if chosen else "half precision",
+                 ", ".join(f"{n}: {h * 1e6:.0f}/{u * 1e6:.0f}" for n, (h, u) in samples.items()))
+        return chosen
+
+    chosen, measured = remembered(f"attention in float32|{name}|threads {torch.get_num_threads()}", timed,
+                                  valid=lambda value: isinstance(value, bool))
+    if not measured:
+        log.info("%s decode attention runs in %s (this host's timing, %s)", name,
+                 "float32" if chosen else "half precision", KEPT)
+    return chosen
+
+
+def measure_attention(dtype: torch.dtype, lengths: tuple[int, ...] = ATTENTION_LENGTHS, calls: int = 50,
+                      repeats: int = 5) -> dict[int, tuple[float, float]]:
+    """Seconds per decode-step attention call in ``dtype``, at each cached length: ``(half kernel,
+    float32 path)``, medians of ``repeats`` interleaved passes of ``calls`` calls. Keys and values
+    are views of a longer buffer, as a KV cache holds them (:data:`ATTENTION_SHAPE` heads)."""
+    heads, kv_heads, head_dim = ATTENTION_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out: dict[int, tuple[float, float]] = {}
+    with torch.inference_mode():
+        for length in lengths:
+            query = torch.randn(1, heads, 1, head_dim, generator=gen).to(dtype)
+            key, value = (torch.randn(1, kv_heads, length + 64, head_dim, generator=gen).to(dtype)[..., :length, :]
+                          for _ in range(2))
+            paths = (lambda: sdpa(query, key, value, enable_gqa=True),
+                     lambda: sdpa(query.float(), key.float(), value.float(), enable_gqa=True).to(dtype))
+            times: list[list[float]] = [[], []]
+            for i in range(repeats + 1):
+                for path, into in zip(paths, times):
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        path()
+                    if i:  # the first pass warms both
+                        into.append((time.perf_counter() - start) / calls)
+            out[length] = (statistics.median(times[0]), statistics.median(times[1]))
+    return out

@@ -3,7 +3,7 @@
 ``int8`` uses ``bnb.nn.Linear8bitLt`` (LLM.int8(), Dettmers et al. 2022: row-wise absmax
 int8 weights); ``nf4`` uses ``bnb.nn.Linear4bit`` with the NormalFloat4 data type (QLoRA,
 Dettmers et al. 2023: 4-bit weights in blocks of 64 with one absmax each). Both run on the
-CPU with bitsandbytes >= 0.49. Embeddings, norms and the LM head stay in the compute dtype.
+CPU with bitsandbytes >= 0.49, and on CUDA GPUs with bitsandbytes' CUDA kernels. Embeddings, norms and the LM head stay in the compute dtype.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from meshnet.errors import ModelSourceError
 from meshnet.protocol.control import RECIPES
 
 
-def _replacement(linear: nn.Linear, recipe: str, compute_dtype: torch.dtype) -> nn.Module:
+def _replacement(linear: nn.Linear, recipe: str, compute_dtype: torch.dtype, device: str) -> nn.Module:
     import bitsandbytes as bnb
 
     bias = linear.bias is not None
@@ -29,11 +29,12 @@ def _replacement(linear: nn.Linear, recipe: str, compute_dtype: torch.dtype) -> 
                                      quant_type="nf4")
         if bias:
             q.bias = nn.Parameter(linear.bias.data.clone(), requires_grad=False)
-    return q.to("cpu")
+    return q.to(device)  # bitsandbytes quantizes the weight as it moves it: on a GPU, its CUDA layout
 
 
-def quantize_linears(module: nn.Module, recipe: str, compute_dtype: torch.dtype) -> int:
-    """Replace every ``nn.Linear`` under ``module`` in place; returns how many were replaced.
+def quantize_linears(module: nn.Module, recipe: str, compute_dtype: torch.dtype, device: str = "cpu") -> int:
+    """Replace every ``nn.Linear`` under ``module`` (weights on the CPU) in place with one
+    quantized on ``device`` (``cpu`` or ``cuda:N``); returns how many were replaced.
 
     ``bfloat16``/``float32`` recipes leave the module unchanged (0).
 
@@ -52,8 +53,8 @@ def quantize_linears(module: nn.Module, recipe: str, compute_dtype: torch.dtype)
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, _replacement(child, recipe, compute_dtype))
+            setattr(module, name, _replacement(child, recipe, compute_dtype, device))
             count += 1
         else:
-            count += quantize_linears(child, recipe, compute_dtype)
+            count += quantize_linears(child, recipe, compute_dtype, device)
     return count

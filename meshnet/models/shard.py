@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib
+import inspect
 import logging
 from pathlib import Path
 
@@ -32,10 +33,9 @@ from torch import nn
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
 from meshnet.models.checkpoints import Checkpoint, dequantize_mxfp4, stack_experts
-from meshnet.models.families import family_of, load_config
-from meshnet.models.kernels import ATTENTION, IN_FLOAT32, BatchCache, KVCache, _register_attention, \
-    attention_in_float32, causal_mask
-from meshnet.models.linears import apply_layouts, layout, min_rows, upcast_linears
+from meshnet.models.families import LINEAR, family_of, layer_kinds, load_config
+from meshnet.models.kernels import ATTENTION, IN_FLOAT32, BatchCache, KVCache, _register_attention, causal_mask
+from meshnet.models.linears import apply_layouts, attention_in_float32, layout, min_rows, upcast_linears
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,18 @@ def _get(module: nn.Module, path: str) -> nn.Module:
     return module
 
 
+def _window(layer: nn.Module, config) -> int | None:
+    """The sliding window a decoder layer's attention passes (None: full attention, or no
+    attention module): the module's own ``sliding_window`` where it has one (Qwen2/3, Gemma 3,
+    gpt-oss set it per layer type), else the config's (Mistral, Phi-3 and Mixtral read it there
+    for every layer)."""
+    attention = getattr(layer, "self_attn", None)
+    if attention is None:
+        return None
+    window = attention.sliding_window if hasattr(attention, "sliding_window") else getattr(config, "sliding_window", None)
+    return int(window) if window else None
+
+
 def _meta_model(config, dtype: torch.dtype) -> nn.Module:
     """The whole model of ``config`` on the ``meta`` device (shapes only, no memory).
 
@@ -177,13 +189,18 @@ class ShardModel:
             ``layers.start == 0``).
         quantization: recipe of the decoder layers' linear weights: ``bfloat16`` (none,
             weights in the compute dtype), ``int8`` or ``nf4`` (bitsandbytes, see quantize.py).
+        device: ``cpu`` or ``cuda:N`` (:func:`meshnet.models.devices.resolve_device`): where the
+            weights, KV caches and states live and the layers run. The tensors are read into host
+            memory first and moved (quantized recipes: quantized as they move); every method
+            takes and returns host tensors, so the wire reads each step's output once.
 
     Raises:
         ModelSourceError: missing tensors or a range beyond the model's layer count.
+        torch.OutOfMemoryError: the shard does not fit in the GPU's free memory.
     """
 
     def __init__(self, model_path: Path, layers: LayerRange, *, dtype: str = "float32",
-                 load_head: bool | None = None, quantization: str = "bfloat16") -> None:
+                 load_head: bool | None = None, quantization: str = "bfloat16", device: str = "cpu") -> None:
         self.model_path = Path(model_path)
         self.config = load_config(self.model_path)
         self.num_layers = int(self.config.num_hidden_layers)
@@ -191,14 +208,24 @@ class ShardModel:
             raise ModelSourceError(f"shard {layers} beyond the model's {self.num_layers} layers")
         self.layers = layers
         self.dtype = DTYPES[dtype]
+        self.device = torch.device(device)
         self.family = family_of(self.config)
+        #: linear-attention layers: no mask (transformers' modules read one as padding), states in the cache
+        self._linear = {i for i, kind in enumerate(layer_kinds(self.config)) if kind == LINEAR}
         self.is_entry = layers.start == 0 if load_head is None else load_head
         skeleton = _meta_model(self.config, self.dtype)
         _register_attention()
         skeleton.config._attn_implementation = ATTENTION  # the layers' attention modules read this config
-        setattr(skeleton.config, IN_FLOAT32, attention_in_float32(self.dtype))  # measured once per thread count
+        # a CPU's choice, measured once per thread count (a GPU keeps half precision)
+        setattr(skeleton.config, IN_FLOAT32, self.device.type == "cpu" and attention_in_float32(self.dtype))
         all_layers = _get(skeleton, self.family.layers_path)
         self.blocks = nn.ModuleDict({str(i): all_layers[i] for i in range(layers.start, layers.end)})
+        #: the decoder layers' name for their cache: ``cache`` from transformers 5.20, ``past_key_values`` before
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(type(all_layers[0]).forward).parameters \
+            else "past_key_values"
+        #: each sliding-window layer's window, as its attention module passes it: a session's cache
+        #: keeps only that many positions of the layer
+        self._windows = {i: w for i in range(layers.start, layers.end) if (w := _window(all_layers[i], self.config))}
         self.embed = self.norm = self.pos_embed = self.lm_head = None
         self.tokenizer = None
         prefixes = {f"{self.family.layers_path}.{i}.": f"blocks.{i}." for i in range(layers.start, layers.end)}
@@ -218,21 +245,31 @@ class ShardModel:
         self._load_tensors(prefixes)
         del skeleton
         self.quantization = quantization
-        if quantization not in ("bfloat16", "float32"):
-            from meshnet.models.quantize import quantize_linears
-            quantize_linears(self.blocks, quantization, self.dtype)
-        else:  # the weight layout, and half-precision products in float32, that this host runs fastest
-            apply_layouts(self.blocks)
-            upcast_linears(self.blocks, min_rows(self.dtype))
-        if self.lm_head is not None:
-            tied = self.lm_head.weight is self.embed.weight
-            if apply_layouts(self.lm_head).get("transposed") and tied:  # a tied lookup then reads strided values
-                self.embed.weight = self.lm_head.weight
-            # a packed head (ADR-0048) is a copy: the embeddings keep the plain weight for their lookups
+        self._place(quantization)
         if self.is_entry:
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         trim_heap()  # the load's casts and copies (and quantization's) are freed; give the pages back
+
+    def _place(self, quantization: str) -> None:
+        """Quantize the loaded layers (``int8``/``nf4``, on the shard's device), or on the CPU give
+        them and the head this host's fastest weight layout; then move what is left to a GPU."""
+        gpu = self.device.type == "cuda"
+        if quantization not in ("bfloat16", "float32"):
+            from meshnet.models.quantize import quantize_linears
+            quantize_linears(self.blocks, quantization, self.dtype, str(self.device))
+        elif not gpu:  # the weight layout, and half-precision products in float32, that this host runs fastest
+            apply_layouts(self.blocks)
+            upcast_linears(self.blocks, min_rows(self.dtype))
+        if self.lm_head is not None and not gpu:
+            tied = self.lm_head.weight is self.embed.weight
+            if apply_layouts(self.lm_head).get("transposed") and tied:  # a tied lookup then reads strided values
+                self.embed.weight = self.lm_head.weight
+            # a packed head (ADR-0048) is a copy: the embeddings keep the plain weight for their lookups
+        if gpu:
+            for module in (*self._modules().values(), self.rotary):
+                if module is not None:
+                    module.to(self.device)
 
     def _modules(self) -> dict[str, nn.Module | None]:
         return {"blocks": self.blocks, "embed": self.embed, "norm": self.norm,
@@ -290,10 +327,10 @@ class ShardModel:
         """
         if self.embed is None:
             raise InvalidRequest("this shard holds no embeddings (not an entry shard)")
-        hidden = self.embed(input_ids)
+        hidden = self.embed(input_ids.to(self.device))
         if self.pos_embed is not None:
-            hidden = hidden + self.pos_embed(position_ids(position, input_ids.shape[1]))
-        return hidden
+            hidden = hidden + self.pos_embed(position_ids(position, input_ids.shape[1]).to(self.device))
+        return hidden.cpu()
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache: KVCache, position: int,
@@ -338,21 +375,28 @@ class ShardModel:
 
     def _run_layers(self, hidden: torch.Tensor, cache, positions: torch.Tensor, mask: torch.Tensor | None,
                     layers: LayerRange) -> torch.Tensor:
-        hidden = hidden.to(self.dtype)
+        hidden = hidden.to(self.device, self.dtype)
+        positions = positions.to(self.device)
+        mask = None if mask is None else mask.to(self.device)
+        for session in getattr(cache, "caches", (cache,)):
+            session.windows = self._windows
         kwargs, by_type = {}, None
         if self.rotary is not None and self.family.rotary_by_layer_type:
             types = self.config.layer_types
             by_type = {t: self.rotary(hidden, positions, t) for t in {types[i] for i in range(layers.start, layers.end)}}
             kwargs["position_ids"] = positions
         elif self.rotary is not None:
-            kwargs["position_embeddings"] = self.rotary(hidden, positions)
+            axes = self.family.rotary_axes
+            kwargs["position_embeddings"] = self.rotary(hidden, positions if axes == 1 else positions.expand(axes, -1, -1))
             kwargs["position_ids"] = positions
         for i in range(layers.start, layers.end):
             if by_type is not None:
                 kwargs["position_embeddings"] = by_type[self.config.layer_types[i]]
-            out = self.blocks[str(i)](hidden, attention_mask=mask, cache=cache, use_cache=True, **kwargs)
+            kwargs[self._cache_kwarg] = cache
+            out = self.blocks[str(i)](hidden, attention_mask=None if i in self._linear else mask, use_cache=True,
+                                      **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
-        return hidden
+        return hidden.cpu()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -360,9 +404,9 @@ class ShardModel:
         as ``cap · tanh(logits / cap)`` where the config sets ``final_logit_softcapping`` (Gemma)."""
         if self.lm_head is None:
             raise InvalidRequest("this shard holds no LM head (not an entry shard)")
-        logits = self.lm_head(self.norm(hidden.to(self.dtype))).float()
+        logits = self.lm_head(self.norm(hidden.to(self.device, self.dtype))).float()
         cap = getattr(self.config, "final_logit_softcapping", None)
-        return logits if not cap else torch.tanh(logits / cap) * cap
+        return (logits if not cap else torch.tanh(logits / cap) * cap).cpu()
 
     def weight_bytes(self) -> int:
         """Resident bytes of this shard's weights (layers plus head when loaded)."""

@@ -63,7 +63,7 @@ class TrackerAgent(RelayMixin):
         self.signer = NodeSigner(self.settings.node_id, key)
         self.client = TrackerClient(self.settings.tracker_url, timeout_s=30.0, transport=node.transport,
                                     join_token=self.settings.join_token, auth=self.signer)
-        self.hw = hardware.detect()
+        self.hw = hardware.detect(self.settings.device)
         self.updates: list[DirectiveUpdate] = []
         self.wake = asyncio.Event()
         self.applying = asyncio.Lock()

@@ -132,8 +132,7 @@ async def forward(request: Request) -> Response:
     start = _int_header(request, "X-Meshnet-Start-Layer")
     end = _int_header(request, "X-Meshnet-End-Layer")
     if end < start:
-        raise InvalidRequest("X-Meshnet-End-Layer must be >= X-Meshnet-Start-Layer", code="invalid_field",
-                             status=422)
+        raise InvalidRequest("X-Meshnet-End-Layer must be >= X-Meshnet-Start-Layer", code="invalid_field", status=422)
     position = _int_header(request, "X-Meshnet-Position", 0)
     model = request.headers.get("X-Meshnet-Model")
     admit_hop(node, session=session, layers=LayerRange.from_inclusive(start, end), model=model,
@@ -382,8 +381,9 @@ async def _running_node(app: Starlette, settings: NodeSettings, runtime: NodeRun
     """The node's context (``app.state.node``) while ``app`` runs: its runtime, HTTP client, chain host and hop streams,
     its configured shard loaded (standalone) or its tracker agent started; all closed on exit."""
     rt = runtime or NodeRuntime(max_loaded_shards=settings.max_loaded_shards, compute_dtype=settings.compute_dtype,
+                                device=settings.device, batch_window_s=settings.batch_window_s,
                                 sessions=SessionStore(settings.session_ttl_s, settings.session_cache_bytes),
-                                batch_window_s=settings.batch_window_s, max_batch_size=settings.max_batch_size)
+                                max_batch_size=settings.max_batch_size)
     # callers block in worker threads while their step is batched: the default pool (cores + 4)
     # would cap a batch at a handful of sessions (ADR-0052)
     asyncio.get_running_loop().set_default_executor(

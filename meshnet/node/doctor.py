@@ -81,7 +81,8 @@ def _within_tolerance(slot, out: torch.Tensor, report: dict) -> bool:
     from meshnet.models.shard import ShardModel
 
     shard = slot.shard
-    reference = _probe(ShardModel(shard.model_path, slot.layers, dtype="float32", load_head=shard.is_entry))
+    reference = _probe(ShardModel(shard.model_path, slot.layers, dtype="float32", load_head=shard.is_entry,
+                                  device=str(shard.device)))
     error = float((out.float() - reference).norm() / reference.norm().clamp_min(1e-12))
     report["reference_rel_error"] = round(error, 4)
     report["tolerance"] = TOLERANCE[slot.quantization]
@@ -97,7 +98,7 @@ def run_doctor(slot, *, lock=None) -> CapabilityReport:
     start, end = slot.layers.to_inclusive()
     report = {"model": slot.model, "shard_start": start, "shard_end": end,
               "recipe": {"quantization": slot.quantization, "compute_dtype": str(shard.dtype).split(".")[-1]},
-              "hardware": hardware.detect().model_dump(), "weights_digest": "", "tokens_per_s": 0.0,
+              "hardware": hardware.detect(str(shard.device)).model_dump(), "weights_digest": "", "tokens_per_s": 0.0,
               "passed": False, "reason": "", "timestamp": time.time(),
               "resident_bytes": slot.resident_bytes or None}
     try:

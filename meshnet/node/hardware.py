@@ -10,22 +10,29 @@ import psutil
 from meshnet.protocol.control import HardwareInfo
 
 
-def detect() -> HardwareInfo:
-    """Device, memory (bytes) and cores of this machine; ``vram_bytes`` is 0 without an accelerator."""
-    device, vram_bytes = "cpu", 0
-    try:
-        import torch
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            device, vram_bytes = f"cuda:{props.name}", int(props.total_memory)
-    except Exception:  # noqa: BLE001 - detection must never fail a node
-        pass
+def detect(device: str = "cpu") -> HardwareInfo:
+    """Memory (bytes) and cores of this machine, and the device a node computes on: ``cpu``, or
+    ``cuda:N:<GPU name>`` with ``vram_bytes`` that GPU's free memory now
+    (:func:`meshnet.models.devices.device_memory_bytes`); ``vram_bytes`` is 0 on the CPU, whatever
+    GPUs the machine has (a node on the CPU offers RAM)."""
+    vram_bytes = 0
+    if device.startswith("cuda"):
+        try:
+            import torch
+
+            from meshnet.models.devices import device_memory_bytes
+
+            props = torch.cuda.get_device_properties(torch.device(device))
+            device, vram_bytes = f"{device}:{props.name}", device_memory_bytes(device) or 0
+        except Exception:  # noqa: BLE001 - detection must never fail a node
+            pass
     return HardwareInfo(device=device, ram_bytes=int(psutil.virtual_memory().total), vram_bytes=vram_bytes,
                         cpu_count=os.cpu_count() or 1, platform=platform.platform())
 
 
 def node_memory_bytes(memory_bytes: int | None, info: HardwareInfo | None = None) -> int:
-    """The memory a node offers, bytes: ``--memory`` when given, else accelerator memory, else RAM.
+    """The memory a node offers, bytes: ``--memory`` when given, else the free memory of the GPU it
+    computes on, else RAM.
 
     This is the raw figure registered as ``vram_bytes``; the tracker's placement budgets 80 % of
     it (``meshnet.tracker.placement.memory_budget_bytes``, ADR-0003).

@@ -259,7 +259,7 @@ class NodeRuntime(SlotHolder):
 
     Args:
         max_loaded_shards: slot count (>= 1).
-        compute_dtype: ``float32`` or ``bfloat16``.
+        compute_dtype: ``float32``, ``bfloat16`` (``float16`` on a GPU); ``device``: ``cpu``, ``cuda:N``.
         sessions: the KV-cache session store.
         batch_window_s, max_batch_size: decode batching (:class:`meshnet.node.batching.StepBatcher`):
             longest wait for other sessions' steps, seconds, and most steps per forward.
@@ -268,13 +268,13 @@ class NodeRuntime(SlotHolder):
         InvalidRequest: ``max_loaded_shards`` < 1. ValueError: a batching setting out of range.
     """
 
-    def __init__(self, *, max_loaded_shards: int = 1, compute_dtype: str = "float32",
+    def __init__(self, *, max_loaded_shards: int = 1, compute_dtype: str = "float32", device: str = "cpu",
                  sessions: SessionStore | None = None, batch_window_s: float = DEFAULT_BATCH_WINDOW_S,
                  max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> None:
         if max_loaded_shards < 1:
             raise InvalidRequest("max_loaded_shards must be >= 1")
         self.max_loaded_shards = max_loaded_shards
-        self.compute_dtype = compute_dtype
+        self.compute_dtype, self.device = compute_dtype, device
         self.sessions = sessions if sessions is not None else SessionStore()  # an empty store is falsy
         self.slots: dict[str, ShardSlot] = {}
         #: (model as asked, start, end) -> the slot :meth:`find_slot` found; emptied when a slot comes or goes

@@ -24,7 +24,8 @@ class NodeSettings:
             (:mod:`meshnet.node.identity`).
         model: model preset or path to serve; ``shard`` its layers (None: ask the tracker).
         memory_bytes: memory budget (None: detected RAM); ``max_loaded_shards``: slots.
-        compute_dtype: ``float32`` or ``bfloat16``; ``quantization``: recipe name.
+        compute_dtype: ``float32``, ``bfloat16`` (or ``float16`` on a GPU); ``quantization``: recipe name.
+        device: ``cpu`` or ``cuda:N``, where the shards run (:mod:`meshnet.models.devices`).
         wire_dtype: activation dtype this node sends as an entry node.
         heartbeat_interval_s: seconds between heartbeats (DESIGN: 10 s).
         session_ttl_s, session_cache_bytes: idle seconds before a KV-cache session expires, and
@@ -67,6 +68,7 @@ class NodeSettings:
     memory_bytes: int | None = None
     max_loaded_shards: int = 1
     compute_dtype: str = "bfloat16"
+    device: str = "cpu"
     quantization: str = "bfloat16"
     wire_dtype: str = "bfloat16"
     heartbeat_interval_s: float = 10.0

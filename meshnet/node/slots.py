@@ -64,8 +64,11 @@ class ShardSlot:
                          entry=self.shard.is_entry, num_layers=self.shard.num_layers, report=report)
 
 
-def measure_load(build, dtype: str, prepare=None) -> tuple[ShardModel, int]:
+def measure_load(build, dtype: str, prepare=None, device: str = "cpu") -> tuple[ShardModel, int]:
     """Build a shard with ``build()`` and measure its resident memory, bytes.
+
+    On a GPU (``device`` ``cuda:N``) the figure is the device memory torch allocated for it
+    (weights and the warm-up forward's lasting buffers), never below its weights.
 
     The figure is the process RSS after the build, one ``WARM_UP_TOKENS``-token forward on a
     throwaway cache (the compute's lasting buffers) and :func:`trim_heap`, minus the RSS just
@@ -76,16 +79,20 @@ def measure_load(build, dtype: str, prepare=None) -> tuple[ShardModel, int]:
     Concurrent work in the process (another slot's sessions growing) adds to it: the figure errs
     high, the safe side for placement. Errors of ``build`` propagate.
     """
-    warm_runtime(dtype)
+    gpu = torch.device(device) if device.startswith("cuda") else None
+    if gpu is None:  # the CPU kernels' first run and timings (a GPU's cost nothing of the process's RSS)
+        warm_runtime(dtype)
     if prepare is not None:
         prepare()
     trim_heap()
-    before = rss_bytes()
+    before, gpu_before = rss_bytes(), 0 if gpu is None else torch.cuda.memory_allocated(gpu)
     shard = build()
     with torch.inference_mode():
         hidden = torch.zeros(1, WARM_UP_TOKENS, shard.config.hidden_size)
         shard.forward(hidden, KVCache(), 0)
     trim_heap()
+    if gpu is not None:  # its weights are in the GPU's memory, not the process's
+        return shard, max(torch.cuda.memory_allocated(gpu) - gpu_before, shard.weight_bytes())
     return shard, max(rss_bytes() - before, shard.weight_bytes())
 
 
@@ -94,7 +101,7 @@ class SlotHolder:
     admitting and ending sessions. :class:`meshnet.node.runtime.NodeRuntime` is one.
 
     Attributes the runtime sets: ``slots`` (key -> :class:`ShardSlot`), ``max_loaded_shards``,
-    ``compute_dtype``, ``lock`` (the compute lock), ``sessions`` (the :class:`~meshnet.node.runtime.SessionStore`) and
+    ``compute_dtype``, ``device``, ``lock`` (the compute lock), ``sessions`` (the :class:`~meshnet.node.runtime.SessionStore`) and
     ``_found`` (the slot lookups, emptied when a slot comes or goes), ``batcher`` (its
     :class:`~meshnet.node.batching.StepBatcher`).
     """
@@ -102,6 +109,7 @@ class SlotHolder:
     slots: dict[str, ShardSlot]
     max_loaded_shards: int
     compute_dtype: str
+    device: str
     lock: threading.Lock
     _found: dict
 
@@ -120,8 +128,18 @@ class SlotHolder:
             raise MeshnetError(f"no free shard slot ({len(self.slots)}/{self.max_loaded_shards} used)",
                                code="no_free_slot", status=409)
         recipe = {"dtype": self.compute_dtype, "quantization": quantization}
-        shard, resident = measure_load(lambda: ShardModel(model_path, layers, **recipe), self.compute_dtype,
-                                       lambda: prepare_layouts(model_path, layers, **recipe))
+        gpu = self.device.startswith("cuda")
+        try:
+            shard, resident = measure_load(lambda: ShardModel(model_path, layers, device=self.device, **recipe),
+                                           self.compute_dtype,
+                                           None if gpu else lambda: prepare_layouts(model_path, layers, **recipe),
+                                           self.device)
+        except torch.OutOfMemoryError as exc:  # nothing of the half-built shard stays on the device
+            torch.cuda.empty_cache()
+            raise MeshnetError(f"{model} layers {layers} do not fit in {self.device}'s free memory: "
+                               f"{str(exc).splitlines()[0]}", code="device_memory", status=507,
+                               hint="serve fewer layers, a smaller recipe (--quantization nf4), or --device cpu") \
+                from None
         slot = ShardSlot(model=model, layers=layers, quantization=quantization, shard=shard, tier=tier,
                          resident_bytes=resident)
         with self.lock:

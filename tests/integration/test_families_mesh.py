@@ -1,6 +1,7 @@
 """Non-Llama families across real processes: a tracker and three node processes serving a tiny
-seeded Gemma 3 (sliding and global layers, soft-capped logits) or Qwen3-MoE (experts), float32
-on the wire; the greedy tokens equal transformers' ``generate`` on the whole model."""
+seeded Gemma 3 (sliding and global layers, soft-capped logits), Qwen3-MoE (experts), Qwen3.5
+(linear-attention layers with recurrent state beside full attention) or gpt-oss (attention sinks,
+experts), float32 on the wire; the greedy tokens equal transformers' ``generate`` on the whole model."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.slow
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse in a storm."}]
 
 
-@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-qwen3-moe", "tiny-qwen3-5", "tiny-gpt-oss"])
 def test_three_processes_of_a_family_give_generates_tokens(model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -112,11 +112,11 @@ def test_a_batched_decode_step_of_sessions_of_different_lengths_gives_each_its_o
                      msg=lambda m: f"{name} row {row}: {m}")
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "qwen3_next", "mamba", "mystery", None])
+@pytest.mark.parametrize("model_type", ["gemma3", "falcon_h1", "mamba", "mystery", None])
 def test_a_model_type_no_family_serves_is_refused_naming_the_supported_ones(model_type):
     with pytest.raises(ModelSourceError, match=f"model type {model_type!r} is not supported") as info:
         family_of(types.SimpleNamespace(model_type=model_type))
-    assert "gemma3_text, gpt2, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe" in info.value.hint
+    assert "gemma3_text, gpt2, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_5_text, qwen3_moe, qwen3_next" in info.value.hint
 
 
 def test_families_are_chosen_by_model_type():
@@ -229,35 +229,70 @@ def test_gpt_oss_experts_stored_as_mxfp4_load_as_their_dequantized_values(family
                            reference.state_dict()["model.layers.0.mlp.experts.down_proj"])
 
 
-@pytest.mark.parametrize("layout", ["language_model.model.", "model.language_model."])
-def test_the_language_model_of_a_multimodal_wrapper_is_served_as_its_text_family(tmp_path, layout):
-    """Gemma 3's released checkpoints are the image-text wrapper (``gemma3``, a ``text_config``,
-    the language model's tensors under a prefix: older releases' or transformers 5's); a shard
-    serves its language model, split, with the whole wrapper's logits on text, and never reads
-    the vision tower."""
+#: tiny multimodal wrappers: (wrapper type, its text family, extra wrapper config)
+WRAPPERS = {
+    "gemma3": ("gemma3", {"mm_tokens_per_image": 4,
+                          "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                            "num_attention_heads": 2, "image_size": 56, "patch_size": 14}}),
+    "qwen3_5": ("qwen3_5", {"vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
+                                              "out_hidden_size": 64}}),
+}
+
+
+@pytest.mark.parametrize("wrapper, layout", [("gemma3", "language_model.model."), ("gemma3", "model.language_model."),
+                                             ("qwen3_5", "model.language_model.")])
+def test_the_language_model_of_a_multimodal_wrapper_is_served_as_its_text_family(tmp_path, wrapper, layout):
+    """Gemma 3's and Qwen3.5's released checkpoints are image-text wrappers (``gemma3``,
+    ``qwen3_5``: a ``text_config``, the language model's tensors under a prefix, older releases'
+    or transformers 5's); a shard serves the language model, split, with the whole wrapper's
+    logits on text, and never reads the vision tower."""
+    import re
+
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForImageTextToText, Gemma3Config
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from meshnet.models.families import family_of, load_config
     from meshnet.models.shard import ShardModel
     from meshnet.models.sources import byte_tokenizer
 
-    text = dict(FAMILIES["gemma3"].tiny_config)
-    text.pop("model_type")
+    family, extra = WRAPPERS[wrapper]
+    text = dict(FAMILIES[family].tiny_config)
+    text_type = text.pop("model_type")
     text["final_logit_softcapping"] = None  # as Gemma 3's released text configs; the wrapper's head never caps
-    config = Gemma3Config(text_config=text, mm_tokens_per_image=4,
-                          vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                                         "num_attention_heads": 2, "image_size": 56, "patch_size": 14})
+    config = AutoConfig.for_model(wrapper, text_config=text, **extra)
     torch.manual_seed(0)
-    wrapper = AutoModelForImageTextToText.from_config(config).eval()
-    wrapper.save_pretrained(tmp_path)
+    whole = AutoModelForImageTextToText.from_config(config).eval()
+    whole.save_pretrained(tmp_path)
     byte_tokenizer(config.text_config.vocab_size).save_pretrained(tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
-    assert any(k.startswith("language_model.model.layers.") for k in stored)
-    save_file({k.replace("language_model.model.", layout, 1): v.contiguous() for k, v in stored.items()},
-              tmp_path / "model.safetensors", metadata={"format": "pt"})
-    assert load_config(tmp_path).model_type == "gemma3_text" and family_of(load_config(tmp_path)).name == "gemma3"
+    save_file({re.sub(r"^(language_model\.model\.|model\.language_model\.)", layout, k): v.contiguous()
+               for k, v in stored.items()}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert any(k.startswith(f"{layout}layers.") for k in load_file(tmp_path / "model.safetensors"))
+    assert load_config(tmp_path).model_type == text_type and family_of(load_config(tmp_path)).name == family
     ids = PROMPT + DECODED
     entry = ShardModel(tmp_path, LayerRange(0, 1), dtype="float32")
     rest = ShardModel(tmp_path, LayerRange(1, 4), dtype="float32", load_head=False)
-    assert_close(split_logits(entry, rest, ids, len(PROMPT)), reference_logits(wrapper, ids), atol=ATOL, rtol=0)
+    assert_close(split_logits(entry, rest, ids, len(PROMPT)), reference_logits(whole, ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral", "gpt_oss"])
+def test_a_sliding_window_layer_keeps_only_its_window_and_the_logits_stay_exact(family_model, name):
+    """A sliding layer's cache holds at most window + block + one chunk positions however long
+    the context (here 60 tokens through a window of 6, blocks of 4), a full layer every
+    position; the logits equal the whole model's."""
+    from meshnet.models.kernels import KVCache
+    from meshnet.models.shard import ShardModel
+
+    path, reference = family_model(name)
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 512, (60,), generator=generator).tolist()
+    shard = ShardModel(path, LayerRange(0, reference.config.num_hidden_layers), dtype="float32")
+    cache, out = KVCache(block_tokens=4), []
+    steps = [(p, ids[p:p + CHUNK]) for p in range(0, 30, CHUNK)] + [(p, [ids[p]]) for p in range(30, 60)]
+    for position, chunk in steps:
+        out.append(shard.logits(shard.forward(shard.embed_tokens(torch.tensor([chunk]), position), cache, position))[0])
+    assert_close(torch.cat(out), reference_logits(reference, ids), atol=ATOL, rtol=0)
+    sliding = set(shard._windows)
+    assert sliding and all(cache.keys[i].shape[-2] <= 6 + 4 + CHUNK for i in sliding)
+    assert all(cache.lengths[i] == 60 for i in cache.keys if i not in sliding)
+    assert len(sliding) == {"gemma3": 3, "mistral": 4, "gpt_oss": 2}[name]

@@ -203,9 +203,9 @@ def test_trim_heap_runs_on_glibc_and_is_a_no_op_elsewhere():
 @pytest.fixture
 def fresh_attention(monkeypatch, tmp_path):
     monkeypatch.setenv("MESHNET_HOST_TIMINGS", str(tmp_path / "host-timings.json"))  # nothing measured yet
-    kernels.attention_in_float32.cache_clear()
+    linears.attention_in_float32.cache_clear()
     yield monkeypatch
-    kernels.attention_in_float32.cache_clear()
+    linears.attention_in_float32.cache_clear()
 
 
 def attention_inputs(dtype):
@@ -236,25 +236,25 @@ def test_half_decode_attention_in_float32_is_the_float32_result_rounded_once():
     ({128: (40e-6, 60e-6), 1024: (200e-6, 300e-6)}, False),    # native half kernels: kept
 ])
 def test_decode_attention_runs_in_float32_only_where_that_wins_at_every_length(fresh_attention, samples, chosen):
-    fresh_attention.setattr(kernels, "measure_attention", lambda dtype: samples)
-    assert kernels.attention_in_float32(torch.bfloat16) is chosen
+    fresh_attention.setattr(linears, "measure_attention", lambda dtype: samples)
+    assert linears.attention_in_float32(torch.bfloat16) is chosen
 
 
 def test_float32_and_the_off_switch_measure_no_attention(fresh_attention):
-    fresh_attention.setattr(kernels, "measure_attention", lambda dtype: pytest.fail("measured"))
-    assert kernels.attention_in_float32(torch.float32) is False
+    fresh_attention.setattr(linears, "measure_attention", lambda dtype: pytest.fail("measured"))
+    assert linears.attention_in_float32(torch.float32) is False
     fresh_attention.setenv("MESHNET_UPCAST_MIN_ROWS", "off")
-    assert kernels.attention_in_float32(torch.bfloat16) is False
+    assert linears.attention_in_float32(torch.bfloat16) is False
 
 
 def test_measure_attention_times_both_paths_at_each_length():
-    samples = kernels.measure_attention(torch.bfloat16, lengths=(8, 32), calls=2, repeats=1)
+    samples = linears.measure_attention(torch.bfloat16, lengths=(8, 32), calls=2, repeats=1)
     assert sorted(samples) == [8, 32] and all(h > 0 and u > 0 for h, u in samples.values())
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
 def test_a_shard_runs_its_decode_attention_as_its_host_timing_chose(fresh_attention, name, tiny_model_path):
-    fresh_attention.setattr(kernels, "measure_attention", lambda dtype: {128: (154e-6, 41e-6), 1024: (1281e-6, 222e-6)})
+    fresh_attention.setattr(linears, "measure_attention", lambda dtype: {128: (154e-6, 41e-6), 1024: (1281e-6, 222e-6)})
     calls = []
     real = kernels.decode_attention
     fresh_attention.setattr(kernels, "decode_attention", lambda *args: calls.append(args[-1]) or real(*args))
