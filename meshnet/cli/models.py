@@ -89,6 +89,8 @@ def certify(name: str = typer.Argument(None, help="Preset name, hub repo id or l
                                             "shards and a few three-shard splits."),
             prompt_tokens: int = typer.Option(300, "--prompt-tokens", min=1, help="Random prompt length, tokens."),
             decode_tokens: int = typer.Option(40, "--decode-tokens", min=1, help="Greedy tokens decoded after it."),
+            device: str = typer.Option("cpu", "--device",
+                                       help="Where the whole model and the shards run: cpu, cuda, cuda:N or auto."),
             as_json: bool = JsonOpt) -> None:
     """Check split parity: the model split into shards (each its own shard model and KV cache,
     chunked prefill then decode across them, float32) gives the whole transformers model's logits
@@ -107,13 +109,16 @@ def certify(name: str = typer.Argument(None, help="Preset name, hub repo id or l
         fail(MeshnetError(f"--splits {splits!r}: each split is comma-separated layer numbers, splits are ';'-separated"))
     preset = find_preset(name)
     try:
+        from meshnet.models.devices import resolve_device
+
+        device = resolve_device(device)
         with console.status(f"preparing {name}") as status:
             path = resolve(name, progress=lambda msg: status.update(f"{name}: {msg}"))
         family = check_family(path, preset.family if preset else None)
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task(f"certifying {name} ({family})", total=None)
             results = run_certify(path, splits=chosen, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
-                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
+                                  device=device, progress=lambda done, total: bar.update(task, completed=done, total=total))
     except MeshnetError as exc:
         fail(exc)
     rows = [{"split": list(r.boundaries), "max_abs_diff": r.max_abs_diff, "tokens_decided": r.tokens_decided,
@@ -121,7 +126,8 @@ def certify(name: str = typer.Argument(None, help="Preset name, hub repo id or l
 
     def human(data):
         table = Table("split (shards start at)", "max |Δ logit|", "tokens equal", "verdict",
-                      title=f"{name}: {family}, {prompt_tokens}-token prompt + {decode_tokens} decoded, float32")
+                      title=f"{name}: {family}, {prompt_tokens}-token prompt + {decode_tokens} decoded, float32 "
+                            f"on {device}")
         for r in data:
             table.add_row("0, " + ", ".join(map(str, r["split"])), f"{r['max_abs_diff']:.2e}",
                           f"{r['tokens_matched']}/{r['tokens_decided']}", "[green]ok[/]" if r["passed"] else "[red]DIFFERS[/]")

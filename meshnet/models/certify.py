@@ -68,7 +68,7 @@ def check_family(model_path: Path, expected: str | None) -> str:
 
 
 def certify(model_path: Path, *, splits: Iterable[tuple[int, ...]] | None = None, prompt_tokens: int = 300,
-            decode_tokens: int = 40, chunk_tokens: int = 128, seed: int = 0,
+            decode_tokens: int = 40, chunk_tokens: int = 128, seed: int = 0, device: str = "cpu",
             progress: Callable[[int, int], None] | None = None) -> list[SplitResult]:
     """Split parity of the model at ``model_path`` (float32), one result per split.
 
@@ -76,6 +76,7 @@ def certify(model_path: Path, *, splits: Iterable[tuple[int, ...]] | None = None
         splits: boundaries of each split (default :func:`default_splits`).
         prompt_tokens: random prompt ids (seeded); ``decode_tokens``: greedy tokens after it.
         chunk_tokens: prefill chunk; ``progress``: told ``(splits done, splits)``.
+        device: where the whole model and the shards run (``cpu``, ``cuda:N``), both on the same one.
 
     Raises:
         ModelSourceError: the model cannot be loaded, or a boundary is outside its layers.
@@ -93,23 +94,24 @@ def certify(model_path: Path, *, splits: Iterable[tuple[int, ...]] | None = None
         if any(b <= a for a, b in zip(edges, edges[1:])):
             raise ModelSourceError(f"split {tuple(boundaries)} is not inside the model's {num_layers} layers",
                                    hint=f"boundaries are increasing layer numbers between 1 and {num_layers - 1}")
-    whole = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    whole = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval().to(device)
     vocab = int(whole.config.vocab_size)
     generator = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(3, vocab, (1, prompt_tokens), generator=generator)
+    prompt = torch.randint(3, vocab, (1, prompt_tokens), generator=generator).to(device)
     config = copy.deepcopy(whole.generation_config)
     config.eos_token_id, config.min_new_tokens = None, None  # all tokens greedy: no end, no end suppressed
     config.max_new_tokens, config.do_sample, config.pad_token_id = decode_tokens, False, 0
     with torch.inference_mode():
         ids = whole.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=config)
-        reference = whole(ids).logits[0].float()
+        reference = whole(ids).logits[0].float().cpu()
+        ids = ids.cpu()
     del whole
     results = []
     for done, boundaries in enumerate(splits):
         edges = [0, *boundaries, num_layers]
         # each split loads its own shards (kept for every split, the copies would add up to the
         # model's size times the number of splits)
-        chain = [ShardModel(model_path, LayerRange(a, b), dtype="float32", load_head=a == 0)
+        chain = [ShardModel(model_path, LayerRange(a, b), dtype="float32", load_head=a == 0, device=device)
                  for a, b in zip(edges, edges[1:])]
         logits = _split_logits(chain, ids[0].tolist(), prompt_tokens, chunk_tokens)
         results.append(_compare(tuple(boundaries), logits, reference, ids[0].tolist(), prompt_tokens))

@@ -9,6 +9,7 @@ model's.
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -24,7 +25,17 @@ PROMPT = [5, 17, 300, 42, 7, 99, 123, 64, 8, 250, 31, 77, 410]
 DECODED = [12, 501, 3, 88]
 OTHER = [9, 400, 23, 11, 301, 6, 44, 45, 46]  # a second session's prompt, of another length
 CHUNK = 5
-ATOL = 2e-5
+#: where the shards and the whole model run (bench/device_check.sh sets cuda on a GPU machine)
+DEVICE = os.environ.get("MESHNET_TEST_DEVICE", "cpu")
+#: float32 on the CPU agrees to rounding; a GPU's kernels to the issue's tolerance (1e-4)
+ATOL = 2e-5 if DEVICE == "cpu" else 1e-4
+
+
+def Shard(*args, **kwargs):
+    """A :class:`ShardModel` on the test device."""
+    from meshnet.models.shard import ShardModel
+
+    return ShardModel(*args, device=DEVICE, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +56,7 @@ def family_model(tmp_path_factory):
             path = tmp_path_factory.mktemp(f"family-{name}")
             model.save_pretrained(path)
             byte_tokenizer(config.vocab_size).save_pretrained(path)
-            reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(DEVICE)
             built[name] = (path, reference)
         return built[name]
 
@@ -54,7 +65,7 @@ def family_model(tmp_path_factory):
 
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return model(torch.tensor([ids])).logits[0].float()
+        return model(torch.tensor([ids], device=model.device)).logits[0].float().cpu()
 
 
 def split_logits(entry, rest, ids: list[int], decode_from: int) -> torch.Tensor:
@@ -75,15 +86,13 @@ def split_logits(entry, rest, ids: list[int], decode_from: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_every_split_of_the_family_gives_the_unsplit_models_logits(family_model, name):
-    from meshnet.models.shard import ShardModel
-
     path, reference = family_model(name)
     ids = PROMPT + DECODED
     expected = reference_logits(reference, ids)
     layers = reference.config.num_hidden_layers
     for boundary in range(1, layers + 1):
-        entry = ShardModel(path, LayerRange(0, boundary), dtype="float32")
-        rest = ShardModel(path, LayerRange(boundary, layers), dtype="float32", load_head=False) \
+        entry = Shard(path, LayerRange(0, boundary), dtype="float32")
+        rest = Shard(path, LayerRange(boundary, layers), dtype="float32", load_head=False) \
             if boundary < layers else None
         got = split_logits(entry, rest, ids, len(PROMPT))
         assert_close(got, expected, atol=ATOL, rtol=0, msg=lambda m: f"{name} split at {boundary}: {m}")
@@ -92,12 +101,11 @@ def test_every_split_of_the_family_gives_the_unsplit_models_logits(family_model,
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_a_batched_decode_step_of_sessions_of_different_lengths_gives_each_its_own_logits(family_model, name):
     from meshnet.models.kernels import KVCache
-    from meshnet.models.shard import ShardModel
 
     path, reference = family_model(name)
     layers = reference.config.num_hidden_layers
-    entry = ShardModel(path, LayerRange(0, 2), dtype="float32")
-    rest = ShardModel(path, LayerRange(2, layers), dtype="float32", load_head=False)
+    entry = Shard(path, LayerRange(0, 2), dtype="float32")
+    rest = Shard(path, LayerRange(2, layers), dtype="float32", load_head=False)
     prompts, nxt = [PROMPT, OTHER], [DECODED[0], DECODED[1]]
     caches = [(KVCache(), KVCache()) for _ in prompts]
     for (a, b), prompt in zip(caches, prompts):
@@ -148,7 +156,7 @@ def test_the_family_is_certified_by_split_parity_at_every_two_and_three_shard_sp
     path, reference = family_model(name)
     layers = int(reference.config.num_hidden_layers)
     splits = [(b,) for b in range(1, layers)] + list(combinations(range(1, layers), 2))
-    results = certify(path, splits=splits, prompt_tokens=300, decode_tokens=40, chunk_tokens=128)
+    results = certify(path, splits=splits, prompt_tokens=300, decode_tokens=40, chunk_tokens=128, device=DEVICE)
     print(f"{name}: {len(results)} splits, largest |diff| {max(r.max_abs_diff for r in results):.2e}, "
           f"tokens {sum(r.tokens_matched for r in results)}/{sum(r.tokens_decided for r in results)}")
     assert [r.boundaries for r in results] == splits
@@ -164,7 +172,6 @@ async def test_a_replacement_hop_rebuilt_from_the_replayed_input_gives_the_same_
     on with the whole model's logits."""
     from meshnet.dataplane.replay import rechunk
     from meshnet.models.kernels import KVCache
-    from meshnet.models.shard import ShardModel
     from meshnet.node.entry import WireCodec
 
     path, reference = family_model(name)
@@ -173,7 +180,7 @@ async def test_a_replacement_hop_rebuilt_from_the_replayed_input_gives_the_same_
     ids = torch.randint(3, 512, (40,), generator=generator).tolist()
     want = reference_logits(reference, ids)
     codec, prefill = WireCodec("float32"), 24
-    entry, rest = ShardModel(path, LayerRange(0, 2)), ShardModel(path, LayerRange(2, layers))
+    entry, rest = Shard(path, LayerRange(0, 2)), Shard(path, LayerRange(2, layers))
     caches, history, out = [KVCache(), KVCache()], [], []
     steps = [(p, ids[p:min(p + CHUNK, prefill)]) for p in range(0, prefill, CHUNK)]
     steps += [(p, [ids[p]]) for p in range(prefill, len(ids))]
@@ -181,7 +188,7 @@ async def test_a_replacement_hop_rebuilt_from_the_replayed_input_gives_the_same_
         hidden = entry.forward(entry.embed_tokens(torch.tensor([chunk]), position), caches[0], position)
         frame = await codec.encode(hidden)
         if position == prefill + 6:  # the hop failed: its replacement replays what it missed
-            rest, caches[1] = ShardModel(path, LayerRange(2, layers)), KVCache()
+            rest, caches[1] = Shard(path, LayerRange(2, layers)), KVCache()
             async for at, replayed, _tokens in rechunk(history, codec, CHUNK):
                 rest.forward(await codec.decode(replayed), caches[1], at)
         history.append((position, frame, len(chunk)))
@@ -199,7 +206,6 @@ def test_gpt_oss_experts_stored_as_mxfp4_load_as_their_dequantized_values(family
     from transformers import AutoModelForCausalLM
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from meshnet.models.shard import ShardModel
 
     path, reference = family_model("gpt_oss")
     config = reference.config
@@ -220,10 +226,11 @@ def test_gpt_oss_experts_stored_as_mxfp4_load_as_their_dequantized_values(family
     save_file({**stored, **packed}, mxfp4 / "model.safetensors", metadata={"format": "pt"})
     dense = AutoModelForCausalLM.from_config(config).eval()
     dense.load_state_dict(state)
+    dense.to(DEVICE)
     ids = PROMPT + DECODED
     layers = config.num_hidden_layers
-    entry = ShardModel(mxfp4, LayerRange(0, 2), dtype="float32")
-    rest = ShardModel(mxfp4, LayerRange(2, layers), dtype="float32", load_head=False)
+    entry = Shard(mxfp4, LayerRange(0, 2), dtype="float32")
+    rest = Shard(mxfp4, LayerRange(2, layers), dtype="float32", load_head=False)
     assert_close(split_logits(entry, rest, ids, len(PROMPT)), reference_logits(dense, ids), atol=ATOL, rtol=0)
     assert not torch.equal(state["model.layers.0.mlp.experts.down_proj"],
                            reference.state_dict()["model.layers.0.mlp.experts.down_proj"])
@@ -252,7 +259,6 @@ def test_the_language_model_of_a_multimodal_wrapper_is_served_as_its_text_family
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from meshnet.models.families import family_of, load_config
-    from meshnet.models.shard import ShardModel
     from meshnet.models.sources import byte_tokenizer
 
     family, extra = WRAPPERS[wrapper]
@@ -263,6 +269,7 @@ def test_the_language_model_of_a_multimodal_wrapper_is_served_as_its_text_family
     torch.manual_seed(0)
     whole = AutoModelForImageTextToText.from_config(config).eval()
     whole.save_pretrained(tmp_path)
+    whole.to(DEVICE)
     byte_tokenizer(config.text_config.vocab_size).save_pretrained(tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
     save_file({re.sub(r"^(language_model\.model\.|model\.language_model\.)", layout, k): v.contiguous()
@@ -270,8 +277,8 @@ def test_the_language_model_of_a_multimodal_wrapper_is_served_as_its_text_family
     assert any(k.startswith(f"{layout}layers.") for k in load_file(tmp_path / "model.safetensors"))
     assert load_config(tmp_path).model_type == text_type and family_of(load_config(tmp_path)).name == family
     ids = PROMPT + DECODED
-    entry = ShardModel(tmp_path, LayerRange(0, 1), dtype="float32")
-    rest = ShardModel(tmp_path, LayerRange(1, 4), dtype="float32", load_head=False)
+    entry = Shard(tmp_path, LayerRange(0, 1), dtype="float32")
+    rest = Shard(tmp_path, LayerRange(1, 4), dtype="float32", load_head=False)
     assert_close(split_logits(entry, rest, ids, len(PROMPT)), reference_logits(whole, ids), atol=ATOL, rtol=0)
 
 
@@ -281,12 +288,11 @@ def test_a_sliding_window_layer_keeps_only_its_window_and_the_logits_stay_exact(
     the context (here 60 tokens through a window of 6, blocks of 4), a full layer every
     position; the logits equal the whole model's."""
     from meshnet.models.kernels import KVCache
-    from meshnet.models.shard import ShardModel
 
     path, reference = family_model(name)
     generator = torch.Generator().manual_seed(2)
     ids = torch.randint(3, 512, (60,), generator=generator).tolist()
-    shard = ShardModel(path, LayerRange(0, reference.config.num_hidden_layers), dtype="float32")
+    shard = Shard(path, LayerRange(0, reference.config.num_hidden_layers), dtype="float32")
     cache, out = KVCache(block_tokens=4), []
     steps = [(p, ids[p:p + CHUNK]) for p in range(0, 30, CHUNK)] + [(p, [ids[p]]) for p in range(30, 60)]
     for position, chunk in steps:
