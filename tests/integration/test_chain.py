@@ -13,7 +13,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from tests.integration.conftest import REAL
 from tests.integration.mesh import Mesh
@@ -96,12 +95,14 @@ def generate(mesh: Mesh, max_tokens: int, on_token=None) -> tuple[list[int], dic
 
 
 def test_a_three_hop_chain_gives_transformers_greedy_tokens_over_streams(mesh, real_model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from meshnet.models.checkpoints import whole_model
 
     before = stream_bytes_in(mesh, "tail")
     got, meta = generate(mesh, 32)
     tok = AutoTokenizer.from_pretrained(real_model_path)
-    model = AutoModelForCausalLM.from_pretrained(real_model_path, dtype=torch.float32).eval()
+    model = whole_model(real_model_path)
     ids = tok.apply_chat_template(STORY, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     expected = model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
     assert len(got) == 32 and got == expected

@@ -18,7 +18,9 @@ STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse in
 
 @pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-qwen3-moe", "tiny-qwen3-5", "tiny-gpt-oss"])
 def test_three_processes_of_a_family_give_generates_tokens(model, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from meshnet.models.checkpoints import whole_model
 
     mesh = Mesh(tmp_path / "logs")
     try:
@@ -36,7 +38,7 @@ def test_three_processes_of_a_family_give_generates_tokens(model, tmp_path):
         ("a", 0, 1), ("b", 2, 2), ("c", 3, 3)]
     path = resolve(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    whole = whole_model(path)
     prompt = torch.tensor([chat_token_ids(tokenizer, STORY)])
     with torch.inference_mode():
         out = whole.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,

@@ -69,12 +69,14 @@ def test_openai_client_streaming_and_not(mesh):
 
 
 def test_float32_wire_greedy_equals_transformers_generate(mesh, real_model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from meshnet.models.checkpoints import whole_model
 
     data = chat(mesh, STORY, max_tokens=32)
     got = data["meshnet"]["completion_token_ids"]
     tok = AutoTokenizer.from_pretrained(real_model_path)
-    model = AutoModelForCausalLM.from_pretrained(real_model_path, dtype=torch.float32).eval()
+    model = whole_model(real_model_path)
     ids = tok.apply_chat_template(STORY, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     out = model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
     expected = [t for t in out if t != tok.eos_token_id][:len(out)]
@@ -86,7 +88,9 @@ def test_echoed_prompt_logprobs_across_three_hops_equal_transformers_log_softmax
     """What an evaluation harness asks (``echo``, ``logprobs``, ``max_tokens: 0``): one logprob per
     prompt token, the first null, each within 1e-4 of transformers' float32 log-softmax over the
     unsplit model; the prompt is longer than one prefill chunk, so chunks are scored in turn."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from meshnet.models.checkpoints import whole_model
 
     text = "The quick brown fox jumps over the lazy dog. " * 24  # about 240 tokens: two 128-token chunks
     resp = httpx.post(f"{mesh.url}/v1/completions", timeout=120, json={
@@ -98,7 +102,7 @@ def test_echoed_prompt_logprobs_across_three_hops_equal_transformers_log_softmax
     ids = tok(text)["input_ids"]
     assert len(ids) > 128 and len(lp["token_logprobs"]) == len(ids) and choice["text"] == text
     assert lp["token_logprobs"][0] is None and lp["tokens"] == [tok.decode([i]) for i in ids]
-    model = AutoModelForCausalLM.from_pretrained(real_model_path, dtype=torch.float32).eval()
+    model = whole_model(real_model_path)
     with torch.inference_mode():
         logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
     want = [float(logp[i, t]) for i, t in enumerate(ids[1:])]

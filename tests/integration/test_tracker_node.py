@@ -13,7 +13,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from tests.integration.conftest import REAL
 from tests.integration.mesh import Mesh, free_port
@@ -36,7 +35,9 @@ def wait_ready(proc: subprocess.Popen, timeout_s: float) -> list[str]:
 
 
 def test_serve_answers_through_the_tracker_as_first_hop(real_model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from meshnet.models.checkpoints import whole_model
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -65,7 +66,7 @@ def test_serve_answers_through_the_tracker_as_first_hop(real_model_path):
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/v1/health", timeout=2)
     tok = AutoTokenizer.from_pretrained(real_model_path)
-    model = AutoModelForCausalLM.from_pretrained(real_model_path, dtype=torch.float32).eval()
+    model = whole_model(real_model_path)
     ids = tok.apply_chat_template(STORY, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     expected = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
     assert len(got) == 24 and got == expected

@@ -22,7 +22,7 @@ def test_missing_accelerate_is_named_in_the_error_and_hint(monkeypatch, tmp_path
     gguf = tmp_path / "model.Q4_1.gguf"
     gguf.write_bytes(b"")
     with pytest.raises(ModelSourceError) as info:
-        convert.convert_gguf(gguf, tmp_path / "out", say=lambda msg: None)
+        convert.prepare_gguf(gguf, tmp_path / "out", say=lambda msg: None)
     assert info.value.message == "cannot convert model.Q4_1.gguf: missing package(s) accelerate"
     assert info.value.hint == "pip install accelerate (declared in meshnet's dependencies)"
     assert not (tmp_path / "out").exists()
