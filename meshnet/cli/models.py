@@ -68,7 +68,8 @@ def add(source: str = typer.Argument(..., help="Hub repository id (e.g. Qwen/Qwe
 @app.command("pull")
 def pull(name: str = typer.Argument(None, help="Preset name, hub repo id or local directory (default: the default preset)."),
          as_json: bool = JsonOpt) -> None:
-    """Fetch a model and convert it once into the local safetensors cache."""
+    """Fetch a model into the local cache (a hub model's safetensors, a GGUF file with its config,
+    tokenizer and tensor index, or a seeded random model built from its config)."""
     from meshnet.models.sources import resolve
     from meshnet.presets import default_model
 

@@ -140,17 +140,26 @@ def index_gguf(path: Path, write: bool = False) -> dict:
     {name: {"gguf", "type", "dtype", "shape", "offset"}}}``; with ``write``, also kept as
     ``<file>.json`` for :class:`GGUFTensors`.
 
+    Only architectures whose tensors transformers maps one by one are read this way (its plain,
+    Llama and Gemma processors); its mixture-of-experts processors split and join tensors across
+    the whole file.
+
     Raises:
-        ModelSourceError: an architecture transformers' GGUF loader does not map.
+        ModelSourceError: an architecture transformers' GGUF loader does not map one tensor at a time.
     """
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, Gemma2TensorProcessor,
+                                                          LlamaTensorProcessor, TensorProcessor,
                                                           get_gguf_hf_weights_map, read_field)
 
     path = Path(path)
     reader = GGUFReader(path)
     architecture = str(read_field(reader, "general.architecture")[0])
+    if TENSOR_PROCESSORS.get(architecture, TensorProcessor) not in (TensorProcessor, LlamaTensorProcessor,
+                                                                     Gemma2TensorProcessor):
+        raise ModelSourceError(f"{path}: a GGUF of architecture {architecture!r} cannot be read one tensor at a "
+                               f"time", hint="use the model's safetensors (a hub id or a local directory)")
     config = AutoConfig.from_pretrained(path.parent)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)

@@ -189,8 +189,8 @@ def sample_layer_count(config: dict) -> int:
     :func:`meshnet.models.linears.stream_bytes` (twice the largest CPU cache), so every step reads
     them from memory as a node's shard does, at least :data:`SAMPLE_LAYERS`. A sample that fits
     in cache hides what a batch costs (a batch read from cache runs as fast in bfloat16 as in
-    float32 where a real shard read from memory does not; ADR-0044). Reads Llama-style configs (hidden, intermediate and key-value sizes) and
-    GPT-2's (``n_embd``, ``n_inner``); others get :data:`SAMPLE_LAYERS`.
+    float32 where a real shard read from memory does not; ADR-0044). A layer's size is its
+    family's count (:func:`layer_weights`); a config no family serves gets :data:`SAMPLE_LAYERS`.
     """
     from meshnet.models.linears import stream_bytes
 
@@ -201,20 +201,21 @@ def sample_layer_count(config: dict) -> int:
 
 
 def layer_weights(config: dict) -> int:
-    """Weights of one decoder layer's linear projections, from a ``config.json``: Llama-style
-    ``2h² + 2h·kv + 3h·inner`` (query and output, key and value over the key-value heads, the
-    gated MLP) or GPT-2's ``4h² + 2h·inner`` (``inner`` defaults to ``4h``); 0 where the config
-    names neither."""
+    """Parameters of one decoder layer (its mean over a hybrid's layer kinds), from a
+    ``config.json`` read as a dict: the family's own count
+    (:func:`meshnet.models.catalog.layer_parameters`, one layer built on the meta device), so
+    attention, experts, linear-attention and norms all count whatever the family; 0 where no
+    certified family serves the config."""
+    from meshnet.errors import MeshnetError
+    from meshnet.models.catalog import layer_parameters
+
+    settings = dict(config)
     try:
-        if config.get("model_type") == "gpt2" or "n_embd" in config:
-            hidden = int(config["n_embd"])
-            return 4 * hidden * hidden + 2 * hidden * int(config.get("n_inner") or 4 * hidden)
-        hidden, inner = int(config["hidden_size"]), int(config["intermediate_size"])
-        heads = int(config["num_attention_heads"])
-        kv = int(config.get("num_key_value_heads") or heads) * int(config.get("head_dim") or hidden // heads)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        from transformers import AutoConfig
+
+        return layer_parameters(AutoConfig.for_model(settings.pop("model_type"), **settings)).total
+    except (MeshnetError, KeyError, TypeError, ValueError):
         return 0
-    return 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inner
 
 
 def host_key(model: str, dtypes: Sequence[str], thread_counts: Sequence[int]) -> str:

@@ -177,11 +177,16 @@ def test_the_timings_a_measurement_made_serve_a_node_at_the_same_thread_count_on
 
 
 @pytest.mark.parametrize("config, weights, layers", [
-    # SmolLM2-135M: 9 heads of 64 over 3 key-value heads, a 1536-wide gated MLP; 6.75 MiB a layer in bfloat16
+    # SmolLM2-135M: 9 heads of 64 over 3 key-value heads, a 1536-wide gated MLP, two norms; 6.75 MiB a
+    # layer in bfloat16 (its preset's 3,540,096 parameters a layer)
     ({"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
-      "num_key_value_heads": 3}, 3_538_944, 10),
-    # GPT-2 small: 13.5 MiB a layer in bfloat16
-    ({"model_type": "gpt2", "n_embd": 768, "n_inner": None, "n_head": 12}, 7_077_888, 5),
+      "num_key_value_heads": 3}, 3_540_096, 10),
+    # GPT-2 small, biases and layer norms included: 13.5 MiB a layer in bfloat16
+    ({"model_type": "gpt2", "n_embd": 768, "n_inner": None, "n_head": 12}, 7_087_872, 5),
+    # Qwen3-30B-A3B's shape: 128 experts a layer, 48 layers of them make its 30 B parameters
+    ({"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 32,
+      "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+      "moe_intermediate_size": 768}, 623_120_640, 2),
     ({"model_type": "mystery"}, 0, 2),  # sizes it cannot read: the 2-layer floor
 ])
 def test_the_sample_holds_enough_layers_to_be_read_from_memory(monkeypatch, config, weights, layers):

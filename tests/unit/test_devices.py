@@ -92,3 +92,22 @@ def test_a_shard_on_the_cpu_device_returns_host_tensors(tmp_path):
     logits = shard.logits(hidden)
     assert (shard.device.type, hidden.device.type, logits.device.type, tuple(logits.shape)) == ("cpu", "cpu", "cpu",
                                                                                                 (1, 3, 512))
+
+
+def test_a_shard_too_big_for_the_gpu_is_one_error_and_leaves_no_slot(monkeypatch, tmp_path):
+    from meshnet.layers import LayerRange
+    from meshnet.node import slots
+    from meshnet.node.runtime import NodeRuntime
+
+    def too_big(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.setattr(slots, "measure_load", too_big)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    runtime = NodeRuntime(compute_dtype="bfloat16", device="cuda:0")
+    with pytest.raises(MeshnetError) as info:
+        runtime.load("tiny-llama", tmp_path, LayerRange(0, 4))
+    assert info.value.code == "device_memory" and info.value.status == 507
+    assert info.value.message == ("tiny-llama layers 0-3 do not fit in cuda:0's free memory: CUDA out of memory. "
+                                  "Tried to allocate 2.00 GiB")
+    assert "--device cpu" in info.value.hint and runtime.slots == {}
