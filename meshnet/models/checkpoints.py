@@ -228,14 +228,24 @@ def dequantize_mxfp4(checkpoint: Checkpoint, wanted: dict[str, str], params: dic
 
 def whole_model(model_path: Path, dtype: torch.dtype = torch.float32):
     """The whole transformers model of a cache directory (the reference meshnet's splits are
-    compared with): from its safetensors, or from its GGUF file dequantized whole.
+    compared with): from its safetensors, or built from its config and filled with its GGUF
+    file's tensors as :class:`GGUFTensors` reads them (the values transformers' own GGUF loader
+    gives, ``tests/integration/test_gguf_shards.py``, without its seconds of metadata parsing).
 
     Raises:
         OSError, ValueError: transformers' own, for a directory it cannot load.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(model_path)
-    if not any(path.glob("*.safetensors")) and (path / GGUF_FILE).exists():
-        return AutoModelForCausalLM.from_pretrained(path, gguf_file=GGUF_FILE, dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    if any(path.glob("*.safetensors")) or not (path / GGUF_FILE).exists():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    tensors = GGUFTensors(path / GGUF_FILE)
+    with torch.random.fork_rng():  # the random initial weights are all replaced; the caller's seed is kept
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    missing, unexpected = model.load_state_dict({n: tensors.tensor(n) for n in tensors.names}, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise ValueError(f"{path / GGUF_FILE} does not match its config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.tie_weights()
+    return model.eval()
