@@ -22,7 +22,9 @@ def compute_defaults(model: str | None, dtype: str, threads: int | None, budget:
     Exits with the error on a bad ``--dtype``."""
     from meshnet.node.calibration import Choice, calibrate
 
-    gpu = device.startswith("cuda")
+    from meshnet.models.devices import is_gpu
+
+    gpu = is_gpu(device)
     if dtype not in ("auto", "float32", "bfloat16") and not (gpu and dtype == "float16"):
         fail(MeshnetError(f"--dtype must be auto, float32 or bfloat16{', float16' if gpu else ''}, got {dtype!r}",
                           hint="float16 is for GPUs (--device cuda)" if dtype == "float16" else None))

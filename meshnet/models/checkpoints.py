@@ -39,7 +39,7 @@ class Checkpoint(contextlib.AbstractContextManager):
         ModelSourceError: :meth:`tensor` of a name the checkpoint lacks.
     """
 
-    def __init__(self, model_path: Path) -> None:
+    def __init__(self, model_path: Path, config=None) -> None:
         from safetensors import safe_open
 
         self.model_path = Path(model_path)
@@ -59,8 +59,8 @@ class Checkpoint(contextlib.AbstractContextManager):
         self._files = contextlib.ExitStack()
         self._handles: dict[Path, object] = {}
         #: a GGUF model (no safetensors): its tensors, dequantized one at a time as they are read
-        self._gguf = GGUFTensors(self.model_path / GGUF_FILE) if not stored and (self.model_path / GGUF_FILE).exists() \
-            else None
+        self._gguf = GGUFTensors(self.model_path / GGUF_FILE, config) \
+            if not stored and (self.model_path / GGUF_FILE).exists() else None
         if self._gguf is not None:
             self.files = {name: self._gguf.path for name in self._gguf.names}
 
@@ -105,14 +105,18 @@ class GGUFTensors:
         ModelSourceError: a tensor the file lacks.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, config=None) -> None:
+        import numpy as np
         from transformers import AutoConfig
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         self.path = Path(path)
         sidecar = self.path.with_name(self.path.name + ".json")
         index = json.loads(sidecar.read_text()) if sidecar.exists() else index_gguf(self.path)
-        config = AutoConfig.from_pretrained(self.path.parent).to_dict()
+        config = (config or AutoConfig.from_pretrained(self.path.parent)).to_dict()
+        #: the whole file, mapped once: each tensor is a plain view of its bytes (no memmap
+        #: bookkeeping on the thousands of views gguf's dequantizer makes: a tenth of a load)
+        self.data = np.memmap(self.path, dtype=np.uint8, mode="r").view(np.ndarray)
         self.processor = TENSOR_PROCESSORS.get(index["architecture"], TensorProcessor)(config=config)
         self.parsed = {"config": config, "tensors": {}}
         self.tensors: dict[str, dict] = index["tensors"]  # transformers name -> where and how it is stored
@@ -127,12 +131,13 @@ class GGUFTensors:
         if entry is None:
             raise ModelSourceError(f"{self.path}: no tensor for {name}",
                                    hint="the GGUF file is incomplete or of another model: delete it to fetch it again")
-        data = np.memmap(self.path, dtype=np.dtype(entry["dtype"]), mode="r", offset=entry["offset"],
-                         shape=tuple(entry["shape"])).view(np.ndarray)  # the same pages, without memmap's
-        # bookkeeping on each of the thousands of views gguf's dequantizer makes (a tenth of a load)
+        dtype, shape = np.dtype(entry["dtype"]), tuple(entry["shape"])
+        size = int(np.prod(shape)) * dtype.itemsize
+        data = self.data[entry["offset"]:entry["offset"] + size].view(dtype).reshape(shape)
         result = self.processor.process(weights=dequantize(data, GGMLQuantizationType(entry["type"])),
                                         name=entry["gguf"], tensor_key_mapping={}, parsed_parameters=self.parsed)
-        return torch.from_numpy(np.array(result.weights, dtype=np.float32))
+        # copied only where it is not already a fresh float32 array (a float32 tensor is the file's own bytes)
+        return torch.from_numpy(np.require(result.weights, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
 
 
 def index_gguf(path: Path, write: bool = False) -> dict:

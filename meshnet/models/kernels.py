@@ -98,18 +98,16 @@ class KVCache(LinearStates):
         ``layer_idx``; returns every cached key and value of that layer (views, no copy)."""
         length = self.lengths.get(layer_idx)
         window = self.windows.get(layer_idx)
-        if length is None and window is not None and key_states.shape[-2] > window:
-            # a first chunk longer than the window attends to all of itself, and only its last
-            # ``window`` positions are kept for the queries after it
-            self.keys[layer_idx] = key_states[..., -window:, :].clone(memory_format=torch.contiguous_format)
-            self.values[layer_idx] = value_states[..., -window:, :].clone(memory_format=torch.contiguous_format)
-            self.lengths[layer_idx] = window
-            return key_states, value_states
         if length is None:  # exactly the first chunk's size: a one-shot prefill leaves no slack
-            keys = self.keys[layer_idx] = key_states.clone(memory_format=torch.contiguous_format)
-            values = self.values[layer_idx] = value_states.clone(memory_format=torch.contiguous_format)
-            self.lengths[layer_idx] = key_states.shape[-2] if key_states.dim() > 1 else key_states.numel()
-            return keys, values
+            # a chunk longer than a sliding layer's window attends to all of itself, and only its
+            # last ``window`` positions are kept for the queries after it
+            kept = window if window is not None and key_states.dim() > 1 and key_states.shape[-2] > window else None
+            first = (key_states, value_states) if kept is None else (key_states[..., -kept:, :],
+                                                                      value_states[..., -kept:, :])
+            keys, values = (t.clone(memory_format=torch.contiguous_format) for t in first)
+            self.keys[layer_idx], self.values[layer_idx] = keys, values
+            self.lengths[layer_idx] = kept or (key_states.shape[-2] if key_states.dim() > 1 else key_states.numel())
+            return (keys, values) if kept is None else (key_states, value_states)
         new = key_states.shape[-2]
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if length + new > keys.shape[-2]:

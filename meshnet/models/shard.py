@@ -276,7 +276,7 @@ class ShardModel:
                 "pos_embed": self.pos_embed, "lm_head": self.lm_head}
 
     def _load_tensors(self, prefixes: dict[str, str]) -> None:
-        with Checkpoint(self.model_path) as checkpoint:
+        with Checkpoint(self.model_path, self.config) as checkpoint:
             wanted: dict[str, str] = {}
             for key in checkpoint.names():
                 for src, dst in prefixes.items():
@@ -378,9 +378,10 @@ class ShardModel:
         hidden = hidden.to(self.device, self.dtype)
         positions = positions.to(self.device)
         mask = None if mask is None else mask.to(self.device)
-        for session in getattr(cache, "caches", (cache,)):
-            session.windows = self._windows
-        kwargs, by_type = {}, None
+        if self._windows:  # the sessions' caches keep only the windows of these layers
+            for session in getattr(cache, "caches", (cache,)):
+                session.windows = self._windows
+        kwargs, by_type = {self._cache_kwarg: cache}, None
         if self.rotary is not None and self.family.rotary_by_layer_type:
             types = self.config.layer_types
             by_type = {t: self.rotary(hidden, positions, t) for t in {types[i] for i in range(layers.start, layers.end)}}
@@ -392,7 +393,6 @@ class ShardModel:
         for i in range(layers.start, layers.end):
             if by_type is not None:
                 kwargs["position_embeddings"] = by_type[self.config.layer_types[i]]
-            kwargs[self._cache_kwarg] = cache
             out = self.blocks[str(i)](hidden, attention_mask=None if i in self._linear else mask, use_cache=True,
                                       **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out

@@ -16,7 +16,9 @@ def detect(device: str = "cpu") -> HardwareInfo:
     (:func:`meshnet.models.devices.device_memory_bytes`); ``vram_bytes`` is 0 on the CPU, whatever
     GPUs the machine has (a node on the CPU offers RAM)."""
     vram_bytes = 0
-    if device.startswith("cuda"):
+    from meshnet.models.devices import is_gpu
+
+    if is_gpu(device):
         try:
             import torch
 

@@ -23,6 +23,7 @@ import torch
 
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
+from meshnet.models.devices import is_gpu
 from meshnet.models.kernels import KVCache
 from meshnet.models.shard import ShardModel, prepare_layouts, trim_heap, warm_runtime
 from meshnet.node.hardware import rss_bytes
@@ -79,7 +80,7 @@ def measure_load(build, dtype: str, prepare=None, device: str = "cpu") -> tuple[
     Concurrent work in the process (another slot's sessions growing) adds to it: the figure errs
     high, the safe side for placement. Errors of ``build`` propagate.
     """
-    gpu = torch.device(device) if device.startswith("cuda") else None
+    gpu = torch.device(device) if is_gpu(device) else None
     if gpu is None:  # the CPU kernels' first run and timings (a GPU's cost nothing of the process's RSS)
         warm_runtime(dtype)
     if prepare is not None:
@@ -128,7 +129,7 @@ class SlotHolder:
             raise MeshnetError(f"no free shard slot ({len(self.slots)}/{self.max_loaded_shards} used)",
                                code="no_free_slot", status=409)
         recipe = {"dtype": self.compute_dtype, "quantization": quantization}
-        gpu = self.device.startswith("cuda")
+        gpu = is_gpu(self.device)
         try:
             shard, resident = measure_load(lambda: ShardModel(model_path, layers, device=self.device, **recipe),
                                            self.compute_dtype,
