@@ -86,6 +86,22 @@ def spot_check_option(help: str):
                         help=help)
 
 
+def _check_speculate(value: str) -> str:
+    from meshnet.gateway.speculation import parse_speculate
+
+    try:
+        parse_speculate(value)
+    except MeshnetError as exc:
+        raise typer.BadParameter(exc.message) from None
+    return value
+
+
+def speculate_option(help: str = "As an entry: speculative decoding (ADR-0058): auto drafts by prompt lookup and "
+                                 "sizes each step's drafts by measured acceptance and step cost; off; or a fixed "
+                                 "draft count K (0-16)."):
+    return typer.Option(N.speculate, "--speculate", envvar="MESHNET_SPECULATE", callback=_check_speculate, help=help)
+
+
 def heartbeat_option(help: str = "Node heartbeat, s."):
     return typer.Option(T.heartbeat_interval_s, "--heartbeat-interval", min=0.1, help=help)
 
@@ -152,6 +168,7 @@ class NodeOptions:
                                   help="Most sessions' steps in one batched forward.")
     spot_check_rate: float = spot_check_option("As an entry: share of sessions whose hops are also run on a second "
                                                "holder and compared (0 disables).")
+    speculate: str = speculate_option()
     drain_grace: float = drain_option()
     relay: bool = typer.Option(False, "--relay", envvar="MESHNET_RELAY",
                                help="Serve only through a relay (behind NAT or a firewall): keep one outbound tunnel "
@@ -210,6 +227,7 @@ class NodeOptions:
             relay=self.relay or self.relay_url is not None, relay_url=self.relay_url,
             batch_window_s=self.batch_window_ms / 1000, max_batch_size=self.max_batch,
             auto_relay=not self.no_auto_relay, offer_relay=self.offer_relay, spot_check_rate=self.spot_check_rate,
+            speculate=self.speculate,
             **body_limit(self.max_body_bytes))
 
 
@@ -270,6 +288,8 @@ class TrackerOptions:
     spot_check_rate: float = spot_check_option("With --serve-layers from layer 0, as the entry: share of sessions "
                                                "whose hops are also run on a second holder and compared (ADR-0042; "
                                                "0 disables).")
+    speculate: str = speculate_option("With --serve-layers from layer 0, as the entry: speculative decoding "
+                                      "(ADR-0058): auto, off, or a fixed draft count K (0-16).")
     log_level: str | None = log_level_option()
 
     def settings(self, models: tuple[str, ...], db: str):
@@ -317,4 +337,7 @@ class ServeOptions:
     spot_check_rate: float = typer.Option(N.spot_check_rate, "--spot-check-rate", min=0.0, max=1.0,
                                           help="Share of sessions whose hops the entry also runs on a second holder "
                                                "and compares (ADR-0042; 0 disables).")
+    speculate: str = speculate_option("The entry's speculative decoding (ADR-0058): auto (prompt-lookup drafts, as "
+                                      "many per step as measured acceptance and step cost make pay), off, or a "
+                                      "fixed draft count K (0-16).")
     exit_when_ready: bool = typer.Option(False, "--exit-when-ready", help="Stop everything once ready (smoke test).")

@@ -167,7 +167,8 @@ def _tracker_node_settings(tracker, model: str, opts: TrackerOptions):
                         model=model, shard=layers, memory_bytes=None if opts.memory is None else opts.memory * MB,
                         compute_dtype=choice.compute_dtype, device=device, wire_dtype=opts.wire_dtype,
                         heartbeat_interval_s=tracker.heartbeat_interval_s, torch_threads=choice.threads,
-                        drain_grace_s=tracker.drain_grace_s, spot_check_rate=opts.spot_check_rate)
+                        drain_grace_s=tracker.drain_grace_s, spot_check_rate=opts.spot_check_rate,
+                        speculate=opts.speculate)
 
 
 @node_app.command("start")

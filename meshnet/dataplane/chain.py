@@ -31,13 +31,13 @@ from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed, MeshnetError, 
 from meshnet.dataplane.codec import Activation
 from meshnet.dataplane.deadlines import deadline_s
 from meshnet.dataplane.failover import CHAIN_LOST, Failover, FailoverCounts, FailoverListener, RemoteContext, describe
-from meshnet.dataplane.replay import rechunk
+from meshnet.dataplane.replay import cut_history, rechunk
 from meshnet.dataplane.transport import StreamPool
 from meshnet.layers import LayerRange
 from meshnet.protocol.ids import NodeId, SessionId
 from meshnet.protocol.route import Hop, Route
-from meshnet.dataplane.frames import FLAG_LAST_ONLY, FLAG_NO_RESULT, ChainError, ChainOpen, Kind, Message, \
-    new_chain_id, new_chain_key, pack, same_key
+from meshnet.dataplane.frames import FLAG_LAST_ONLY, FLAG_NO_RESULT, FLAG_REWIND, ChainError, ChainOpen, Kind, \
+    Message, new_chain_id, new_chain_key, pack, same_key
 
 log = logging.getLogger(__name__)
 
@@ -229,19 +229,26 @@ class ChainRoute(FailoverCounts):
         self._opened = True
         await self._send(Kind.OPEN, body=opened.to_body())
 
-    async def forward(self, hidden: Activation, position: int, *, last_only: bool) -> Activation:
+    async def forward(self, hidden: Activation, position: int, *, last_only: bool, rewind: bool = False) -> Activation:
         """Run ``hidden`` ``[1, seq, hidden]`` at ``position`` down the chain; the last hop's output
         (only its last position with ``last_only``). Calls may overlap (pipelined prefill): they
         are sent in position order and each waits for its own result.
+
+        With ``rewind`` (a speculative step, ADR-0058: no other step of the chain in flight)
+        ``position`` may be below what the chain holds: the positions from it on are forgotten from
+        the history (:func:`cut_history`) and, by :data:`FLAG_REWIND`, on every hop.
 
         Raises:
             HopBusy, HopFailed: no replacement chain, or ``max_failovers`` replacements failed.
         """
         shape = self.codec.shape(hidden)
         frame = await self.codec.encode(hidden)
-        flags = FLAG_LAST_ONLY if last_only else 0
+        flags = (FLAG_LAST_ONLY if last_only else 0) | (FLAG_REWIND if rewind else 0)
         fut = asyncio.get_running_loop().create_future()
         async with self.order.cond:
+            if rewind and position < self.order.length and not self._futures:
+                self.history = await cut_history(self.history, position, self.codec)
+                self.order.length = position
             await self.order.cond.wait_for(lambda: self.order.holds(position) or self._dead is not None)
             if self._dead is not None:
                 raise self._dead

@@ -74,7 +74,8 @@ from meshnet.errors import InvalidRequest, PayloadTooLarge, WireError
 from meshnet.protocol.control import Payload
 from meshnet.protocol.route import HopJSON
 
-__all__ = ["CODES", "ChainError", "ChainOpen", "DEFAULT_MAX_BYTES", "FLAG_LAST_ONLY", "FLAG_NO_RESULT", "Frame",
+__all__ = ["CODES", "ChainError", "ChainOpen", "DEFAULT_MAX_BYTES", "FLAG_LAST_ONLY", "FLAG_NO_RESULT", "FLAG_REWIND",
+           "HEADER_REWIND", "Frame",
            "HEADER_BYTES", "ITEM_BYTES", "Kind", "MAGIC", "MAX_NDIM", "MESSAGE_VERSION", "MIN_SAVING", "Message", "NO_KEY",
            "READS_BUNDLES", "STREAM_PATH", "VERSION", "ZSTD_MAGIC", "bundle", "compress", "new_chain_id",
            "new_chain_key", "pack", "pack_header", "read_array", "read_frame", "same_key", "stream_url", "unbundle",
@@ -200,6 +201,11 @@ MESSAGE_VERSION = 2
 FLAG_LAST_ONLY = 1
 #: the last hop sends nothing back (a failover's replay chunks: only the KV caches matter)
 FLAG_NO_RESULT = 2
+#: a speculative step (ADR-0058): each hop first takes the session back to the step's position,
+#: forgetting the drafts the entry rejected (at most ``MAX_REWIND`` positions)
+FLAG_REWIND = 4
+#: the HTTP path's mark of a speculative step (``POST /v1/forward``), as :data:`FLAG_REWIND`
+HEADER_REWIND = "X-Meshnet-Rewind"
 _MESSAGE_HEADER = struct.Struct("<BBBB16s8sI")
 HEADER_BYTES = _MESSAGE_HEADER.size  # 32
 #: the key of a message that belongs to no chain (a BUNDLE), or that a test leaves unkeyed
@@ -237,6 +243,10 @@ class Message:
     @property
     def no_result(self) -> bool:
         return bool(self.flags & FLAG_NO_RESULT)
+
+    @property
+    def rewind(self) -> bool:
+        return bool(self.flags & FLAG_REWIND)
 
 
 def stream_url(endpoint: str) -> str:

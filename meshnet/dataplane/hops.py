@@ -43,7 +43,8 @@ from meshnet.dataplane.deadlines import StepTimes, deadline_s
 from meshnet.dataplane.codec import Activation, ActivationCodec
 from meshnet.dataplane.chain import StageOrder
 from meshnet.dataplane.failover import Failover, FailoverCounts, FailoverListener, RemoteContext, Touched, describe
-from meshnet.dataplane.replay import rechunk
+from meshnet.dataplane.frames import HEADER_REWIND
+from meshnet.dataplane.replay import cut_history, rechunk
 from meshnet.protocol.ids import SessionId
 from meshnet.protocol.route import Hop, Route
 from meshnet.protocol.tickets import HEADER_TICKET
@@ -76,10 +77,12 @@ def _error_of(resp: httpx.Response) -> tuple[str, str]:
 async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, session_id: SessionId, position: int,
                        frame: bytes, last_only: bool, timeout: httpx.Timeout | float,
                        codec: ActivationCodec, expect_shape: tuple[int, ...] | None = None,
-                       ticket: str | None = None) -> tuple[bytes, Activation]:
+                       ticket: str | None = None, rewind: bool = False) -> tuple[bytes, Activation]:
     """``POST {endpoint}/v1/forward`` with one activation frame.
 
     Args:
+        rewind: a speculative step: the hop may first take the session back to ``position``
+            (:data:`HEADER_REWIND`, ADR-0058).
         ticket: the session's ticket naming this hop (sent as ``X-Meshnet-Ticket``; None: none).
         timeout: the whole call (seconds) or an ``httpx.Timeout`` with its own connect limit.
         expect_shape: the output shape the reply must have (None: any).
@@ -98,6 +101,8 @@ async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, sessi
                "Content-Type": "application/octet-stream"}
     if last_only:
         headers["X-Meshnet-Last-Only"] = "1"
+    if rewind:
+        headers[HEADER_REWIND] = "1"
     if ticket:
         headers[HEADER_TICKET] = ticket
     try:
@@ -175,7 +180,7 @@ class RemoteRoute(FailoverCounts):
         return not silent
 
     async def _send(self, state: HopState, frame: bytes, position: int, seq_len: int,
-                    last_only: bool, check: bool = False) -> tuple[bytes, Activation]:
+                    last_only: bool, check: bool = False, rewind: bool = False) -> tuple[bytes, Activation]:
         """One forward call under the hop's deadline (see :meth:`_await_in_time`); records its time.
         With ``check``, a position-0 call of a session drawn for a spot-check is checked before
         it counts (:meth:`_spot_check`).
@@ -190,7 +195,7 @@ class RemoteRoute(FailoverCounts):
         call = asyncio.ensure_future(post_forward(
             self.client, state.hop, model=self.model, session_id=self.session_id, position=position,
             frame=frame, last_only=last_only, timeout=self.timeout, codec=self.codec, expect_shape=shape,
-            ticket=state.ticket))
+            ticket=state.ticket, rewind=rewind))
         try:
             out = await self._await_in_time(state, call, seq_len, t0)
         finally:
@@ -238,7 +243,7 @@ class RemoteRoute(FailoverCounts):
                      state.hop.node_id, time.perf_counter() - t0, seq_len, deadline)
 
     async def run_stage(self, layer: int, frame: bytes, position: int, seq_len: int,
-                        last_only: bool) -> tuple[bytes, Activation, int]:
+                        last_only: bool, rewind: bool = False) -> tuple[bytes, Activation, int]:
         """Send ``frame`` (``seq_len`` tokens at ``position``) through the hop starting at ``layer``.
 
         Waits until that hop has received every earlier position (chunks stay in order even
@@ -258,7 +263,8 @@ class RemoteRoute(FailoverCounts):
                 state = self._state_at(layer)
             is_final = state.hop.layers.end == self.end_layer
             try:
-                out, tensor = await self._send(state, frame, position, seq_len, last_only and is_final, check=True)
+                out, tensor = await self._send(state, frame, position, seq_len, last_only and is_final, check=True,
+                                               rewind=rewind)
                 async with self._turn:
                     self._turn.notify_all()
                 return out, tensor, state.hop.layers.end
@@ -309,10 +315,13 @@ class RemoteRoute(FailoverCounts):
         raise HopFailed(f"{exc.message}; {self.max_failovers} replacements for layers {old.hop.layers} failed",
                         node_id=exc.node_id)
 
-    async def forward(self, hidden: Activation, position: int, *, last_only: bool) -> Activation:
+    async def forward(self, hidden: Activation, position: int, *, last_only: bool, rewind: bool = False) -> Activation:
         """Run ``hidden`` ``[1, seq, hidden]`` at ``position`` through every remote hop in order.
 
-        With ``last_only`` the final hop returns only the last position ``[1, 1, hidden]``.
+        With ``last_only`` the final hop returns only the last position ``[1, 1, hidden]``. With
+        ``rewind`` (a speculative step, ADR-0058; the previous step has returned) ``position`` may be
+        below what the hops hold: the positions from it on are forgotten, here (each hop's
+        history, :func:`cut_history`) and on the hops (:data:`HEADER_REWIND`).
 
         Raises:
             HopBusy, HopFailed: see :meth:`run_stage`.
@@ -320,9 +329,14 @@ class RemoteRoute(FailoverCounts):
         shape = self.codec.shape(hidden)
         self.hidden_size = shape[-1]
         frame = await self.codec.encode(hidden)
+        if rewind:
+            for state in self.states:
+                if state.order.length > position:
+                    state.history = await cut_history(state.history, position, self.codec)
+                    state.order.length = position
         layer, out = self.start_layer, hidden
         while layer < self.end_layer:
-            frame, out, layer = await self.run_stage(layer, frame, position, shape[1], last_only)
+            frame, out, layer = await self.run_stage(layer, frame, position, shape[1], last_only, rewind)
         return out
 
     def close(self) -> None:

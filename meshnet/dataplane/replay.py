@@ -54,3 +54,24 @@ async def rechunk(history: Iterable[tuple[int, bytes, int]], codec: ActivationCo
         pending_tokens = rest
     if pending:
         yield start, await codec.encode(codec.concat(pending)), pending_tokens
+
+
+async def cut_history(history: list[tuple], position: int, codec: ActivationCodec) -> list[tuple]:
+    """``history``'s entries ``(position, frame, tokens, ...)`` up to ``position``: the positions
+    from ``position`` on (a speculative step's rejected drafts, ADR-0058) are forgotten, so a
+    failover replays only what the hops still hold. An entry that straddles ``position`` keeps its
+    first positions, its frame decoded, cut and encoded again with ``codec`` (lossless: same wire
+    dtype); any further fields of an entry are kept as they are.
+
+    Raises:
+        meshnet.errors.WireError: the straddling entry's frame does not decode.
+    """
+    kept = []
+    for entry in history:
+        start, frame, tokens = entry[0], entry[1], entry[2]
+        if start + tokens <= position:
+            kept.append(entry)
+        elif start < position:
+            head = codec.split(await codec.decode(frame), position - start)[0]
+            kept.append((start, await codec.encode(head), position - start, *entry[3:]))
+    return kept

@@ -55,12 +55,17 @@ class EntryLayers(Protocol):
         """Token ids of ``messages`` under the chat template, generation prompt added, ``tools``
         (OpenAI's shape) passed to a template that renders them (CPU-bound)."""
 
-    async def run(self, session_id: SessionId, ids: list[int], position: int) -> Activation:
-        """Embed ``ids`` at ``position`` and run the local layers in the session's KV cache.
+    async def run(self, session_id: SessionId, ids: list[int], position: int, rewind: bool = False) -> Activation:
+        """Embed ``ids`` at ``position`` and run the local layers in the session's KV cache; with
+        ``rewind`` (a speculative step) the cache first goes back to ``position``.
 
         Raises:
             meshnet.errors.MeshnetError: the session's cache is full or out of step.
         """
+
+    def can_rewind(self) -> bool:
+        """Whether a session's caches can go back a few positions (no layer of the model keeps a
+        recurrent state): speculative decoding needs it."""
 
     def new_chooser(self, params: SamplingParams) -> TokenChooser:
         """A fresh token chooser for one choice (seeded by ``params.seed`` when given)."""
@@ -68,6 +73,13 @@ class EntryLayers(Protocol):
     async def choose(self, hidden: Activation, chooser: TokenChooser, session_id: SessionId) -> tuple[int, TokenLogprob | None]:
         """LM head on the last position of ``hidden`` and the next token (with its logprob when asked),
         for session ``session_id``."""
+
+    async def verify(self, hidden: Activation, chooser: TokenChooser, session_id: SessionId, drafts: list[int],
+                     limit: int) -> list[tuple[int, TokenLogprob | None]]:
+        """The token choice at each position of a speculative step's ``hidden`` ``[1, len(drafts) + 1,
+        ...]``, in order, as plain decoding would make it: ends at the first pick that differs from
+        the draft fed at the next position, at an end token, after ``limit`` picks, or after the
+        last position. Returns the picks (at least one)."""
 
     async def score(self, hidden: Activation, targets: list[int], top: int,
                     session_id: SessionId) -> list[TokenLogprob]:

@@ -28,6 +28,7 @@ from meshnet.dataplane.hops import RemoteRoute
 from meshnet.dataplane.failover import MeshLink, RemoteContext
 from meshnet.gateway.traffic import TrafficLog
 from meshnet.gateway.spotcheck import SpotChecker
+from meshnet.gateway.speculation import PromptLookup, SpeculationPolicy, StepCosts
 from meshnet.layers import LayerRange
 from meshnet.protocol.openai import SamplingParams
 from meshnet.protocol.route import Hop
@@ -51,6 +52,10 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     route: list[Hop] = field(default_factory=list)
+    #: decode steps sent through the route (one traversal each), drafts they carried, drafts kept
+    traversals: int = 0
+    drafted: int = 0
+    accepted: int = 0
     failovers: int = 0
     #: hop calls failed over because the hop froze (missed its deadline, no liveness answer)
     deadline_misses: int = 0
@@ -58,6 +63,11 @@ class GenerationStats:
     token_ids: list[int] = field(default_factory=list)
     #: one entry per generated token when the request asked for logprobs (else empty)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def tokens_per_traversal(self) -> float:
+        """Tokens chosen per decode traversal (1.0 without speculation; 0.0 before any)."""
+        return (self.traversals + self.accepted) / self.traversals if self.traversals else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -70,7 +80,9 @@ class GenerationStats:
 class OrchestratorSettings:
     """Chunk length of prefill and of a failover's replay (tokens), hop timeouts (seconds; the
     ceiling for a slow but live hop), hop deadlines (when a hop is probed and, if silent, failed
-    over: ADR-0036), pipelined prefill on or off, the chain of hop streams on or off (ADR-0040)."""
+    over: ADR-0036), pipelined prefill on or off, the chain of hop streams on or off (ADR-0040),
+    speculative decoding (ADR-0058): None adapts the drafts per step, 0 is off, K drafts K tokens
+    whenever the draft source has them (:func:`meshnet.gateway.speculation.parse_speculate`)."""
 
     chunk_tokens: int = CHUNK_TOKENS
     hop_timeout_s: float = 60.0
@@ -78,6 +90,7 @@ class OrchestratorSettings:
     pipelined: bool = True
     deadlines: DeadlinePolicy = DeadlinePolicy()
     chain: bool = True
+    speculate: int | None = None
 
 
 class Orchestrator:
@@ -111,6 +124,7 @@ class Orchestrator:
         self.tokenizer = entry.tokenizer
         self.eos_ids = entry.eos_ids
         self.vocab_size = entry.vocab_size
+        self.step_costs = StepCosts()  # the mesh's step times by positions, shared by the sessions
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` under the model's chat template (generation prompt added;
@@ -136,13 +150,19 @@ class Orchestrator:
                            spot_check=self.spot_check if checked else None)
 
     async def _step(self, session_id: str, remote: RemoteRoute | ChainRoute | None, ids: list[int], position: int,
-                    local: StageOrder) -> Activation:
+                    local: StageOrder, rewind: bool = False) -> Activation:
+        """Run ``ids`` at ``position`` through the entry's layers and the route; the last position's
+        hidden state, or every position's for a speculative step of several (``rewind``: the
+        session's caches first go back to ``position``, forgetting rejected drafts, ADR-0058)."""
+        if rewind and local.length > position:
+            await local.took(position, 0)
         await local.wait(position)
-        hidden = await self.entry.run(session_id, ids, position)
+        hidden = await self.entry.run(session_id, ids, position, rewind)
         await local.took(position, len(ids))
+        every = rewind and len(ids) > 1
         if remote is not None:
-            hidden = await remote.forward(hidden, position, last_only=True)
-        return self.entry.codec.last(hidden)
+            hidden = await remote.forward(hidden, position, last_only=not every, rewind=rewind)
+        return hidden if every else self.entry.codec.last(hidden)
 
     async def _prefill(self, session_id: str, remote: RemoteRoute | ChainRoute | None, prompt: list[int],
                        local: StageOrder) -> Activation:
@@ -226,25 +246,28 @@ class Orchestrator:
         try:
             t0 = time.perf_counter()
             hidden = await self._prefill(session_id, remote, prompt, local)
-            position = len(prompt)
             stats.prefill_s = time.perf_counter() - t0
+            picks = [await self.entry.choose(hidden, chooser, session_id)]
+            decode = _Decode(self, session_id, remote, local, chooser, stats, params.max_tokens, prompt)
             t1 = time.perf_counter()
-            for _ in range(params.max_tokens):
-                token, logprob = await self.entry.choose(hidden, chooser, session_id)
-                if token in self.eos_ids:
-                    stats.finish_reason = "stop"
-                    break
-                stats.completion_tokens += 1
-                stats.token_ids.append(token)
-                if logprob is not None:
-                    stats.logprobs.append(logprob)
-                yield token
-                if stats.completion_tokens == params.max_tokens:
-                    break
-                if stats.completion_tokens == 1:
-                    t1 = time.perf_counter()
-                hidden = await self._step(session_id, remote, [token], position, local)
-                position += 1
+            ended = False
+            while not ended:
+                for token, logprob in picks:
+                    if token in self.eos_ids:
+                        stats.finish_reason, ended = "stop", True
+                        break
+                    stats.completion_tokens += 1
+                    stats.token_ids.append(token)
+                    if logprob is not None:
+                        stats.logprobs.append(logprob)
+                    yield token
+                    if stats.completion_tokens == 1:
+                        t1 = time.perf_counter()
+                    if stats.completion_tokens == params.max_tokens:
+                        ended = True
+                        break
+                if not ended:
+                    picks = await decode.step(picks)
             stats.decode_s = time.perf_counter() - t1
         finally:  # every ending (finish, disconnect, error, failover gave up): free every hop's session
             if remote is not None:
@@ -257,3 +280,60 @@ class Orchestrator:
             stats.deadline_misses = remote.deadline_misses if remote else 0
             if self.observer is not None:
                 self.observer.generation_finished(stats)
+
+
+class _Decode:
+    """One generation's decode steps after its prefill: plain steps of one token, or speculative
+    ones carrying drafts (ADR-0058, :mod:`meshnet.gateway.speculation`) when the orchestrator's
+    setting and the model allow (every cache can go back: no recurrent layer)."""
+
+    def __init__(self, orch: Orchestrator, session_id: str, remote: RemoteRoute | ChainRoute | None,
+                 local: StageOrder, chooser: TokenChooser, stats: GenerationStats, max_tokens: int,
+                 prompt: list[int]) -> None:
+        self.orch, self.session_id, self.remote, self.local = orch, session_id, remote, local
+        self.chooser, self.stats, self.max_tokens = chooser, stats, max_tokens
+        self.position = len(prompt)  # tokens every cache holds (the pending token not yet among them)
+        fixed = orch.settings.speculate
+        self.policy = None
+        if fixed != 0 and orch.entry.can_rewind():
+            self.policy = SpeculationPolicy(fixed, orch.step_costs)
+            self.drafter = PromptLookup()
+            self.drafter.extend(prompt)
+
+    def _draft(self, remaining: int) -> list[int]:
+        """The drafts of the next step: at most ``remaining - 1`` (the step yields one token more than
+        it keeps drafts) and within the model's context."""
+        if self.policy is None:
+            return []
+        room = remaining - 1
+        context = self.orch.entry.context_tokens
+        if context:
+            room = min(room, context - self.position - 1)
+        available = self.drafter.propose(min(room, self.policy.fixed or self.policy.max_drafts))
+        return available[:self.policy.drafts(len(available))]
+
+    async def step(self, picks: list[tuple[int, TokenLogprob | None]]) -> list[tuple[int, TokenLogprob | None]]:
+        """Feed the last of ``picks`` (the tokens chosen since the previous step, all handed out)
+        with the next drafts; the new picks (at least one)."""
+        token = picks[-1][0]
+        if self.policy is not None:
+            self.drafter.extend([t for t, _ in picks])
+        drafts = self._draft(self.max_tokens - self.stats.completion_tokens)
+        ids = [token] + drafts
+        t0 = time.perf_counter()
+        orch = self.orch
+        hidden = await orch._step(self.session_id, self.remote, ids, self.position, self.local,
+                                  rewind=self.policy is not None)
+        if drafts:
+            out = await orch.entry.verify(hidden, self.chooser, self.session_id, drafts,
+                                          self.max_tokens - self.stats.completion_tokens)
+        else:
+            out = [await orch.entry.choose(hidden, self.chooser, self.session_id)]
+        kept = next((i for i, (t, _) in enumerate(out[:len(drafts)]) if t != drafts[i]), min(len(out), len(drafts)))
+        if self.policy is not None:
+            self.policy.observe(len(drafts), kept, len(ids), time.perf_counter() - t0)
+        self.stats.traversals += 1
+        self.stats.drafted += len(drafts)
+        self.stats.accepted += kept
+        self.position += 1 + kept
+        return out

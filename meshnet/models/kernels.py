@@ -61,6 +61,10 @@ def upcast_off() -> bool:
 
 #: tokens a KV-cache buffer grows by when it is full (ADR-0052): one copy of the cache every this many tokens
 KV_BLOCK_TOKENS = 128
+#: most positions a session may be rewound by (a speculative step's rejected drafts, ADR-0058); a
+#: sliding-window layer keeps this many positions beyond its window so a rewind never reaches
+#: past what it dropped
+MAX_REWIND = 32
 
 
 class KVCache(LinearStates):
@@ -74,7 +78,9 @@ class KVCache(LinearStates):
     copied once. A decode step therefore writes one position in place, and the cache is
     copied once every ``block_tokens`` tokens, never once per token. A sliding-window layer
     (``windows``) keeps only its last ``window`` positions when its buffers are reallocated, so
-    it holds at most ``window + block_tokens`` positions plus one chunk, whatever the context.
+    it holds at most ``window + block_tokens`` positions plus one chunk, whatever the context
+    (``window + MAX_REWIND`` are kept, so a rewind by up to :data:`MAX_REWIND` positions leaves
+    the window whole).
 
     Args:
         block_tokens: positions added when a buffer grows (> 0).
@@ -123,7 +129,7 @@ class KVCache(LinearStates):
         sliding-window layer moves only its last ``window`` positions (what later queries can
         see) to the front of the new buffers, the rest is dropped."""
         window = self.windows.get(layer_idx)
-        keep = length if window is None else min(length, window)
+        keep = length if window is None else min(length, window + MAX_REWIND)
         capacity = needed - length + keep + self.block_tokens
         grown = []
         for store in (self.keys, self.values):
@@ -138,6 +144,27 @@ class KVCache(LinearStates):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions cached for layer ``layer_idx`` (0 when it holds none)."""
         return self.lengths.get(layer_idx, 0)
+
+    def rewind(self, positions: int) -> None:
+        """Forget the last ``positions`` cached positions of every layer (a speculative step's
+        rejected drafts, ADR-0058); the buffers stay, later updates overwrite them.
+
+        Raises:
+            ValueError: ``positions`` is negative or over :data:`MAX_REWIND`, a layer holds fewer
+                positions, or the cache holds linear-attention states (they keep no per-position
+                history to go back to).
+        """
+        if positions == 0:
+            return
+        if not 0 < positions <= MAX_REWIND:
+            raise ValueError(f"a rewind goes back 1..{MAX_REWIND} positions, not {positions}")
+        if self.conv or self.recurrent:
+            raise ValueError("linear-attention layers keep no per-position history: this cache cannot be rewound")
+        short = {i: n for i, n in self.lengths.items() if n < positions}
+        if short:
+            raise ValueError(f"layers {sorted(short)} hold fewer than the {positions} positions to rewind")
+        for layer_idx in self.lengths:
+            self.lengths[layer_idx] -= positions
 
     @property
     def nbytes(self) -> int:

@@ -14,7 +14,8 @@ Routes:
 
 Forward headers: ``X-Meshnet-Session``, ``X-Meshnet-Start-Layer`` and
 ``X-Meshnet-End-Layer`` (inclusive, ADR-0002), ``X-Meshnet-Position``, optional ``X-Meshnet-Model``
-and ``X-Meshnet-Last-Only: 1`` (return only the last position).
+and ``X-Meshnet-Last-Only: 1`` (return only the last position); ``X-Meshnet-Rewind: 1`` marks a
+speculative step, which may first take the session back to its position (ADR-0058).
 
 Session tickets (ADR-0038): once the node has registered with a tracker it knows the tracker's
 key, and from then on a forward call runs only with a ticket (``X-Meshnet-Ticket``) that names
@@ -50,12 +51,14 @@ from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound, Unauthorized
 from meshnet.gateway import completions, openai_api
 from meshnet.dataplane.chain import ChainEnd, ChainInbox
+from meshnet.dataplane.frames import HEADER_REWIND
 from meshnet.dataplane.transport import StreamPool
 from meshnet.protocol.http import BodyLimit, http_error
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
 from meshnet.dataplane.failover import MeshLink
 from meshnet.gateway.traffic import TrafficLog
 from meshnet.gateway.spotcheck import SpotChecker
+from meshnet.gateway.speculation import parse_speculate
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
 from meshnet.node.entry import LocalEntry
@@ -142,7 +145,8 @@ async def forward(request: Request) -> Response:
     hidden = await wire.decode_async(body)
     t0 = time.perf_counter()
     out = await node.runtime.forward_async(model=model, session_id=session, layers=LayerRange.from_inclusive(start, end),
-                                           position=position, hidden=hidden)
+                                           position=position, hidden=hidden,
+                                           rewind=request.headers.get(HEADER_REWIND) == "1")
     node.metrics.observe_forward(hidden.shape[1], time.perf_counter() - t0, position)
     if request.headers.get("X-Meshnet-Last-Only") == "1":
         out = out[:, -1:]
@@ -223,7 +227,8 @@ def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | Non
     settings = OrchestratorSettings(hop_timeout_s=node.settings.hop_timeout_s,
                                     hop_connect_timeout_s=node.settings.hop_connect_timeout_s,
                                     pipelined=True if pipelined is None else pipelined,
-                                    chain=node.settings.hop_streams)
+                                    chain=node.settings.hop_streams,
+                                    speculate=parse_speculate(node.settings.speculate))
     entry = LocalEntry(node.runtime, slot, wire_dtype=node.settings.wire_dtype, metrics=node.metrics)
     advertised = advertised_endpoint(node)  # relayed: the relay's URL (ADR-0045)
     end = ChainEnd(node.settings.node_id, advertised, node.streams, node.inbox)

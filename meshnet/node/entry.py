@@ -21,6 +21,7 @@ from meshnet.node import wire
 from meshnet.errors import InvalidRequest
 from meshnet.gateway.entry import Activation, TokenLogprob
 from meshnet.layers import LayerRange
+from meshnet.models.families import LINEAR, layer_kinds
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.slots import ShardSlot
 from meshnet.protocol.openai import SamplingParams
@@ -273,12 +274,13 @@ class LocalEntry:
         """
         return chat_token_ids(self.tokenizer, messages, tools)
 
-    async def run(self, session_id: str, ids: list[int], position: int) -> torch.Tensor:
-        """Hidden states ``[1, len(ids), hidden]`` (compute dtype) after the local layers."""
+    async def run(self, session_id: str, ids: list[int], position: int, rewind: bool = False) -> torch.Tensor:
+        """Hidden states ``[1, len(ids), hidden]`` (compute dtype) after the local layers (``rewind``:
+        a speculative step, the cache may first go back to ``position``, ADR-0058)."""
         tensor = torch.tensor([ids], dtype=torch.long)
         layers = self.local_layers
         t0 = time.perf_counter()
-        out = await self.runtime.run_entry_async(self.slot, session_id, tensor, position, layers)
+        out = await self.runtime.run_entry_async(self.slot, session_id, tensor, position, layers, rewind)
         if self.metrics is not None:
             self.metrics.record((len(ids), time.perf_counter() - t0, position, time.time(), time.monotonic()))
         return out
@@ -294,6 +296,24 @@ class LocalEntry:
         :meth:`release` ends the wait for them as for its layer steps."""
         logits = await self.runtime.logits_async(self.slot, session_id, hidden[:, -1:])
         return chooser.pick(logits[0, -1])
+
+    def can_rewind(self) -> bool:
+        """Whether no layer of the model keeps a linear-attention (recurrent) state, which a cache
+        rewind cannot take back (:meth:`KVCache.rewind`)."""
+        return LINEAR not in layer_kinds(self.slot.shard.config)
+
+    async def verify(self, hidden: Activation, chooser: TokenPicker, session_id: str, drafts: list[int],
+                     limit: int) -> list[tuple[int, TokenLogprob | None]]:
+        """See :meth:`meshnet.gateway.entry.EntryLayers.verify`: the LM head over every position of
+        ``hidden`` ``[1, len(drafts) + 1, hidden]`` in one head step, then the picks in order."""
+        logits = await self.runtime.logits_async(self.slot, session_id, hidden)
+        picks = []
+        for i in range(len(drafts) + 1):
+            token, logprob = chooser.pick(logits[i, -1])
+            picks.append((token, logprob))
+            if len(picks) >= limit or token in self.eos_ids or i == len(drafts) or token != drafts[i]:
+                break
+        return picks
 
     async def score(self, hidden: Activation, targets: list[int], top: int, session_id: str) -> list[TokenLogprob]:
         """Log-probabilities of ``targets`` given the positions of ``hidden`` ``[1, n, hidden]``

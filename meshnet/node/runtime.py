@@ -63,6 +63,8 @@ class _Work:
     position: int
     inputs: torch.Tensor
     kind: str = HIDDEN
+    #: a speculative step: the session may first go back to ``position`` (:meth:`SessionStore.acquire`)
+    rewind: bool = False
 
 
 def _compute(works: list[_Work], sessions: list[Session]) -> list[torch.Tensor]:
@@ -125,14 +127,18 @@ class SessionStore:
         self._ended: OrderedDict[str, float] = OrderedDict()  # session id -> when its entry ended it
         self._ended_lock = threading.Lock()  # the tombstones are written from event loops too
 
-    def acquire(self, session_id: str, slot_key: str, position: int, now: float | None = None) -> Session:
-        """Session to run ``position..``; position 0 starts it afresh.
+    def acquire(self, session_id: str, slot_key: str, position: int, now: float | None = None,
+                rewind: bool = False) -> Session:
+        """Session to run ``position..``; position 0 starts it afresh. With ``rewind`` (a speculative
+        step, ADR-0058) a ``position`` below the cached length first forgets the positions from
+        ``position`` on (the drafts the entry rejected), at most ``kernels.MAX_REWIND`` of them.
 
         Raises:
             SessionCacheFull: position 0 while the cached bytes are at or over ``max_bytes``
                 (an existing session restarted at 0 first gives back its own bytes).
-            SessionConflict: ``position`` differs from the cached length, or position 0 of a
-                session its entry ended (:meth:`end`) less than ``ttl_s`` ago.
+            SessionConflict: ``position`` differs from the cached length (and is no allowed
+                rewind), or position 0 of a session its entry ended (:meth:`end`) less than
+                ``ttl_s`` ago.
         """
         now = time.monotonic() if now is None else now
         self.expire(now)
@@ -148,6 +154,14 @@ class SessionStore:
         if session is None:
             raise SessionConflict(f"unknown session {session_id!r} at position {position}",
                                   hint="the session expired or was released; replay it from position 0")
+        if rewind and 0 < position < session.length:
+            try:
+                session.cache.rewind(session.length - position)
+            except ValueError as exc:
+                raise SessionConflict(f"session {session_id!r} cannot go back from {session.length} to "
+                                      f"position {position}: {exc}",
+                                      hint="replay the session from position 0 without speculation") from None
+            session.length = position
         if session.length != position:
             raise SessionConflict(f"session {session_id!r} holds {session.length} tokens, "
                                   f"request is at position {position}")
@@ -308,11 +322,14 @@ class NodeRuntime(SlotHolder):
     # ---- compute ----------------------------------------------------------------------
 
     def forward(self, *, model: str | None, session_id: str, layers: LayerRange, position: int,
-                hidden: torch.Tensor) -> torch.Tensor:
+                hidden: torch.Tensor, rewind: bool = False) -> torch.Tensor:
         """Run ``layers`` on ``hidden`` ``[batch, seq, hidden]`` for one session.
 
         Thread-safe; blocks until the step has run. A decode step (``seq == 1``) runs batched
         with the steps of other sessions that reach this node at about the same time (ADR-0052).
+
+        ``rewind``: a speculative step, which may first take the session back to ``position``
+        (:meth:`SessionStore.acquire`, ADR-0058).
 
         Returns hidden states ``[batch, seq, hidden]`` in the compute dtype.
 
@@ -320,14 +337,14 @@ class NodeRuntime(SlotHolder):
             NotFound, SessionConflict, SessionCacheFull, InvalidRequest; MeshnetError
             ``forward_failed`` (the session was dropped).
         """
-        return self.batcher.submit(self._hidden_step(model, session_id, layers, position, hidden))
+        return self.batcher.submit(self._hidden_step(model, session_id, layers, position, hidden, rewind))
 
     async def forward_async(self, *, model: str | None, session_id: str, layers: LayerRange, position: int,
-                            hidden: torch.Tensor) -> torch.Tensor:
+                            hidden: torch.Tensor, rewind: bool = False) -> torch.Tensor:
         """:meth:`forward` for an event loop, which never computes: the step is queued without
         blocking and runs in the batcher's runner thread, batched with others' (ADR-0049). Same
         results and errors."""
-        return await self._run_async(self._hidden_step(model, session_id, layers, position, hidden))
+        return await self._run_async(self._hidden_step(model, session_id, layers, position, hidden, rewind))
 
     async def _run_async(self, step: Step) -> torch.Tensor:
         """``step`` queued from the calling loop and run by the batcher's runner thread
@@ -335,29 +352,30 @@ class NodeRuntime(SlotHolder):
         return await self.batcher.submit_soon(step)
 
     def _hidden_step(self, model: str | None, session_id: str, layers: LayerRange, position: int,
-                     hidden: torch.Tensor) -> Step:
+                     hidden: torch.Tensor, rewind: bool = False) -> Step:
         slot = self.find_slot(model, layers)
         size = slot.shard.config.hidden_size
         if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] < 1 or hidden.shape[-1] != size:
             raise InvalidRequest(f"activation shape {list(hidden.shape)} does not match [1, seq >= 1, {size}]")
-        return Step(session_id, (slot.key, layers, HIDDEN), hidden.shape[1], _Work(slot, layers, position, hidden))
+        return Step(session_id, (slot.key, layers, HIDDEN), hidden.shape[1],
+                    _Work(slot, layers, position, hidden, rewind=rewind))
 
     def run_entry(self, slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
-                  layers: LayerRange) -> torch.Tensor:
+                  layers: LayerRange, rewind: bool = False) -> torch.Tensor:
         """Embed ``input_ids`` ``[1, seq]`` and run this node's entry ``layers`` (thread-safe,
-        batched like :meth:`forward`)."""
-        return self.batcher.submit(self._entry_step(slot, session_id, input_ids, position, layers))
+        batched like :meth:`forward`; ``rewind`` as there)."""
+        return self.batcher.submit(self._entry_step(slot, session_id, input_ids, position, layers, rewind))
 
     async def run_entry_async(self, slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
-                              layers: LayerRange) -> torch.Tensor:
+                              layers: LayerRange, rewind: bool = False) -> torch.Tensor:
         """:meth:`run_entry` for an event loop (see :meth:`forward_async`)."""
-        return await self._run_async(self._entry_step(slot, session_id, input_ids, position, layers))
+        return await self._run_async(self._entry_step(slot, session_id, input_ids, position, layers, rewind))
 
     @staticmethod
     def _entry_step(slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
-                    layers: LayerRange) -> Step:
+                    layers: LayerRange, rewind: bool = False) -> Step:
         return Step(session_id, (slot.key, layers, TOKENS), input_ids.shape[1],
-                    _Work(slot, layers, position, input_ids, TOKENS))
+                    _Work(slot, layers, position, input_ids, TOKENS, rewind))
 
     def logits(self, slot: ShardSlot, session_id: str, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head of entry ``slot`` on the hidden states ``hidden`` ``[1, n,
@@ -407,7 +425,7 @@ class NodeRuntime(SlotHolder):
         for step in steps:
             try:
                 admitted.append((step, self.sessions.acquire(step.session_id, step.work.slot.key,
-                                                             step.work.position)))
+                                                             step.work.position, rewind=step.work.rewind)))
             except MeshnetError as exc:
                 step.fail(exc)
         if not admitted:

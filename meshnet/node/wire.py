@@ -325,7 +325,8 @@ class ChainHost:
                                    hint="the entry asks the tracker for a new route and ticket")
             t0 = time.perf_counter()
             out = await node.runtime.forward_async(model=chain.model, session_id=chain.chain_id,
-                                                   layers=chain.hop.layers, position=message.position, hidden=hidden)
+                                                   layers=chain.hop.layers, position=message.position, hidden=hidden,
+                                                   rewind=message.rewind)
             node.metrics.record((hidden.shape[1], time.perf_counter() - t0, message.position, time.time(),
                                  time.monotonic()))
         except MeshnetError as exc:

@@ -90,7 +90,9 @@ def routes_over(nodes, *chains: list[str], calls: list | None = None):
 
 
 def orchestrator(nodes, routes, reported: list | None = None, chain: bool = True,
-                 client: httpx.AsyncClient | None = None) -> Orchestrator:
+                 client: httpx.AsyncClient | None = None, speculate: int | None = 0) -> Orchestrator:
+    """The entry's orchestrator over ``routes``; one decode token per step unless ``speculate``
+    (the failure tests here spoil the step at a given position)."""
     endpoint, node = nodes["entry"]
 
     async def report(node_id, reason):
@@ -101,7 +103,7 @@ def orchestrator(nodes, routes, reported: list | None = None, chain: bool = True
     return Orchestrator(LocalEntry(node.runtime, slot, wire_dtype="float32"),
                         end=ChainEnd("entry", endpoint, node.streams, node.inbox),
                         link=MeshLink(client or node.http, routes, report),
-                        settings=OrchestratorSettings(chunk_tokens=8, chain=chain))
+                        settings=OrchestratorSettings(chunk_tokens=8, chain=chain, speculate=speculate))
 
 
 async def generate(orch, max_tokens: int = 6) -> tuple[list[int], GenerationStats]:

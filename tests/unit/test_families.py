@@ -284,21 +284,50 @@ def test_the_language_model_of_a_multimodal_wrapper_is_served_as_its_text_family
 
 @pytest.mark.parametrize("name", ["gemma3", "mistral", "gpt_oss"])
 def test_a_sliding_window_layer_keeps_only_its_window_and_the_logits_stay_exact(family_model, name):
-    """A sliding layer's cache holds at most window + block + one chunk positions however long
-    the context (here 60 tokens through a window of 6, blocks of 4), a full layer every
-    position; the logits equal the whole model's."""
-    from meshnet.models.kernels import KVCache
+    """A sliding layer's cache holds at most window + the rewind margin + block + one chunk
+    positions however long the context (here 100 tokens through a window of 6, blocks of 4), a full
+    layer every position; the logits equal the whole model's."""
+    from meshnet.models.kernels import MAX_REWIND, KVCache
 
     path, reference = family_model(name)
     generator = torch.Generator().manual_seed(2)
-    ids = torch.randint(3, 512, (60,), generator=generator).tolist()
+    ids = torch.randint(3, 512, (100,), generator=generator).tolist()
     shard = Shard(path, LayerRange(0, reference.config.num_hidden_layers), dtype="float32")
     cache, out = KVCache(block_tokens=4), []
-    steps = [(p, ids[p:p + CHUNK]) for p in range(0, 30, CHUNK)] + [(p, [ids[p]]) for p in range(30, 60)]
+    steps = [(p, ids[p:p + CHUNK]) for p in range(0, 30, CHUNK)] + [(p, [ids[p]]) for p in range(30, 100)]
     for position, chunk in steps:
         out.append(shard.logits(shard.forward(shard.embed_tokens(torch.tensor([chunk]), position), cache, position))[0])
     assert_close(torch.cat(out), reference_logits(reference, ids), atol=ATOL, rtol=0)
     sliding = set(shard._windows)
-    assert sliding and all(cache.keys[i].shape[-2] <= 6 + 4 + CHUNK for i in sliding)
-    assert all(cache.lengths[i] == 60 for i in cache.keys if i not in sliding)
+    assert sliding and all(cache.keys[i].shape[-2] <= 6 + MAX_REWIND + 4 + CHUNK for i in sliding)
+    assert all(cache.lengths[i] == 100 for i in cache.keys if i not in sliding)
     assert len(sliding) == {"gemma3": 3, "mistral": 4, "gpt_oss": 2}[name]
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3", "gpt_oss", "qwen2"])
+def test_speculative_steps_rewound_past_their_rejected_drafts_give_the_whole_models_logits(family_model, name):
+    """Steps of 1 + 4 positions where only some drafts are right (the rest are wrong tokens, as
+    rejected drafts are), each next step rewinding the cache past them (ADR-0058), give at every
+    kept position the whole model's logits, sliding-window layers included (window 6, blocks of 4:
+    their buffers are trimmed and regrown many times over 90 tokens)."""
+    from meshnet.models.kernels import KVCache
+
+    path, reference = family_model(name)
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 512, (90,), generator=generator).tolist()
+    shard = Shard(path, LayerRange(0, reference.config.num_hidden_layers), dtype="float32")
+    cache, out = KVCache(block_tokens=4), []
+    for position in range(0, 16, CHUNK):
+        chunk = ids[position:min(position + CHUNK, 16)]
+        out.append(shard.logits(shard.forward(shard.embed_tokens(torch.tensor([chunk]), position), cache, position))[0])
+    position, held, kept_counts = 16, 16, [0, 4, 2, 1, 3, 0, 4]
+    step = 0
+    while position < 90:
+        kept = min(kept_counts[step % len(kept_counts)], 90 - position - 1)
+        fed = ids[position:position + 1 + kept] + [(t + 7) % 500 + 3 for t in ids[position + 1 + kept:position + 5]]
+        fed = fed + [11] * (5 - len(fed))
+        cache.rewind(held - position)
+        logits = shard.logits(shard.forward(shard.embed_tokens(torch.tensor([fed]), position), cache, position))[0]
+        out.append(logits[:1 + kept])
+        held, position, step = position + len(fed), position + 1 + kept, step + 1
+    assert_close(torch.cat(out), reference_logits(reference, ids), atol=ATOL, rtol=0)
