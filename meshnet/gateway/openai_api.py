@@ -302,13 +302,16 @@ def logprob_entries(tokenizer, items: list[TokenLogprob]) -> list[dict]:
 
 
 def meshnet_block(stats: list[GenerationStats]) -> dict:
-    """The ``meshnet`` object of a response: route used and measured speeds of choice 0, and
-    with ``n > 1`` the same for every choice under ``choices``."""
+    """The ``meshnet`` object of a response: route used, measured speeds and speculative decoding
+    (decode traversals, drafts sent and kept, ADR-0058) of choice 0, and with ``n > 1`` the same for
+    every choice under ``choices``."""
     def one(s: GenerationStats) -> dict:
         return {"route": [h.to_json() for h in s.route], "prefill_s": round(s.prefill_s, 4),
                 "time_to_first_token_s": None if s.first_token_s is None else round(s.first_token_s, 4),
                 "decode_tokens_per_s": round(s.decode_tokens_per_s, 3), "failovers": s.failovers,
-                "deadline_misses": s.deadline_misses, "completion_token_ids": s.token_ids}
+                "deadline_misses": s.deadline_misses, "completion_token_ids": s.token_ids,
+                "speculation": {"traversals": s.traversals, "drafted": s.drafted, "accepted": s.accepted,
+                                "tokens_per_traversal": round(s.tokens_per_traversal, 3)}}
     block = one(stats[0])
     if len(stats) > 1:
         block["choices"] = [one(s) for s in stats]

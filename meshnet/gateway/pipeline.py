@@ -107,12 +107,14 @@ class Orchestrator:
         traffic: the node's log of sessions in flight and failovers (ADR-0046), or None.
         spot_check: re-runs a share of sessions' first hop calls on other holders (ADR-0042,
             :class:`meshnet.gateway.spotcheck.SpotChecker`), or None.
+        step_costs: the route's measured step times by positions, which speculative decoding sizes
+            its drafts by (ADR-0058), shared by the sessions of one entry (None: this one's own).
     """
 
     def __init__(self, entry: EntryLayers, *, end: ChainEnd, link: MeshLink,
                  settings: OrchestratorSettings = OrchestratorSettings(),
                  observer: GenerationObserver | None = None, traffic: TrafficLog | None = None,
-                 spot_check: SpotChecker | None = None) -> None:
+                 spot_check: SpotChecker | None = None, step_costs: StepCosts | None = None) -> None:
         self.entry, self.end, self.link = entry, end, link
         self.node_id, self.endpoint = end.node_id, end.endpoint
         self.settings = settings
@@ -124,7 +126,7 @@ class Orchestrator:
         self.tokenizer = entry.tokenizer
         self.eos_ids = entry.eos_ids
         self.vocab_size = entry.vocab_size
-        self.step_costs = StepCosts()  # the mesh's step times by positions, shared by the sessions
+        self.step_costs = step_costs or StepCosts()
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of ``messages`` under the model's chat template (generation prompt added;

@@ -50,28 +50,25 @@ from meshnet.node import wire
 from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound, Unauthorized
 from meshnet.gateway import completions, openai_api
-from meshnet.dataplane.chain import ChainEnd, ChainInbox
+from meshnet.dataplane.chain import ChainInbox
 from meshnet.dataplane.frames import HEADER_REWIND
 from meshnet.dataplane.transport import StreamPool
 from meshnet.protocol.http import BodyLimit, http_error
-from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
-from meshnet.dataplane.failover import MeshLink
 from meshnet.gateway.traffic import TrafficLog
 from meshnet.gateway.spotcheck import SpotChecker
-from meshnet.gateway.speculation import parse_speculate
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
-from meshnet.node.entry import LocalEntry
+from meshnet.node.entry import orchestrator_for
 from meshnet.node.metrics import NodeMetrics
 from meshnet.node.readiness import gather_facts, node_readiness
-from meshnet.node.runtime import NodeRuntime, SessionStore
+from meshnet.node.runtime import NodeRuntime
+from meshnet.node.sessions import SessionStore
 from meshnet.node.settings import NodeSettings
 from meshnet.node.callers import TrackerLink, admit_hop, advertised_endpoint, asked_by_tracker, check_release
 from meshnet.node.wire import ChainHost, stream_endpoint
-from meshnet.protocol.control import CapabilityReport, DoctorResponse, QuarantineReport
+from meshnet.protocol.control import CapabilityReport, DoctorResponse
 from meshnet.protocol.completions import read_completion_request
 from meshnet.protocol.openai import find_model, model_entry
-from meshnet.protocol.route import Route as MeshRoute
 from meshnet.protocol.tickets import HEADER_TICKET, VerifiedTickets
 from meshnet.protocol.traffic import NodeTraffic
 from meshnet.presets import canonical_model_name, model_aliases
@@ -101,6 +98,8 @@ class NodeContext:
     chains: ChainHost | None = None  # this node's hop of every chain through it
     inbox: ChainInbox = field(default_factory=ChainInbox)  # chains this node drives as entry
     spot_checker: SpotChecker | None = None  # made with the first orchestrator (ADR-0042)
+    #: model -> the route's step times by positions, learnt across its chats (speculation, ADR-0058)
+    step_costs: dict = field(default_factory=dict)
     traffic: TrafficLog = field(init=False)  # sessions in flight as entry, failovers (ADR-0046)
 
     def __post_init__(self) -> None:
@@ -197,63 +196,6 @@ def hop_sessions_idle(node: NodeContext) -> bool:
     """Drain test: no hop session is held, or none was used within ``drain_hop_idle_s``."""
     return (len(node.runtime.sessions) == 0
             or time.monotonic() - node.last_forward_s > node.settings.drain_hop_idle_s)
-
-
-def orchestrator_for(node: NodeContext, model: str | None, pipelined: bool | None = None) -> tuple[str, Orchestrator]:
-    """The entry orchestrator of ``model`` (any of its names; the only entry shard when None).
-
-    Raises:
-        NotFound: this node holds no entry shard of that model.
-    """
-    wanted = None if model is None else canonical_model_name(model)
-    entries = [s for s in node.runtime.slots.values() if s.shard.is_entry]
-    slot = next((s for s in entries if wanted in (None, s.model)), None)
-    if slot is None:
-        raise NotFound(f"this node serves no entry shard of {model or 'any model'}", code="model_not_found",
-                       param="model", hint="GET /v1/models lists the models this node answers for")
-    agent = node.agent
-
-    async def routes(name, layers, exclude, session_id) -> MeshRoute:
-        if agent is None:
-            raise NotFound("standalone node without a tracker cannot route remote layers")
-        return await agent.session_route(name, layers, exclude, session_id)
-
-    async def report(node_id, reason):
-        if agent is not None:
-            await agent.report_failure(node_id, reason)
-
-    if node.spot_checker is None and agent is not None:
-        node.spot_checker = spot_checker_for(node)
-    settings = OrchestratorSettings(hop_timeout_s=node.settings.hop_timeout_s,
-                                    hop_connect_timeout_s=node.settings.hop_connect_timeout_s,
-                                    pipelined=True if pipelined is None else pipelined,
-                                    chain=node.settings.hop_streams,
-                                    speculate=parse_speculate(node.settings.speculate))
-    entry = LocalEntry(node.runtime, slot, wire_dtype=node.settings.wire_dtype, metrics=node.metrics)
-    advertised = advertised_endpoint(node)  # relayed: the relay's URL (ADR-0045)
-    end = ChainEnd(node.settings.node_id, advertised, node.streams, node.inbox)
-    link = MeshLink(node.http, routes, report, None if agent is None else agent.signer)
-    return slot.model, Orchestrator(entry, end=end, link=link, settings=settings, observer=node.metrics,
-                                    traffic=node.traffic, spot_check=node.spot_checker)
-
-
-def spot_checker_for(node: NodeContext) -> SpotChecker:
-    """This entry's spot-checker (``spot_check_rate`` of its sessions): witnesses of the checked
-    hop's recipe from the tracker, outvoted nodes reported to it with the evidence (ADR-0042)."""
-    agent = node.agent
-
-    async def routes(name, layers, exclude, session_id, like) -> MeshRoute:
-        return await agent.session_route(name, layers, exclude, session_id, like)
-
-    async def report(node_id: str, model: str, hop, witnesses: list[str], distances: dict[str, float],
-                     limit: float, session: str) -> None:
-        start, end = hop.layers.to_inclusive()
-        await agent.report_quarantine(node_id, QuarantineReport(
-            model=model, shard_start=start, shard_end=end, witnesses=witnesses, distances=distances,
-            tolerance=limit, session=session))
-
-    return SpotChecker(node.settings.spot_check_rate, client=node.http, routes=routes, report=report,
-                       timeout_s=node.settings.hop_timeout_s, release_auth=None if agent is None else agent.signer)
 
 
 async def text_completions(request: Request) -> Response:

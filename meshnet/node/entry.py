@@ -1,4 +1,5 @@
-"""The entry node's own stage behind the gateway's interface (:class:`meshnet.gateway.entry.EntryLayers`).
+"""The entry node's own stage behind the gateway's interface (:class:`meshnet.gateway.entry.EntryLayers`),
+and the orchestrator a node builds around it for a chat (:func:`orchestrator_for`).
 
 :class:`LocalEntry` runs embeddings and the entry shard's layers in the node's runtime, then the
 LM head and the token choice; every forward runs in the runtime's batcher thread, so the event
@@ -18,13 +19,22 @@ import weakref
 import torch
 
 from meshnet.node import wire
-from meshnet.errors import InvalidRequest
+from meshnet.dataplane.chain import ChainEnd
+from meshnet.dataplane.failover import MeshLink
+from meshnet.errors import InvalidRequest, NotFound
+from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
+from meshnet.gateway.speculation import StepCosts, parse_speculate
+from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.gateway.entry import Activation, TokenLogprob
 from meshnet.layers import LayerRange
 from meshnet.models.families import LINEAR, layer_kinds
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.slots import ShardSlot
+from meshnet.node.callers import advertised_endpoint
+from meshnet.presets import canonical_model_name
+from meshnet.protocol.control import QuarantineReport
 from meshnet.protocol.openai import SamplingParams
+from meshnet.protocol.route import Route as MeshRoute
 
 
 def sample_token(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float = 1.0,
@@ -329,3 +339,62 @@ class LocalEntry:
         of it still queued in the batcher (a generation cancelled while its prefill chunk waited)
         is refused when it runs instead of creating the session again; returns at once."""
         self.runtime.end_session_soon(session_id)
+
+
+def orchestrator_for(node, model: str | None, pipelined: bool | None = None) -> tuple[str, Orchestrator]:
+    """The entry orchestrator of ``model`` (any of its names; the only entry shard when None) on
+    ``node`` (the node app's ``NodeContext``: its runtime, settings, agent, streams, metrics).
+
+    Raises:
+        NotFound: this node holds no entry shard of that model.
+    """
+    wanted = None if model is None else canonical_model_name(model)
+    entries = [s for s in node.runtime.slots.values() if s.shard.is_entry]
+    slot = next((s for s in entries if wanted in (None, s.model)), None)
+    if slot is None:
+        raise NotFound(f"this node serves no entry shard of {model or 'any model'}", code="model_not_found",
+                       param="model", hint="GET /v1/models lists the models this node answers for")
+    agent = node.agent
+
+    async def routes(name, layers, exclude, session_id) -> MeshRoute:
+        if agent is None:
+            raise NotFound("standalone node without a tracker cannot route remote layers")
+        return await agent.session_route(name, layers, exclude, session_id)
+
+    async def report(node_id, reason):
+        if agent is not None:
+            await agent.report_failure(node_id, reason)
+
+    if node.spot_checker is None and agent is not None:
+        node.spot_checker = spot_checker_for(node)
+    settings = OrchestratorSettings(hop_timeout_s=node.settings.hop_timeout_s,
+                                    hop_connect_timeout_s=node.settings.hop_connect_timeout_s,
+                                    pipelined=True if pipelined is None else pipelined,
+                                    chain=node.settings.hop_streams,
+                                    speculate=parse_speculate(node.settings.speculate))
+    entry = LocalEntry(node.runtime, slot, wire_dtype=node.settings.wire_dtype, metrics=node.metrics)
+    advertised = advertised_endpoint(node)  # relayed: the relay's URL (ADR-0045)
+    end = ChainEnd(node.settings.node_id, advertised, node.streams, node.inbox)
+    link = MeshLink(node.http, routes, report, None if agent is None else agent.signer)
+    costs = node.step_costs.setdefault(slot.model, StepCosts())  # learnt across this entry's sessions
+    return slot.model, Orchestrator(entry, end=end, link=link, settings=settings, observer=node.metrics,
+                                    traffic=node.traffic, spot_check=node.spot_checker, step_costs=costs)
+
+
+def spot_checker_for(node) -> SpotChecker:
+    """This entry's spot-checker (``spot_check_rate`` of its sessions): witnesses of the checked
+    hop's recipe from the tracker, outvoted nodes reported to it with the evidence (ADR-0042)."""
+    agent = node.agent
+
+    async def routes(name, layers, exclude, session_id, like) -> MeshRoute:
+        return await agent.session_route(name, layers, exclude, session_id, like)
+
+    async def report(node_id: str, model: str, hop, witnesses: list[str], distances: dict[str, float],
+                     limit: float, session: str) -> None:
+        start, end = hop.layers.to_inclusive()
+        await agent.report_quarantine(node_id, QuarantineReport(
+            model=model, shard_start=start, shard_end=end, witnesses=witnesses, distances=distances,
+            tolerance=limit, session=session))
+
+    return SpotChecker(node.settings.spot_check_rate, client=node.http, routes=routes, report=report,
+                       timeout_s=node.settings.hop_timeout_s, release_auth=None if agent is None else agent.signer)

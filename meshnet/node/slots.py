@@ -102,7 +102,7 @@ class SlotHolder:
     admitting and ending sessions. :class:`meshnet.node.runtime.NodeRuntime` is one.
 
     Attributes the runtime sets: ``slots`` (key -> :class:`ShardSlot`), ``max_loaded_shards``,
-    ``compute_dtype``, ``device``, ``lock`` (the compute lock), ``sessions`` (the :class:`~meshnet.node.runtime.SessionStore`) and
+    ``compute_dtype``, ``device``, ``lock`` (the compute lock), ``sessions`` (the :class:`~meshnet.node.sessions.SessionStore`) and
     ``_found`` (the slot lookups, emptied when a slot comes or goes), ``batcher`` (its
     :class:`~meshnet.node.batching.StepBatcher`).
     """
@@ -165,7 +165,7 @@ class SlotHolder:
         return [slot.describe() for slot in self.slots.values()]
 
     def was_ended(self, session_id: str) -> bool:
-        """Whether the entry ended ``session_id`` on this node (:meth:`~meshnet.node.runtime.SessionStore.was_ended`)."""
+        """Whether the entry ended ``session_id`` on this node (:meth:`~meshnet.node.sessions.SessionStore.was_ended`)."""
         return self.sessions.was_ended(session_id)
 
     def end_session(self, session_id: str) -> int:

@@ -109,13 +109,14 @@ def routes_via(*names: str):
 
 
 def orchestrator(runtimes, client, routes, reported: list) -> Orchestrator:
+    """One decode token per step (no speculation): the tests here freeze or slow the step at a position."""
     async def report(node_id, reason):
         reported.append(node_id)
 
     entry = runtimes["entry"]
     return Orchestrator(LocalEntry(entry, next(iter(entry.slots.values())), wire_dtype="float32"),
                         end=ChainEnd("entry", "http://entry"), link=MeshLink(client, routes, report),
-                        settings=OrchestratorSettings(chunk_tokens=CHUNK, deadlines=POLICY))
+                        settings=OrchestratorSettings(chunk_tokens=CHUNK, deadlines=POLICY, speculate=0))
 
 
 async def timed_generate(orch) -> tuple[list[int], list[float], GenerationStats]:

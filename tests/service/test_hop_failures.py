@@ -29,7 +29,7 @@ from meshnet.protocol.openai import SamplingParams
 from meshnet.layers import LayerRange
 from meshnet.node.app import build_app
 from meshnet.node.runtime import NodeRuntime
-from meshnet.node.runtime import SessionStore
+from meshnet.node.sessions import SessionStore
 from meshnet.node.settings import NodeSettings
 from meshnet.protocol.route import Hop, Route as MeshRoute
 
@@ -84,6 +84,9 @@ def routes_via(*names: str, calls: list | None = None):
 
 
 def orchestrator(entry, client, routes, reported: list | None = None, **settings) -> Orchestrator:
+    """One decode token per step unless ``settings`` says otherwise: the tests here fail the step at a position."""
+    settings.setdefault("speculate", 0)
+
     async def report(node_id, reason):
         if reported is not None:
             reported.append(node_id)

@@ -14,7 +14,7 @@ from torch.testing import assert_close
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
 from meshnet.node.runtime import NodeRuntime
-from meshnet.node.runtime import SessionConflict
+from meshnet.errors import SessionConflict
 
 MODEL = "tiny-llama"
 LENGTHS = {"s0": 3, "s1": 9, "s2": 1, "s3": 14, "s4": 6}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshnet.node.runtime import SessionCacheFull, SessionConflict, SessionStore
+from meshnet.errors import SessionConflict
+from meshnet.node.sessions import SessionCacheFull, SessionStore
 
 
 def fill(session, n_bytes: int) -> None:
