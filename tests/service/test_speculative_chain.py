@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from meshnet.gateway.pipeline import GenerationStats
+from meshnet.gateway.speculation import PromptLookup
 from meshnet.protocol.openai import SamplingParams
 
 from test_hop_streams import MODEL, nodes, orchestrator, routes_over, sessions_left  # noqa: F401 (a fixture)
@@ -105,3 +106,21 @@ async def test_penalties_and_logit_bias_behave_as_without_drafts(nodes):
     spec, stats = await run(orchestrator(nodes, routes_over(nodes, ["b", "c"]), speculate=4), PROMPT, params)
     plain, _ = await run(orchestrator(nodes, routes_over(nodes, ["b", "c"]), speculate=0), PROMPT, params)
     assert spec == plain and stats.drafted > 0
+
+
+@pytest.mark.parametrize("oracle", [True, False])
+async def test_an_end_token_inside_a_step_ends_the_generation_there(nodes, tiny_hf_model, monkeypatch, oracle):
+    """The answer to :data:`REJECTING` is 52 seventeen times, then 284, made the end token here:
+    drafted by an oracle (the end token is itself a kept draft) or by prompt lookup (it is the pick
+    where the drafted 52 is rejected), the generation stops at it with finish reason ``stop``."""
+    want = monolithic(tiny_hf_model, REJECTING, 30)
+    end = want.index(284)
+    orch = orchestrator(nodes, routes_over(nodes, ["b", "c"]), speculate=6)
+    monkeypatch.setattr(orch.entry, "eos_ids", frozenset({284}))
+    monkeypatch.setattr(orch, "eos_ids", frozenset({284}))
+    if oracle:
+        monkeypatch.setattr(PromptLookup, "propose",
+                            lambda self, limit: want[len(self.tokens) - len(REJECTING):][:limit])
+    got, stats = await run(orch, REJECTING, SamplingParams(max_tokens=30))
+    assert got == want[:end] and stats.finish_reason == "stop"
+    assert stats.drafted > 0
