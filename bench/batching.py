@@ -85,7 +85,7 @@ class NodeDecoder:
     def __init__(self, shard, context: int, sessions: int = 1) -> None:
         import torch
 
-        from meshnet.models.kernels import KVCache
+        from meshnet.models.caches import KVCache
 
         self.shard, self.gen = shard, torch.Generator().manual_seed(1)
         self.caches = [KVCache() for _ in range(sessions)]

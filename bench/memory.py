@@ -40,7 +40,7 @@ import json, sys
 import psutil, torch, transformers
 from meshnet.layers import LayerRange
 from meshnet.models import shard as shard_mod
-from meshnet.models.kernels import KVCache
+from meshnet.models.caches import KVCache
 from meshnet.node.slots import measure_load
 
 def smaps():

@@ -47,7 +47,7 @@ def distances(probes: int) -> None:
 
     from meshnet.node import wire
     from meshnet.layers import LayerRange
-    from meshnet.models.kernels import KVCache
+    from meshnet.models.caches import KVCache
     from meshnet.models.shard import ShardModel
     from meshnet.models.sources import resolve
     from tests.corrupt import Corruption

@@ -16,7 +16,7 @@ import torch
 
 from meshnet.node import wire
 from meshnet.layers import LayerRange
-from meshnet.models.kernels import KVCache
+from meshnet.models.caches import KVCache
 from meshnet.models.shard import ShardModel
 from meshnet.models.sources import resolve
 

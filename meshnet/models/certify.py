@@ -165,7 +165,7 @@ def _whole_logits(whole, ids: torch.Tensor, decode_from: int, chunk: int) -> tor
 def _split_logits(chain: list, ids: list[int], decode_from: int, chunk: int) -> torch.Tensor:
     """Logits ``[len(ids), vocab]`` of ``ids`` through the shards of ``chain``, each with its own
     cache: chunked prefill up to ``decode_from``, then one token per step."""
-    from meshnet.models.kernels import KVCache
+    from meshnet.models.caches import KVCache
 
     caches = [KVCache() for _ in chain]
     out = []

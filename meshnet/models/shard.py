@@ -34,7 +34,8 @@ from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
 from meshnet.models.checkpoints import Checkpoint, dequantize_mxfp4, stack_experts
 from meshnet.models.families import LINEAR, family_of, layer_kinds, load_config
-from meshnet.models.kernels import ATTENTION, IN_FLOAT32, BatchCache, KVCache, _register_attention, causal_mask
+from meshnet.models.caches import BatchCache, KVCache, PackedCache, causal_mask
+from meshnet.models.kernels import ATTENTION, IN_FLOAT32, _register_attention
 from meshnet.models.linears import apply_layouts, attention_in_float32, layout, min_rows, upcast_linears
 
 log = logging.getLogger(__name__)
@@ -371,6 +372,31 @@ class ShardModel:
                                  f"position per row, got {list(hidden.shape)}, {len(caches)} caches, "
                                  f"{len(positions)} positions")
         return self._run_layers(hidden, BatchCache(caches), position_ids(positions, 1), None,
+                                self.layers if layers is None else layers)
+
+    @torch.inference_mode()
+    def forward_packed(self, hidden: torch.Tensor, caches: list[KVCache], positions: list[int],
+                       q_lens: list[int], layers: LayerRange | None = None) -> torch.Tensor:
+        """Steps of several sessions of one or a few positions each (decode and speculative steps,
+        ADR-0058) as one packed row: every linear layer runs once over all the positions, the
+        attention of each session's span over its own cache (:class:`PackedCache`).
+
+        Args: ``hidden`` ``[1, sum(q_lens), hidden_size]``, session ``b``'s ``q_lens[b]`` positions in
+        turn; ``caches`` each session's KV cache, ``positions[b]`` equal to ``caches[b]``'s length.
+
+        Returns ``[1, sum(q_lens), hidden_size]`` (compute dtype); session ``b``'s span equals
+        ``forward`` of that span alone up to the matmul kernels' rounding.
+
+        Raises:
+            InvalidRequest: the spans do not fill ``hidden``, or a cache or position is missing.
+        """
+        if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] != sum(q_lens) \
+                or not len(caches) == len(positions) == len(q_lens):
+            raise InvalidRequest(f"a packed step takes [1, sum of spans, hidden] with one cache and one position per "
+                                 f"span, got {list(hidden.shape)}, spans {q_lens}, {len(caches)} caches, "
+                                 f"{len(positions)} positions")
+        ids = torch.cat([torch.arange(p, p + q) for p, q in zip(positions, q_lens)])[None]
+        return self._run_layers(hidden, PackedCache(caches, q_lens, positions), ids, None,
                                 self.layers if layers is None else layers)
 
     def _run_layers(self, hidden: torch.Tensor, cache, positions: torch.Tensor, mask: torch.Tensor | None,

@@ -3,7 +3,7 @@
 Such a layer keeps no keys and values but two fixed-size states per session: the last
 ``kernel`` inputs of its causal convolution ``[batch, channels, kernel]`` and its recurrent
 state ``[batch, heads, key_dim, value_dim]``. :class:`LinearStates` gives a session's
-:class:`meshnet.models.kernels.KVCache` the calls transformers' linear-attention modules make
+:class:`meshnet.models.caches.KVCache` the calls transformers' linear-attention modules make
 on their cache (both spellings: transformers from 5.20 asks ``get_conv_state``, 5.17-5.19 reads
 ``cache.layers[i].conv_states[0]``); :class:`BatchLinearStates` gives a batch of sessions one
 stacked state per layer and hands each row its own back after the step. The states stay on the

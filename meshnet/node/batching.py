@@ -15,9 +15,9 @@ Policy (pure data in, list of steps out; :meth:`StepBatcher._collect`):
 
 - The oldest pending step always runs in the next batch (first come, first served: no step waits
   behind younger ones forever).
-- A decode step (one token) batches with the other pending decode steps of its *group* (same
-  shard slot, same layers, same kind of input), oldest first, one step per session, at most
-  ``max_batch`` steps. A prefill chunk (more tokens) runs alone.
+- A decode step (one token, or a speculative step of a few: ADR-0058) batches with the other
+  pending decode steps of its *group* (same shard slot, same layers, same kind of input), oldest
+  first, one step per session, at most ``max_batch`` steps. A prefill chunk runs alone.
 - A decode step that finds the node idle may wait for other sessions of its group that it
   *expects*: those whose last step of the group here ended within ``active_s`` but before this
   step arrived, that have no step queued, and that have not been forgotten
@@ -65,7 +65,7 @@ class Step:
 
     Attributes:
         group: steps batch only with steps of the same group.
-        tokens: 1 for a decode step (batches), more for a prefill chunk (runs alone).
+        tokens: 1 for a decode step, more for a speculative step or a prefill chunk (alone unless ``decode``).
         work: what the runner needs to run it (opaque to the batcher).
         arrived_s: monotonic seconds when it was submitted.
     """
@@ -74,12 +74,19 @@ class Step:
     group: Hashable
     tokens: int
     work: object
+    #: it batches with the group's other decode steps: a one-token step, or a speculative step of a
+    #: few positions (ADR-0058; None: one token)
+    decode: bool | None = None
     arrived_s: float = field(default_factory=time.monotonic)
     result: object = None
     error: BaseException | None = None
     done: bool = False
     #: where an event loop awaits the step (:meth:`StepBatcher.submit_soon`); None for a blocked thread
     waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+
+    def __post_init__(self) -> None:
+        if self.decode is None:
+            self.decode = self.tokens == 1
 
     def finish(self, result: object) -> None:
         self.result, self.done = result, True
@@ -213,7 +220,7 @@ class StepBatcher:
         """Bookkeeping after a batch ran (holding the condition): its sessions' last step here, and
         for a decode batch their wave and the group's decode-batch compute time."""
         finished_s = self.clock()
-        group, decode = batch[0].group, batch[0].tokens == 1
+        group, decode = batch[0].group, batch[0].decode
         seen = self._seen.setdefault(group, {})
         if decode:
             self._batches += 1
@@ -248,7 +255,7 @@ class StepBatcher:
         while True:
             head = self._pending[0]
             batch = [head]
-            if head.tokens == 1:
+            if head.decode:
                 batch = self._decode_batch(head)
                 if len(batch) >= self.max_batch:
                     break
@@ -268,7 +275,7 @@ class StepBatcher:
     def _decode_batch(self, head: Step) -> list[Step]:
         batch, sessions = [], set()
         for step in self._pending:
-            if step.group == head.group and step.tokens == 1 and step.session_id not in sessions:
+            if step.group == head.group and step.decode and step.session_id not in sessions:
                 batch.append(step)
                 sessions.add(step.session_id)
                 if len(batch) == self.max_batch:
@@ -281,7 +288,7 @@ class StepBatcher:
         :meth:`_wait_share` (holding the condition)."""
         session = self._seen.setdefault(step.group, {}).setdefault(step.session_id, _Seen(step.arrived_s))
         session.last_s = step.arrived_s
-        if step.tokens == 1:
+        if step.decode:
             if session.arrived_s is not None:
                 session.round_s = step.arrived_s - session.arrived_s
             session.arrived_s = step.arrived_s

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from meshnet.models.kernels import KVCache
+from meshnet.models.caches import KVCache
 from meshnet.node import hardware
 from meshnet.protocol.control import CapabilityReport
 

@@ -55,7 +55,8 @@ class _Work:
 
 def _compute(works: list[_Work], sessions: list[Session]) -> list[torch.Tensor]:
     """Run steps of one group (same slot, layers and kind): one step as it is, several decode
-    steps as one :meth:`ShardModel.forward_batch`, head steps as one LM-head matmul. Returns each
+    steps as one :meth:`ShardModel.forward_batch`, decode and speculative steps together as one
+    packed :meth:`ShardModel.forward_packed`, head steps as one LM-head matmul. Returns each
     step's ``[1, seq, hidden]`` (``[1, 1, vocab]`` float32 logits for head steps)."""
     first = works[0]
     shard = first.slot.shard
@@ -65,6 +66,14 @@ def _compute(works: list[_Work], sessions: list[Session]) -> list[torch.Tensor]:
         inputs = shard.embed_tokens(first.inputs, first.position) if first.kind == TOKENS else first.inputs
         return [shard.forward(inputs, sessions[0].cache, first.position, first.layers)]
     positions = [w.position for w in works]
+    q_lens = [w.inputs.shape[1] for w in works]
+    if any(q > 1 for q in q_lens):  # speculative steps among them: one packed row (ADR-0058)
+        if first.kind == TOKENS:
+            hidden = torch.cat([shard.embed_tokens(w.inputs, w.position) for w in works], dim=1)
+        else:
+            hidden = torch.cat([w.inputs.to(shard.dtype) for w in works], dim=1)
+        out = shard.forward_packed(hidden, [s.cache for s in sessions], positions, q_lens, first.layers)
+        return list(out.split(q_lens, dim=1))
     if first.kind == TOKENS:
         hidden = shard.embed_tokens(torch.cat([w.inputs for w in works]), positions)
     else:
@@ -163,7 +172,7 @@ class NodeRuntime(SlotHolder):
         if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] < 1 or hidden.shape[-1] != size:
             raise InvalidRequest(f"activation shape {list(hidden.shape)} does not match [1, seq >= 1, {size}]")
         return Step(session_id, (slot.key, layers, HIDDEN), hidden.shape[1],
-                    _Work(slot, layers, position, hidden, rewind=rewind))
+                    _Work(slot, layers, position, hidden, rewind=rewind), decode=hidden.shape[1] == 1 or rewind)
 
     def run_entry(self, slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
                   layers: LayerRange, rewind: bool = False) -> torch.Tensor:
@@ -180,7 +189,7 @@ class NodeRuntime(SlotHolder):
     def _entry_step(slot: ShardSlot, session_id: str, input_ids: torch.Tensor, position: int,
                     layers: LayerRange, rewind: bool = False) -> Step:
         return Step(session_id, (slot.key, layers, TOKENS), input_ids.shape[1],
-                    _Work(slot, layers, position, input_ids, TOKENS, rewind))
+                    _Work(slot, layers, position, input_ids, TOKENS, rewind), decode=input_ids.shape[1] == 1 or rewind)
 
     def logits(self, slot: ShardSlot, session_id: str, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head of entry ``slot`` on the hidden states ``hidden`` ``[1, n,

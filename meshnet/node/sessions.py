@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from meshnet.errors import SessionConflict, Unavailable
-from meshnet.models.kernels import KVCache
+from meshnet.models.caches import KVCache
 
 
 class SessionCacheFull(Unavailable):
@@ -69,7 +69,7 @@ class SessionStore:
                 rewind: bool = False) -> Session:
         """Session to run ``position..``; position 0 starts it afresh. With ``rewind`` (a speculative
         step, ADR-0058) a ``position`` below the cached length first forgets the positions from
-        ``position`` on (the drafts the entry rejected), at most ``kernels.MAX_REWIND`` of them.
+        ``position`` on (the drafts the entry rejected), at most ``caches.MAX_REWIND`` of them.
 
         Raises:
             SessionCacheFull: position 0 while the cached bytes are at or over ``max_bytes``

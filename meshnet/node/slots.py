@@ -24,7 +24,7 @@ import torch
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
 from meshnet.models.devices import is_gpu
-from meshnet.models.kernels import KVCache
+from meshnet.models.caches import KVCache
 from meshnet.models.shard import ShardModel, prepare_layouts, trim_heap, warm_runtime
 from meshnet.node.hardware import rss_bytes
 from meshnet.presets import canonical_model_name

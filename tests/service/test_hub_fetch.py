@@ -144,7 +144,7 @@ def test_a_node_fetches_only_the_files_of_its_layers(cache, hub, layers, entry, 
 def test_a_second_range_fetches_only_what_is_missing_and_the_split_computes_the_whole_model(cache, hub):
     from transformers import AutoModelForCausalLM
 
-    from meshnet.models.kernels import KVCache
+    from meshnet.models.caches import KVCache
     from meshnet.models.shard import ShardModel
 
     sources.resolve(REPO, layers=LayerRange(2, 4))

@@ -19,7 +19,7 @@ from torch.testing import assert_close
 
 from meshnet.node import wire
 from meshnet.layers import LayerRange
-from meshnet.models.kernels import KVCache
+from meshnet.models.caches import KVCache
 from meshnet.node.app import build_app
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.settings import NodeSettings

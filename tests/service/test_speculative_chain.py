@@ -124,3 +124,18 @@ async def test_an_end_token_inside_a_step_ends_the_generation_there(nodes, tiny_
     got, stats = await run(orch, REJECTING, SamplingParams(max_tokens=30))
     assert got == want[:end] and stats.finish_reason == "stop"
     assert stats.drafted > 0
+
+
+async def test_speculative_steps_of_concurrent_sessions_run_as_one_batch(nodes, tiny_hf_model):
+    """Two sessions drafting at once: their steps of several positions meet in the hops' batchers and
+    run as one packed forward (ADR-0058), and each session's tokens are its plain ones."""
+    import asyncio
+
+    b = nodes["b"][1].runtime
+    before = len(b.batch_sizes)
+    orchs = [orchestrator(nodes, routes_over(nodes, ["b", "c"]), speculate=4) for _ in range(2)]
+    prompts = [PROMPT, REJECTING]
+    results = await asyncio.gather(*(run(o, p, SamplingParams(max_tokens=40)) for o, p in zip(orchs, prompts)))
+    for (got, stats), prompt in zip(results, prompts):
+        assert got == monolithic(tiny_hf_model, prompt, 40) and stats.accepted > 0
+    assert max(size for _, size in list(b.batch_sizes)[before:]) == 2

@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
-from meshnet.models.kernels import KVCache
+from meshnet.models.caches import KVCache
 
 FAMILIES = ["tiny-llama", "tiny-gpt2"]
 PROMPT_LENGTHS = [3, 11, 7, 1, 20]  # ragged on purpose: every session at its own position

@@ -81,7 +81,7 @@ def test_a_shard_on_the_cpu_device_returns_host_tensors(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from meshnet.layers import LayerRange
-    from meshnet.models.kernels import KVCache
+    from meshnet.models.caches import KVCache
     from meshnet.models.shard import ShardModel
     from meshnet.models.sources import byte_tokenizer
 

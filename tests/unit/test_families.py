@@ -71,7 +71,7 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
 def split_logits(entry, rest, ids: list[int], decode_from: int) -> torch.Tensor:
     """Logits of ``ids`` through ``entry`` then ``rest``: chunked prefill up to ``decode_from``,
     then one token per step (each shard with its own cache, as two nodes hold them)."""
-    from meshnet.models.kernels import KVCache
+    from meshnet.models.caches import KVCache
 
     caches, out = (KVCache(), KVCache()), []
     steps = [(p, ids[p:min(p + CHUNK, decode_from)]) for p in range(0, decode_from, CHUNK)]
@@ -100,7 +100,7 @@ def test_every_split_of_the_family_gives_the_unsplit_models_logits(family_model,
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_a_batched_decode_step_of_sessions_of_different_lengths_gives_each_its_own_logits(family_model, name):
-    from meshnet.models.kernels import KVCache
+    from meshnet.models.caches import KVCache
 
     path, reference = family_model(name)
     layers = reference.config.num_hidden_layers
@@ -171,7 +171,7 @@ async def test_a_replacement_hop_rebuilt_from_the_replayed_input_gives_the_same_
     float32 through the node's wire codec), rebuilds the session's KV cache, and the decode goes
     on with the whole model's logits."""
     from meshnet.dataplane.replay import rechunk
-    from meshnet.models.kernels import KVCache
+    from meshnet.models.caches import KVCache
     from meshnet.node.entry import WireCodec
 
     path, reference = family_model(name)
@@ -287,7 +287,7 @@ def test_a_sliding_window_layer_keeps_only_its_window_and_the_logits_stay_exact(
     """A sliding layer's cache holds at most window + the rewind margin + block + one chunk
     positions however long the context (here 100 tokens through a window of 6, blocks of 4), a full
     layer every position; the logits equal the whole model's."""
-    from meshnet.models.kernels import MAX_REWIND, KVCache
+    from meshnet.models.caches import MAX_REWIND, KVCache
 
     path, reference = family_model(name)
     generator = torch.Generator().manual_seed(2)
@@ -310,7 +310,7 @@ def test_speculative_steps_rewound_past_their_rejected_drafts_give_the_whole_mod
     rejected drafts are), each next step rewinding the cache past them (ADR-0058), give at every
     kept position the whole model's logits, sliding-window layers included (window 6, blocks of 4:
     their buffers are trimmed and regrown many times over 90 tokens)."""
-    from meshnet.models.kernels import KVCache
+    from meshnet.models.caches import KVCache
 
     path, reference = family_model(name)
     generator = torch.Generator().manual_seed(5)
@@ -331,3 +331,32 @@ def test_speculative_steps_rewound_past_their_rejected_drafts_give_the_whole_mod
         out.append(logits[:1 + kept])
         held, position, step = position + len(fed), position + 1 + kept, step + 1
     assert_close(torch.cat(out), reference_logits(reference, ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3", "gpt_oss", "qwen2"])
+def test_a_packed_batch_of_decode_and_speculative_steps_equals_each_step_alone(family_model, name):
+    """Three sessions' steps of 1, 4 and 3 positions as one packed row (ADR-0058) give each
+    session's hidden states as its step alone does, and leave each cache as the step alone does."""
+    from meshnet.models.caches import KVCache
+
+    path, reference = family_model(name)
+    shard = Shard(path, LayerRange(0, reference.config.num_hidden_layers), dtype="float32")
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (12, 20, 9)]
+    steps = [torch.randint(3, 512, (q,), generator=generator).tolist() for q in (1, 4, 3)]
+
+    def prefilled() -> list:
+        caches = [KVCache(block_tokens=4) for _ in prompts]
+        for cache, ids in zip(caches, prompts):
+            shard.forward(shard.embed_tokens(torch.tensor([ids]), 0), cache, 0)
+        return caches
+
+    alone, packed_caches = prefilled(), prefilled()
+    want = [shard.forward(shard.embed_tokens(torch.tensor([s]), len(p)), c, len(p))
+            for s, p, c in zip(steps, prompts, alone)]
+    hidden = torch.cat([shard.embed_tokens(torch.tensor([s]), len(p)) for s, p in zip(steps, prompts)], dim=1)
+    got = shard.forward_packed(hidden, packed_caches, [len(p) for p in prompts], [len(s) for s in steps])
+    assert got.shape == (1, 8, reference.config.hidden_size)
+    for w, g in zip(want, got.split([1, 4, 3], dim=1)):
+        assert_close(g, w, atol=ATOL, rtol=0)
+    assert [c.lengths for c in packed_caches] == [c.lengths for c in alone]

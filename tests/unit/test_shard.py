@@ -10,7 +10,7 @@ from meshnet.node import wire
 from meshnet.errors import InvalidRequest, ModelSourceError
 from meshnet.layers import LayerRange
 from meshnet.models import kernels, linears
-from meshnet.models.kernels import KVCache, causal_mask
+from meshnet.models.caches import KVCache, causal_mask
 from meshnet.models.shard import ShardModel
 
 FAMILIES = ["tiny-llama", "tiny-gpt2"]

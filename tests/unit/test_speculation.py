@@ -9,7 +9,7 @@ from meshnet.dataplane.replay import cut_history
 from meshnet.errors import InvalidRequest, SessionConflict
 from meshnet.gateway.speculation import (PROBE_EVERY, PromptLookup, SpeculationPolicy, StepCosts, expected_tokens,
                                          parse_speculate)
-from meshnet.models.kernels import MAX_REWIND, KVCache
+from meshnet.models.caches import MAX_REWIND, KVCache
 from meshnet.node.entry import WireCodec
 from meshnet.node.sessions import SessionStore
 
