@@ -245,12 +245,14 @@ class Orchestrator:
         if self.traffic is not None:
             self.traffic.session_started(session_id, self.model, stats,
                                          lambda: [entry_hop] + (remote.hops if remote else []))
+        decode = None
         try:
             t0 = time.perf_counter()
             hidden = await self._prefill(session_id, remote, prompt, local)
             stats.prefill_s = time.perf_counter() - t0
             picks = [await self.entry.choose(hidden, chooser, session_id)]
             decode = _Decode(self, session_id, remote, local, chooser, stats, params.max_tokens, prompt)
+            self.step_costs.decoding += 1
             t1 = time.perf_counter()
             ended = False
             while not ended:
@@ -272,6 +274,8 @@ class Orchestrator:
                     picks = await decode.step(picks)
             stats.decode_s = time.perf_counter() - t1
         finally:  # every ending (finish, disconnect, error, failover gave up): free every hop's session
+            if decode is not None:
+                self.step_costs.decoding -= 1
             if remote is not None:
                 remote.close()  # in the background, without awaiting: a frozen hop holds up no one
             self.entry.release(session_id)
@@ -312,7 +316,7 @@ class _Decode:
         if context:
             room = min(room, context - self.position - 1)
         available = self.drafter.propose(min(room, self.policy.fixed or self.policy.max_drafts))
-        return available[:self.policy.drafts(len(available))]
+        return available[:self.policy.drafts(len(available), self.orch.step_costs.decoding)]
 
     async def step(self, picks: list[tuple[int, TokenLogprob | None]]) -> list[tuple[int, TokenLogprob | None]]:
         """Feed the last of ``picks`` (the tokens chosen since the previous step, all handed out)

@@ -133,6 +133,8 @@ class StepCosts:
 
     single_s: float | None = None
     extra_s: float | None = None
+    #: sessions of the entry decoding now (their steps share the nodes' batches)
+    decoding: int = 0
 
     def observe(self, positions: int, seconds: float) -> None:
         if positions <= 1:
@@ -143,11 +145,13 @@ class StepCosts:
         per = max(0.0, (seconds - self.single_s) / (positions - 1))
         self.extra_s = per if self.extra_s is None else (1 - DECAY) * self.extra_s + DECAY * per
 
-    def cost(self, positions: int) -> float:
-        """Expected seconds of a step of ``positions`` positions (1.0 per step before any measure)."""
+    def cost(self, positions: int, sharing: int = 1) -> float:
+        """Expected seconds of a step of ``positions`` positions (1.0 per step before any measure),
+        its extra positions counted ``sharing`` times: the sessions that share a batch with it
+        each wait for them too (a node runs the steps of concurrent sessions as one batch)."""
         single = self.single_s or 1.0
         extra = self.extra_s if self.extra_s is not None else 0.1 * single
-        return single + extra * (positions - 1)
+        return single + extra * (positions - 1) * max(1, sharing)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -182,8 +186,10 @@ class SpeculationPolicy:
         """The session's estimated chance that a draft is kept (given the ones before it were)."""
         return self.kept / (self.kept + self.rejected)
 
-    def drafts(self, available: int) -> int:
-        """Drafts for the next step, given that the draft source has ``available`` of them."""
+    def drafts(self, available: int, sharing: int = 1) -> int:
+        """Drafts for the next step, given that the draft source has ``available`` of them and that
+        ``sharing`` sessions of this entry generate at once (each extra position slows all of
+        them when their steps batch: :meth:`StepCosts.cost`)."""
         if self.fixed is not None:
             return min(self.fixed, available)
         if available <= 0:
@@ -192,7 +198,7 @@ class SpeculationPolicy:
         plain = 1.0 / costs.cost(1)
         best_k, best = 0, plain * MIN_GAIN
         for k in range(1, min(available, self.max_drafts) + 1):
-            rate = expected_tokens(a, k) / costs.cost(k + 1)
+            rate = expected_tokens(a, k) / costs.cost(k + 1, sharing)
             if rate > best:
                 best_k, best = k, rate
         if best_k == 0 and self.plain_steps >= PROBE_EVERY:

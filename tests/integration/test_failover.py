@@ -57,9 +57,16 @@ def test_eight_concurrent_chats_equal_their_solo_runs(mesh):
     assert len({tuple(s) for s in solo}) > 1
 
 
+#: an answer that copies its prompt: speculative decoding keeps drafts (ADR-0058) while a hop is killed
+EDIT = [{"role": "user", "content": "Add type hints to this function and repeat it:\n\ndef scale(values, factor):\n"
+                                    "    result = []\n    for value in values:\n        result.append(value * factor)\n"
+                                    "    return result\n"}]
+
+
 def test_killing_the_middle_node_mid_generation_keeps_the_tokens(mesh):
-    expected, _ = generate(mesh, STORY, 64)
-    assert len(expected) == 64
+    """With speculative decoding on (the default) and drafts kept, as on a plain chat."""
+    expected, plain = generate(mesh, EDIT, 64)
+    assert len(expected) == 64 and plain["speculation"]["accepted"] > 0
     killed, stamps = [], {}
 
     def on_token(count):
@@ -69,7 +76,7 @@ def test_killing_the_middle_node_mid_generation_keeps_the_tokens(mesh):
             mesh.kill(name)  # SIGKILL, by PID
             killed.append((name, time.monotonic()))
 
-    got, meta = generate(mesh, STORY, 64, on_token)
+    got, meta = generate(mesh, EDIT, 64, on_token)
     assert killed, "the kill did not happen"
     assert got == expected
     assert meta["failovers"] >= 1

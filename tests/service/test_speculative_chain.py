@@ -139,3 +139,22 @@ async def test_speculative_steps_of_concurrent_sessions_run_as_one_batch(nodes, 
     for (got, stats), prompt in zip(results, prompts):
         assert got == monolithic(tiny_hf_model, prompt, 40) and stats.accepted > 0
     assert max(size for _, size in list(b.batch_sizes)[before:]) == 2
+
+
+async def test_sampled_token_frequencies_over_many_seeds_are_those_of_plain_sampling(nodes):
+    """Temperature 1 over 30 seeds, drafts on and off: each seed's tokens are the same (so the
+    frequencies of every token are equal: the bound is zero), a seed's run is reproducible, and
+    the samples are not degenerate."""
+    from collections import Counter
+
+    counts = {}
+    for speculate in (4, 0):
+        orch = orchestrator(nodes, routes_over(nodes, ["b", "c"]), speculate=speculate)
+        runs = [await run(orch, REJECTING, SamplingParams(max_tokens=10, temperature=1.0, seed=seed))
+                for seed in range(30)]
+        counts[speculate] = Counter(t for got, _ in runs for t in got)
+        if speculate:
+            assert sum(stats.drafted for _, stats in runs) > 0
+            again, _ = await run(orch, REJECTING, SamplingParams(max_tokens=10, temperature=1.0, seed=7))
+            assert again == runs[7][0]
+    assert counts[4] == counts[0] and len(counts[0]) > 20

@@ -148,3 +148,16 @@ async def test_a_history_cut_keeps_the_positions_before_the_cut_frame_by_frame()
     assert torch.equal(await codec.decode(cut[2][1]), hidden[:, 7:8])
     assert await cut_history(history, 10, codec) == history
     assert [p for p, *_ in await cut_history(history, 6, codec)] == [0]
+
+
+def test_under_load_only_drafts_that_are_mostly_kept_pay():
+    """Eight sessions share each batch: a step's extra positions cost all of them (ADR-0058)."""
+    shared = costs(0.1, 0.01)
+    policy = SpeculationPolicy(None, shared)
+    policy.kept, policy.rejected = 1.0, 3.0  # a quarter kept: drafting pays alone, not beside seven others
+    assert policy.drafts(8, sharing=1) == 1
+    assert policy.drafts(8, sharing=8) == 0
+    policy.kept, policy.rejected = 30.0, 0.5
+    assert policy.drafts(8, sharing=1) == 8
+    assert policy.drafts(8, sharing=8) == 4  # fewer than alone (8): each costs the batch more
+    assert shared.cost(5, sharing=8) == pytest.approx(0.1 + 0.01 * 4 * 8)
