@@ -48,7 +48,10 @@ def mesh(real_model_path, tmp_path_factory):
     m = Mesh(tmp_path_factory.mktemp("chain"))
     try:
         m.start_tracker(REAL, node_timeout_s=5.0)
-        m.start_node("entry", "--model", REAL, "--shard-start", "0", "--shard-end", "9", *FLOAT32)
+        # one token per decode step: the tests here count a decode step's bytes and freeze a hop at a step
+        # (speculative steps through a chain: tests/integration/test_failover.py, test_speculation_real.py)
+        m.start_node("entry", "--model", REAL, "--shard-start", "0", "--shard-end", "9", *FLOAT32,
+                     "--speculate", "off")
         m.start_node("tail", "--model", REAL, "--shard-start", "20", "--shard-end", "29", *FLOAT32)
         for name in ("mid-a", "mid-b"):
             start_middle(m, name)

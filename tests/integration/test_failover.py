@@ -65,8 +65,8 @@ EDIT = [{"role": "user", "content": "Add type hints to this function and repeat 
 
 def test_killing_the_middle_node_mid_generation_keeps_the_tokens(mesh):
     """With speculative decoding on (the default) and drafts kept, as on a plain chat."""
-    expected, plain = generate(mesh, EDIT, 64)
-    assert len(expected) == 64 and plain["speculation"]["accepted"] > 0
+    expected, plain = generate(mesh, EDIT, 48)
+    assert len(expected) == 48 and plain["speculation"]["accepted"] > 0
     killed, stamps = [], {}
 
     def on_token(count):
@@ -76,7 +76,7 @@ def test_killing_the_middle_node_mid_generation_keeps_the_tokens(mesh):
             mesh.kill(name)  # SIGKILL, by PID
             killed.append((name, time.monotonic()))
 
-    got, meta = generate(mesh, EDIT, 64, on_token)
+    got, meta = generate(mesh, EDIT, 48, on_token)
     assert killed, "the kill did not happen"
     assert got == expected
     assert meta["failovers"] >= 1

@@ -1,7 +1,9 @@
 """Speculative decoding end to end on SmolLM2 (ADR-0058): a tracker and three node processes,
 float32 compute and wire, the default ``--speculate auto``. Greedy answers equal transformers'
 ``generate`` on the unsplit model token for token, on answers that copy their prompt (drafts kept)
-and on free text, with stop strings, ``max_tokens`` cut inside a kept run, ``n`` and logprobs."""
+and on free text, with stop strings, ``max_tokens`` cut inside a kept run, ``n`` and logprobs; a
+difference is allowed only from a near-tie on (:data:`NEAR_TIE`), which float32 rounding of a
+several-position step may decide either way."""
 
 from __future__ import annotations
 
@@ -50,15 +52,39 @@ def reference(real_model_path):
     tok = AutoTokenizer.from_pretrained(real_model_path)
     model = whole_model(real_model_path)
 
-    def run(text: str, max_tokens: int) -> list[int]:
+    def margins(text: str, max_tokens: int) -> tuple[list[int], list[float]]:
         ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
         with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
-        return [t for t in out if t not in (tok.eos_token_id, 2)]  # <|im_end|> (2) ends a chat turn
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True)
+        tokens = out.sequences[0, ids.shape[1]:].tolist()
+        gaps = [float(top[0] - top[1]) for top in (torch.topk(s[0].float(), 2).values for s in out.scores)]
+        kept = [i for i, t in enumerate(tokens) if t not in (tok.eos_token_id, 2)]  # <|im_end|> (2) ends a turn
+        return [tokens[i] for i in kept], [gaps[i] for i in kept]
 
-    run.tokenizer = tok
+    def run(text: str, max_tokens: int) -> list[int]:
+        return margins(text, max_tokens)[0]
+
+    run.tokenizer, run.margins = tok, margins
     return run
+
+
+#: a speculative step's float32 logits differ from single steps' by rounding (up to 6e-5 measured on
+#: SmolLM2: a 5-row product is not summed in a 1-row product's order); below this top-two gap of the
+#: reference a greedy choice is a near-tie that rounding may decide either way
+NEAR_TIE = 1e-3
+
+
+def assert_same_until_a_near_tie(got: list[int], want: list[int], gaps: list[float], text: str) -> bool:
+    """``got`` equals ``want``, or first differs where the reference's top two logits were within
+    :data:`NEAR_TIE` (after which the texts diverge). Returns whether they are wholly equal."""
+    first = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), None)
+    if first is None:
+        assert len(got) == len(want), text
+        return True
+    assert gaps[first] < NEAR_TIE, f"{text!r}: token {first} differs with a top-two gap of {gaps[first]:.2e}"
+    return False
 
 
 def chat(mesh, text: str, **kw) -> dict:
@@ -69,13 +95,15 @@ def chat(mesh, text: str, **kw) -> dict:
 
 
 def test_twenty_greedy_answers_with_speculation_equal_plain_generate(mesh, reference):
-    kept = []
+    kept, equal = [], 0
     for text in EDITS + FREE:
         max_tokens = 64 if text in EDITS else 24
         data = chat(mesh, text, max_tokens=max_tokens)
-        assert data["meshnet"]["completion_token_ids"] == reference(text, max_tokens), text
+        want, gaps = reference.margins(text, max_tokens)
+        equal += assert_same_until_a_near_tie(data["meshnet"]["completion_token_ids"], want, gaps, text)
         kept.append(data["meshnet"]["speculation"]["accepted"])
-    print(f"drafts kept per answer: {kept}")
+    print(f"drafts kept per answer: {kept}; answers wholly equal: {equal} of {len(kept)}")
+    assert equal >= len(kept) - 1
     assert sum(kept[:len(EDITS)]) > 3 * len(EDITS)  # answers that copy their prompt keep drafts (75 here)
 
 
