@@ -132,8 +132,9 @@ def start(args) -> tuple[LocalMesh, dict[str, str]]:
     mesh = LocalMesh(Path(tempfile.mkdtemp(prefix="meshnet-spec-bench-")), heartbeat_s=1.0)
     mesh.start_tracker(MODEL, node_timeout_s=5.0)
     flags = ("--model", MODEL, "--dtype", args.dtype, "--wire-dtype", args.dtype, "--spot-check-rate", "0")
-    for name, (a, b), extra in (("entry", (0, 9), ("--speculate", "auto")), ("entry-off", (0, 9), ("--speculate", "off")),
-                                ("mid", (10, 19), ()), ("tail", (20, 29), ())):
+    for name, (a, b), extra in (("entry", (0, 9), ("--speculate", "auto")),
+                                ("entry-off", (0, 9), ("--speculate", "off")), ("mid", (10, 19), ()),
+                                ("tail", (20, 29), ())):
         mesh.start_node(name, *flags, "--shard-start", str(a), "--shard-end", str(b), *extra, threads=args.threads)
     mesh.wait(lambda: mesh.get(f"/v1/coverage/{MODEL}")["segments"][0]["node_count"] >= 2
               and mesh.get(f"/v1/coverage/{MODEL}")["routable"], 300, "both entries serving", interval_s=0.5)

@@ -235,8 +235,7 @@ class Orchestrator:
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = len(prompt)
         session_id = uuid.uuid4().hex
-        local_end = self.entry.local_end
-        entry_hop = Hop(self.node_id, self.endpoint, LayerRange(0, local_end))
+        entry_hop = Hop(self.node_id, self.endpoint, LayerRange(0, self.entry.local_end))
         remote = await self._open(session_id)
         chooser: TokenChooser = self.entry.new_chooser(params)
         local = StageOrder()  # the entry's own layers
@@ -267,8 +266,7 @@ class Orchestrator:
                     yield token
                     if stats.completion_tokens == 1:
                         t1 = time.perf_counter()
-                    if stats.completion_tokens == params.max_tokens:
-                        ended = True
+                    if ended := stats.completion_tokens == params.max_tokens:
                         break
                 if not ended:
                     picks = await decode.step(picks)
