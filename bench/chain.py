@@ -57,8 +57,10 @@ def stream_bytes_in(mesh: LocalMesh, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def streamed_tokens(url: str, messages, max_tokens: int, on_token=None) -> tuple[list[int], list[float]]:
-    """A greedy streamed chat: the completion token ids and the client time of each content chunk."""
+def streamed_tokens(url: str, messages, max_tokens: int, on_token=None,
+                    meta: dict | None = None) -> tuple[list[int], list[float]]:
+    """A greedy streamed chat: the completion token ids and the client time of each content chunk
+    (``time.monotonic``); ``meta``, when given, gets the response's ``meshnet`` block."""
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     times, ids = [], []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as resp:
@@ -73,6 +75,8 @@ def streamed_tokens(url: str, messages, max_tokens: int, on_token=None) -> tuple
                     on_token(len(times))
             if event.get("meshnet"):
                 ids = event["meshnet"]["completion_token_ids"]
+                if meta is not None:
+                    meta.update(event["meshnet"])
     return ids, times
 
 

@@ -23,7 +23,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,11 +31,11 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.chain import streamed_tokens  # noqa: E402
 from bench.pipeline import MODEL, TokenClock  # noqa: E402
 from meshnet.localmesh import LocalMesh  # noqa: E402
 
@@ -69,22 +68,11 @@ PLD_TOKENS = 10
 
 def stream(url: str, messages, max_tokens: int) -> dict:
     """One greedy streamed chat: ``{"rate", "tokens", "per_traversal"}`` timed at the client."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    times, meta = [], {}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
-                times.append(time.perf_counter())
-            meta = event.get("meshnet") or meta
-    tokens = len(meta.get("completion_token_ids", times))
+    meta: dict = {}
+    ids, times = streamed_tokens(url, messages, max_tokens, meta=meta)
     span = times[-1] - times[0] if len(times) > 1 else 0.0
-    spec = meta.get("speculation") or {}
-    return {"rate": (tokens - 1) / span if span > 0 else float("nan"), "tokens": tokens,
-            "per_traversal": spec.get("tokens_per_traversal", 0.0)}
+    return {"rate": (len(ids) - 1) / span if span > 0 else float("nan"), "tokens": len(ids),
+            "per_traversal": (meta.get("speculation") or {}).get("tokens_per_traversal", 0.0)}
 
 
 def concurrent(url: str, messages, max_tokens: int, sessions: int) -> float:

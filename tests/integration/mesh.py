@@ -68,3 +68,19 @@ def serving(log_dir: Path, model: str, ranges: list[tuple[int, int]], *node_args
         yield m
     finally:
         m.stop()
+
+
+@contextlib.contextmanager
+def three_hops(path: Path, model: str, *node_args: str, wait_s: float = 180.0) -> Iterator[Mesh]:
+    """A tracker and three node processes of ``model`` over layers 0-9, 10-19 and 20-29 (``node-0``
+    .. ``node-2``), float32 compute and wire, each also given ``node_args``; stopped by PID after."""
+    m = Mesh(path)
+    try:
+        m.start_tracker(model)
+        for i, (a, b) in enumerate([(0, 9), (10, 19), (20, 29)]):
+            m.start_node(f"node-{i}", "--model", model, "--shard-start", str(a), "--shard-end", str(b),
+                         "--dtype", "float32", "--wire-dtype", "float32", *node_args)
+        m.wait_routable(model, wait_s)
+        yield m
+    finally:
+        m.stop()

@@ -16,7 +16,7 @@ import torch
 
 from meshnet.models.sources import cache_dir
 from tests.integration.conftest import REAL
-from tests.integration.mesh import Mesh, free_port
+from tests.integration.mesh import free_port, three_hops
 
 pytestmark = pytest.mark.slow
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -25,16 +25,8 @@ STORY = [{"role": "user", "content": "Write a short story about a robot who lear
 
 @pytest.fixture(scope="module")
 def mesh(real_model_path, tmp_path_factory):
-    m = Mesh(tmp_path_factory.mktemp("mesh"))
-    try:
-        m.start_tracker(REAL)
-        for i, (a, b) in enumerate([(0, 9), (10, 19), (20, 29)]):
-            m.start_node(f"node-{i}", "--model", REAL, "--shard-start", str(a), "--shard-end", str(b),
-                         "--dtype", "float32", "--wire-dtype", "float32")
-        m.wait_routable(REAL, 180)
+    with three_hops(tmp_path_factory.mktemp("mesh"), REAL) as m:
         yield m
-    finally:
-        m.stop()
 
 
 def chat(mesh, messages, **kw):

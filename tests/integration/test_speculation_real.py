@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import REAL
-from tests.integration.mesh import Mesh
+from tests.integration.mesh import three_hops
 
 pytestmark = pytest.mark.slow
 
@@ -30,16 +30,8 @@ FREE = ["What is the capital of France?", "Write a story about a cat.", "Name th
 
 @pytest.fixture(scope="module")
 def mesh(real_model_path, tmp_path_factory):
-    m = Mesh(tmp_path_factory.mktemp("mesh"))
-    try:
-        m.start_tracker(REAL)
-        for i, (a, b) in enumerate([(0, 9), (10, 19), (20, 29)]):
-            m.start_node(f"node-{i}", "--model", REAL, "--shard-start", str(a), "--shard-end", str(b),
-                         "--dtype", "float32", "--wire-dtype", "float32")
-        m.wait_routable(REAL, 180)
+    with three_hops(tmp_path_factory.mktemp("mesh"), REAL) as m:
         yield m
-    finally:
-        m.stop()
 
 
 @pytest.fixture(scope="module")
