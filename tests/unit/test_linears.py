@@ -11,7 +11,7 @@ from meshnet.layers import LayerRange
 from meshnet.models import linears
 from meshnet.models.linears import (PackedLinear, UpcastLinear, apply_layouts, choose_layout, choose_min_rows, dense_weight,
                                     pack, set_weight, transpose, upcast_linears)
-from meshnet.models.kernels import KVCache
+from meshnet.models.caches import KVCache
 from meshnet.models.shard import ShardModel, prepare_layouts
 from meshnet.node.doctor import weights_digest
 
