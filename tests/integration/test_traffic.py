@@ -20,7 +20,9 @@ def mesh(real_model_path, tmp_path_factory):
     m = Mesh(tmp_path_factory.mktemp("traffic"))
     try:
         m.start_tracker(REAL)
-        m.start_node("entry", "--model", REAL, "--shard-start", "0", "--shard-end", "14")
+        # one token per decode step: the test counts the tokens each node's layers ran (speculative steps
+        # would add their rejected drafts; tests/integration/test_speculation_real.py covers those)
+        m.start_node("entry", "--model", REAL, "--shard-start", "0", "--shard-end", "14", "--speculate", "off")
         m.start_node("tail", "--model", REAL, "--shard-start", "15", "--shard-end", "29")
         m.wait_routable(REAL, 240)
         yield m
