@@ -246,7 +246,9 @@ class ChainRoute(FailoverCounts):
         flags = (FLAG_LAST_ONLY if last_only else 0) | (FLAG_REWIND if rewind else 0)
         fut = asyncio.get_running_loop().create_future()
         async with self.order.cond:
-            if rewind and position < self.order.length and not self._futures:
+            if rewind and position < self.order.length:
+                if self._futures:  # its positions would never come round again: a caller's error, said at once
+                    raise RuntimeError(f"chain {self.chain_id}: a rewind to {position} while steps are in flight")
                 self.history = await cut_history(self.history, position, self.codec)
                 self.order.length = position
             await self.order.cond.wait_for(lambda: self.order.holds(position) or self._dead is not None)

@@ -333,7 +333,9 @@ class _Decode:
                                           self.max_tokens - self.stats.completion_tokens)
         else:
             out = [await orch.entry.choose(hidden, self.chooser, self.session_id)]
-        kept = next((i for i, (t, _) in enumerate(out[:len(drafts)]) if t != drafts[i]), min(len(out), len(drafts)))
+        kept = 0  # the drafts the picks confirmed, from the first on
+        while kept < min(len(out), len(drafts)) and out[kept][0] == drafts[kept]:
+            kept += 1
         if self.policy is not None:
             self.policy.observe(len(drafts), kept, len(ids), time.perf_counter() - t0)
         self.stats.traversals += 1

@@ -41,7 +41,12 @@ async def test_greedy_tokens_with_drafts_equal_plain_decoding(nodes, tiny_hf_mod
     got, stats = await run(orch, PROMPT, SamplingParams(max_tokens=40))
     assert got == monolithic(tiny_hf_model, PROMPT, 40)
     assert stats.completion_tokens == 40
-    assert stats.drafted > 0 and stats.accepted > 0  # drafts went down the chain and some were kept
+    # a fixed count drafts the same on both paths: (traversals, drafted, kept); auto's count follows timing
+    fixed = {1: (20, 19, 19), 4: (9, 32, 30), 16: (4, 41, 35)}
+    if speculate is None:
+        assert stats.drafted > 0 and stats.accepted > 0  # drafts went down the chain and some were kept
+    else:
+        assert (stats.traversals, stats.drafted, stats.accepted) == fixed[speculate]
     assert stats.traversals + stats.accepted == 40 - 1  # the first token comes from the prefill
     assert stats.tokens_per_traversal > 1.0
     assert await sessions_left(nodes, ["b", "c"]) == {"b": 0, "c": 0}
