@@ -49,7 +49,7 @@ from meshnet.tracker import operator, proxy, views
 from meshnet.tracker.auth import NodeAuth, exposure_problem
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.node_api import deregister, drain_node, failure, heartbeat, node_key, probe_soon, quarantine, \
-    register, service_of as _svc, signed_by, start_challenges
+    register, service_of as _svc, public_key, signed_by, start_challenges
 from meshnet.tracker.rebalance import rebalance_off_loop
 from meshnet.tracker.sharing import Sharing
 from meshnet.tracker.store import LeaseLost
@@ -90,7 +90,7 @@ def relay_hub(app: Starlette, max_body_bytes: int) -> RelayHub:
 
     async def authorize(node_id: str, headers, method: str, target: str) -> None:
         svc = app.state.service
-        app.state.auth.verify_node_call(svc.public_key(node_id), headers, method, target, b"", as_node=node_id)
+        app.state.auth.verify_node_call(await public_key(svc, node_id), headers, method, target, b"", as_node=node_id)
 
     def attached(node_id: str) -> None:
         node = app.state.service.nodes.get(node_id)
@@ -145,7 +145,7 @@ async def route(request: Request) -> JSONResponse:
     if session is not None and not _SESSION_ID.fullmatch(session):
         raise InvalidRequest("query parameter 'session' must be 1-128 characters of A-Z a-z 0-9 . _ -",
                              code="invalid_field", status=422)
-    entry = signed_by(request, await request.body()) if session is not None else None
+    entry = await signed_by(request, await request.body()) if session is not None else None
     info = svc.ensure_model(model)
     start = _int_param(request, "start_layer", 0)
     end = _int_param(request, "end_layer", info.num_layers - 1)
@@ -177,9 +177,8 @@ async def network_assign(request: Request) -> JSONResponse:
 
 
 async def directives(request: Request) -> JSONResponse:
-    svc = _svc(request)
-    return JSONResponse({"directives": [d.model_dump(mode="json")
-                                        for d in svc.store.directives(node_id=request.query_params.get("node_id"))]})
+    rows = await asyncio.to_thread(_svc(request).store.directives, node_id=request.query_params.get("node_id"))
+    return JSONResponse({"directives": [d.model_dump(mode="json") for d in rows]})
 
 
 async def demand(request: Request) -> JSONResponse:
@@ -394,6 +393,7 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
                         pending.cancel()
                         with contextlib.suppress(asyncio.CancelledError):
                             await pending
+                await app.state.service.writes_done()
                 app.state.service.store.resign()  # a standby of the same database takes over now
 
     routes = _routes()

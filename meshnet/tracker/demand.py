@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 class DemandMixin:
     """Demand and load rates of :class:`TrackerService` (which provides ``demand``, ``served``,
-    ``store``, ``settings``, ``origin``, ``demand_seen`` and ``dirty``)."""
+    ``store``, ``settings``, ``origin``, ``demand_seen``, ``dirty`` and ``write_soon``)."""
 
     def apply_demand(self, events: list[DemandEvent], now: float | None = None) -> None:
         """Count demand events other trackers stored (or this one, before a restart)."""
@@ -33,10 +33,8 @@ class DemandMixin:
     def _count(self, model: str, kind: str, now: float | None) -> None:
         target = self.demand if kind == "refused" else self.served
         target.setdefault(model, []).append(time.monotonic() if now is None else now)
-        try:
-            self.store.add_demand_event(DemandEvent(model, kind, time.time(), self.origin))
-        except self.store.database_errors as exc:  # counted here; the others miss it (ADR-0054)
-            log.warning("demand for %s not stored (database unreachable: %s)", model, exc)
+        self.write_soon(f"demand for {model}", self.store.add_demand_event,
+                        DemandEvent(model, kind, time.time(), self.origin))
 
     def add_demand(self, model: str, now: float | None = None) -> None:
         """Count a request refused because ``model`` was not routable (queued demand); stored, so it

@@ -32,15 +32,16 @@ class DirectivesMixin:
         self.note_queued([node_id])
         return directive
 
-    def restore_pins(self, node: NodeRecord) -> list[Directive]:
+    def restore_pins(self, node: NodeRecord, pins: list[dict] | None = None) -> list[Directive]:
         """Give a (re)registering node back every shard the operator pinned on it.
 
         A pin is operator intent kept in the store: a node that comes back without its pinned
         shard (a restart with no shard flags, or after a tracker restart) gets a ``LOAD_SHARD``
         with tier ``pinned``, unless it already holds that range or such a load is still open.
-        Returns the directives queued.
+        ``pins``: the node's pins as just read from the store (None: read them here). Returns the
+        directives queued.
         """
-        pins = self.store.pins(node.node_id)
+        pins = self.store.pins(node.node_id) if pins is None else pins
         if not pins:  # the usual case: one read
             return []
         held = {(s.model, s.layers) for s in node.shards}
@@ -142,9 +143,9 @@ class DirectivesMixin:
 
     def note_queued(self, node_ids) -> None:
         """Directives were queued for ``node_ids`` by this tracker: their next heartbeat reads them."""
-        if self.queued_hint is not None:
-            node_ids = set(node_ids)
-            self.queued_hint |= node_ids
+        node_ids = set(node_ids)
+        self.queued_hint |= node_ids
+        if self.store.shared:
             self._queued_since_read |= node_ids
 
     def take_queued_since_read(self) -> set[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 from meshnet.protocol.ids import NodeId
 from meshnet.errors import Conflict, NotFound
@@ -21,13 +22,35 @@ from meshnet.tracker.store import NodeRow, StaleCall
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class HeartbeatWrite:
+    """What a heartbeat leaves for the store (:meth:`MembershipMixin.heartbeat_store`): directive
+    updates ``(id, status, error)``, the node's record on a shared store (None: nothing to write),
+    whether its queued directives are to be read, and the node's shards and record time before it
+    (restored when the write fails)."""
+
+    node_id: str
+    updates: list[tuple[int, str, str | None]]
+    shards_before: list = field(default_factory=list)
+    record_at: float = 0.0
+    row: NodeRow | None = None
+    deliver: bool = True
+
+    @property
+    def needs_store(self) -> bool:
+        """Whether :meth:`MembershipMixin.heartbeat_store` has anything to do."""
+        return bool(self.updates) or self.row is not None or self.deliver
+
+
 class MembershipMixin:
     """Registration, heartbeats, reachability and dropouts of :class:`TrackerService`'s nodes
     (which provides ``nodes``, ``store``, ``settings``, ``dirty``, ``ensure_model``,
     ``verify_shards`` and ``restore_pins``)."""
 
     def register(self, payload: RegisterRequest, sent_at: float = 0.0) -> NodeRecord:
-        """Record a node's registration (a restart re-registers: its record is replaced).
+        """Record a node's registration (a restart re-registers: its record is replaced), all on the
+        calling thread (tests, tools; the tracker's app runs the store's part on a worker thread:
+        :meth:`bind`, :meth:`begin_register`, :meth:`register_store`, :meth:`end_register`).
 
         The node id is bound to ``payload.public_key`` at its first registration, in the store
         (ADR-0035); the caller has checked that the sender holds that key. ``sent_at``: the
@@ -39,11 +62,25 @@ class MembershipMixin:
                 of the database applied already (:meth:`refuse_stale`).
             NotFound: a shard of an unknown model without a layer count.
         """
-        node_id = payload.node_id
+        record, old, row = self.begin_register(payload, sent_at, self.bind(payload.node_id, payload.public_key))
+        saved, pins = self.register_store(record.node_id, row)
+        return self.end_register(record, old, saved, pins)
+
+    def bind(self, node_id: str, public_key: str) -> str:
+        """The key ``node_id`` is bound to, binding it to ``public_key`` in the store at its first
+        registration (ADR-0035); safe on a worker thread (the store, and one dict write)."""
         bound = self._bound_keys.get(node_id)
-        if bound != payload.public_key:  # a key this tracker has not seen bound to the id: ask the store
-            bound = self.store.bind_key(node_id, payload.public_key)
+        if bound != public_key:  # a key this tracker has not seen bound to the id: ask the store
+            bound = self.store.bind_key(node_id, public_key)
         self._bound_keys[node_id] = bound  # its heartbeats' signatures are checked against it
+        return bound
+
+    def begin_register(self, payload: RegisterRequest, sent_at: float,
+                       bound: str) -> tuple[NodeRecord, NodeRecord | None, NodeRow | None]:
+        """The in-memory part of a registration (on the event loop) once the id's key is ``bound``
+        (:meth:`bind`): returns the new record, the one it replaces, and the shared record to write
+        (None on sqlite). Raises as :meth:`register`."""
+        node_id = payload.node_id
         if bound != payload.public_key:
             log.warning("refused a registration of %s with another key (endpoint %s)", node_id, payload.endpoint)
             raise Conflict(f"node id {node_id!r} belongs to another key; this registration is refused",
@@ -74,10 +111,21 @@ class MembershipMixin:
         self.dirty = True
         if old is None:
             self.last_join_s = time.monotonic()
-        if not self.save(record):
-            self._forget_stale(node_id, old)
-        log.info("node %s registered at %s with %d shard(s)", node_id, record.endpoint, len(record.shards))
-        self.restore_pins(record)
+        return record, old, self.record_row(record)
+
+    def register_store(self, node_id: str, row: NodeRow | None) -> tuple[bool, list[dict]]:
+        """A registration's store work (thread-safe: the store only): the shared record written
+        (False: the stored one came from a later call of the node) and the node's pins read."""
+        saved = self.store.save_node(row) if row is not None else True
+        return saved, self.store.pins(node_id)
+
+    def end_register(self, record: NodeRecord, old: NodeRecord | None, saved: bool, pins: list[dict]) -> NodeRecord:
+        """A registration's last part (on the event loop): undone when its record lost to a later
+        call (:meth:`_forget_stale` raises), else the node's ``pins`` restored; returns the record."""
+        if not saved:
+            self._forget_stale(record.node_id, old)
+        log.info("node %s registered at %s with %d shard(s)", record.node_id, record.endpoint, len(record.shards))
+        self.restore_pins(record, pins)
         return record
 
     def get(self, node_id: NodeId) -> NodeRecord:
@@ -106,9 +154,23 @@ class MembershipMixin:
         return max(floor_s, node.interval_s * TIMEOUT_FACTOR)
 
     def heartbeat(self, node_id: str, payload: HeartbeatRequest, sent_at: float = 0.0) -> list[Directive]:
-        """Record a heartbeat; returns the directives to deliver (queued → delivered). The node's
-        directive updates (only of its own directives) are written in one transaction, the
-        deliveries in another. ``sent_at``: as for :meth:`register`.
+        """Record a heartbeat; returns the directives to deliver (queued → delivered), all on the
+        calling thread (tests, tools; the tracker's app runs :meth:`heartbeat_store` on a worker
+        thread). ``sent_at``: as for :meth:`register`.
+
+        Raises:
+            NotFound: unknown node. Conflict (409 ``stale_call``): see :meth:`refuse_stale`.
+        """
+        write = self.begin_heartbeat(node_id, payload, sent_at)
+        try:
+            return self.heartbeat_store(write)
+        except BaseException:
+            self.undo_heartbeat(write)
+            raise
+
+    def begin_heartbeat(self, node_id: str, payload: HeartbeatRequest, sent_at: float = 0.0) -> "HeartbeatWrite":
+        """The in-memory part of a heartbeat (on the event loop): the node's time, stats and shards;
+        returns what is left for the store (:meth:`heartbeat_store`, safe on a worker thread).
 
         Raises:
             NotFound: unknown node. Conflict (409 ``stale_call``): see :meth:`refuse_stale`.
@@ -119,7 +181,8 @@ class MembershipMixin:
         node.last_heartbeat_s = time.monotonic()
         node.stats = payload.stats
         before = {(s.model, s.layers) for s in node.shards if node.admitted(s)}
-        shards_before = node.shards
+        write = HeartbeatWrite(node_id, [(u.id, u.status, u.error) for u in payload.directive_updates],
+                               shards_before=node.shards, record_at=node.record_at)
         node.shards = [ShardRecord.from_payload(s) for s in payload.shards]
         for s in payload.shards:
             self.ensure_model(s.model, s.num_layers)
@@ -128,22 +191,37 @@ class MembershipMixin:
             self.dirty = True
         if any(u.status in ("done", "failed") for u in payload.directive_updates):
             self.dirty = True
-        record_at = node.record_at
-        row = self._heartbeat_row(node, bool(payload.directive_updates) or node.shards != shards_before)
-        try:
-            self.store.set_statuses([(u.id, u.status, u.error) for u in payload.directive_updates], node_id=node_id,
-                                    node=row)
-        except StaleCall:  # another tracker applied a later call of the node: keep what it wrote
-            node.shards, node.record_at = shards_before, record_at
-            raise
-        if self.queued_hint is not None and node_id not in self.queued_hint:
-            return []  # nothing queued for it as of this round's read (a shared store: no query)
+        write.row = self._heartbeat_row(node, bool(write.updates) or node.shards != write.shards_before)
+        # the hint goes before the read: a directive queued after it is noted again for the next heartbeat
+        write.deliver = node_id in self.queued_hint
+        self.queued_hint.discard(node_id)
+        return write
+
+    def heartbeat_store(self, write: "HeartbeatWrite") -> list[Directive]:
+        """A heartbeat's store work (thread-safe: the store only): its directive updates (only of
+        its own directives) and record in one transaction, then its queued directives read and
+        marked delivered in another. Returns them.
+
+        Raises:
+            StaleCall: another tracker applied a later call of the node; nothing was written.
+            MeshnetError (503 ``database_unreachable``): the store did not answer.
+        """
+        self.store.set_statuses(write.updates, node_id=write.node_id, node=write.row)
+        if not write.deliver:
+            return []
         out = [d.model_copy(update={"status": "delivered"})
-               for d in reversed(self.store.directives(node_id=node_id, statuses=("queued",)))]
-        self.store.set_statuses([(d.id, "delivered", None) for d in out], node_id=node_id)
-        if self.queued_hint is not None:
-            self.queued_hint.discard(node_id)
+               for d in reversed(self.store.directives(node_id=write.node_id, statuses=("queued",)))]
+        self.store.set_statuses([(d.id, "delivered", None) for d in out], node_id=write.node_id)
         return out
+
+    def undo_heartbeat(self, write: "HeartbeatWrite") -> None:
+        """After a failed :meth:`heartbeat_store` (on the event loop): the node keeps the shards the
+        store holds (a stale call: what the later one wrote), and its directives are read again."""
+        node = self.nodes.get(write.node_id)
+        if node is not None:
+            node.shards, node.record_at = write.shards_before, write.record_at
+        if write.deliver:
+            self.queued_hint.add(write.node_id)
 
     def _heartbeat_row(self, node: NodeRecord, changed: bool) -> NodeRow | None:
         """On a shared store, the record a heartbeat that ``changed`` the node's shards or directives
@@ -208,10 +286,14 @@ class MembershipMixin:
         """
         key = self._bound_keys.get(node_id)
         if key is None:
-            key = self.store.node_key(node_id)
+            key = self.store.node_key(node_id)  # a dict write below: safe from a worker thread too
             if key is not None:
                 self._bound_keys[node_id] = key
         return key
+
+    def known_key(self, node_id: str) -> str | None:
+        """The key bound to ``node_id`` if this tracker holds it in memory (no store call)."""
+        return self._bound_keys.get(node_id)
 
     def check_dropouts(self, now: float | None = None) -> list[str]:
         """Drop nodes whose last heartbeat is older than their timeout (:meth:`node_timeout_s`), and
@@ -271,11 +353,16 @@ class MembershipMixin:
     def save(self, node: NodeRecord) -> bool:
         """Write ``node``'s record for the other trackers of a shared store (nothing on sqlite);
         False when the stored one came from a later call of the node (ADR-0054)."""
-        if self.store.shared:
-            node.record_at = time.time()
-            self._heartbeats.pop(node.node_id, None)
-            return self.store.save_node(self.node_row(node))
-        return True
+        row = self.record_row(node)
+        return self.store.save_node(row) if row is not None else True
+
+    def record_row(self, node: NodeRecord) -> NodeRow | None:
+        """``node``'s record to write now for the other trackers of a shared store (None on sqlite)."""
+        if not self.store.shared:
+            return None
+        node.record_at = time.time()
+        self._heartbeats.pop(node.node_id, None)
+        return self.node_row(node)
 
     def refuse_stale(self, node_id: str, sent_at: float) -> None:
         """Refuse a node's call signed before one this tracker applied: a call that waited in a

@@ -77,7 +77,14 @@ def _target(request: Request) -> str:
     return request.url.path + (f"?{query}" if query else "")
 
 
-def signed_by(request: Request, body: bytes, *, as_node: str | None = None) -> str:
+async def public_key(svc: TrackerService, node_id: str) -> str | None:
+    """:meth:`TrackerService.public_key` for the event loop: a key not held in memory yet is read
+    from the store on a worker thread (a database that stalls never holds the loop)."""
+    key = svc.known_key(node_id)
+    return key if key is not None else await asyncio.to_thread(svc.public_key, node_id)
+
+
+async def signed_by(request: Request, body: bytes, *, as_node: str | None = None) -> str:
     """The id of the registered node whose key signed this call (ADR-0035).
 
     Raises:
@@ -85,8 +92,8 @@ def signed_by(request: Request, body: bytes, *, as_node: str | None = None) -> s
     """
     auth: NodeAuth = request.app.state.auth
     claimed = request.headers.get(HEADER_NODE, "")
-    return auth.verify_node_call(service_of(request).public_key(claimed) if claimed else None, request.headers,
-                                 request.method, _target(request), body, as_node=as_node)
+    key = await public_key(service_of(request), claimed) if claimed else None
+    return auth.verify_node_call(key, request.headers, request.method, _target(request), body, as_node=as_node)
 
 
 def _read_registration(request: Request, body: bytes) -> RegisterRequest:
@@ -113,8 +120,10 @@ async def refuse_a_second_live_process(app: Starlette, payload: RegisterRequest)
     """
     svc: TrackerService = app.state.service
     known = svc.nodes.get(payload.node_id)
-    if known is None or known.endpoint == payload.endpoint or svc.public_key(payload.node_id) != payload.public_key:
-        return  # new, the same endpoint again, or another key (refused as an impostor by the service)
+    if known is None or known.endpoint == payload.endpoint:
+        return  # new, or the same endpoint again
+    if await public_key(svc, payload.node_id) != payload.public_key:
+        return  # another key: refused as an impostor by the service
     if await answers_as(app.state.http, known.endpoint, payload.node_id, svc.settings.probe_timeout_s):
         raise Conflict(f"node {payload.node_id} runs already at {known.endpoint} (it answered just now): a second "
                        f"process with its identity is refused", code="node_id_in_use",
@@ -127,7 +136,13 @@ async def register(request: Request) -> JSONResponse:
     svc = service_of(request)
     payload = _read_registration(request, await request.body())
     await refuse_a_second_live_process(request.app, payload)
-    record = svc.register(payload, sent_at=float(request.headers[HEADER_TIMESTAMP]))  # verified just now
+    # the store's part on worker threads: a database that stalls never holds the event loop
+    bound = svc.known_key(payload.node_id)
+    if bound != payload.public_key:
+        bound = await asyncio.to_thread(svc.bind, payload.node_id, payload.public_key)
+    record, old, row = svc.begin_register(payload, float(request.headers[HEADER_TIMESTAMP]), bound)  # verified
+    saved, pins = await asyncio.to_thread(svc.register_store, record.node_id, row)
+    svc.end_register(record, old, saved, pins)
     await probe(request.app, record.node_id, record.endpoint)
     request.app.state.wake.set()
     return JSONResponse(RegisterResponse(node_id=record.node_id, heartbeat_interval_s=svc.announce_interval(record),
@@ -138,9 +153,16 @@ async def heartbeat(request: Request) -> JSONResponse:
     svc = service_of(request)
     node_id = request.path_params["node_id"]
     body = await request.body()
-    signed_by(request, body, as_node=node_id)
-    directives = svc.heartbeat(node_id, validate_json(HeartbeatRequest, body),
-                               sent_at=float(request.headers[HEADER_TIMESTAMP]))  # verified just now
+    await signed_by(request, body, as_node=node_id)
+    write = svc.begin_heartbeat(node_id, validate_json(HeartbeatRequest, body),
+                                sent_at=float(request.headers[HEADER_TIMESTAMP]))  # verified just now
+    directives = []
+    if write.needs_store:  # on a worker thread: a database that stalls never holds the event loop
+        try:
+            directives = await asyncio.to_thread(svc.heartbeat_store, write)
+        except BaseException:
+            svc.undo_heartbeat(write)
+            raise
     start_challenges(request.app)
     if svc.dirty:
         request.app.state.wake.set()
@@ -154,7 +176,7 @@ async def failure(request: Request) -> JSONResponse:
     a while) and the node probed again. Only a node that could have routed through the reported
     one counts (403 otherwise, nothing recorded)."""
     raw = await request.body()
-    sender = signed_by(request, raw)
+    sender = await signed_by(request, raw)
     body = validate_json(FailureReport, raw)
     svc = service_of(request)
     node_id = request.path_params["node_id"]
@@ -168,7 +190,7 @@ async def quarantine(request: Request) -> JSONResponse:
     and quarantines the node (ADR-0042); 403 from a node that could not have routed through it,
     422 ``weak_evidence`` when the evidence does not outvote it."""
     raw = await request.body()
-    sender = signed_by(request, raw)
+    sender = await signed_by(request, raw)
     record = service_of(request).quarantine_from(sender, request.path_params["node_id"],
                                            validate_json(QuarantineReport, raw))
     request.app.state.wake.set()
@@ -177,7 +199,7 @@ async def quarantine(request: Request) -> JSONResponse:
 
 async def drain_node(request: Request) -> JSONResponse:
     """A node's own announcement that it drains: no new routes or entry choices through it."""
-    signed_by(request, await request.body(), as_node=request.path_params["node_id"])
+    await signed_by(request, await request.body(), as_node=request.path_params["node_id"])
     node = service_of(request).drain(request.path_params["node_id"])
     request.app.state.wake.set()
     return JSONResponse({"node_id": node.node_id, "draining": True})
@@ -186,7 +208,7 @@ async def drain_node(request: Request) -> JSONResponse:
 async def deregister(request: Request) -> JSONResponse:
     """A node leaving on purpose (end of its drain): forgotten now, not after the heartbeat timeout."""
     node_id = request.path_params["node_id"]
-    signed_by(request, await request.body(), as_node=node_id)
+    await signed_by(request, await request.body(), as_node=node_id)
     service_of(request).deregister(node_id)
     request.app.state.wake.set()
     return JSONResponse({"node_id": node_id, "deregistered": True})
@@ -200,7 +222,7 @@ async def node_key(request: Request) -> JSONResponse:
         NotFound (404 ``unknown_node``): the id was never registered.
     """
     node_id = request.path_params["node_id"]
-    key = service_of(request).public_key(node_id)
+    key = await public_key(service_of(request), node_id)
     if key is None:
         raise NotFound(f"unknown node {node_id!r}: no key is bound to it", code="unknown_node",
                        hint="see `meshnet nodes` for node ids")

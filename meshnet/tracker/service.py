@@ -8,6 +8,7 @@ periodic loop (dropout check and rebalance).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -140,10 +141,11 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
         self.blind_until = 0.0
         self.demand_seen = 0  # the highest demand event id read from the store
         self.hop_failures_seen = 0  # the highest hop failure id read from the store
+        self._writing: set[asyncio.Future] = set()  # store writes nothing waits for (write_soon)
         self._heartbeats: dict[str, float] = {}  # node id -> unix time of a heartbeat not written yet
-        #: on a shared store, the nodes with queued directives as of the last sync round plus those
-        #: this tracker queued since: a heartbeat of any other node reads nothing (None: always read)
-        self.queued_hint: set[str] | None = set(self.store.nodes_with_queued()) if self.store.shared else None
+        #: the nodes with queued directives as of the start (on a shared store: the last sync round)
+        #: plus those this tracker queued since: a heartbeat of any other node reads nothing
+        self.queued_hint: set[str] = set(self.store.nodes_with_queued())
         self._queued_since_read: set[str] = set()
         for name in settings.models:
             self.store.add_model(canonical_model_name(name))
@@ -155,6 +157,30 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
         self.apply_demand(self.store.demand_events(since=time.time() - settings.demand_window_s))
         self.apply_quarantines(self.store.quarantines())
 
+
+    def write_soon(self, what: str, write, *args) -> None:
+        """Run a store write nothing waits for (a demand event, a shared hop failure): on a worker
+        thread when an event loop runs on this thread (the loop never waits on the database), else
+        now. A failure is logged as ``<what> not stored``; :meth:`writes_done` waits for the pending ones."""
+        def run() -> None:
+            try:
+                write(*args)
+            except Exception as exc:  # nothing waits for it: counted here, the store misses it (ADR-0054)
+                log.warning("%s not stored (database unreachable: %s)", what, exc)
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            run()
+            return
+        future = loop.run_in_executor(None, run)
+        self._writing.add(future)
+        future.add_done_callback(self._writing.discard)
+
+    async def writes_done(self) -> None:
+        """Wait for the writes :meth:`write_soon` started (the sync round, before it reads; shutdown)."""
+        if self._writing:
+            await asyncio.gather(*list(self._writing))
 
     @property
     def leader(self) -> bool:
@@ -186,8 +212,13 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
         return info
 
     def track_model(self, name: str, source: str = "operator") -> None:
-        """Track ``name`` from now on (kept in the store, so it survives a restart)."""
-        self.store.add_model(name, source=source)
+        """Track ``name`` from now on (kept in the store, so it survives a restart). Demand for a
+        model tracked already writes nothing; demand for a new one is written off the event loop."""
+        if source == "demand":
+            if name not in self.tracked_names:
+                self.write_soon(f"tracking of {name}", self.store.add_model, name, "demand")
+        else:
+            self.store.add_model(name, source=source)
         self.tracked_names.add(name)
 
     def tracked_models(self) -> list[ModelInfo]:

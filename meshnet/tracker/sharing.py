@@ -80,6 +80,7 @@ class Sharing:
                 log.warning("this tracker no longer leads; it stands by (answers reads, registrations, heartbeats)")
         if not store.shared:
             return leading
+        await svc.writes_done()  # this tracker's own demand and hop failures are in what it reads
         heartbeats = svc.take_heartbeats()
         since = max(0.0, self.read_at - SYNC_MARGIN_S) if self.read_at else 0.0
         read_at = time.time()

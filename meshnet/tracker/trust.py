@@ -263,10 +263,8 @@ class TrustMixin:
             self.nodes[node_id].last_failure_s = time.monotonic()
             log.warning("hop failure reported for %s: %s", node_id, reason)
             if self.store.shared:  # the other trackers route around it too (ADR-0054)
-                try:
-                    self.store.add_hop_failure(node_id, time.time(), self.origin)
-                except self.store.database_errors as exc:
-                    log.warning("hop failure of %s not shared (database unreachable: %s)", node_id, exc)
+                self.write_soon(f"hop failure of {node_id}", self.store.add_hop_failure, node_id, time.time(),
+                                self.origin)
 
     def apply_hop_failures(self, rows: list[dict]) -> None:
         """Hop failures other trackers heard (:meth:`TrackerStore.hop_failures`): routes here

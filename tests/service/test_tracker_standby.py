@@ -70,6 +70,7 @@ async def test_one_leads_both_serve_and_the_standby_takes_over_without_duplicate
     assert chat.status_code == 503
     pinned = await b.post("/v1/operator/pin", json={"model": MODEL, "node_id": "node-b", "shard": "2-3"})
     assert pinned.status_code == 200, pinned.text
+    await b.service.writes_done()  # the demand event is written off b's event loop; a reads it next round
     for t in (a, b):
         await t.sharing.sync_round()
     assert sorted(a.service.nodes) == sorted(b.service.nodes) == ["node-a", "node-b"]
