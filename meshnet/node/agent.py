@@ -136,7 +136,7 @@ class TrackerAgent(RelayMixin):
             try:
                 resp = await self.client.register(self.registration())
                 self.note_registered(resp)
-                log.info("registered %s with %s", self.settings.node_id, self.settings.tracker_url)
+                log.info("registered %s with %s", self.settings.node_id, self.client.url)
                 if self.tunnel is not None:
                     await self.start_tunnel()
                 return
@@ -313,13 +313,13 @@ class TrackerAgent(RelayMixin):
     async def announce_drain(self) -> None:
         """Tell the tracker at once that this node drains (no new routes or entry choices)."""
         await self.client.announce_drain(self.settings.node_id)
-        log.info("told %s that %s is draining", self.settings.tracker_url, self.settings.node_id)
+        log.info("told %s that %s is draining", self.client.url, self.settings.node_id)
 
     async def leave(self) -> None:
         """Stop heartbeating and deregister (end of a drain)."""
         self.leaving = True
         await self.client.deregister(self.settings.node_id)
-        log.info("deregistered %s from %s", self.settings.node_id, self.settings.tracker_url)
+        log.info("deregistered %s from %s", self.settings.node_id, self.client.url)
 
     # ---- used by the orchestrator -----------------------------------------------------
 

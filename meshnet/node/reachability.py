@@ -15,6 +15,7 @@ import logging
 
 import httpx
 
+from meshnet.endpoints import check_endpoints
 from meshnet.errors import MeshnetError
 from meshnet.protocol.control import HeartbeatResponse, RegisterResponse
 from meshnet.relay.tunnel import NodeTunnel
@@ -27,6 +28,11 @@ AUTO_RELAY_AFTER_S = 5.0
 #: a node relayed through another node (``--relay-url``) whose tunnel stays down this long moves
 #: to the tracker's relay, seconds
 RELAY_FALLBACK_S = 30.0
+#: a node relayed through a tracker that stopped answering (its calls moved to another of its
+#: trackers) whose tunnel stays down this long moves to the relay of the tracker that answers: one
+#: missed keepalive (``PING_INTERVAL_S`` + ``PING_TIMEOUT_S`` of :mod:`meshnet.relay.tunnel`, 6 s)
+#: has dropped the tunnel by then, so this counts from the drop, seconds
+TRACKER_RELAY_FALLBACK_S = 5.0
 
 
 class RelayMixin:
@@ -98,7 +104,7 @@ class RelayMixin:
         """The relay tunnel (to ``relay_url``, else ``--relay-url``, else the tracker), not dialling
         yet: its endpoint is known before the first attach, so the node can register it first (an
         attach needs a node id the relay knows)."""
-        relay_url = relay_url or self.settings.relay_url or self.settings.tracker_url
+        relay_url = relay_url or self.settings.relay_url or self.tracker_now()
         return NodeTunnel(relay_url, self.settings.node_id, self.key, self.settings.local_url,
                           on_attached=self._tunnel_attached)
 
@@ -115,22 +121,41 @@ class RelayMixin:
             log.warning("no tunnel to %s within %.0f s (%s); still trying", self.tunnel.relay_url, attach_wait_s,
                         self.tunnel.last_error)
 
+    def tracker_urls(self) -> list[str]:
+        """Every tracker this node was given (``--tracker A,B``), in order."""
+        return check_endpoints(self.settings.tracker_url) if self.settings.tracker_url else []
+
+    def tracker_now(self) -> str | None:
+        """The tracker this node's calls go to now: the one that answered last (the agent's client
+        moves on from one that does not answer, ADR-0054), else the first given; None standalone."""
+        client = getattr(self, "client", None)
+        if client is not None:
+            return client.url
+        urls = self.tracker_urls()
+        return urls[0] if urls else None
+
     def relay_lost(self) -> bool:
-        """Whether this node's relay is another node whose tunnel has been down :data:`RELAY_FALLBACK_S`."""
-        tunnel, tracker = self.tunnel, (self.settings.tracker_url or "").rstrip("/")
-        return (tunnel is not None and bool(tracker) and tunnel.relay_url != tracker
-                and tunnel.down_for_s() >= RELAY_FALLBACK_S)
+        """Whether this node's relay is gone and the relay of the tracker that answers now should
+        take over: a relay node (``--relay-url``) whose tunnel has been down
+        :data:`RELAY_FALLBACK_S`, or another of the node's trackers (one that stopped answering)
+        down :data:`TRACKER_RELAY_FALLBACK_S`."""
+        tunnel, tracker = self.tunnel, self.tracker_now()
+        if tunnel is None or not tracker or tunnel.relay_url == tracker:
+            return False
+        wait_s = TRACKER_RELAY_FALLBACK_S if tunnel.relay_url in self.tracker_urls() else RELAY_FALLBACK_S
+        return tunnel.down_for_s() >= wait_s
 
     async def fall_back_to_tracker_relay(self) -> None:
-        """The node relaying this one is gone: attach to the tracker's relay and register that endpoint."""
-        old = self.tunnel
-        log.warning("relay %s unreachable for %.0f s (%s): moving to the tracker's relay", old.relay_url,
-                    old.down_for_s(), old.last_error)
+        """The relay of this node is gone: attach to the relay of the tracker that answers now and
+        register that endpoint."""
+        old, tracker = self.tunnel, self.tracker_now()
+        log.warning("relay %s unreachable for %.0f s (%s): moving to the relay of %s", old.relay_url,
+                    old.down_for_s(), old.last_error, tracker)
         if self._tunnel_task is not None:
             self._tunnel_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._tunnel_task
-        self.tunnel, self._tunnel_task = self._new_tunnel(self.settings.tracker_url), None
+        self.tunnel, self._tunnel_task = self._new_tunnel(tracker), None
         await self.switch_to_relay()
 
     async def switch_to_relay(self) -> None:

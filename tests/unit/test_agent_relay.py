@@ -96,3 +96,44 @@ async def test_a_node_whose_relay_node_is_gone_moves_to_the_trackers_relay(monke
     await agent.fall_back_to_tracker_relay()
     assert moved == ["http://tracker:8700/v1/relay/n1"]
     assert not agent.relay_lost()  # the tracker is the relay now: nothing further to fall back to
+
+
+def relayed_agent(monkeypatch, trackers: str, relay_url: str | None = None) -> tuple[TrackerAgent, list[str]]:
+    """An agent given ``trackers``, relayed through ``relay_url`` (None: the first tracker), whose
+    re-attach records the endpoint it would register."""
+    agent, _ = make_agent(listening=True)
+    agent.settings = SimpleNamespace(tracker_url=trackers, relay_url=relay_url, node_id="n1",
+                                     endpoint="http://10.0.0.2:8821", auto_relay=True, local_url="")
+    agent.key, agent._tunnel_task = None, None
+    agent.client = SimpleNamespace(url=trackers.split(",")[0])
+    agent.tunnel = agent._new_tunnel()
+    moved: list[str] = []
+
+    async def switch() -> None:
+        moved.append(agent.tunnel.endpoint)
+
+    agent.switch_to_relay = switch
+    return agent, moved
+
+
+async def test_a_node_relayed_through_a_tracker_that_stopped_answering_moves_to_the_one_that_answers(monkeypatch):
+    """Two trackers; the node's tunnel is at the first. While the first still takes the node's calls
+    its tunnel waits for itself, however long down; once the calls went to the second (the first did
+    not answer), the tunnel down TRACKER_RELAY_FALLBACK_S moves to the second's relay."""
+    monkeypatch.setattr(agent_module, "TRACKER_RELAY_FALLBACK_S", 0.05)
+    agent, moved = relayed_agent(monkeypatch, "http://a:8700,http://b:8700")
+    assert agent.tunnel.relay_url == "http://a:8700"  # the tracker the calls go to, not the list
+    await asyncio.sleep(0.06)
+    assert not agent.relay_lost()  # still the tracker that answers: its tunnel dials again by itself
+    agent.client.url = "http://b:8700"  # a heartbeat got no answer from a: the client moved to b
+    assert agent.relay_lost()
+    await agent.fall_back_to_tracker_relay()
+    assert moved == ["http://b:8700/v1/relay/n1"]
+    assert not agent.relay_lost()
+
+
+async def test_a_relay_node_waits_longer_than_a_tracker_relay(monkeypatch):
+    monkeypatch.setattr(agent_module, "TRACKER_RELAY_FALLBACK_S", 0.05)
+    agent, _ = relayed_agent(monkeypatch, "http://a:8700,http://b:8700", relay_url="http://relay-node:8821")
+    await asyncio.sleep(0.06)
+    assert agent.tunnel.down_for_s() > 0.05 and not agent.relay_lost()  # RELAY_FALLBACK_S (30 s) for a node
