@@ -153,8 +153,8 @@ async def run(size: int, backend: str) -> dict:
                 t0 = time.perf_counter()
                 signers, interval_s = await register_all(client, size)
                 register_s = time.perf_counter() - t0
-                # in-process registrations never wait, so they all ran in one turn of the event loop,
-                # which no sync round could interrupt: catch up once, as the per-second rounds would have
+                # no sync round ran while the nodes registered (none was started yet): catch up once, as
+                # the per-second rounds would have
                 await sharing.sync_round()
                 syncing = asyncio.create_task(sync_every_second(sharing))
                 latencies, window_s, announced = await heartbeat_window(client, signers, interval_s, rng)

@@ -45,7 +45,7 @@ class HeartbeatWrite:
 class MembershipMixin:
     """Registration, heartbeats, reachability and dropouts of :class:`TrackerService`'s nodes
     (which provides ``nodes``, ``store``, ``settings``, ``dirty``, ``ensure_model``,
-    ``verify_shards`` and ``restore_pins``)."""
+    ``verify_shards``, ``restore_pins`` and ``write_soon``)."""
 
     def register(self, payload: RegisterRequest, sent_at: float = 0.0) -> NodeRecord:
         """Record a node's registration (a restart re-registers: its record is replaced), all on the
@@ -257,8 +257,9 @@ class MembershipMixin:
         changed = (reachable, error) != (node.reachable, node.reach_error)
         node.reachable, node.reach_error = reachable, error
         self.verify_shards(node)
-        if changed:
-            self.save(node)
+        row = self.record_row(node) if changed else None
+        if row is not None:  # off the event loop: the probe's caller waits for nothing it writes
+            self.write_soon(f"the record of {node_id}", self.store.save_node, row)
 
     def to_probe(self, now: float | None = None) -> list[NodeRecord]:
         """Unreachable nodes whose last probe is ``probe_interval_s`` old or more, and overdue

@@ -375,12 +375,14 @@ class TrackerStore(SharedRecords):
             "INSERT INTO nodes (node_id, record, record_at, heartbeat_at, sent_at) VALUES (?,?,?,?,?) "
             "ON CONFLICT (node_id) DO UPDATE SET record = excluded.record, record_at = excluded.record_at, "
             "heartbeat_at = excluded.heartbeat_at, sent_at = excluded.sent_at "
-            "WHERE excluded.sent_at = 0 OR nodes.sent_at <= excluded.sent_at",
+            "WHERE excluded.sent_at = 0 OR nodes.sent_at < excluded.sent_at "
+            "OR (nodes.sent_at = excluded.sent_at AND nodes.record_at <= excluded.record_at)",
             (row.node_id, row.record, row.record_at, row.heartbeat_at, row.sent_at)).rowcount > 0
 
     def save_node(self, row: NodeRow) -> bool:
         """Write (insert or replace) one node's record, unless the stored one came from a later
-        call of the node (``sent_at``, ADR-0054); returns whether it was written."""
+        call of the node (``sent_at``, ADR-0054), or from the same call and was written later (a
+        probe's verdict written after the registration it followed); returns whether it was written."""
         with self.lock:
             return self._save_node(row)
 

@@ -193,6 +193,18 @@ def test_node_records_heartbeats_and_a_status_update_in_one_transaction(store):
     assert store.heartbeat_times(["a", "b"]) == {"b": 200.0}
 
 
+def test_a_node_record_from_an_earlier_call_or_written_earlier_for_the_same_call_loses(store):
+    """Ordered by the node's signed call time, then (one call: a registration and its probe's
+    verdict, written from two worker threads) by the time the tracker made the record."""
+    assert store.save_node(NodeRow("a", '{"v": 1}', record_at=10.0, heartbeat_at=10.0, sent_at=5.0))
+    assert not store.save_node(NodeRow("a", '{"v": 0}', record_at=9.0, heartbeat_at=9.0, sent_at=5.0))
+    assert not store.save_node(NodeRow("a", '{"v": 0}', record_at=20.0, heartbeat_at=20.0, sent_at=4.0))
+    assert store.nodes_changed(0.0) == [NodeRow("a", '{"v": 1}', 10.0, 10.0, 5.0)]
+    assert store.save_node(NodeRow("a", '{"v": 2}', record_at=11.0, heartbeat_at=11.0, sent_at=5.0))
+    assert store.save_node(NodeRow("a", '{"v": 3}', record_at=1.0, heartbeat_at=1.0, sent_at=6.0))
+    assert store.nodes_changed(0.0) == [NodeRow("a", '{"v": 3}', 1.0, 1.0, 6.0)]
+
+
 def test_demand_events_by_id_time_and_origin(store):
     ids = [store.add_demand_event(DemandEvent("m", kind, at, origin))
            for kind, at, origin in [("refused", 10.0, "t1"), ("served", 20.0, "t2"), ("refused", 30.0, "t1")]]
