@@ -47,6 +47,7 @@ from meshnet.protocol.control import (PROTOCOL_REVISION, HeartbeatRequest, NodeS
                                       RegisterRequest)
 from meshnet.protocol.signing import encode_public_key  # noqa: E402
 from meshnet.tracker.app import build_app  # noqa: E402
+from meshnet.tracker.heap import HeapFreezer  # noqa: E402
 from meshnet.tracker.service import TrackerSettings  # noqa: E402
 from meshnet.tracker.sharing import Sharing  # noqa: E402
 
@@ -129,9 +130,12 @@ def database(backend: str):
 
 
 async def sync_every_second(sharing: Sharing) -> None:
-    """The control loop's store work that runs whatever happens (no probes, no rebalance)."""
+    """The control loop's work that runs whatever happens (no probes, no rebalance): the sync round
+    and the heap's freeze (ADR-0059)."""
+    heap = HeapFreezer()
     while True:
         await asyncio.sleep(1.0)
+        heap.tick()
         await sharing.sync_round()
 
 
@@ -148,15 +152,12 @@ async def run(size: int, backend: str) -> dict:
         async with LifespanManager(app):
             sharing = Sharing(app.state.service)
             await sharing.sync_round()  # it leads from the start, as a tracker whose loop runs before nodes come
+            syncing = asyncio.create_task(sync_every_second(sharing))  # during the registrations too
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tracker",
                                          timeout=120.0) as client:
                 t0 = time.perf_counter()
                 signers, interval_s = await register_all(client, size)
                 register_s = time.perf_counter() - t0
-                # no sync round ran while the nodes registered (none was started yet): catch up once, as
-                # the per-second rounds would have
-                await sharing.sync_round()
-                syncing = asyncio.create_task(sync_every_second(sharing))
                 latencies, window_s, announced = await heartbeat_window(client, signers, interval_s, rng)
                 svc = app.state.service
                 timeout_s = svc.cadence().timeout_s

@@ -50,6 +50,7 @@ from meshnet.tracker.auth import NodeAuth, exposure_problem
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.node_api import deregister, drain_node, failure, heartbeat, node_key, probe_soon, quarantine, \
     register, service_of as _svc, public_key, signed_by, start_challenges
+from meshnet.tracker.heap import HeapFreezer
 from meshnet.tracker.rebalance import rebalance_off_loop
 from meshnet.tracker.sharing import Sharing
 from meshnet.tracker.store import LeaseLost
@@ -286,6 +287,7 @@ async def control_loop(app: Starlette) -> None:
     interval (the store write off the loop), and prunes every :data:`PRUNE_INTERVAL_S`."""
     svc: TrackerService = app.state.service
     sharing = Sharing(svc)
+    heap = HeapFreezer()
     last = 0.0
     pruned_s = 0.0
     while True:
@@ -294,6 +296,7 @@ async def control_loop(app: Starlette) -> None:
         except asyncio.TimeoutError:
             pass
         app.state.wake.clear()
+        heap.tick()  # short collector pauses at 10,000 nodes (ADR-0059)
         try:
             leading = await sharing.sync_round()
             start_challenges(app)
