@@ -22,6 +22,7 @@ from meshnet.cli.output import fail
 from meshnet.endpoints import check_endpoint, check_endpoints, free_port
 from meshnet.errors import MeshnetError
 from meshnet.node.settings import NodeSettings as N
+from meshnet.protocol.limits import DEFAULT_MAX_CLIENT_REQUESTS
 from meshnet.tracker.service import TrackerSettings as T
 
 MB = 1024 * 1024
@@ -106,6 +107,13 @@ def heartbeat_option(help: str = "Node heartbeat, s."):
     return typer.Option(T.heartbeat_interval_s, "--heartbeat-interval", min=0.1, help=help)
 
 
+def client_requests_option(help: str = "Chat and completion requests one client (its bearer key, else its "
+                                        "address; loopback is not counted) may have in flight at once; the "
+                                        "next is a 429 (ADR-0060). 0: no limit."):
+    return typer.Option(DEFAULT_MAX_CLIENT_REQUESTS, "--max-client-requests", min=0,
+                        envvar="MESHNET_MAX_CLIENT_REQUESTS", help=help)
+
+
 def body_limit(max_body_bytes: int | None) -> dict:
     """Settings keyword for ``--max-body-bytes`` (none: the settings' default)."""
     return {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
@@ -144,6 +152,7 @@ class NodeOptions:
     no_placement: bool = typer.Option(False, "--no-placement", help="Refuse tracker-assigned shards.")
     threads: int | None = threads_option()
     max_body_bytes: int | None = max_body_option()
+    max_client_requests: int = client_requests_option()
     session_cache_mb: int = typer.Option(N.session_cache_bytes // MB, "--session-cache-mb", min=1,
                                          envvar="MESHNET_SESSION_CACHE_MB",
                                          help="KV-cache memory for sessions, MB; new sessions are refused past it "
@@ -227,7 +236,7 @@ class NodeOptions:
             relay=self.relay or self.relay_url is not None, relay_url=self.relay_url,
             batch_window_s=self.batch_window_ms / 1000, max_batch_size=self.max_batch,
             auto_relay=not self.no_auto_relay, offer_relay=self.offer_relay, spot_check_rate=self.spot_check_rate,
-            speculate=self.speculate,
+            speculate=self.speculate, max_client_requests=self.max_client_requests,
             **body_limit(self.max_body_bytes))
 
 
@@ -258,6 +267,7 @@ class TrackerOptions:
     insecure: bool = typer.Option(T.insecure, "--insecure",
                                   help="Listen beyond loopback without join/operator tokens, on purpose.")
     max_body_bytes: int | None = max_body_option()
+    max_client_requests: int = client_requests_option()
     probe_timeout: float = typer.Option(T.probe_timeout_s, "--probe-timeout", min=0.1, envvar="MESHNET_PROBE_TIMEOUT",
                                         help="Seconds a node's endpoint has to answer the tracker's reachability "
                                              "probe; unreachable nodes are not admitted.")
@@ -302,7 +312,8 @@ class TrackerOptions:
                                operator_token=self.operator_token, join_token=self.join_token, insecure=self.insecure,
                                join_settle_s=self.join_settle, probe_timeout_s=self.probe_timeout,
                                drain_grace_s=self.drain_grace, directive_retention_s=self.directive_retention,
-                               admission_challenges=self.challenges, **body_limit(self.max_body_bytes))
+                               admission_challenges=self.challenges, max_client_requests=self.max_client_requests,
+                               **body_limit(self.max_body_bytes))
 
 
 #: shards ``meshnet serve`` splits the model into when the cores allow
@@ -340,4 +351,5 @@ class ServeOptions:
     speculate: str = speculate_option("The entry's speculative decoding (ADR-0058): auto (prompt-lookup drafts, as "
                                       "many per step as measured acceptance and step cost make pay), off, or a "
                                       "fixed draft count K (0-16).")
+    max_client_requests: int = client_requests_option()
     exit_when_ready: bool = typer.Option(False, "--exit-when-ready", help="Stop everything once ready (smoke test).")

@@ -54,6 +54,7 @@ from meshnet.dataplane.chain import ChainInbox
 from meshnet.dataplane.frames import HEADER_REWIND
 from meshnet.dataplane.transport import StreamPool
 from meshnet.protocol.http import BodyLimit, http_error
+from meshnet.protocol.limits import ClientLimit
 from meshnet.gateway.traffic import TrafficLog
 from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.layers import LayerRange
@@ -64,7 +65,8 @@ from meshnet.node.readiness import gather_facts, node_readiness
 from meshnet.node.runtime import NodeRuntime
 from meshnet.node.sessions import SessionStore
 from meshnet.node.settings import NodeSettings
-from meshnet.node.callers import TrackerLink, admit_hop, advertised_endpoint, asked_by_tracker, check_release
+from meshnet.node.callers import (TrackerLink, admit_hop, advertised_endpoint, asked_by_tracker, check_release,
+                                  proxied_by_tracker)
 from meshnet.node.wire import ChainHost, stream_endpoint
 from meshnet.protocol.control import CapabilityReport, DoctorResponse
 from meshnet.protocol.completions import read_completion_request
@@ -302,7 +304,9 @@ def build_app(settings: NodeSettings, runtime: NodeRuntime | None = None, *, sta
                             path_limits={"/v1/forward": wire.DEFAULT_MAX_BYTES + 64},
                             prefix_limits={"/v1/relay/": wire.DEFAULT_MAX_BYTES + 64})  # relayed hops, checked again by the hub
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[body_limit, Middleware(DrainMiddleware, drain=drain)],
+                    middleware=[body_limit, Middleware(ClientLimit, max_requests=settings.max_client_requests,
+                                                       exempt=proxied_by_tracker),
+                                Middleware(DrainMiddleware, drain=drain)],
                     exception_handlers={MeshnetError: _meshnet_error, HTTPException: http_error,
                                         Exception: _unexpected_error})
     app.state.drain = drain

@@ -20,6 +20,7 @@ import torch
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from starlette.requests import Request
+from starlette.types import Scope
 
 from meshnet.drain import Drain
 from meshnet.errors import Forbidden, InvalidRequest, SessionConflict, Unauthorized
@@ -171,6 +172,20 @@ def asked_by_tracker(node: Caller, request: Request) -> bool:
         return True
     try:
         verify_signed_call(node, node.tracker_key, request)
+    except (Unauthorized, InvalidRequest):
+        return False
+    return True
+
+
+def proxied_by_tracker(scope: Scope) -> bool:
+    """Whether a request (an ASGI ``scope`` of the node's app) is a chat this node's tracker proxies:
+    signed with the tracker's key (:meth:`meshnet.tracker.tickets.TicketIssuer.sign_call`). The
+    tracker counted it against its client already (ADR-0060); without a tracker key, nothing is."""
+    node = getattr(scope["app"].state, "node", None)
+    if node is None or node.tracker_key is None:
+        return False
+    try:
+        verify_signed_call(node, node.tracker_key, Request(scope))
     except (Unauthorized, InvalidRequest):
         return False
     return True

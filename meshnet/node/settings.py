@@ -10,6 +10,7 @@ from pathlib import Path
 from meshnet.endpoints import base_url
 from meshnet.layers import LayerRange
 from meshnet.protocol.http import DEFAULT_MAX_BODY_BYTES
+from meshnet.protocol.limits import DEFAULT_MAX_CLIENT_REQUESTS
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class NodeSettings:
         relay_url: the relay to attach to (None: the tracker).
         auto_relay: when the tracker cannot reach ``endpoint``, attach to the relay by itself.
         offer_relay: relay other nodes' traffic (this node must be reachable itself).
+        max_client_requests: as an entry node, chat and completion requests one client may have in
+            flight at once (:mod:`meshnet.protocol.limits`, ADR-0060; its tracker's proxied chats and
+            loopback clients are not counted; 0: no limit).
     """
 
     host: str = "127.0.0.1"
@@ -91,6 +95,7 @@ class NodeSettings:
     offer_relay: bool = False
     batch_window_s: float = 0.005
     max_batch_size: int = 16
+    max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS
 
     @property
     def worker_threads(self) -> int:

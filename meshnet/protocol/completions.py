@@ -53,6 +53,7 @@ class CompletionRequest(_Generation):
     def _dependent_fields(self):
         if self.max_tokens == 0 and not self.echo:
             raise _invalid("max_tokens", "may be 0 only with echo: true (scoring a prompt)")
+        self._check_total(self.max_tokens, len(self.prompts()))
         if self.stream_options is not None and not self.stream:
             raise _invalid("stream_options", "is only allowed with stream: true")
         return self

@@ -28,6 +28,10 @@ SEED_MAX = 2**63 - 1
 #: most choices per request (OpenAI's bound); each choice is a whole generation across the route,
 #: run :data:`meshnet.gateway.openai_api.CHOICES_AT_ONCE` at a time
 N_MAX = 128
+#: most tokens one request may ask for in all: choices × prompts × ``max_tokens`` (ADR-0060). The
+#: defaults fit (``n`` = 128 × 256); ``n`` = 8 × ``max_tokens`` = 8192 does not: one request would
+#: hold a session for 65,536 decode steps
+MAX_REQUEST_TOKENS = 32_768
 #: OpenAI's bound on ``top_logprobs``
 TOP_LOGPROBS_MAX = 20
 #: bodies above this many bytes are parsed in a worker thread, not on the event loop
@@ -255,6 +259,18 @@ class _Generation(Strict):
                 raise ValueError(f"bias of token {key} is {bias}; biases lie in [-100, 100]")
         return value
 
+    def _check_total(self, max_tokens: int, prompts: int = 1) -> None:
+        """Refuse a request asking for more than :data:`MAX_REQUEST_TOKENS` in all.
+
+        Raises:
+            InvalidRequest (400, param ``max_tokens``): ``n`` × prompts × ``max_tokens`` is over it.
+        """
+        total = self.n * prompts * max_tokens
+        if total > MAX_REQUEST_TOKENS:
+            shape = f"n ({self.n})" + (f" × prompts ({prompts})" if prompts > 1 else "")
+            raise _invalid("max_tokens", f"× {shape} asks for {total:,} tokens; at most {MAX_REQUEST_TOKENS:,} "
+                                         f"per request (send several requests, or fewer choices)")
+
     def _sampling(self, max_tokens: int, top_logprobs: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
@@ -327,6 +343,7 @@ class ChatRequest(_Generation):
 
     @model_validator(mode="after")
     def _dependent_fields(self):
+        self._check_total(self.max_completion_tokens or self.max_tokens or 256)
         if self.top_logprobs is not None and not self.logprobs:
             raise _invalid("top_logprobs", "needs logprobs: true")
         if self.stream_options is not None and not self.stream:

@@ -41,6 +41,7 @@ from starlette.routing import Route
 from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError
 from meshnet.protocol.http import BodyLimit, error_response, http_error
+from meshnet.protocol.limits import ClientLimit
 from meshnet.protocol.completions import read_completion_request
 from meshnet.protocol.openai import find_model, model_entry, read_chat_request
 from meshnet.layers import LayerRange
@@ -403,6 +404,7 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                                            prefix_limits={"/v1/relay/": DEFAULT_RELAY_BODY_BYTES}),
+                                Middleware(ClientLimit, max_requests=settings.max_client_requests),
                                 Middleware(DrainMiddleware, drain=drain)],
                     exception_handlers={MeshnetError: _on_error, HTTPException: http_error,
                                         Exception: _unexpected_error})

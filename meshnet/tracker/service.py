@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from meshnet.errors import NotFound
 from meshnet.protocol.http import DEFAULT_MAX_BODY_BYTES
+from meshnet.protocol.limits import DEFAULT_MAX_CLIENT_REQUESTS
 from meshnet.presets import canonical_model_name, find_preset
 from meshnet.tracker.admission import Challenge, Verdict
 from meshnet.tracker.quarantine import Quarantine
@@ -67,6 +68,8 @@ class TrackerSettings:
             before it is routed (ADR-0042); off, every passed shard is admitted unverified
             (after the weights-digest check).
         challenge_timeout_s: how long one challenge call may take, seconds.
+        max_client_requests: chat and completion requests one client may have in flight through
+            this tracker at once (:mod:`meshnet.protocol.limits`, ADR-0060; 0: no limit).
     """
 
     host: str = "127.0.0.1"
@@ -90,6 +93,7 @@ class TrackerSettings:
     directive_retention_s: float = 86_400.0
     admission_challenges: bool = True
     challenge_timeout_s: float = 30.0
+    max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS
 
 
 

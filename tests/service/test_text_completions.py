@@ -80,6 +80,7 @@ async def test_a_stream_gives_the_same_text_and_one_usage(entry):
     ({"prompt": [1, 2, 99999]}, "invalid_field", "prompt"),
     ({"prompt": "x", "logprobs": 6}, "invalid_field", "logprobs"),
     ({"prompt": "x", "max_tokens": True}, "invalid_field", "max_tokens"),
+    ({"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 8192}, "invalid_field", "max_tokens"),  # 49,152 tokens
 ])
 async def test_bad_requests_are_400_naming_the_field(entry, fields, code, param):
     resp = await entry.post(URL, json={"model": MODEL, **fields})

@@ -177,3 +177,17 @@ def test_numbers_are_decoded_with_bounded_digits_unless_their_schema_bounds_them
     assert props["price"] == {"type": "number", "multipleOf": 1e-6, "minimum": -10**15, "maximum": 10**15}
     assert props["count"] == {"type": "integer", "minimum": 0, "maximum": 10**15}
     assert props["ratio"] == {"type": "number", "multipleOf": 0.5, "exclusiveMaximum": 1, "minimum": -10**15}
+
+
+@pytest.mark.parametrize("fields, total", [({"n": 8, "max_tokens": 8192}, "65,536"),
+                                           ({"n": 5, "max_completion_tokens": 8000}, "40,000"),
+                                           ({"n": 128, "max_tokens": 257}, "32,896")])
+def test_a_request_asking_for_more_than_its_share_of_tokens_is_400_naming_max_tokens(fields, total):
+    error = refusal(**fields)
+    assert error.param == "max_tokens" and error.code == "invalid_field"
+    assert f"asks for {total} tokens; at most 32,768 per request" in error.message
+
+
+def test_the_token_bound_admits_every_default():
+    assert parse(n=128).n == 128  # 128 × the default 256 is the bound itself
+    assert parse(n=4, max_tokens=8192).sampling().max_tokens == 8192
