@@ -46,8 +46,9 @@ MAX_LAYERS = 1024
 #: calls (ADR-0038: a revision-2 entry sends none, so its hops would refuse it) and the heartbeat
 #: interval in heartbeat responses (ADR-0037: a revision-2 node would refuse the unknown field);
 #: revision 4 the ``unverified`` hops of a route (a revision-3 node would refuse the unknown field),
-#: witness routes (``like``) and quarantine reports (ADR-0042).
-PROTOCOL_REVISION = 4
+#: witness routes (``like``) and quarantine reports (ADR-0042); revision 5 signs a relay tunnel's
+#: attach over the relay's host (ADR-0045: a revision-4 node's attach would be refused).
+PROTOCOL_REVISION = 5
 
 
 class Payload(BaseModel):

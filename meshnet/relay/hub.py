@@ -35,10 +35,18 @@ from meshnet.relay.frames import MAX_CHUNK_BYTES, Frame, Kind, decode_frame, enc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Authorize", "DEFAULT_RELAY_BODY_BYTES", "RelayDetached", "RelayHub", "TUNNEL_PATH", "relay_prefix"]
+__all__ = ["Authorize", "DEFAULT_RELAY_BODY_BYTES", "RelayDetached", "RelayHub", "TUNNEL_PATH", "attach_target",
+           "relay_prefix"]
 
 #: where a node attaches its tunnel (WebSocket), ``{node_id}`` filled in
 TUNNEL_PATH = "/v1/tunnel/{node_id}"
+
+
+def attach_target(host: str, path: str) -> str:
+    """What a tunnel's attach is signed over: the relay's host as the node dialled it (the
+    request's ``Host``, e.g. ``tracker.example:8700``) and the path, ``//host/path``; so an attach
+    replayed at another relay, whose host differs, is refused (ADR-0045)."""
+    return f"//{host.lower()}{path}"
 #: headers that belong to one connection and never cross the tunnel
 _HOP_BY_HOP = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "upgrade", "te", "trailer",
                          "proxy-connection", "sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
@@ -193,7 +201,7 @@ class RelayHub:
     async def attach(self, ws: WebSocket) -> None:
         """A node attaches its tunnel (signed as that node); a newer tunnel replaces an older one."""
         node_id = ws.path_params["node_id"]
-        target = ws.url.path + (f"?{ws.url.query}" if ws.url.query else "")
+        target = attach_target(ws.headers.get("host", ""), ws.url.path + (f"?{ws.url.query}" if ws.url.query else ""))
         try:
             await self.authorize(node_id, ws.headers, "GET", target)
         except MeshnetError as exc:

@@ -21,12 +21,14 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.headers import build_host
+from websockets.uri import parse_uri
 
 from meshnet.errors import MeshnetError
 from meshnet.protocol.signing import sign_request
 from meshnet.relay.backoff import Backoff
 from meshnet.relay.frames import MAX_CHUNK_BYTES, MAX_FRAME_BYTES, Frame, Kind, decode_frame, encode_frame, json_frame
-from meshnet.relay.hub import TUNNEL_PATH, forwardable, relay_prefix, until_one_ends
+from meshnet.relay.hub import TUNNEL_PATH, attach_target, forwardable, relay_prefix, until_one_ends
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ class NodeTunnel:
         self.relay_url, self.node_id, self.key = relay_url.rstrip("/"), node_id, key
         self.local_url = local_url.rstrip("/")
         self.endpoint = relay_prefix(self.relay_url, node_id)
+        wsuri = parse_uri(ws_url(self.relay_url) + "/")
+        self.relay_host = build_host(wsuri.host, wsuri.port, wsuri.secure)  # the Host the relay will see
         self.on_attached = on_attached
         self.ping_interval_s, self.ping_timeout_s = PING_INTERVAL_S, PING_TIMEOUT_S
         self.backoff = backoff or Backoff(0.5, 5.0)
@@ -100,7 +104,7 @@ class NodeTunnel:
         async with httpx.AsyncClient(base_url=self.local_url, timeout=self.local_timeout_s, trust_env=False) as local:
             while True:
                 try:
-                    headers = sign_request(self.key, self.node_id, "GET", path, b"")
+                    headers = sign_request(self.key, self.node_id, "GET", attach_target(self.relay_host, path), b"")
                     async with connect(ws_url(self.relay_url) + path, additional_headers=headers,
                                        max_size=MAX_FRAME_BYTES, ping_interval=self.ping_interval_s,
                                        ping_timeout=self.ping_timeout_s, open_timeout=5.0, proxy=None) as conn:

@@ -23,7 +23,7 @@ from meshnet.endpoints import free_port
 from meshnet.protocol.signing import sign_request
 from meshnet.relay.backoff import Backoff
 from meshnet.relay.auth import KeyedAuthorize
-from meshnet.relay.hub import RelayHub
+from meshnet.relay.hub import RelayHub, attach_target
 from meshnet.relay.tunnel import NodeTunnel
 from tests.payloads import node_key, public_key
 
@@ -201,12 +201,18 @@ async def test_only_the_node_itself_may_attach():
     app, hub = relay_app()
     async with serving(app) as relay:
         url = relay.replace("http://", "ws://") + f"/v1/tunnel/{NODE}"
+        here = attach_target(relay.removeprefix("http://"), f"/v1/tunnel/{NODE}")  # 127.0.0.1:PORT
         cases = {
             "unsigned": {},
-            "another node's signature": sign_request(node_key("n-other"), "n-other", "GET", f"/v1/tunnel/{NODE}", b""),
-            "signed with another key": sign_request(node_key(NODE, salt="thief"), NODE, "GET",
-                                                    f"/v1/tunnel/{NODE}", b""),
-            "signed for another path": sign_request(node_key(NODE), NODE, "GET", "/v1/tunnel/n-other", b""),
+            "another node's signature": sign_request(node_key("n-other"), "n-other", "GET", here, b""),
+            "signed with another key": sign_request(node_key(NODE, salt="thief"), NODE, "GET", here, b""),
+            "signed for another path": sign_request(node_key(NODE), NODE, "GET",
+                                                    attach_target(relay.removeprefix("http://"), "/v1/tunnel/n-other"),
+                                                    b""),
+            "signed for another relay": sign_request(node_key(NODE), NODE, "GET",
+                                                     attach_target("relay.example:8700", f"/v1/tunnel/{NODE}"), b""),
+            "signed without the relay (revision 4)": sign_request(node_key(NODE), NODE, "GET", f"/v1/tunnel/{NODE}",
+                                                                  b""),
         }
         statuses = {}
         for name, headers in cases.items():
@@ -217,8 +223,10 @@ async def test_only_the_node_itself_may_attach():
                               json.loads(refused.value.response.body)["error"]["code"])
         assert statuses == {"unsigned": (401, "unsigned"), "another node's signature": (403, "not_your_node"),
                             "signed with another key": (401, "bad_signature"),
-                            "signed for another path": (401, "bad_signature")}
-        good = sign_request(node_key(NODE), NODE, "GET", f"/v1/tunnel/{NODE}", b"")
+                            "signed for another path": (401, "bad_signature"),
+                            "signed for another relay": (401, "bad_signature"),
+                            "signed without the relay (revision 4)": (401, "bad_signature")}
+        good = sign_request(node_key(NODE), NODE, "GET", here, b"")
         async with connect(url, additional_headers=good, proxy=None):
             for _ in range(100):
                 if NODE in hub.tunnels:

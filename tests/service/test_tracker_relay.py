@@ -13,6 +13,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from meshnet.relay.backoff import Backoff
+from meshnet.relay.hub import attach_target
 from meshnet.relay.tunnel import NodeTunnel
 from meshnet.tracker.app import build_app
 from meshnet.tracker.routing import RELAY_LATENCY_FLOOR_S
@@ -102,7 +103,7 @@ async def test_a_closed_tunnel_makes_the_node_unreachable_until_it_attaches_agai
 async def test_only_a_registered_node_may_attach_for_its_own_id():
     async with tracker_with_relayed_node(register=False) as (tracker, http, tunnel, app):
         url = tracker.replace("http://", "ws://") + f"/v1/tunnel/{NODE}"
-        path = f"/v1/tunnel/{NODE}"
+        path = attach_target(tracker.removeprefix("http://"), f"/v1/tunnel/{NODE}")
         cases = {"unregistered": signed(NODE, "GET", path), "unsigned": {},
                  "as another node": signed("n-other", "GET", path)}
         got = {}
