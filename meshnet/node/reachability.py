@@ -29,10 +29,12 @@ AUTO_RELAY_AFTER_S = 5.0
 #: to the tracker's relay, seconds
 RELAY_FALLBACK_S = 30.0
 #: a node relayed through a tracker that stopped answering (its calls moved to another of its
-#: trackers) whose tunnel stays down this long moves to the relay of the tracker that answers: one
-#: missed keepalive (``PING_INTERVAL_S`` + ``PING_TIMEOUT_S`` of :mod:`meshnet.relay.tunnel`, 6 s)
-#: has dropped the tunnel by then, so this counts from the drop, seconds
-TRACKER_RELAY_FALLBACK_S = 5.0
+#: trackers) whose tunnel stays down this long moves to the relay of the tracker that answers,
+#: seconds. The tunnel drops at a missed keepalive (``PING_INTERVAL_S`` + ``PING_TIMEOUT_S`` of
+#: :mod:`meshnet.relay.tunnel`, 6 s); a tunnel that is down while the calls go elsewhere is not
+#: waited for long (a tunnel still up is kept: both trackers answering 503 during a database outage
+#: must not make it flip between them)
+TRACKER_RELAY_FALLBACK_S = 1.0
 
 
 class RelayMixin:
