@@ -97,12 +97,11 @@ async def forward_chat(svc: TrackerService, http: httpx.AsyncClient, entries: li
     failure: MeshnetError | None = None
     for i, node in enumerate(entries):
         last = i + 1 == len(entries)
+        url = f"{node.endpoint}{path}"
+        # signed: the entry does not count a proxied chat against the tracker's address (ADR-0060)
+        headers = {"Content-Type": "application/json", **svc.tickets.sign_call("POST", url)}
         try:
-            url = f"{node.endpoint}{path}"
-            # signed: the entry does not count a proxied chat against the tracker's address (ADR-0060)
-            upstream = http.build_request("POST", url, content=body,
-                                          headers={"Content-Type": "application/json",
-                                                   **svc.tickets.sign_call("POST", url)},
+            upstream = http.build_request("POST", url, content=body, headers=headers,
                                           timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
             resp = await send_watching(http, upstream, disconnected)
             if resp is None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshnet.tracker import proxy
+from meshnet.tracker.tickets import TicketIssuer
 
 
 class SlowEntry(httpx.AsyncBaseTransport):
@@ -61,6 +63,8 @@ async def test_a_proxied_chat_has_a_connect_timeout_and_no_read_timeout():
     entry = SlowEntry(0.0)
 
     class Service:
+        tickets = TicketIssuer(Ed25519PrivateKey.generate())
+
         def report_failure(self, node_id, reason):
             raise AssertionError(f"{node_id} reported: {reason}")
 
