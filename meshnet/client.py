@@ -242,9 +242,11 @@ class TrackerClient(_Base):
         """Remove this node from the tracker now (instead of waiting for the heartbeat timeout)."""
         return await self._call("DELETE", f"/v1/nodes/{node_id}", "deregister node", timeout=timeout_s, retry=True)
 
-    async def report_failure(self, node_id: str, reason: str) -> None:
+    async def report_failure(self, node_id: str, reason: str, ticket: str | None = None) -> None:
+        """Tell the tracker that hop ``node_id`` failed, with the session ``ticket`` whose route
+        named it (the tracker counts the report only then)."""
         await self._call("POST", f"/v1/nodes/{node_id}/failure", "report hop failure",
-                         json=FailureReport(reason=reason[:2000]).model_dump(), retry=True)
+                         json=FailureReport(reason=reason[:2000], ticket=ticket or "").model_dump(), retry=True)
 
     async def report_quarantine(self, node_id: str, report: QuarantineReport) -> None:
         """Ask the tracker to quarantine ``node_id``, outvoted by a spot-check (ADR-0042; signed

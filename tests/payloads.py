@@ -81,3 +81,15 @@ class SignAsNodes(httpx.Auth):
         if node_id:
             request.headers.update(signed(node_id, request.method, path, request.content))
         yield request
+
+
+async def route_ticket(tracker, entry: str, model: str, start: int, end: int, session: str,
+                       exclude: tuple[str, ...] = ()) -> str:
+    """The session ticket ``tracker`` (a test client) issues to entry node ``entry`` for layers
+    ``start``..``end`` (inclusive) of ``model``, its route avoiding ``exclude``: what an entry's
+    failure and quarantine reports carry."""
+    query = f"model={model}&start_layer={start}&end_layer={end}&session={session}"
+    path = f"/v1/route?{query}" + (f"&exclude={','.join(exclude)}" if exclude else "")
+    resp = await tracker.get(path, headers=signed(entry, "GET", path))
+    assert resp.status_code == 200, resp.text
+    return resp.json()["ticket"]

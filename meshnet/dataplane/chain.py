@@ -345,11 +345,11 @@ class ChainRoute(FailoverCounts):
                 return
             self.fo.deadline_misses += frozen
             for node_id in also:
-                self.fo.exclude(HopFailed(f"hop {node_id} is silent", node_id=node_id))
+                self.fo.exclude(HopFailed(f"hop {node_id} is silent", node_id=node_id), self.ticket)
             old_hops = list(self.hops)
             for _ in range(self.max_failovers):
                 log.warning("%s; failing the chain over", exc.message)
-                self.fo.exclude(exc)
+                self.fo.exclude(exc, self.ticket)
                 self._release(abandoned=True)
                 chain_id = new_chain_id()
                 try:

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 #: async (model, layers, exclude node ids, session id) -> hops covering exactly ``layers`` and their ticket
 RouteProvider = Callable[[ModelName, LayerRange, frozenset[NodeId], SessionId], Awaitable[Route]]
 #: async (node id, reason) -> None; tells the tracker a hop failed
-FailureReporter = Callable[[NodeId, str], Awaitable[None]]
+FailureReporter = Callable[[NodeId, str, "str | None"], Awaitable[None]]
 #: (failed hop, its replacement hops, why it failed) -> None; told after each failover (the traffic log)
 FailoverListener = Callable[[Hop, list[Hop], str], None]
 
@@ -91,18 +91,19 @@ class RemoteContext:
 _reports: set[asyncio.Task] = set()  # failure reports in flight (kept referenced until they end)
 
 
-async def report_failure(report: FailureReporter, node_id: NodeId, reason: str) -> None:
-    """Tell the tracker that ``node_id`` failed; a lost report is logged, never raised (it must
-    not fail the generation)."""
+async def report_failure(report: FailureReporter, node_id: NodeId, reason: str, ticket: str | None = None) -> None:
+    """Tell the tracker that ``node_id`` failed, with the session ``ticket`` whose route named it
+    (the tracker counts only such a report); a lost report is logged, never raised (it must not
+    fail the generation)."""
     try:
-        await report(node_id, reason)
+        await report(node_id, reason, ticket)
     except Exception:  # noqa: BLE001 - a lost report must not fail the generation
         log.warning("could not report the failure of %s", node_id, exc_info=True)
 
 
-def report_soon(report: FailureReporter, node_id: NodeId, reason: str) -> None:
+def report_soon(report: FailureReporter, node_id: NodeId, reason: str, ticket: str | None = None) -> None:
     """:func:`report_failure` in the background: the new route is asked for at once."""
-    task = asyncio.get_running_loop().create_task(report_failure(report, node_id, reason))
+    task = asyncio.get_running_loop().create_task(report_failure(report, node_id, reason, ticket))
     _reports.add(task)
     task.add_done_callback(_reports.discard)
 
@@ -215,17 +216,18 @@ class Failover:
         """Step times of a new hop or chain, for its deadlines."""
         return StepTimes(self.policy.ema_alpha)
 
-    def exclude(self, exc: HopFailed) -> bool:
+    def exclude(self, exc: HopFailed, ticket: str | None = None) -> bool:
         """Keep the hop ``exc`` names out of this session's new routes and report it to the tracker
         in the background (the new route is asked for at once). Not reported: a busy hop (healthy,
         503) or one that lost the chain; neither reported nor excluded: a hop that lost the
         session or refused an expired ticket (the replay, after a new route and ticket, restarts
-        the session on it). Returns whether the hop was excluded."""
+        the session on it). ``ticket``: the session ticket whose route named the hop, sent with the
+        report. Returns whether the hop was excluded."""
         if exc.node_id is None or exc.code in HEALTHY_HOP_CODES:
             return False
         self.failed.add(exc.node_id)
         if not isinstance(exc, HopBusy) and exc.code != CHAIN_LOST:
-            report_soon(self.link.report, exc.node_id, exc.message)
+            report_soon(self.link.report, exc.node_id, exc.message, ticket)
         return True
 
     async def new_route(self, layers: LayerRange, exc: HopFailed, session_id: SessionId | None = None) -> Route:

@@ -216,7 +216,7 @@ class RemoteRoute(FailoverCounts):
         """
         loser = await self.spot_check.check(model=self.model, hop=state.hop, frame=frame, output=output,
                                             last_only=last_only, codec=self.codec, session_id=self.session_id,
-                                            exclude=frozenset(self.failed))
+                                            exclude=frozenset(self.failed), ticket=state.ticket)
         if loser == state.hop.node_id:
             raise HopFailed(f"{describe(state.hop)} was outvoted by a spot-check and quarantined",
                             node_id=state.hop.node_id)
@@ -278,7 +278,10 @@ class RemoteRoute(FailoverCounts):
     def _exclude(self, exc: HopFailed) -> None:
         """Exclude the failed hop (:meth:`Failover.exclude`) and release its session in the
         background (never waiting on it)."""
-        if self.fo.exclude(exc):
+        touched = self._touched.get(exc.node_id)
+        ticket = touched[1] if touched is not None else next(
+            (s.ticket for s in self.states if s.hop.node_id == exc.node_id), None)
+        if self.fo.exclude(exc, ticket):
             touched = self._touched.pop(exc.node_id, None)
             if touched is not None:
                 self.fo.release([touched], self.session_id, abandoned=True)

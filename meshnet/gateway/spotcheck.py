@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 WitnessRoutes = Callable[[str, LayerRange, frozenset[str], str, str], Awaitable[Route]]
 #: async (node id, model, the checked hop, witnesses, distances keyed "a|b", limit, session) -> None:
 #: asks the tracker to quarantine the node (``POST /v1/nodes/{id}/quarantine``)
-QuarantineReporter = Callable[[str, str, Hop, list[str], dict[str, float], float, str], Awaitable[None]]
+QuarantineReporter = Callable[[str, str, Hop, list[str], dict[str, float], float, str, "str | None"],
+                              Awaitable[None]]
 #: seconds a spot-check's session release may take
 RELEASE_TIMEOUT_S = 5.0
 
@@ -89,9 +90,10 @@ class SpotChecker:
         return self.rate > 0 and self.rng.random() < self.rate
 
     async def _witness(self, model: str, hop: Hop, exclude: frozenset[str], frame: bytes, last_only: bool,
-                       codec: ActivationCodec) -> tuple[str, bytes] | None:
+                       codec: ActivationCodec) -> tuple[str, bytes, str | None] | None:
         """Run ``frame`` through another holder of ``hop.layers`` (one node, not in ``exclude``) under
-        a fresh session; ``(node id, output frame)``, or None when there is none or it failed."""
+        a fresh session; ``(node id, output frame, the ticket naming it)``, or None when there is
+        none or it failed."""
         session = uuid.uuid4().hex
         try:
             route: Route = await self.routes(model, hop.layers, exclude, session, hop.node_id)
@@ -111,7 +113,7 @@ class SpotChecker:
         finally:
             release_soon(self.client, [(witness.endpoint, route.ticket)], session, RELEASE_TIMEOUT_S,
                          self.release_auth)
-        return witness.node_id, out
+        return witness.node_id, out, route.ticket
 
     def _measure(self, a: bytes, b: bytes) -> float:
         d = frame_distance(a, b)
@@ -119,9 +121,12 @@ class SpotChecker:
         return d
 
     async def check(self, *, model: str, hop: Hop, frame: bytes, output: bytes, last_only: bool,
-                    codec: ActivationCodec, session_id: str = "", exclude: frozenset[str] = frozenset()) -> str | None:
+                    codec: ActivationCodec, session_id: str = "", exclude: frozenset[str] = frozenset(),
+                    ticket: str | None = None) -> str | None:
         """Check ``hop``'s ``output`` for input ``frame`` (a position-0 call) against other holders,
         none of them in ``exclude`` (the session's failed nodes) or outvoted by this checker before.
+        ``ticket``: the session's ticket naming ``hop`` (the report of an outvoted hop carries the
+        ticket that named it, ADR-0042).
 
         Returns:
             The node id the vote quarantined (``hop.node_id`` when the checked hop lost, a
@@ -133,7 +138,7 @@ class SpotChecker:
         if second is None:
             self.stats.unverified += 1
             return None
-        second_id, second_out = second
+        second_id, second_out, second_ticket = second
         d12 = self._measure(output, second_out)
         if d12 <= self.limit:
             return None
@@ -145,7 +150,7 @@ class SpotChecker:
             log.warning("spot-check: no third holder of layers %s to settle %s against %s", hop.layers,
                         hop.node_id, second_id)
             return None
-        third_id, third_out = third
+        third_id, third_out, third_ticket = third
         distances = {(hop.node_id, second_id): d12, (hop.node_id, third_id): self._measure(output, third_out),
                      (second_id, third_id): self._measure(second_out, third_out)}
         loser = outvoted(hop.node_id, second_id, third_id, distances, self.limit)
@@ -159,7 +164,8 @@ class SpotChecker:
         self.stats.quarantined = (self.stats.quarantined + [loser])[-100:]
         self.outvoted = self.outvoted | {loser}
         try:
-            await self.report(loser, model, hop, witnesses, evidence, self.limit, session_id)
+            named = {hop.node_id: ticket, second_id: second_ticket, third_id: third_ticket}[loser]
+            await self.report(loser, model, hop, witnesses, evidence, self.limit, session_id, named)
         except Exception:  # noqa: BLE001 - a lost report must not fail the generation
             log.warning("could not report %s for quarantine", loser, exc_info=True)
         return loser

@@ -343,8 +343,9 @@ class TrackerAgent(RelayMixin):
         except MeshnetError as exc:
             log.warning("could not report %s for quarantine: %s", node_id, exc.message)
 
-    async def report_failure(self, node_id: str, reason: str) -> None:
+    async def report_failure(self, node_id: str, reason: str, ticket: str | None = None) -> None:
+        """Report a hop failure to the tracker with the ticket that named the hop; a lost report is logged."""
         try:
-            await self.client.report_failure(node_id, reason)
+            await self.client.report_failure(node_id, reason, ticket)
         except MeshnetError as exc:
             log.warning("could not report failure of %s: %s", node_id, exc.message)

@@ -361,9 +361,9 @@ def orchestrator_for(node, model: str | None, pipelined: bool | None = None) -> 
             raise NotFound("standalone node without a tracker cannot route remote layers")
         return await agent.session_route(name, layers, exclude, session_id)
 
-    async def report(node_id, reason):
+    async def report(node_id, reason, ticket):
         if agent is not None:
-            await agent.report_failure(node_id, reason)
+            await agent.report_failure(node_id, reason, ticket)
 
     if node.spot_checker is None and agent is not None:
         node.spot_checker = spot_checker_for(node)
@@ -390,11 +390,11 @@ def spot_checker_for(node) -> SpotChecker:
         return await agent.session_route(name, layers, exclude, session_id, like)
 
     async def report(node_id: str, model: str, hop, witnesses: list[str], distances: dict[str, float],
-                     limit: float, session: str) -> None:
+                     limit: float, session: str, ticket: str | None) -> None:
         start, end = hop.layers.to_inclusive()
         await agent.report_quarantine(node_id, QuarantineReport(
             model=model, shard_start=start, shard_end=end, witnesses=witnesses, distances=distances,
-            tolerance=limit, session=session))
+            tolerance=limit, session=session, ticket=ticket or ""))
 
     return SpotChecker(node.settings.spot_check_rate, client=node.http, routes=routes, report=report,
                        timeout_s=node.settings.hop_timeout_s, release_auth=None if agent is None else agent.signer)

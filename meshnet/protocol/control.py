@@ -50,6 +50,9 @@ MAX_LAYERS = 1024
 #: attach over the relay's host (ADR-0045: a revision-4 node's attach would be refused).
 PROTOCOL_REVISION = 5
 
+#: a ticket longer than this is refused unread (a route has a few hops; this leaves room for ~60)
+MAX_TICKET_CHARS = 8192
+
 
 class Payload(BaseModel):
     """Base of every control-plane payload: unknown fields and non-finite numbers are validation
@@ -291,9 +294,11 @@ class HeartbeatResponse(Reachability):
 
 
 class FailureReport(Payload):
-    """Body of ``POST /v1/nodes/{id}/failure``: why a hop failed."""
+    """Body of ``POST /v1/nodes/{id}/failure``: why a hop failed, and the session ticket whose
+    route named the hop (the tracker counts a report only from the entry it issued that ticket to)."""
 
     reason: str = Field(default="", max_length=2000)
+    ticket: str = Field(default="", max_length=MAX_TICKET_CHARS)
 
 
 class QuarantineReport(ShardRange):
@@ -307,6 +312,7 @@ class QuarantineReport(ShardRange):
     distances: dict[str, float] = Field(max_length=3)
     tolerance: float = Field(ge=0)
     session: str = Field(default="", max_length=128)
+    ticket: str = Field(default="", max_length=MAX_TICKET_CHARS)  # the ticket whose route named the accused
 
 
 class DoctorResponse(Payload):

@@ -24,7 +24,7 @@ from pydantic import Field, ValidationError
 
 from meshnet.errors import Forbidden, TicketExpired, Unauthorized
 from meshnet.layers import LayerRange
-from meshnet.protocol.control import Payload
+from meshnet.protocol.control import MAX_TICKET_CHARS, Payload
 from meshnet.protocol.route import Hop
 from meshnet.protocol.signing import b64url, unb64url
 
@@ -35,8 +35,6 @@ __all__ = ["HEADER_TICKET", "MAX_TICKET_CHARS", "TICKET_TTL_S", "TicketClaims", 
 HEADER_TICKET = "X-Meshnet-Ticket"
 #: how long a ticket is valid, seconds (an entry asks again for a longer session)
 TICKET_TTL_S = 600.0
-#: a ticket longer than this is refused unread (a route has a few hops; this leaves room for ~60)
-MAX_TICKET_CHARS = 8192
 #: domain separation: a ticket signature is never valid as a request signature, and vice versa
 _CONTEXT = b"meshnet-ticket/1\n"
 

@@ -180,7 +180,7 @@ async def failure(request: Request) -> JSONResponse:
     body = validate_json(FailureReport, raw)
     svc = service_of(request)
     node_id = request.path_params["node_id"]
-    svc.report_failure_from(sender, node_id, body.reason)
+    svc.report_failure_from(sender, node_id, body.reason, body.ticket)
     probe_soon(request.app, node_id, svc.nodes[node_id].endpoint)
     return JSONResponse({"ok": True})
 

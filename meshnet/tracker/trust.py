@@ -13,10 +13,13 @@ import json
 import logging
 import time
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
 from meshnet.protocol.ids import NodeId
-from meshnet.errors import Forbidden, InvalidRequest
+from meshnet.errors import Forbidden, InvalidRequest, Unauthorized
 from meshnet.presets import canonical_model_name, find_preset
 from meshnet.protocol.control import QuarantineReport
+from meshnet.protocol.tickets import read_ticket
 from meshnet.dataplane.evidence import tolerance
 from meshnet.tracker.admission import ADMITTING, Challenge, Holder, Verdict, decide, digest_key
 from meshnet.tracker.quarantine import Quarantine, judge
@@ -40,6 +43,32 @@ def may_report_failure(sender: NodeRecord | None, reported: NodeRecord) -> str:
     models = {s.model for s in reported.shards}
     if not any(s.entry and s.model in models for s in sender.shards):
         return "the sender holds no entry shard of a model the reported node serves"
+    return ""
+
+
+#: how long after its ticket expired a report of a hop that ticket named still counts, seconds
+REPORT_GRACE_S = 300.0
+
+
+def ticket_names(token: str, tracker_key: Ed25519PublicKey, sender: str, accused: str, model: str | None = None,
+                 now: float | None = None) -> str:
+    """Why the session ticket ``token`` does not show that ``sender`` had ``accused`` on a route
+    ("" when it does): the ticket must verify with this tracker's key (expired at most
+    :data:`REPORT_GRACE_S` ago), be issued to ``sender`` and name ``accused`` among its hops (and be
+    for ``model``, when given). A report without such a ticket is hearsay: any entry of a model
+    could otherwise accuse any of its holders."""
+    if not token:
+        return "the report carries no session ticket naming the node"
+    try:
+        claims = read_ticket(token, tracker_key, now=(time.time() if now is None else now) - REPORT_GRACE_S)
+    except Unauthorized as exc:
+        return f"its ticket is not one this tracker issued, or has expired ({exc.message})"
+    if claims.entry != sender:
+        return f"its ticket was issued to {claims.entry}, not to {sender}"
+    if accused not in {h.node_id for h in claims.hops}:
+        return f"its ticket's route does not name {accused}"
+    if model is not None and canonical_model_name(claims.model) != canonical_model_name(model):
+        return f"its ticket is for {claims.model}, not {model}"
     return ""
 
 
@@ -192,13 +221,16 @@ class TrustMixin:
 
         Raises:
             NotFound: ``node_id`` is not registered.
-            Forbidden (403 ``not_on_route``): the sender could not have had it on a route.
+            Forbidden (403 ``not_on_route``): the sender could not have had it on a route, or the
+                report's ticket does not show it had (:func:`ticket_names`).
             InvalidRequest (422 ``weak_evidence``): the evidence does not outvote it (see
                 :func:`meshnet.tracker.quarantine.judge`); nothing changes.
         """
         accused = self.get(node_id)
-        why = may_report_failure(self.nodes.get(sender), accused)
+        why = may_report_failure(self.nodes.get(sender), accused) or ticket_names(
+            report.ticket, self.tickets.key.public_key(), sender, node_id, report.model)
         if why:
+            log.warning("refused a quarantine report of %s from %s: %s", node_id, sender, why)
             raise Forbidden(f"{sender} may not report {node_id}: {why}", code="not_on_route")
         if node_id in self.quarantined:
             return self.quarantined[node_id]
@@ -242,16 +274,19 @@ class TrustMixin:
 
 
 
-    def report_failure_from(self, sender: NodeId, node_id: NodeId, reason: str) -> None:
-        """A hop failure of ``node_id`` reported by node ``sender`` (whose signature the caller checked).
+    def report_failure_from(self, sender: NodeId, node_id: NodeId, reason: str, ticket: str = "") -> None:
+        """A hop failure of ``node_id`` reported by node ``sender`` (whose signature the caller
+        checked), with the session ``ticket`` whose route named it.
 
         Raises:
             NotFound: ``node_id`` is not registered.
             Forbidden (403 ``not_on_route``): the sender could not have had ``node_id`` on a route
-                (see :func:`may_report_failure`); nothing is recorded.
+                (see :func:`may_report_failure`), or ``ticket`` does not show it had (see
+                :func:`ticket_names`); nothing is recorded.
         """
         reported = self.get(node_id)
-        why = may_report_failure(self.nodes.get(sender), reported)
+        why = may_report_failure(self.nodes.get(sender), reported) or ticket_names(
+            ticket, self.tickets.key.public_key(), sender, node_id)
         if why:
             log.warning("refused a failure report of %s from %s: %s", node_id, sender, why)
             raise Forbidden(f"{sender} may not report a failure of {node_id}: {why}", code="not_on_route")

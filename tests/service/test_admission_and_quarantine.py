@@ -19,7 +19,7 @@ import pytest
 from meshnet.dataplane.frames import read_array as read_frame
 from meshnet.tracker.app import build_app
 from meshnet.tracker.service import TrackerSettings
-from tests.payloads import SignAsNodes, capability_report, registration, signed
+from tests.payloads import SignAsNodes, capability_report, registration, route_ticket, signed
 
 MODEL = "tiny-llama"  # a preset with hidden_size 64: challenges run
 
@@ -161,14 +161,19 @@ async def entry_and_three_holders(mesh) -> None:
         await verification(mesh, name)
 
 
-def report(witnesses: list[str], distances: dict[str, float], tolerance: float = 0.05) -> dict:
+def report(witnesses: list[str], distances: dict[str, float], tolerance: float = 0.05, ticket: str = "") -> dict:
     return {"model": MODEL, "shard_start": 2, "shard_end": 3, "witnesses": witnesses, "distances": distances,
-            "tolerance": tolerance, "session": "s1"}
+            "tolerance": tolerance, "session": "s1", "ticket": ticket}
+
+
+async def h1_ticket(mesh, entry: str = "entry") -> str:
+    """The ticket of a session whose route put h1 on ``entry``'s route."""
+    return await route_ticket(mesh, entry, MODEL, 2, 3, f"s-{entry}", exclude=("h2", "h3"))
 
 
 async def test_an_entrys_spot_check_quarantines_the_outvoted_node_until_the_operator_reinstates_it(mesh):
     await entry_and_three_holders(mesh)
-    body = report(["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.8, "h2|h3": 0.0})
+    body = report(["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.8, "h2|h3": 0.0}, ticket=await h1_ticket(mesh))
     path = "/v1/nodes/h1/quarantine"
     raw = json.dumps(body).encode()
     resp = await mesh.post(path, content=raw, headers={**signed("entry", "POST", path, raw),
@@ -209,7 +214,8 @@ async def test_a_quarantine_outlives_a_tracker_restart_and_a_reinstatement_too(a
     first = await tracker()
     await entry_and_three_holders(first)
     path, raw = "/v1/nodes/h1/quarantine", json.dumps(report(["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.8,
-                                                                             "h2|h3": 0.0})).encode()
+                                                                             "h2|h3": 0.0},
+                                                             ticket=await h1_ticket(first))).encode()
     resp = await first.post(path, content=raw, headers={**signed("entry", "POST", path, raw),
                                                          "Content-Type": "application/json"})
     assert resp.status_code == 200, resp.text
@@ -232,21 +238,33 @@ async def test_a_quarantine_outlives_a_tracker_restart_and_a_reinstatement_too(a
     assert view["quarantine"] is None and view["shards"][0]["admitted"] is True
 
 
-@pytest.mark.parametrize("sender, witnesses, distances, status, code", [
-    ("h2", ["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.8, "h2|h3": 0.0}, 403, "not_on_route"),   # not an entry
-    ("entry", ["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.01, "h2|h3": 0.0}, 422, "weak_evidence"),  # h3 agrees with h1
-    ("entry", ["h2", "h2"], {"h1|h2": 0.9}, 422, "weak_evidence"),                           # one witness twice
-    ("entry", ["h2", "ghost"], {"h1|h2": 0.9, "h1|ghost": 0.9, "h2|ghost": 0.0}, 422, "weak_evidence"),
+STRONG = {"h1|h2": 0.9, "h1|h3": 0.8, "h2|h3": 0.0}
+
+
+@pytest.mark.parametrize("sender, ticket, witnesses, distances, status, code, why", [
+    ("h2", "h1", ["h2", "h3"], STRONG, 403, "not_on_route", "the sender holds no entry shard"),
+    ("entry", "none", ["h2", "h3"], STRONG, 403, "not_on_route", "carries no session ticket naming the node"),
+    ("entry", "h2", ["h2", "h3"], STRONG, 403, "not_on_route", "its ticket's route does not name h1"),
+    ("entry", "entry2's", ["h2", "h3"], STRONG, 403, "not_on_route", "its ticket was issued to entry2, not to entry"),
+    ("entry", "forged", ["h2", "h3"], STRONG, 403, "not_on_route", "not one this tracker issued"),
+    ("entry", "h1", ["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.01, "h2|h3": 0.0}, 422, "weak_evidence",
+     "do not outvote h1"),  # h3 agrees with h1
+    ("entry", "h1", ["h2", "h2"], {"h1|h2": 0.9}, 422, "weak_evidence", ""),  # one witness twice
+    ("entry", "h1", ["h2", "ghost"], {"h1|h2": 0.9, "h1|ghost": 0.9, "h2|ghost": 0.0}, 422, "weak_evidence", ""),
 ])
-async def test_a_quarantine_report_without_standing_or_evidence_changes_nothing(mesh, sender, witnesses, distances,
-                                                                               status, code):
+async def test_a_quarantine_report_without_standing_or_evidence_changes_nothing(mesh, sender, ticket, witnesses,
+                                                                               distances, status, code, why):
     await entry_and_three_holders(mesh)
+    await mesh.post("/v1/nodes/register", json=node("entry2", 0, 1))
+    tickets = {"none": "", "h1": await h1_ticket(mesh), "entry2's": await h1_ticket(mesh, "entry2"),
+               "h2": await route_ticket(mesh, "entry", MODEL, 2, 3, "s2", exclude=("h1", "h3")),
+               "forged": (await h1_ticket(mesh)).rsplit(".", 1)[0] + "." + "A" * 86}
     path = "/v1/nodes/h1/quarantine"
-    raw = json.dumps(report(witnesses, distances)).encode()
+    raw = json.dumps(report(witnesses, distances, ticket=tickets[ticket])).encode()
     resp = await mesh.post(path, content=raw, headers={**signed(sender, "POST", path, raw),
                                                         "Content-Type": "application/json"})
     assert resp.status_code == status, resp.text
-    assert resp.json()["error"]["code"] == code
+    assert resp.json()["error"]["code"] == code and why in resp.json()["error"]["message"]
     view = next(n for n in (await mesh.get("/v1/nodes")).json()["nodes"] if n["node_id"] == "h1")
     assert view["quarantine"] is None and view["shards"][0]["admitted"] is True
 
@@ -281,7 +299,7 @@ async def test_holders_of_another_recipe_neither_challenge_nor_witness_each_othe
         assert [h["node_id"] for h in hops] == ["h3"]
     assert (await mesh.get("/v1/route", params={**like, "exclude": "h2", "like": "h2"})).status_code == 503
     path = "/v1/nodes/h1/quarantine"
-    raw = json.dumps(report(["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.8, "h2|h3": 0.0})).encode()
+    raw = json.dumps(report(["h2", "h3"], STRONG, ticket=await h1_ticket(mesh))).encode()
     resp = await mesh.post(path, content=raw, headers={**signed("entry", "POST", path, raw),
                                                         "Content-Type": "application/json"})
     assert resp.status_code == 422 and "recipe" in resp.json()["error"]["message"]

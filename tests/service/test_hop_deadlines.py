@@ -110,7 +110,7 @@ def routes_via(*names: str):
 
 def orchestrator(runtimes, client, routes, reported: list) -> Orchestrator:
     """One decode token per step (no speculation): the tests here freeze or slow the step at a position."""
-    async def report(node_id, reason):
+    async def report(node_id, reason, ticket=None):
         reported.append(node_id)
 
     entry = runtimes["entry"]

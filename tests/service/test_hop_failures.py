@@ -87,7 +87,7 @@ def orchestrator(entry, client, routes, reported: list | None = None, **settings
     """One decode token per step unless ``settings`` says otherwise: the tests here fail the step at a position."""
     settings.setdefault("speculate", 0)
 
-    async def report(node_id, reason):
+    async def report(node_id, reason, ticket=None):
         if reported is not None:
             reported.append(node_id)
 
@@ -182,7 +182,7 @@ class FakeAgent:
     def __init__(self, routes) -> None:
         self.session_route, self.reported = routes, []
 
-    async def report_failure(self, node_id, reason):
+    async def report_failure(self, node_id, reason, ticket=None):
         self.reported.append(node_id)
 
 

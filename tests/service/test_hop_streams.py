@@ -95,7 +95,7 @@ def orchestrator(nodes, routes, reported: list | None = None, chain: bool = True
     (the failure tests here spoil the step at a given position)."""
     endpoint, node = nodes["entry"]
 
-    async def report(node_id, reason):
+    async def report(node_id, reason, ticket=None):
         if reported is not None:
             reported.append(node_id)
 

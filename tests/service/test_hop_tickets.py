@@ -82,7 +82,9 @@ def ticketed(issuer: TicketIssuer | None, *names: str, calls: list | None = None
 
 
 def orchestrator(runtimes, client, routes, reported: list | None = None) -> Orchestrator:
-    async def report(node_id, reason):
+    async def report(node_id, reason, ticket=None):
+        if ticket is not None:  # the report carries the ticket whose route named the failed hop
+            assert node_id in {h.node_id for h in read_ticket(ticket, TRACKER.public_key()).hops}
         if reported is not None:
             reported.append(node_id)
 

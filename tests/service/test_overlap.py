@@ -44,7 +44,7 @@ async def mesh(tiny_model_path):
 
 
 def orchestrator(runtimes, client, routes, reported=None):
-    async def report(node_id, reason):
+    async def report(node_id, reason, ticket=None):
         if reported is not None:
             reported.append(node_id)
 

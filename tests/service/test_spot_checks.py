@@ -54,23 +54,27 @@ async def mesh(tiny_model_path):
 
 
 def holders(*names: str):
-    """Route provider: the first of ``names`` not excluded; none left is a NotFound (no route)."""
+    """Route provider: the first of ``names`` not excluded, with a ticket naming it (these nodes
+    have no tracker key: they take any); none left is a NotFound (no route)."""
     async def routes(model, layers, exclude, session_id, like=None):
         for name in names:
             if name not in exclude:
-                return MeshRoute([Hop(name, f"http://{name}", layers)])
+                return MeshRoute([Hop(name, f"http://{name}", layers)], f"ticket-naming-{name}")
         raise NotFound(f"no node serves layers {layers}", code="model_loading")
     return routes
 
 
 async def generate(entry, client, routes, *, checked: bool = True):
-    """``(tokens, stats, failures reported, quarantine reports, checker)`` of one generation."""
+    """``(tokens, stats, failures reported, quarantine reports, checker)`` of one generation; each
+    report's ticket must be the one whose route named the reported node."""
     failures, quarantines = [], []
 
-    async def report(node_id, reason):
+    async def report(node_id, reason, ticket=None):
+        assert ticket == f"ticket-naming-{node_id}"
         failures.append(node_id)
 
-    async def quarantine(node_id, model, hop, witnesses, distances, limit, session):
+    async def quarantine(node_id, model, hop, witnesses, distances, limit, session, ticket):
+        assert ticket == f"ticket-naming-{node_id}"  # the hop's own ticket, or the witness route's
         quarantines.append((node_id, witnesses, distances))
 
     checker = SpotChecker(1.0 if checked else 0.0, client=client, routes=routes, report=quarantine,

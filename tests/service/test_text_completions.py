@@ -152,7 +152,7 @@ async def test_a_prompt_scored_across_a_remote_hop_equals_the_unsplit_model(tiny
     async def routes(model, layers, exclude, session_id):
         return MeshRoute([Hop("c", "http://c", layers)])
 
-    async def report(node_id, reason):
+    async def report(node_id, reason, ticket=None):
         raise AssertionError(f"no hop fails here: {node_id} {reason}")
 
     async with LifespanManager(app):

@@ -6,14 +6,17 @@ are fake registrations that report shards with capability reports.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
+from meshnet.layers import LayerRange
+from meshnet.protocol.route import Hop
 from meshnet.tracker.app import build_app
 from meshnet.protocol.control import DEFAULT_VRAM_BYTES
 from meshnet.tracker.service import TrackerSettings
-from tests.payloads import SignAsNodes, capability_report, registration, signed
+from tests.payloads import SignAsNodes, capability_report, public_key, registration, route_ticket, signed
 from tests.fake_nodes import HealthyNodes
 
 MODEL = "tiny-llama"
@@ -445,10 +448,23 @@ def report_failure(tracker, node_id: str, *, sender: str, body: bytes = b'{"reas
     return tracker.post(path, content=body, headers=signed(sender, "POST", path, body))
 
 
-async def test_failure_report_is_recorded(tracker):
+async def test_failure_report_is_recorded_only_with_the_ticket_that_named_the_node(tracker):
     await register(tracker, node("node-a", shard(0, 3)))
     await register(tracker, node("node-b", shard(0, 1)))  # an entry of the same model
-    resp = await report_failure(tracker, "node-a", sender="node-b")
+    await register(tracker, node("node-c", shard(0, 1)))  # another one
+    ticket = await route_ticket(tracker, "node-b", MODEL, 2, 3, "s1")
+    refused = {"no ticket": b'{"reason": "timeout"}',
+               "another entry's": json.dumps({"reason": "t", "ticket": await route_ticket(
+                   tracker, "node-c", MODEL, 2, 3, "s2")}).encode(),
+               "not naming node-a": json.dumps({"reason": "t", "ticket": tracker.service.tickets.issue(
+                   session="s3", model=MODEL, entry="node-b", entry_key=public_key("node-b"),
+                   hops=[Hop("node-c", "http://node-c.test:8000", LayerRange(0, 2))])}).encode()}
+    for why, body in refused.items():
+        resp = await report_failure(tracker, "node-a", sender="node-b", body=body)
+        assert_envelope(resp, 403, "not_on_route"), why
+    assert tracker.service.nodes["node-a"].last_failure_s is None  # none of those counted
+    resp = await report_failure(tracker, "node-a", sender="node-b",
+                                body=json.dumps({"reason": "timeout", "ticket": ticket}).encode())
     assert resp.status_code == 200 and resp.json() == {"ok": True}
     assert tracker.service.nodes["node-a"].last_failure_s is not None
     # an unknown node's failure: nothing to record

@@ -81,7 +81,7 @@ async def test_the_traffic_log_follows_a_session_through_its_failover(split_mesh
                 return MeshRoute([Hop(name, BAD_URL if name == "bad" else f"http://{name}", layers)])
         raise NotFound("no node", code="model_loading")
 
-    async def report(node_id, reason):
+    async def report(node_id, reason, ticket=None):
         pass
 
     log = TrafficLog("entry", clock=lambda: 1000.0)
