@@ -5,7 +5,8 @@ Such a layer keeps no keys and values but two fixed-size states per session: the
 state ``[batch, heads, key_dim, value_dim]``. :class:`LinearStates` gives a session's
 :class:`meshnet.models.caches.KVCache` the calls transformers' linear-attention modules make
 on their cache (both spellings: transformers from 5.20 asks ``get_conv_state``, 5.17-5.19 reads
-``cache.layers[i].conv_states[0]``); :class:`BatchLinearStates` gives a batch of sessions one
+``cache.layers[i].conv_states[0]``; from 5.25 it also asks ``get_recurrent_states_to_keep`` and
+calls ``increase_count``); :class:`BatchLinearStates` gives a batch of sessions one
 stacked state per layer and hands each row its own back after the step. The states stay on the
 hop that owns the layer; a replayed prefill rebuilds them like the KV cache.
 """
@@ -59,6 +60,15 @@ class LinearStates:
     def is_recording_past(self, layer_idx: int) -> bool:  # states are not kept per step for a rollback
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """Intermediate recurrent states kept for a rollback (transformers >= 5.25 asks): none,
+        these states are never rewound (a speculating entry of such a model does not draft)."""
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """transformers >= 5.25 counts a decode step whose convolution updated the state in place;
+        positions are counted by the session's KV lengths and the hop's calls here: nothing to do."""
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """Layer ``layer_idx``'s convolution state (None before its first step; updated in place)."""
         return self.conv.get(layer_idx)
@@ -104,6 +114,15 @@ class BatchLinearStates:
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """Intermediate recurrent states kept for a rollback (transformers >= 5.25 asks): none,
+        these states are never rewound (a speculating entry of such a model does not draft)."""
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """transformers >= 5.25 counts a decode step whose convolution updated the state in place;
+        positions are counted by the session's KV lengths and the hop's calls here: nothing to do."""
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The rows' convolution states stacked ``[sessions, channels, kernel]`` (None unless every
