@@ -1,9 +1,17 @@
-"""Quantized recipes: swap a shard's ``nn.Linear`` layers for bitsandbytes ones.
+"""Quantized recipes: swap a shard's ``nn.Linear`` layers for quantized ones.
 
-``int8`` uses ``bnb.nn.Linear8bitLt`` (LLM.int8(), Dettmers et al. 2022: row-wise absmax
-int8 weights); ``nf4`` uses ``bnb.nn.Linear4bit`` with the NormalFloat4 data type (QLoRA,
-Dettmers et al. 2023: 4-bit weights in blocks of 64 with one absmax each). Both run on the
-CPU with bitsandbytes >= 0.49, and on CUDA GPUs with bitsandbytes' CUDA kernels. Embeddings, norms and the LM head stay in the compute dtype.
+``int8`` on the CPU is :class:`Int8Linear`: weight-only int8 with one absmax scale per output
+channel, multiplied by torch's own int8 kernel (``torch._weight_int8pack_mm``, bfloat16
+activations). On a CUDA GPU (or a torch without that kernel) it is bitsandbytes'
+``bnb.nn.Linear8bitLt`` (LLM.int8(), Dettmers et al. 2022: row-wise absmax int8 weights).
+``nf4`` is ``bnb.nn.Linear4bit`` with the NormalFloat4 data type (QLoRA, Dettmers et al. 2023:
+4-bit weights in blocks of 64 with one absmax each), on the CPU and on CUDA. Embeddings, norms
+and the LM head stay in the compute dtype.
+
+Why torch's kernel for CPU int8 (ADR-0061): on the 2-core CI host, one ``[rows, 576] x
+[576, 1536]`` product took 0.37 ms with it against 0.47 ms in bfloat16 and 1.15 ms with
+bitsandbytes (float32 activations; 5.0 ms with bfloat16 ones) at 1 row, and 0.96 / 2.23 /
+2.42 ms at 8 rows: bitsandbytes made int8 shards smaller but several times slower than bfloat16.
 """
 
 from __future__ import annotations
@@ -15,7 +23,46 @@ from meshnet.errors import ModelSourceError
 from meshnet.protocol.control import RECIPES
 
 
+def int8_kernel_available() -> bool:
+    """Whether this torch has the CPU weight-only int8 kernel :class:`Int8Linear` uses."""
+    return hasattr(torch, "_weight_int8pack_mm")
+
+
+class Int8Linear(nn.Module):
+    """A weight-only int8 ``nn.Linear`` for the CPU (ADR-0061).
+
+    ``weight``: int8 ``[out, in]``, ``round(w / scale)`` clamped to [-127, 127]; ``scales``:
+    bfloat16 ``[out]``, each row's absmax / 127 (rounded to bfloat16 before the weights are
+    quantized against it, so ``weight * scales`` is the nearest product to ``w``); ``bias``:
+    bfloat16 ``[out]`` or None. :meth:`forward` takes ``[..., in]`` in any float dtype, multiplies in
+    bfloat16 with torch's ``_weight_int8pack_mm`` (float32 accumulation) and returns ``[..., out]``
+    in the input's dtype.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().to(torch.float32)
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
+        q = torch.round(w / scales.to(torch.float32)[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("weight", q.contiguous())
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch._weight_int8pack_mm(rows, self.weight, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
 def _replacement(linear: nn.Linear, recipe: str, compute_dtype: torch.dtype, device: str) -> nn.Module:
+    if recipe == "int8" and device == "cpu" and int8_kernel_available():
+        return Int8Linear(linear)
     import bitsandbytes as bnb
 
     bias = linear.bias is not None
@@ -45,11 +92,12 @@ def quantize_linears(module: nn.Module, recipe: str, compute_dtype: torch.dtype,
         return 0
     if recipe not in RECIPES:
         raise ModelSourceError(f"unknown recipe {recipe!r}", hint=f"use one of {', '.join(RECIPES)}")
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError as exc:
-        raise ModelSourceError("the int8/nf4 recipes need bitsandbytes",
-                               hint="pip install 'bitsandbytes>=0.49'") from exc
+    if not (recipe == "int8" and device == "cpu" and int8_kernel_available()):
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as exc:
+            raise ModelSourceError(f"the {recipe} recipe on {device} needs bitsandbytes",
+                                   hint="pip install 'bitsandbytes>=0.49'") from exc
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
