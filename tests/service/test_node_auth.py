@@ -12,7 +12,7 @@ from meshnet.protocol.control import PROTOCOL_REVISION
 from meshnet.tracker.app import build_app
 from meshnet.tracker.service import TrackerSettings
 from tests.fake_nodes import HealthyNodes
-from tests.payloads import capability_report, public_key, registration, signed
+from tests.payloads import capability_report, public_key, registration, route_ticket, signed
 
 MODEL = "tiny-llama"
 
@@ -196,9 +196,12 @@ async def test_a_failure_report_counts_only_from_a_node_that_routes_through_the_
     await register(tracker, "node-hop", shard(2, 3))
     await register(tracker, "node-tail", shard(2, 3))
     path = "/v1/nodes/node-hop/failure"
-    error(await post(tracker, path, {"reason": "timeout"}, as_node=sender, salt=salt), status, code)
+    # the ticket of a session whose route put node-hop on node-entry's route (ADR-0042 amendment)
+    body = {"reason": "timeout", "ticket": await route_ticket(tracker, "node-entry", MODEL, 2, 3, "s1",
+                                                              exclude=("node-tail",))}
+    error(await post(tracker, path, body, as_node=sender, salt=salt), status, code)
     assert tracker.service.nodes["node-hop"].last_failure_s is None  # not pushed to last resort
-    resp = await post(tracker, path, {"reason": "timeout"}, as_node="node-entry")
+    resp = await post(tracker, path, body, as_node="node-entry")
     assert resp.status_code == 200 and tracker.service.nodes["node-hop"].last_failure_s is not None
 
 

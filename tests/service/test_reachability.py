@@ -19,7 +19,7 @@ import pytest
 from meshnet.tracker.app import build_app
 from meshnet.tracker.service import TrackerSettings
 from tests.fake_nodes import HealthyNodes
-from tests.payloads import SignAsNodes, capability_report, registration, signed
+from tests.payloads import SignAsNodes, capability_report, registration, route_ticket, signed
 
 MODEL = "tiny-llama"
 
@@ -118,7 +118,8 @@ async def test_a_failure_report_probes_again_and_an_unreachable_node_leaves_the_
     await tracker.post("/v1/nodes/register", json=node("n0", last_layer=0))  # an entry that routes through n1
     assert await routable(tracker)
     nodes.down.add("n1.test")
-    body = json.dumps({"reason": "hop timed out"}).encode()
+    ticket = await route_ticket(tracker, "n0", MODEL, 1, 3, "s1")  # n1 on n0's route
+    body = json.dumps({"reason": "hop timed out", "ticket": ticket}).encode()
     resp = await tracker.post("/v1/nodes/n1/failure", content=body,
                               headers=signed("n0", "POST", "/v1/nodes/n1/failure", body))
     assert resp.status_code == 200
