@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -68,24 +68,29 @@ class ClientLimit:
         self.app, self.max_requests, self.paths, self.exempt = app, max_requests, paths, exempt
         self.in_flight: dict[str, int] = {}
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """The app's call, returned rather than awaited for every request not counted (a hop's
+        stream, a loopback chat), so no frame of this middleware stays on their stacks and a long
+        stream never re-enters it (as :class:`meshnet.protocol.http.BodyLimit`)."""
         client = None
         if scope["type"] == "http" and self.max_requests > 0 and route_path(scope) in self.paths:
             client = client_of(scope)
             if client is not None and self.exempt is not None and self.exempt(scope):
                 client = None
         if client is None:
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
         held = self.in_flight.get(client, 0)
         if held >= self.max_requests:
             who = "this key" if client.startswith("key:") else f"address {client[5:]}"
             exc = TooManyRequests(f"{who} has {held} generation requests in flight; at most {self.max_requests} at "
                                   f"once per client", hint="wait for one to finish (or ask the operator for a key "
                                                            "of your own)")
-            await error_response(exc)(scope, receive, send)
-            return
+            return error_response(exc)(scope, receive, send)
         self.in_flight[client] = held + 1
+        return self._counted(client, scope, receive, send)
+
+    async def _counted(self, client: str, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve a counted request; its count is released when the app is done with it."""
         try:
             await self.app(scope, receive, send)
         finally:
