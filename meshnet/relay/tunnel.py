@@ -107,8 +107,7 @@ class NodeTunnel:
                     headers = sign_request(self.key, self.node_id, "GET", attach_target(self.relay_host, path), b"")
                     async with connect(ws_url(self.relay_url) + path, additional_headers=headers,
                                        max_size=MAX_FRAME_BYTES, ping_interval=self.ping_interval_s,
-                                       ping_timeout=self.ping_timeout_s, open_timeout=5.0, close_timeout=1.0,
-                                       proxy=None) as conn:  # a relay that does not answer is not waited for
+                                       ping_timeout=self.ping_timeout_s, open_timeout=5.0, proxy=None) as conn:
                         self._conn = conn
                         self.attaches += 1
                         self.attached.set()
