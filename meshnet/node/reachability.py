@@ -124,7 +124,10 @@ class RelayMixin:
                         self.tunnel.last_error)
 
     def tracker_urls(self) -> list[str]:
-        """Every tracker this node was given (``--tracker A,B``), in order."""
+        """Every tracker this node was given (``--tracker A,B``), in order (its client's list)."""
+        client = getattr(self, "client", None)
+        if client is not None:
+            return client.urls
         return check_endpoints(self.settings.tracker_url) if self.settings.tracker_url else []
 
     def tracker_now(self) -> str | None:

@@ -24,8 +24,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from meshnet.errors import MeshnetError
 from meshnet.protocol.http import error_response, route_path
 
-#: generation requests in flight per client by default: half of an entry node's default session
-#: cache (8, ADR-0041), so one client never holds all of one entry's room
+#: generation requests in flight per client by default: a small part of what an entry node holds at
+#: once, so one client cannot fill it, and enough for an agent or a harness running a few side by
+#: side (ADR-0060)
 DEFAULT_MAX_CLIENT_REQUESTS = 4
 #: the paths that start generations (the OpenAI surface of trackers and entry nodes)
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -77,20 +78,20 @@ class ClientLimit:
             client = client_of(scope)
             if client is not None and self.exempt is not None and self.exempt(scope):
                 client = None
-        if client is None:
-            return self.app(scope, receive, send)
+        return self.app(scope, receive, send) if client is None else self._counted(client, scope, receive, send)
+
+    async def _counted(self, client: str, scope: Scope, receive: Receive, send: Send) -> None:
+        """Refuse a request over the client's limit (429), else serve it counted; the count is
+        taken when the request starts and released when the app is done with it."""
         held = self.in_flight.get(client, 0)
         if held >= self.max_requests:
             who = "this key" if client.startswith("key:") else f"address {client[5:]}"
             exc = TooManyRequests(f"{who} has {held} generation requests in flight; at most {self.max_requests} at "
                                   f"once per client", hint="wait for one to finish (or ask the operator for a key "
                                                            "of your own)")
-            return error_response(exc)(scope, receive, send)
+            await error_response(exc)(scope, receive, send)
+            return
         self.in_flight[client] = held + 1
-        return self._counted(client, scope, receive, send)
-
-    async def _counted(self, client: str, scope: Scope, receive: Receive, send: Send) -> None:
-        """Serve a counted request; its count is released when the app is done with it."""
         try:
             await self.app(scope, receive, send)
         finally:

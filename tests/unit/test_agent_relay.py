@@ -105,7 +105,7 @@ def relayed_agent(monkeypatch, trackers: str, relay_url: str | None = None) -> t
     agent.settings = SimpleNamespace(tracker_url=trackers, relay_url=relay_url, node_id="n1",
                                      endpoint="http://10.0.0.2:8821", auto_relay=True, local_url="")
     agent.key, agent._tunnel_task = None, None
-    agent.client = SimpleNamespace(url=trackers.split(",")[0])
+    agent.client = SimpleNamespace(url=trackers.split(",")[0], urls=trackers.split(","))
     agent.tunnel = agent._new_tunnel()
     moved: list[str] = []
 
