@@ -28,6 +28,11 @@ def int8_kernel_available() -> bool:
     return hasattr(torch, "_weight_int8pack_mm")
 
 
+def _torch_int8(recipe: str, device: str) -> bool:
+    """Whether ``recipe`` on ``device`` is :class:`Int8Linear` (else bitsandbytes)."""
+    return recipe == "int8" and device == "cpu" and int8_kernel_available()
+
+
 class Int8Linear(nn.Module):
     """A weight-only int8 ``nn.Linear`` for the CPU (ADR-0061).
 
@@ -61,7 +66,7 @@ class Int8Linear(nn.Module):
 
 
 def _replacement(linear: nn.Linear, recipe: str, compute_dtype: torch.dtype, device: str) -> nn.Module:
-    if recipe == "int8" and device == "cpu" and int8_kernel_available():
+    if _torch_int8(recipe, device):
         return Int8Linear(linear)
     import bitsandbytes as bnb
 
@@ -92,7 +97,7 @@ def quantize_linears(module: nn.Module, recipe: str, compute_dtype: torch.dtype,
         return 0
     if recipe not in RECIPES:
         raise ModelSourceError(f"unknown recipe {recipe!r}", hint=f"use one of {', '.join(RECIPES)}")
-    if not (recipe == "int8" and device == "cpu" and int8_kernel_available()):
+    if not _torch_int8(recipe, device):
         try:
             import bitsandbytes  # noqa: F401
         except ImportError as exc:
