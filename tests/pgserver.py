@@ -13,11 +13,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import pwd
+import random
 import shutil
 import socket
 import subprocess
 import tempfile
 from pathlib import Path
+
+from tests.hostnet import free_subnet
 
 #: seconds to wait for ``initdb`` and for the server to accept connections
 START_TIMEOUT_S = 120
@@ -121,7 +124,9 @@ class DatabaseLink:
     def __init__(self) -> None:
         tag = os.urandom(2).hex()
         self.netns, self.near, self.far = f"mdb{tag}", f"mdb{tag}a", f"mdb{tag}b"
-        a, b = 100 + int(tag[:2], 16) % 100, int(tag[2:], 16) % 250
+        # a /24 no route here overlaps (a leftover pair on the same one would take the replies)
+        net = free_subnet(f"10.{random.randrange(100, 200)}.{random.randrange(250)}.0/24" for _ in range(64))
+        a, b = net.network_address.packed[1:3]
         self.host, near_ip = f"10.{a}.{b}.2", f"10.{a}.{b}.1"
         try:
             self._create(near_ip)

@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from meshnet.endpoints import free_port
+from tests.hostnet import free_subnet
 from tests.integration.conftest import REAL
 from tests.integration.mesh import Mesh
 
@@ -169,7 +170,9 @@ def netns():
     why = namespaces_unavailable()
     if why:
         pytest.skip(why + " (test_relay_on_loopback covers the relay without them)")
-    ns = Namespace(f"{os.getpid() % 10000}", 200 + os.getpid() % 50)
+    first = os.getpid() % 50  # a subnet no route here overlaps: a leftover pair would take the replies
+    subnet = free_subnet(f"10.213.{200 + (first + i) % 50}.0/30" for i in range(50))
+    ns = Namespace(f"{os.getpid() % 10000}", subnet.network_address.packed[2])
     ns.remove()  # leftovers of a killed run with the same pid
     ns.create()
     try:
