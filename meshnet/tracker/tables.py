@@ -65,7 +65,9 @@ _INSERT_VALUES = ("INSERT INTO directives (node_id, type, model, shard_start, sh
 def matched_ids(new: list, got: list) -> list[int | None]:
     """The id of each directive of ``new`` among the rows an insert returned (``id`` and key), None
     for one a conflict skipped. Ids are drawn in the order given, so the returned rows sorted by id
-    match ``new`` in order, the skipped ones left out."""
+    match ``new`` in order, the skipped ones left out (none skipped: the ids sorted are the answer)."""
+    if len(got) == len(new):
+        return sorted(r["id"] for r in got)
     rows = sorted(got, key=lambda r: r["id"])
     out: list[int | None] = []
     k = 0

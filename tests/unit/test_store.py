@@ -58,6 +58,15 @@ def test_a_batch_returns_its_ids_in_order_and_an_empty_one_writes_nothing(store)
     assert [store.directive(i).node_id for i in ids] == ["a", "b"]
 
 
+def test_a_batch_keeps_any_text_and_missing_fields_as_given(store):
+    odd = NewDirective("n-\u00fc", "DROP_SHARD", None, None, None, None, 'quote " comma , brace } \\ newline\n\u2192')
+    ids = store.add_directives([odd, new("a", 3)])
+    got = store.directive(ids[0])
+    assert (got.node_id, got.type, got.model, got.shard_start, got.shard_end, got.tier, got.reason) == \
+        ("n-\u00fc", "DROP_SHARD", None, None, None, None, 'quote " comma , brace } \\ newline\n\u2192')
+    assert (store.directive(ids[1]).shard_start, store.directive(ids[1]).shard_end) == (3, 4)
+
+
 def test_a_batch_over_several_statements_skips_an_open_twin_and_keeps_the_order(store, monkeypatch):
     import meshnet.tracker.store as store_module
 
