@@ -241,7 +241,7 @@ def doctor(node: str = typer.Option(None, "--node", help="Run remotely on this n
            shard: str = typer.Option(None, "--shard", help="Local run: inclusive range 'a-b' (default: all)."),
            dtype: str = typer.Option("bfloat16", "--dtype", help="Local run: compute dtype."),
            quantization: str = typer.Option("bfloat16", "--quantization",
-                                            help="Local run: recipe (bfloat16, int8, nf4)."),
+                                            help="Local run: recipe (bfloat16, int8, int4, nf4)."),
            url: str = UrlOpt, token: str = TokenOpt, as_json: bool = JsonOpt) -> None:
     """Prove a shard works with a real forward pass and measure it (capability report)."""
     if node:

@@ -25,8 +25,9 @@ MAX_FRAME_BYTES = DEFAULT_MAX_BYTES
 #: largest relative L2 distance between honest holders' outputs of one hop, by the looser of the
 #: two holders' recipes. Measured on SmolLM2-135M (ADR-0042): bfloat16 holders on one host agree
 #: exactly (0.0); across thread counts and kernels bfloat16 differs by up to ~0.01; one layer with
-#: noise on one weight matrix is 0.2-1.5 away. int8/nf4 holders of one recipe run the same kernels.
-TOLERANCE = {"float32": 1e-3, "bfloat16": 0.05, "float16": 0.05, "int8": 0.15, "nf4": 0.3}
+#: noise on one weight matrix is 0.2-1.5 away. int8/int4/nf4 holders of one recipe run the same
+#: kernels on the same quantized weights (int4's figure is int8's, not measured across hosts).
+TOLERANCE = {"float32": 1e-3, "bfloat16": 0.05, "float16": 0.05, "int8": 0.15, "int4": 0.15, "nf4": 0.3}
 
 
 def tolerance(*recipes: str) -> float:

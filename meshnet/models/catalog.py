@@ -13,6 +13,8 @@ model is built from its config with one layer on the ``meta`` device (no memory,
 
 - ``bfloat16``: ``2 P`` (two bytes a parameter);
 - ``int8``: ``L + 4 (P - L)``: one byte a linear weight, the rest (norms, biases) in float32;
+- ``int4``: ``L / 2 + 4 L / 32 + 4 (P - L)``: half a byte a linear weight plus a bfloat16 scale and
+  offset per group of 32 (:class:`meshnet.models.quantize.Int4Linear`), the rest counted as int8's;
 - ``nf4``: ``L / 2 + L / 64 + 4 (P - L)``: half a byte a linear weight plus one byte of scale
   per 64-weight block.
 
@@ -37,6 +39,8 @@ __all__ = ["LayerParameters", "add_preset", "layer_bytes", "layer_parameters", "
 
 #: weights per nf4 scale (bitsandbytes' default block size)
 NF4_BLOCK = 64
+#: weights per int4 scale and offset (:data:`meshnet.models.quantize.INT4_GROUP`, which imports torch)
+INT4_GROUP = 32
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ def layer_bytes(params: LayerParameters) -> dict[str, int]:
     """Resident bytes of one decoder layer per recipe (the formulas of the module docstring)."""
     rest = 4 * (params.total - params.linear)
     return {"bfloat16": 2 * params.total, "int8": params.linear + rest,
+            "int4": params.linear // 2 + 4 * (params.linear // INT4_GROUP) + rest,
             "nf4": params.linear // 2 + params.linear // NF4_BLOCK + rest}
 
 

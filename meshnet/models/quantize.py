@@ -4,9 +4,11 @@
 channel, multiplied by torch's own int8 kernel (``torch._weight_int8pack_mm``, bfloat16
 activations). On a CUDA GPU (or a torch without that kernel) it is bitsandbytes'
 ``bnb.nn.Linear8bitLt`` (LLM.int8(), Dettmers et al. 2022: row-wise absmax int8 weights).
-``nf4`` is ``bnb.nn.Linear4bit`` with the NormalFloat4 data type (QLoRA, Dettmers et al. 2023:
-4-bit weights in blocks of 64 with one absmax each), on the CPU and on CUDA. Embeddings, norms
-and the LM head stay in the compute dtype.
+``int4`` (the CPU only) is :class:`Int4Linear`: weight-only 4-bit integers with a bfloat16 scale
+and offset per group of :data:`INT4_GROUP` input weights, multiplied by torch's own kernel
+(``torch._weight_int4pack_mm_for_cpu``). ``nf4`` is ``bnb.nn.Linear4bit`` with the NormalFloat4
+data type (QLoRA, Dettmers et al. 2023: 4-bit weights in blocks of 64 with one absmax each), on
+the CPU and on CUDA. Embeddings, norms and the LM head stay in the compute dtype.
 
 Why torch's kernel for CPU int8 (ADR-0061): on the 2-core CI host, one ``[rows, 576] x
 [576, 1536]`` product took 0.37 ms with it against 0.47 ms in bfloat16 and 1.15 ms with
@@ -26,6 +28,24 @@ from meshnet.protocol.control import RECIPES
 def int8_kernel_available() -> bool:
     """Whether this torch has the CPU weight-only int8 kernel :class:`Int8Linear` uses."""
     return hasattr(torch, "_weight_int8pack_mm")
+
+
+#: input weights per int4 scale and offset: divides the hidden and MLP widths of every family meshnet
+#: serves (SmolLM2: 576 and 1536); a linear whose input width it does not divide stays unquantized
+INT4_GROUP = 32
+#: torch's CPU packing takes output widths in multiples of this (``_convert_weight_to_int4pack_for_cpu``)
+INT4_ROWS = 16
+
+
+def int4_fits(linear: nn.Linear) -> bool:
+    """Whether torch's 4-bit kernel takes ``linear``: input width a multiple of :data:`INT4_GROUP`,
+    output width of :data:`INT4_ROWS`."""
+    return linear.in_features % INT4_GROUP == 0 and linear.out_features % INT4_ROWS == 0
+
+
+def int4_kernel_available() -> bool:
+    """Whether this torch has the CPU 4-bit kernel :class:`Int4Linear` uses."""
+    return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
 
 
 def _torch_int8(recipe: str, device: str) -> bool:
@@ -65,9 +85,58 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class Int4Linear(nn.Module):
+    """A weight-only 4-bit ``nn.Linear`` for the CPU (ADR-0061), group-wise asymmetric.
+
+    Each group of :data:`INT4_GROUP` consecutive input weights of a row gets a bfloat16 ``scale`` =
+    (max - min) / 15 and ``offset`` = min + 8 scale; a weight is stored as ``q = round((w - min) /
+    scale)`` in [0, 15] and read back as ``(q - 8) * scale + offset`` (the layout of torch's
+    ``_weight_int4pack_mm_for_cpu``). Buffers: ``weight`` uint8 ``[out, in / 2]`` (two weights a
+    byte, torch's packed order), ``scales_and_zeros`` bfloat16 ``[in / group, out, 2]``, ``bias``
+    bfloat16 ``[out]`` or None: 0.5 + 4 / group bytes a weight (0.625 at group 32, against 2 in
+    bfloat16). :meth:`forward` takes ``[..., in]`` in any float dtype, multiplies in bfloat16
+    (float32 accumulation) and returns ``[..., out]`` in the input's dtype.
+
+    Raises:
+        ValueError: the kernel does not take the linear's widths (:func:`int4_fits`).
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if not int4_fits(linear):
+            raise ValueError(f"int4 needs input widths in multiples of {INT4_GROUP} and output widths in multiples of "
+                             f"{INT4_ROWS}, not {self.in_features} -> {self.out_features}")
+        groups = self.in_features // INT4_GROUP
+        w = linear.weight.detach().to(torch.float32).reshape(self.out_features, groups, INT4_GROUP)
+        low, high = w.amin(dim=-1), w.amax(dim=-1)
+        scales = ((high - low) / 15).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
+        offsets = (low + 8 * scales.to(torch.float32)).to(torch.bfloat16)
+        # quantized against the rounded scale and offset, so dequantizing gives the nearest values
+        base = offsets.to(torch.float32) - 8 * scales.to(torch.float32)
+        q = torch.round((w - base[..., None]) / scales.to(torch.float32)[..., None]).clamp(0, 15)
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(self.out_features, -1).to(torch.int32), 1)
+        self.register_buffer("weight", packed)
+        self.register_buffer("scales_and_zeros", torch.stack([scales, offsets], dim=-1).transpose(0, 1).contiguous())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch._weight_int4pack_mm_for_cpu(rows, self.weight, INT4_GROUP, self.scales_and_zeros)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group={INT4_GROUP}, "
+                f"bias={self.bias is not None}")
+
+
 def _replacement(linear: nn.Linear, recipe: str, compute_dtype: torch.dtype, device: str) -> nn.Module:
     if _torch_int8(recipe, device):
         return Int8Linear(linear)
+    if recipe == "int4":
+        return Int4Linear(linear) if int4_fits(linear) else linear.to(compute_dtype)
     import bitsandbytes as bnb
 
     bias = linear.bias is not None
@@ -90,14 +159,21 @@ def quantize_linears(module: nn.Module, recipe: str, compute_dtype: torch.dtype,
 
     ``bfloat16``/``float32`` recipes leave the module unchanged (0).
 
+    ``int4`` keeps a linear the kernel does not take (:func:`int4_fits`) in the compute dtype
+    (counted all the same).
+
     Raises:
-        ModelSourceError: unknown recipe, or bitsandbytes is not installed.
+        ModelSourceError: unknown recipe; ``int4`` off the CPU or without torch's 4-bit kernel;
+            bitsandbytes is not installed.
     """
     if recipe in ("bfloat16", "float32"):
         return 0
     if recipe not in RECIPES:
         raise ModelSourceError(f"unknown recipe {recipe!r}", hint=f"use one of {', '.join(RECIPES)}")
-    if not _torch_int8(recipe, device):
+    if recipe == "int4" and (device != "cpu" or not int4_kernel_available()):
+        raise ModelSourceError(f"the int4 recipe runs on the CPU only, with torch's 4-bit kernel (here: {device}, "
+                               f"torch {torch.__version__})", hint="use nf4 on a GPU, or --device cpu")
+    if recipe != "int4" and not _torch_int8(recipe, device):
         try:
             import bitsandbytes  # noqa: F401
         except ImportError as exc:

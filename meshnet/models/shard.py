@@ -189,7 +189,7 @@ class ShardModel:
         load_head: load embeddings, final norm, LM head and tokenizer (default: when
             ``layers.start == 0``).
         quantization: recipe of the decoder layers' linear weights: ``bfloat16`` (none,
-            weights in the compute dtype), ``int8`` or ``nf4`` (bitsandbytes, see quantize.py).
+            weights in the compute dtype), ``int8``, ``int4`` or ``nf4`` (see quantize.py).
         device: ``cpu`` or ``cuda:N`` (:func:`meshnet.models.devices.resolve_device`): where the
             weights, KV caches and states live and the layers run. The tensors are read into host
             memory first and moved (quantized recipes: quantized as they move); every method
@@ -253,7 +253,7 @@ class ShardModel:
         trim_heap()  # the load's casts and copies (and quantization's) are freed; give the pages back
 
     def _place(self, quantization: str) -> None:
-        """Quantize the loaded layers (``int8``/``nf4``, on the shard's device), or on the CPU give
+        """Quantize the loaded layers (``int8``/``int4``/``nf4``, on the shard's device), or on the CPU give
         them and the head this host's fastest weight layout; then move what is left to a GPU."""
         gpu = self.device.type == "cuda"
         if quantization not in ("bfloat16", "float32"):

@@ -25,8 +25,8 @@ from meshnet.layers import LayerRange, check_inclusive_end
 TIERS = ("pinned", "bootstrap", "managed")
 Tier = Literal["pinned", "bootstrap", "managed"]
 #: how a shard's weights are held (the recipe's quantization); float32 for exactness runs
-RECIPES = ("bfloat16", "int8", "nf4", "float32")
-Recipe = Literal["bfloat16", "int8", "nf4", "float32"]
+RECIPES = ("bfloat16", "int8", "int4", "nf4", "float32")
+Recipe = Literal["bfloat16", "int8", "int4", "nf4", "float32"]
 #: tracker → node instructions (DESIGN.md, glossary)
 DIRECTIVE_TYPES = ("LOAD_SHARD", "DROP_SHARD", "RUN_DOCTOR", "RELOAD")
 DirectiveType = Literal["LOAD_SHARD", "DROP_SHARD", "RUN_DOCTOR", "RELOAD"]

@@ -27,7 +27,7 @@ _NUM, _DEN = Fraction(MEMORY_FRACTION).limit_denominator(1000).as_integer_ratio(
 @dataclass(frozen=True)
 class ModelSpec:
     """A model as placement sees it: ``num_layers`` decoder layers, ``bytes_per_layer`` per
-    quantization (``"bfloat16"``, ``"int8"``, ``"nf4"``) and ``demand`` in requests/min."""
+    quantization (``"bfloat16"``, ``"int8"``, ``"int4"``, ``"nf4"``) and ``demand`` in requests/min."""
 
     name: str
     num_layers: int

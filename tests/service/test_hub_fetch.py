@@ -177,7 +177,7 @@ def test_models_add_reads_only_the_config_and_the_added_preset_fetches_only_its_
     add_preset(preset)
     added = get_preset("tiny-six")
     assert (added.hf_repo, added.family, added.num_layers, added.source) == (REPO, "llama", 6, {"kind": "hub"})
-    assert added.bytes_per_layer == {"bfloat16": 73_984, "int8": 37_376, "nf4": 19_520}
+    assert added.bytes_per_layer == {"bfloat16": 73_984, "int8": 37_376, "int4": 23_552, "nf4": 19_520}
     hub.fetched.clear()
     sources.resolve("tiny-six", layers=LayerRange(2, 4))
     assert weights_fetched(hub) == ["model-00002-of-00003.safetensors"]

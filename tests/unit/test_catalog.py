@@ -32,7 +32,8 @@ def test_the_formula_gives_smollm2_s_measured_sizes_from_its_config():
     params = layer_parameters(config)
     assert params == LayerParameters(total=3_540_096, linear=3_538_944)
     assert layer_bytes(params) == get_preset("smollm2-135m-instruct").bytes_per_layer
-    assert layer_bytes(params) == {"bfloat16": 7_080_192, "int8": 3_543_552, "nf4": 1_829_376}
+    assert layer_bytes(params) == {"bfloat16": 7_080_192, "int8": 3_543_552, "int4": 2_216_448,
+                                   "nf4": 1_829_376}
 
 
 def test_gpt2_s_conv1d_weights_count_as_linear():
@@ -51,7 +52,7 @@ def test_add_writes_a_preset_every_command_then_knows(added):
     assert (preset.family, preset.num_layers, preset.hidden_size) == ("llama", 4, 64)
     assert preset.source == {"kind": "local", "path": str(source.resolve())}
     # hidden 64, 4 heads of 16, 2 key-value heads, MLP 128: 36,864 linear weights and two 64-wide norms
-    assert preset.bytes_per_layer == {"bfloat16": 73_984, "int8": 37_376, "nf4": 19_520}
+    assert preset.bytes_per_layer == {"bfloat16": 73_984, "int8": 37_376, "int4": 23_552, "nf4": 19_520}
     assert canonical_model_name("MY-TINY") == "my-tiny" and resolve("my-tiny") == source.resolve()
     listed = json.loads(CliRunner().invoke(app, ["models", "list", "--json"]).stdout)
     assert [r["name"] for r in listed][-1] == "my-tiny" and listed[-1]["cached"] is True
