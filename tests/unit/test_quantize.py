@@ -82,3 +82,19 @@ def test_int4_keeps_a_linear_its_group_does_not_divide_and_refuses_a_gpu():
         Int4Linear(torch.nn.Linear(16, 64))
     with pytest.raises(ModelSourceError, match="int4 recipe runs on the CPU only"):
         quantize_linears(torch.nn.Sequential(torch.nn.Linear(64, 16)), "int4", torch.bfloat16, device="cuda:0")
+
+
+def test_an_int4_entry_quantizes_its_head_and_keeps_its_embeddings(tiny_model_path):
+    from meshnet.models.quantize import Int4Linear
+    plain = NodeRuntime().load("tiny-llama", tiny_model_path("tiny-llama"), LayerRange(0, 2)).shard
+    slot = NodeRuntime().load("tiny-llama", tiny_model_path("tiny-llama"), LayerRange(0, 2), quantization="int4")
+    shard = slot.shard
+    assert isinstance(shard.lm_head, Int4Linear)
+    assert shard.embed.weight.dtype == plain.embed.weight.dtype and shard.embed.weight.is_floating_point()
+    assert torch.equal(shard.embed.weight, plain.embed.weight)  # lookups read the unquantized table
+    hidden = torch.randn(1, 3, shard.lm_head.in_features)
+    ours, reference = shard.logits(hidden), plain.logits(hidden)
+    assert ours.shape == reference.shape and ours.dtype == torch.float32
+    assert ((ours - reference).norm() / reference.norm()).item() < 0.1
+    report = run_doctor(slot)
+    assert report.passed, report.reason
