@@ -111,7 +111,7 @@ async def test_unknown_quantization_is_labelled_with_its_field(tracker):
     resp = await tracker.post("/v1/nodes/register", json={**node("node-a"), "quantizations": ["fp8"]})
     error = assert_envelope(resp, 422, "invalid_field")["error"]
     assert error["message"] == ("invalid field 'quantizations.0': "
-                                "Input should be 'bfloat16', 'int8', 'nf4' or 'float32'")
+                                "Input should be 'bfloat16', 'int8', 'int4', 'nf4' or 'float32'")
 
 
 async def test_a_renamed_heartbeat_field_is_a_422_naming_it(tracker):

@@ -133,3 +133,19 @@ def test_decode_attention_is_transformers_sdpa_exactly(name, tiny_shard):
     for row, (k, v) in enumerate([(key[:1], value[:1]), (key[1:, :, :7], value[1:, :, :7])]):  # each row alone
         alone, _ = shard_module._sdpa(module, query[row:row + 1], k, v, None, scaling=module.scaling)
         assert torch.equal(ragged[row:row + 1], alone)
+
+
+@pytest.mark.parametrize("recipe", ["int8", "int4"])
+def test_the_int_recipes_decode_a_row_the_same_whatever_the_batch(recipe, tiny_model_path):
+    """torch's weight-only int8 and int4 kernels compute each row alone (ADR-0061, ADR-0062): batched
+    bfloat16 decode steps equal the solo ones bit for bit, where a bfloat16 product's rounding may
+    move with the batch's row count."""
+    from meshnet.node.runtime import NodeRuntime
+    shard = NodeRuntime(compute_dtype="bfloat16").load("tiny-llama", tiny_model_path("tiny-llama"), LayerRange(0, 4),
+                                                       quantization=recipe).shard
+    all_ids = prompts(PROMPT_LENGTHS)
+    batched_tokens, batched_hiddens = greedy_batched(shard, all_ids, 6)
+    for row, ids in enumerate(all_ids):
+        solo_tokens, solo_hiddens = greedy_solo(shard, ids, 6)
+        assert batched_tokens[row] == solo_tokens
+        assert all(torch.equal(b[row:row + 1], s) for b, s in zip(batched_hiddens, solo_hiddens))
