@@ -165,7 +165,11 @@ def main() -> None:
         fig["mesh"] = None if args.no_mesh else mesh_rates(recipe, prompt_msgs, args)
         figures[recipe] = fig
         print(f"  {recipe} done (load average {os.getloadavg()[0]:.2f})", flush=True)
-    cpp = llama_cpp(args)
+    print_table(figures, llama_cpp(args))
+
+
+def print_table(figures: dict, cpp: dict | None) -> None:
+    """The recipes side by side, then each target with its verdict."""
     bf16_bytes = figures["bfloat16"]["middle_bytes"] if "bfloat16" in figures else None
     print(f"\n{'recipe':>9} {'1-proc dec':>10} {'1-proc pp':>9} {'3-hop dec':>9} {'3-hop pp':>8} "
           f"{'shard MB':>8} {'x bf16':>6} {'dist f32':>8}  decode runs (1-proc / 3-hop)")

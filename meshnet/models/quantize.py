@@ -144,6 +144,21 @@ def quantize_head(head: nn.Linear) -> nn.Module:
     return head
 
 
+def quantize_shard(blocks: nn.Module, head: nn.Module | None, recipe: str, compute_dtype: torch.dtype,
+                   device: str = "cpu") -> nn.Module | None:
+    """:func:`quantize_linears` over a shard's decoder ``blocks``, in place; returns the shard's LM
+    head to keep (None without one): for ``int4`` its :func:`quantize_head` copy, the largest
+    product of a decode step (ADR-0062), else ``head`` as given.
+
+    Raises:
+        ModelSourceError: as :func:`quantize_linears`.
+    """
+    quantize_linears(blocks, recipe, compute_dtype, device)
+    if head is not None and recipe == "int4" and isinstance(head, nn.Linear):
+        return quantize_head(head)
+    return head
+
+
 def _replacement(linear: nn.Linear, recipe: str, compute_dtype: torch.dtype, device: str) -> nn.Module:
     if _torch_int8(recipe, device):
         return Int8Linear(linear)

@@ -253,21 +253,16 @@ class ShardModel:
         trim_heap()  # the load's casts and copies (and quantization's) are freed; give the pages back
 
     def _place(self, quantization: str) -> None:
-        """Quantize the loaded layers (``int8``/``int4``/``nf4``, on the shard's device), or on the CPU give
+        """Quantize the loaded layers (a quantized recipe, on the shard's device), or on the CPU give
         them and the head this host's fastest weight layout; then move what is left to a GPU."""
         gpu = self.device.type == "cuda"
         if quantization not in ("bfloat16", "float32"):
-            from meshnet.models.quantize import quantize_linears
-            quantize_linears(self.blocks, quantization, self.dtype, str(self.device))
+            from meshnet.models.quantize import quantize_shard
+            self.lm_head = quantize_shard(self.blocks, self.lm_head, quantization, self.dtype, str(self.device))
         elif not gpu:  # the weight layout, and half-precision products in float32, that this host runs fastest
             apply_layouts(self.blocks)
             upcast_linears(self.blocks, min_rows(self.dtype))
-        if self.lm_head is not None and not gpu and quantization == "int4":
-            from meshnet.models.quantize import quantize_head
-            # the entry's head is the largest product of a decode step (SmolLM2: 49,152 x 576, 2.95 ms
-            # packed in bfloat16, 1.05 ms in int4, ADR-0062); the embeddings keep their own weight
-            self.lm_head = quantize_head(self.lm_head)
-        elif self.lm_head is not None and not gpu:
+        if self.lm_head is not None and not gpu and quantization != "int4":
             tied = self.lm_head.weight is self.embed.weight
             if apply_layouts(self.lm_head).get("transposed") and tied:  # a tied lookup then reads strided values
                 self.embed.weight = self.lm_head.weight

@@ -42,7 +42,8 @@ def test_an_int4_shard_holds_under_035_of_the_bfloat16_shards_weight_bytes(real_
     """Layers 10-19 of SmolLM2 (no embeddings or head): every byte of their parameters and buffers."""
     sizes = {}
     for recipe in ("bfloat16", "int4"):
-        slot = NodeRuntime(compute_dtype="bfloat16").load(REAL, real_model_path, LayerRange(10, 20), quantization=recipe)
+        runtime = NodeRuntime(compute_dtype="bfloat16")
+        slot = runtime.load(REAL, real_model_path, LayerRange(10, 20), quantization=recipe)
         sizes[recipe] = slot.shard.weight_bytes()
     assert sizes["bfloat16"] == 10 * 7_080_192  # the preset's bytes per layer: every parameter in bfloat16
     assert sizes["int4"] / sizes["bfloat16"] < 0.35

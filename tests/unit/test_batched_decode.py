@@ -141,8 +141,8 @@ def test_the_int_recipes_decode_a_row_the_same_whatever_the_batch(recipe, tiny_m
     bfloat16 decode steps equal the solo ones bit for bit, where a bfloat16 product's rounding may
     move with the batch's row count."""
     from meshnet.node.runtime import NodeRuntime
-    shard = NodeRuntime(compute_dtype="bfloat16").load("tiny-llama", tiny_model_path("tiny-llama"), LayerRange(0, 4),
-                                                       quantization=recipe).shard
+    runtime = NodeRuntime(compute_dtype="bfloat16")
+    shard = runtime.load("tiny-llama", tiny_model_path("tiny-llama"), LayerRange(0, 4), quantization=recipe).shard
     all_ids = prompts(PROMPT_LENGTHS)
     batched_tokens, batched_hiddens = greedy_batched(shard, all_ids, 6)
     for row, ids in enumerate(all_ids):
