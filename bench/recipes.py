@@ -51,7 +51,8 @@ from meshnet.node.runtime import NodeRuntime  # noqa: E402
 STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
 #: the 3-hop split every mesh run uses (inclusive layer ranges)
 SPLIT = {"head": (0, 9), "middle": (10, 19), "tail": (20, 29)}
-#: llama.cpp's RPC split over 3 processes on this machine, decode tokens/s (the issue's table)
+#: llama.cpp's RPC split over 3 processes, decode tokens/s, as the issue measured it on its (AVX2)
+#: machine; on an AVX-512 host it measured 57.1 (ADR-0062): compare in one sitting where you can
 RPC_SPLIT_TOKENS_PER_S = 36.0
 INT4_BYTES_TARGET = 0.35
 
@@ -185,7 +186,7 @@ def print_table(figures: dict, cpp: dict | None) -> None:
     if figures[best]["mesh"]:
         d = figures[best]["mesh"]["decode"]
         print(f"target: best 3-hop decode ({best}) {d:.1f} >= {RPC_SPLIT_TOKENS_PER_S:.0f} tokens/s "
-              f"(llama.cpp RPC split here): {'OK' if d >= RPC_SPLIT_TOKENS_PER_S else 'MISSED'}")
+              f"(the issue's llama.cpp RPC split; its host's figure): {'OK' if d >= RPC_SPLIT_TOKENS_PER_S else 'MISSED'}")
     if "int4" in figures and bf16_bytes:
         r = figures["int4"]["middle_bytes"] / bf16_bytes
         print(f"target: int4 shard weight bytes {r:.3f}x bfloat16 <= {INT4_BYTES_TARGET}: "
