@@ -87,7 +87,7 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """A weight-only 4-bit ``nn.Linear`` for the CPU (ADR-0061), group-wise asymmetric.
+    """A weight-only 4-bit ``nn.Linear`` for the CPU (ADR-0062), group-wise asymmetric.
 
     Each group of :data:`INT4_GROUP` consecutive input weights of a row gets a bfloat16 ``scale`` =
     (max - min) / 15 and ``offset`` = min + 8 scale; a weight is stored as ``q = round((w - min) /
