@@ -81,7 +81,7 @@ def decode_rate(shard, prompt: list[int], tokens: int) -> float:
 
 @torch.inference_mode()
 def prefill(shard, prompt: list[int]) -> tuple[float, torch.Tensor]:
-    """(seconds, the last position's final hidden state as float32 ``[hidden]``) of one prefill."""
+    """(seconds, the last position's output of the shard's last layer as float32 ``[hidden]``) of one prefill."""
     t0 = time.perf_counter()
     hidden = shard.forward(shard.embed_tokens(torch.tensor([prompt]), 0), KVCache(), 0)
     shard.logits(hidden[:, -1:])
