@@ -39,7 +39,9 @@ __all__ = ["LayerParameters", "add_preset", "layer_bytes", "layer_parameters", "
 
 #: weights per nf4 scale (bitsandbytes' default block size)
 NF4_BLOCK = 64
-#: weights per int4 scale and offset (:data:`meshnet.models.quantize.INT4_GROUP`, which imports torch)
+#: input weights per int4 scale and offset (:class:`meshnet.models.quantize.Int4Linear` reads it from
+#: here): divides the hidden and MLP widths of every family meshnet serves (SmolLM2: 576 and 1536);
+#: a linear whose input width it does not divide stays unquantized
 INT4_GROUP = 32
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from meshnet.errors import ModelSourceError
+from meshnet.models.catalog import INT4_GROUP
 from meshnet.protocol.control import RECIPES
 
 
@@ -31,9 +32,6 @@ def int8_kernel_available() -> bool:
     return hasattr(torch, "_weight_int8pack_mm")
 
 
-#: input weights per int4 scale and offset: divides the hidden and MLP widths of every family meshnet
-#: serves (SmolLM2: 576 and 1536); a linear whose input width it does not divide stays unquantized
-INT4_GROUP = 32
 #: torch's CPU packing takes output widths in multiples of this (``_convert_weight_to_int4pack_for_cpu``)
 INT4_ROWS = 16
 

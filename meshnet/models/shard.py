@@ -262,7 +262,7 @@ class ShardModel:
         elif not gpu:  # the weight layout, and half-precision products in float32, that this host runs fastest
             apply_layouts(self.blocks)
             upcast_linears(self.blocks, min_rows(self.dtype))
-        if self.lm_head is not None and not gpu and quantization != "int4":
+        if self.lm_head is not None and not gpu:  # an int4 head holds no nn.Linear: layouts pass it by
             tied = self.lm_head.weight is self.embed.weight
             if apply_layouts(self.lm_head).get("transposed") and tied:  # a tied lookup then reads strided values
                 self.embed.weight = self.lm_head.weight

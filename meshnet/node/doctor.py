@@ -25,7 +25,7 @@ PROBE_TOKENS = 16
 DECODE_STEPS = 8
 #: max relative L2 error of a quantized shard's probe output against the same shard in
 #: float32 on the same weights. Measured on SmolLM2 10-layer shards: int8 0.025-0.073,
-#: int4 0.018-0.040 (group-wise, ADR-0061), nf4 0.29-0.54 (random probes amplify 4-bit error);
+#: int4 0.018-0.040 (group-wise, ADR-0062), nf4 0.29-0.54 (random probes amplify 4-bit error);
 #: wrong weights give about 1.0-1.4.
 TOLERANCE = {"int8": 0.15, "int4": 0.15, "nf4": 0.75}
 

@@ -75,13 +75,10 @@ def _model_specs(service: TrackerService) -> list[placement.ModelSpec]:
 
 
 def _node_state(node, known: set[str], open_directives: list[Directive], failed_recently: set[str]) -> placement.NodeState:
-    accepts = (node.accepts_placement and not node.draining and node.reachable and node.quarantine is None
-               and node.node_id not in failed_recently)
-    if not node.shards and not open_directives:  # an idle node (most of a cold network): nothing to translate
-        return placement.NodeState(node.node_id, node.vram_bytes, node.quantization,
-                                   node.benchmark_tokens_per_sec or 1.0, node.max_loaded_shards, (), accepts, {})
     assignments = tuple(a for a in _assignments(node, open_directives) if a.model in known)
     speed = max((node.tokens_per_s(s) for s in node.shards), default=node.benchmark_tokens_per_sec or 1.0)
+    accepts = (node.accepts_placement and not node.draining and node.reachable and node.quarantine is None
+               and node.node_id not in failed_recently)
     return placement.NodeState(node.node_id, node.vram_bytes, node.quantization, speed, node.max_loaded_shards,
                                assignments, accepts, measured_bytes_per_layer(node))
 
