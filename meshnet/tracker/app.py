@@ -51,6 +51,7 @@ from meshnet.tracker.auth import NodeAuth, exposure_problem
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.node_api import deregister, drain_node, failure, heartbeat, node_key, probe_soon, quarantine, \
     register, service_of as _svc, public_key, signed_by, start_challenges
+from meshnet.tracker.groupcommit import GroupCommit
 from meshnet.tracker.heap import HeapFreezer
 from meshnet.tracker.rebalance import rebalance_off_loop
 from meshnet.tracker.sharing import Sharing
@@ -386,6 +387,9 @@ def build_app(settings: TrackerSettings = TrackerSettings(), service: TrackerSer
         app.state.wake = asyncio.Event()
         app.state.probing = {}
         app.state.challenging = set()
+        store_errors = app.state.service.store.database_errors
+        app.state.binding = GroupCommit(app.state.service.bind_many, store_errors)
+        app.state.registering = GroupCommit(app.state.service.register_stores, store_errors)
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), transport=transport) as http:
             app.state.http = http
             task = asyncio.create_task(control_loop(app)) if run_loop else None

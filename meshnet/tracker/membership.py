@@ -68,12 +68,16 @@ class MembershipMixin:
 
     def bind(self, node_id: str, public_key: str) -> str:
         """The key ``node_id`` is bound to, binding it to ``public_key`` in the store at its first
-        registration (ADR-0035); safe on a worker thread (the store, and one dict write)."""
-        bound = self._bound_keys.get(node_id)
-        if bound != public_key:  # a key this tracker has not seen bound to the id: ask the store
-            bound = self.store.bind_key(node_id, public_key)
-        self._bound_keys[node_id] = bound  # its heartbeats' signatures are checked against it
-        return bound
+        registration (ADR-0035); safe on a worker thread (the store, and dict writes)."""
+        return self.bind_many([(node_id, public_key)])[0]
+
+    def bind_many(self, pairs: list[tuple[str, str]]) -> list[str]:
+        """:meth:`bind` of each ``(node_id, public_key)``, the store's part in one transaction (the
+        tracker's app groups the registrations that arrive together, ADR-0063)."""
+        unknown = [(node_id, key) for node_id, key in pairs if self._bound_keys.get(node_id) != key]
+        for (node_id, _), bound in zip(unknown, self.store.bind_keys(unknown)):
+            self._bound_keys[node_id] = bound  # its heartbeats' signatures are checked against it
+        return [self._bound_keys[node_id] for node_id, _ in pairs]
 
     def begin_register(self, payload: RegisterRequest, sent_at: float,
                        bound: str) -> tuple[NodeRecord, NodeRecord | None, NodeRow | None]:
@@ -116,8 +120,14 @@ class MembershipMixin:
     def register_store(self, node_id: str, row: NodeRow | None) -> tuple[bool, list[dict]]:
         """A registration's store work (thread-safe: the store only): the shared record written
         (False: the stored one came from a later call of the node) and the node's pins read."""
-        saved = self.store.save_node(row) if row is not None else True
-        return saved, self.store.pins(node_id)
+        return self.register_stores([(node_id, row)])[0]
+
+    def register_stores(self, items: list[tuple[str, NodeRow | None]]) -> list[tuple[bool, list[dict]]]:
+        """:meth:`register_store` of each ``(node_id, row)``: the records in one transaction, the pins
+        in one statement (the tracker's app groups the registrations that arrive together, ADR-0063)."""
+        saved = iter(self.store.save_nodes([row for _, row in items if row is not None]))
+        pins = self.store.pins_of(list(dict.fromkeys(node_id for node_id, _ in items)))
+        return [(next(saved) if row is not None else True, pins.get(node_id, [])) for node_id, row in items]
 
     def end_register(self, record: NodeRecord, old: NodeRecord | None, saved: bool, pins: list[dict]) -> NodeRecord:
         """A registration's last part (on the event loop): undone when its record lost to a later

@@ -136,12 +136,13 @@ async def register(request: Request) -> JSONResponse:
     svc = service_of(request)
     payload = _read_registration(request, await request.body())
     await refuse_a_second_live_process(request.app, payload)
-    # the store's part on worker threads: a database that stalls never holds the event loop
+    # the store's part on worker threads (a database that stalls never holds the event loop), the
+    # registrations that arrive together in one transaction each (ADR-0063)
     bound = svc.known_key(payload.node_id)
     if bound != payload.public_key:
-        bound = await asyncio.to_thread(svc.bind, payload.node_id, payload.public_key)
+        bound = await request.app.state.binding.submit((payload.node_id, payload.public_key))
     record, old, row = svc.begin_register(payload, float(request.headers[HEADER_TIMESTAMP]), bound)  # verified
-    saved, pins = await asyncio.to_thread(svc.register_store, record.node_id, row)
+    saved, pins = await request.app.state.registering.submit((record.node_id, row))
     svc.end_register(record, old, saved, pins)
     await probe(request.app, record.node_id, record.endpoint)
     request.app.state.wake.set()

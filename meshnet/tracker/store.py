@@ -365,6 +365,16 @@ class TrackerStore(SharedRecords):
             return self._rows("SELECT * FROM pins ORDER BY created_at")
         return self._rows("SELECT * FROM pins WHERE node_id = ? ORDER BY created_at", (node_id,))
 
+    def pins_of(self, node_ids: list[str]) -> dict[str, list[dict]]:
+        """The pins of each of ``node_ids`` that has any, oldest first, in one statement."""
+        if not node_ids:
+            return {}
+        found: dict[str, list[dict]] = {}
+        marks = ",".join("?" * len(node_ids))
+        for pin in self._rows(f"SELECT * FROM pins WHERE node_id IN ({marks}) ORDER BY created_at", tuple(node_ids)):
+            found.setdefault(pin["node_id"], []).append(pin)
+        return found
+
     def remove_pin(self, node_id: str, model: str) -> bool:
         """Delete the pin of ``model`` on ``node_id``; True when there was one."""
         return self._exec("DELETE FROM pins WHERE node_id = ? AND model = ?", (node_id, model)) > 0
@@ -385,6 +395,14 @@ class TrackerStore(SharedRecords):
         probe's verdict written after the registration it followed); returns whether it was written."""
         with self.lock:
             return self._save_node(row)
+
+    def save_nodes(self, rows: list[NodeRow]) -> list[bool]:
+        """:meth:`save_node` of each of ``rows``, in order, in one transaction (a group commit of
+        the calls that arrived together, ADR-0063); returns whether each was written."""
+        if not rows:
+            return []
+        with self._transaction():
+            return [self._save_node(row) for row in rows]
 
     def touch_nodes(self, heartbeats: dict[str, float]) -> None:
         """Record the latest heartbeat (unix time) of many nodes in one transaction; a time older

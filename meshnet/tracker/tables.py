@@ -106,17 +106,32 @@ class SharedRecords:
         """Insert ``row`` (key first, ``column`` second) into ``table`` unless its key is there; returns
         ``column`` of the row in force (the earlier one when there was one), in one locked step."""
         with self.lock:
-            inserted = self._execute(f"INSERT INTO {table} VALUES ({','.join('?' * len(row))}) ON CONFLICT DO NOTHING "
-                                     f"RETURNING {column}", row).fetchone()
-            if inserted is not None:  # the usual case, a first registration: one statement
-                return inserted[column]
-            return self._execute(f"SELECT {column} FROM {table} WHERE {key} = ?", (row[0],)).fetchone()[column]
+            return self._first_wins_locked(table, key, column, row)
+
+    def _first_wins_locked(self, table: str, key: str, column: str, row: tuple) -> str:
+        """:meth:`_first_wins` for a caller that holds the lock."""
+        inserted = self._execute(f"INSERT INTO {table} VALUES ({','.join('?' * len(row))}) ON CONFLICT DO NOTHING "
+                                 f"RETURNING {column}", row).fetchone()
+        if inserted is not None:  # the usual case, a first registration: one statement
+            return inserted[column]
+        return self._execute(f"SELECT {column} FROM {table} WHERE {key} = ?", (row[0],)).fetchone()[column]
 
     # node keys (ADR-0035)
     def bind_key(self, node_id: str, public_key: str) -> str:
         """Bind ``node_id`` to ``public_key`` unless it is bound already; returns the key it is bound
         to now (the earlier one when there was one: first registration wins, on any tracker)."""
         return self._first_wins("node_keys", "node_id", "public_key", (node_id, public_key, time.time()))
+
+    def bind_keys(self, pairs: list[tuple[str, str]]) -> list[str]:
+        """:meth:`bind_key` of each ``(node_id, public_key)``, in order, in one transaction (a group
+        commit of registrations arriving together, ADR-0063); returns the key each id is bound to
+        now (of two pairs for one new id, the first binds it)."""
+        if not pairs:
+            return []
+        now = time.time()
+        with self._transaction():
+            return [self._first_wins_locked("node_keys", "node_id", "public_key", (node_id, key, now))
+                    for node_id, key in pairs]
 
     def node_key(self, node_id: str) -> str | None:
         """The public key bound to ``node_id`` (base64url), or None."""

@@ -98,7 +98,7 @@ async def test_a_heartbeat_with_nothing_queued_makes_no_store_call(make_tracker,
 
 async def test_a_registration_that_waits_on_the_store_leaves_the_loop_free(make_tracker, monkeypatch):
     tracker = await make_tracker()
-    gate = Gate(tracker.service.store, "bind_key", monkeypatch)
+    gate = Gate(tracker.service.store, "bind_keys", monkeypatch)
     response = await answered_meanwhile(tracker, gate, tracker.post("/v1/nodes/register", json=node("node-a")))
     assert response.status_code == 200, response.text
     assert sorted(tracker.service.nodes) == ["node-a"]

@@ -401,3 +401,22 @@ def test_a_store_call_waits_for_a_stuck_one_at_most_the_lock_deadline():
     release.set()
     worker.join(5)
     assert store.models() == []
+
+
+def test_a_group_commit_of_registrations_writes_each_as_alone_would(store):
+    """``bind_keys``, ``save_nodes`` and ``pins_of`` (ADR-0063): several calls in one transaction,
+    each with the result it would have had alone, in order (of two keys for one new id the first
+    binds it; of two records of one node the later call wins)."""
+    assert store.bind_key("old", "key-old") == "key-old"
+    assert store.bind_keys([("a", "key-a"), ("old", "key-x"), ("a", "key-y"), ("b", "key-b")]) == \
+        ["key-a", "key-old", "key-a", "key-b"]
+    assert (store.node_key("a"), store.node_key("b")) == ("key-a", "key-b")
+    rows = [NodeRow("a", '{"v": 1}', 10.0, 10.0, sent_at=5.0), NodeRow("a", '{"v": 0}', 9.0, 9.0, sent_at=4.0),
+            NodeRow("b", '{"v": 2}', 10.0, 10.0, sent_at=5.0)]
+    assert store.save_nodes(rows) == [True, False, True]
+    assert store.nodes_changed(0.0) == [rows[0], rows[2]]
+    store.add_pin("a", "tiny-llama", 0, 1)
+    store.add_pin("a", "other", None, None)
+    found = store.pins_of(["a", "b", "c"])
+    assert list(found) == ["a"] and [p["model"] for p in found["a"]] == ["tiny-llama", "other"]
+    assert (store.bind_keys([]), store.save_nodes([]), store.pins_of([])) == ([], [], {})
