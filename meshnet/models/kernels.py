@@ -106,6 +106,8 @@ def _attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: to
             kwargs: dict) -> torch.Tensor:
     """One step's attention (:func:`attention` without a ragged batch): ``[batch, q_len, heads, head_dim]``."""
     scale = kwargs.get("scaling")
+    if 1 < query.shape[2] <= INVARIANT_SPAN and sinks is None and getattr(module.config, INVARIANT, False):
+        return positionwise_attention(query, key, value, window, scale, in_float32)
     if window is not None:
         if query.shape[2] == 1:  # one query: the window is the last ``window`` keys
             key, value = _last(key, value, window)
@@ -118,6 +120,26 @@ def _attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: to
     if query.shape[2] == 1 and attention_mask is None and not module.training and kwargs.get("softcap") is None:
         return decode_attention(query, key, value, scale, in_float32).transpose(1, 2)
     return _sdpa(module, query, key, value, attention_mask, **kwargs)[0]
+
+
+def positionwise_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int | None,
+                           scale: float | None, in_float32: bool) -> torch.Tensor:
+    """A span's causal attention with each query run as its own decode step (:func:`decode_attention`
+    over the keys up to its position, the last ``window`` of them in a sliding layer), so a
+    position's result does not depend on how many positions its step carried (ADR-0064).
+
+    Args:
+        query: ``[batch, heads, q_len, head_dim]``, the last ``q_len`` of ``kv_len`` positions.
+        key, value: ``[batch, kv_heads, kv_len, head_dim]``.
+
+    Returns:
+        ``[batch, q_len, heads, head_dim]`` in the query's dtype.
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    rows = [decode_attention(query[:, :, i:i + 1], *_last(key[:, :, :kv_len - q_len + i + 1],
+                                                          value[:, :, :kv_len - q_len + i + 1], window),
+                             scale, in_float32) for i in range(q_len)]
+    return torch.cat(rows, dim=2).transpose(1, 2)
 
 
 def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -199,6 +221,12 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa)
 
 
+#: the attribute of a shard's model config that says its steps run batch-invariant (ADR-0064):
+#: the attention of a span of up to :data:`INVARIANT_SPAN` positions runs position by position
+INVARIANT = "meshnet_batch_invariant"
+#: the longest span run position by position: a speculative step's last token and its drafts
+#: (``meshnet.gateway.speculation.MAX_DRAFTS`` + 1; a test keeps the two equal)
+INVARIANT_SPAN = 17
 #: the attribute of a shard's model config that says its decode attention runs in float32
 #: (:func:`meshnet.models.linears.attention_in_float32`, set at load; the layers' attention modules share the config)
 IN_FLOAT32 = "meshnet_attention_in_float32"
@@ -214,6 +242,26 @@ def _register_attention() -> None:
 
 # --- linear layers' kernels (ADR-0047, ADR-0048) ---
 
+#: :attr:`UpcastLinear.rows_rule` values (ADR-0064): ``any``, the kernel gives a row one result
+#: whatever the rows beside it; ``pad``, every count of two or more rows agrees and one row alone
+#: does not, so a lone row runs beside a copy of itself; ``split``, each row runs alone
+ANY_ROWS, PAD_ROWS, SPLIT_ROWS = "any", "pad", "split"
+
+
+def batch_invariant(x: torch.Tensor, product, rule: str) -> torch.Tensor:
+    """``product(x)`` (a linear layer's, input ``[..., in]``, output ``[..., out]``) with its rows
+    run by ``rule`` (:data:`PAD_ROWS` or :data:`SPLIT_ROWS`), so each row's result does not depend
+    on how many rows the batch holds (ADR-0064)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if rule == PAD_ROWS:
+        if flat.shape[0] != 1:
+            return product(x)
+        out = product(flat.repeat(2, 1))[:1]
+    else:
+        out = torch.cat([product(flat[r:r + 1]) for r in range(flat.shape[0])])
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 class UpcastLinear(nn.Linear):
     """``nn.Linear`` whose product runs in float32 for inputs of at least ``min_rows`` rows.
 
@@ -223,8 +271,15 @@ class UpcastLinear(nn.Linear):
     """
 
     min_rows: int = 1 << 62
+    #: how a product's rows are run so each row's result is the same in any batch (ADR-0064)
+    rows_rule: str = ANY_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_rule != ANY_ROWS:
+            return batch_invariant(x, self._product, self.rows_rule)
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() < self.min_rows * self.in_features:
             return F.linear(x, self.weight, self.bias)
         return _float32_product(x, self.weight, self.bias)
@@ -250,8 +305,14 @@ class PackedLinear(nn.Linear):
     """
 
     min_rows: int = 1 << 62
+    rows_rule: str = ANY_ROWS  # as UpcastLinear's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_rule != ANY_ROWS:
+            return batch_invariant(x, self._product, self.rows_rule)
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() >= self.min_rows * self.in_features:
             return _float32_product(x, self.weight.to_dense(), self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")

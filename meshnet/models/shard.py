@@ -35,7 +35,8 @@ from meshnet.layers import LayerRange
 from meshnet.models.checkpoints import Checkpoint, dequantize_mxfp4, stack_experts
 from meshnet.models.families import LINEAR, family_of, layer_kinds, load_config
 from meshnet.models.caches import BatchCache, KVCache, PackedCache, causal_mask
-from meshnet.models.kernels import ATTENTION, IN_FLOAT32, _register_attention
+from meshnet.models.invariance import applies as invariance_applies, make_batch_invariant
+from meshnet.models.kernels import ATTENTION, IN_FLOAT32, INVARIANT, _register_attention
 from meshnet.models.linears import apply_layouts, attention_in_float32, layout, min_rows, upcast_linears
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,7 @@ class ShardModel:
         skeleton.config._attn_implementation = ATTENTION  # the layers' attention modules read this config
         # a CPU's choice, measured once per thread count (a GPU keeps half precision)
         setattr(skeleton.config, IN_FLOAT32, self.device.type == "cpu" and attention_in_float32(self.dtype))
+        setattr(skeleton.config, INVARIANT, self.device.type == "cpu" and invariance_applies(self.dtype))
         all_layers = _get(skeleton, self.family.layers_path)
         self.blocks = nn.ModuleDict({str(i): all_layers[i] for i in range(layers.start, layers.end)})
         #: the decoder layers' name for their cache: ``cache`` from transformers 5.20, ``past_key_values`` before
@@ -262,11 +264,13 @@ class ShardModel:
         elif not gpu:  # the weight layout, and half-precision products in float32, that this host runs fastest
             apply_layouts(self.blocks)
             upcast_linears(self.blocks, min_rows(self.dtype))
+            make_batch_invariant(self.blocks)
         if self.lm_head is not None and not gpu:  # an int4 head holds no nn.Linear: layouts pass it by
             tied = self.lm_head.weight is self.embed.weight
             if apply_layouts(self.lm_head).get("transposed") and tied:  # a tied lookup then reads strided values
                 self.embed.weight = self.lm_head.weight
             # a packed head (ADR-0048) is a copy: the embeddings keep the plain weight for their lookups
+            make_batch_invariant(self.lm_head)
         if gpu:
             for module in (*self._modules().values(), self.rotary):
                 if module is not None:

@@ -1,6 +1,7 @@
-"""Batched decode across real processes (ADR-0041): eight concurrent greedy chats with different
-prompt lengths through a three-node mesh, float32 end to end, each equal to its solo run, while
-the nodes' metrics show forwards of more than one session."""
+"""Batched decode across real processes (ADR-0041, ADR-0064): eight concurrent greedy chats with
+different prompt lengths through a three-node mesh at the default recipe (bfloat16, its wire and
+speculation as a user gets them), each equal to its solo run token for token, while the nodes'
+metrics show forwards of more than one session."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def mesh(real_model_path, tmp_path_factory):
         m.start_tracker(REAL)
         for i, (a, b) in enumerate([(0, 9), (10, 19), (20, 29)]):
             m.start_node(f"node-{i}", "--model", REAL, "--shard-start", str(a), "--shard-end", str(b),
-                         "--dtype", "float32", "--wire-dtype", "float32", "--batch-window-ms", "20")
+                         "--batch-window-ms", "20")
         m.wait_routable(REAL, 240)
         yield m
     finally:

@@ -263,8 +263,10 @@ def test_a_shard_runs_its_decode_attention_as_its_host_timing_chose(fresh_attent
     for model in (half, exact):
         cache = KVCache()
         with torch.inference_mode():
-            model.forward(model.embed_tokens(torch.tensor([[3, 5, 7]]), 0), cache, 0)
-            model.forward(model.embed_tokens(torch.tensor([[9]]), 3), cache, 3)
+            # a prompt longer than a speculative step (ADR-0064: those run position by position)
+            model.forward(model.embed_tokens(torch.arange(3, 3 + kernels.INVARIANT_SPAN + 1)[None], 0), cache, 0)
+            step = kernels.INVARIANT_SPAN + 1
+            model.forward(model.embed_tokens(torch.tensor([[9]]), step), cache, step)
     assert calls == [True, True, False, False]  # two layers' decode step each: bfloat16 cast up, float32 as it is
 
 
