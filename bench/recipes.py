@@ -12,6 +12,8 @@ Per recipe (default ``bfloat16,int8,int4``; ``float32`` and ``nf4`` on request),
   request to the first chunk of a one-token answer);
 * the decoder-layer weight bytes of a 10-layer middle shard (every parameter and buffer of
   layers 10-19) and their ratio to bfloat16's (target for int4: <= 0.35);
+* the cost of batch invariance (ADR-0064): one process's decode tokens/s of one session and of
+  8 decoding together, batch-invariant (the default) and with ``MESHNET_BATCH_INVARIANT=off``;
 * the distance to float32: relative L2 of the last position's output of layer 29 for the prompt
   against the float32 model (the doctor's measure, on real text instead of a random probe).
 
@@ -100,6 +102,47 @@ def one_process(recipe: str, model_path: Path, prompt: list[int], story: list[in
             "final": prefills[0][1], "middle_bytes": middle}
 
 
+@torch.inference_mode()
+def batch_rate(shard, prompt: list[int], sessions: int, steps: int) -> float:
+    """Greedy decode tokens/s of ``sessions`` sessions decoding together (one batched step each
+    token, :meth:`ShardModel.forward_batch`), their prompts ``prompt`` cut to different lengths."""
+    caches, tokens, positions = [], [], []
+    for k in range(sessions):
+        ids = prompt[:max(1, len(prompt) - 3 * k)]
+        caches.append(KVCache())
+        hidden = shard.forward(shard.embed_tokens(torch.tensor([ids]), 0), caches[-1], 0)
+        tokens.append(int(shard.logits(hidden[:, -1:])[0, -1].argmax()))
+        positions.append(len(ids))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        hidden = shard.forward_batch(shard.embed_tokens(torch.tensor(tokens)[:, None], positions), caches, positions)
+        tokens = shard.logits(hidden)[:, -1].argmax(-1).tolist()
+        positions = [p + 1 for p in positions]
+    return sessions * steps / (time.perf_counter() - t0)
+
+
+def invariance_cost(recipe: str, model_path: Path, story: list[int], args) -> dict:
+    """Decode tokens/s of one session and of 8 together, batch-invariant (the default, ADR-0064)
+    and not (``MESHNET_BATCH_INVARIANT=off``): both shards in this process, runs interleaved."""
+    from meshnet.models.invariance import ENV
+    shards = {}
+    for mode in ("auto", "off"):
+        previous = os.environ.get(ENV)
+        os.environ[ENV] = mode
+        try:
+            shards[mode] = load(recipe, LayerRange(0, 30), model_path)
+        finally:
+            os.environ.pop(ENV) if previous is None else os.environ.__setitem__(ENV, previous)
+    runs = {(mode, kind): [] for mode in shards for kind in ("solo", "batch")}
+    for mode, shard in shards.items():
+        decode_rate(shard, story, 4), batch_rate(shard, story, 8, 2)  # warm-up
+    for _ in range(args.runs):
+        for mode, shard in shards.items():
+            runs[mode, "solo"].append(decode_rate(shard, story, args.decode_tokens))
+            runs[mode, "batch"].append(batch_rate(shard, story, 8, args.decode_tokens // 2))
+    return {key: statistics.median(values) for key, values in runs.items()}
+
+
 def mesh_rates(recipe: str, prompt_msgs: list[dict], args) -> dict:
     """Decode and prompt tokens/s of a 3-hop mesh in ``recipe``, timed from the client."""
     mesh = LocalMesh(Path(tempfile.mkdtemp(prefix="meshnet-recipes-bench-")), heartbeat_s=1.0)
@@ -163,6 +206,7 @@ def main() -> None:
         fig = reference if recipe == "float32" and "decode" in reference else \
             one_process(recipe, model_path, prompt, story, args)
         fig["distance"] = float((fig["final"] - reference["final"]).norm() / reference["final"].norm())
+        fig["invariance"] = invariance_cost(recipe, model_path, story, args)
         fig["mesh"] = None if args.no_mesh else mesh_rates(recipe, prompt_msgs, args)
         figures[recipe] = fig
         print(f"  {recipe} done (load average {os.getloadavg()[0]:.2f})", flush=True)
@@ -182,6 +226,12 @@ def print_table(figures: dict, cpp: dict | None) -> None:
               f"{f['distance']:>8.4f}  {' '.join(f'{x:.1f}' for x in f['decode_runs'])} / "
               f"{' '.join(f'{x:.1f}' for x in m['decode_runs']) if m else '-'}")
     print(f"load average {os.getloadavg()[0]:.2f}")
+    print("\ncost of batch invariance (ADR-0064), one process, decode tokens/s invariant / not (MESHNET_BATCH_INVARIANT=off)")
+    for recipe, f in figures.items():
+        c = f["invariance"]
+        print(f"{recipe:>9}  1 session {c['auto', 'solo']:.1f} / {c['off', 'solo']:.1f} = "
+              f"{c['auto', 'solo'] / c['off', 'solo']:.2f}x   8 sessions {c['auto', 'batch']:.1f} / "
+              f"{c['off', 'batch']:.1f} = {c['auto', 'batch'] / c['off', 'batch']:.2f}x")
     best = max(figures, key=lambda r: figures[r]["mesh"]["decode"] if figures[r]["mesh"] else 0.0)
     if figures[best]["mesh"]:
         d = figures[best]["mesh"]["decode"]
@@ -198,7 +248,6 @@ def print_table(figures: dict, cpp: dict | None) -> None:
         print(f"llama.cpp llama-bench: decode {cpp.get('decode', float('nan')):.1f}, prompt "
               f"{cpp.get('prompt', float('nan')):.0f} tokens/s; best one-process decode {one:.1f} = "
               f"{one / cpp['decode']:.2f}x (target >= 0.5x)")
-    print("batch invariance: not built yet (no cost to print)")
 
 
 if __name__ == "__main__":

@@ -115,7 +115,8 @@ def rule_for(linear: nn.Module) -> str:
 
 def make_batch_invariant(module: nn.Module) -> dict[str, int]:
     """Give every floating-point linear layer under ``module`` its rule, in place (a plain
-    ``nn.Linear`` becomes an :class:`UpcastLinear` that never upcasts: the same product), and
+    ``nn.Linear`` that needs one becomes an :class:`UpcastLinear` that never upcasts: the same
+    product; one whose rows agree stays as it is, with no call in between), and
     under :data:`ENV` ``on`` keep a decode step's products on one kernel (:data:`UPCAST_FROM`; ``auto``
     keeps the float32 path of a host whose half kernels are slow, ADR-0047). Returns rule -> layers.
     Layers of a dtype :func:`applies` refuses are left as they are; under ``auto`` a ``split``
@@ -125,12 +126,13 @@ def make_batch_invariant(module: nn.Module) -> dict[str, int]:
     for child in module.modules():
         if type(child) not in LINEARS or not child.weight.dtype.is_floating_point or not applies(child.weight.dtype):
             continue
-        if type(child) is nn.Linear:
-            child.__class__ = UpcastLinear
         rule = rule_for(child)
         if rule == SPLIT_ROWS and chosen == "auto":
             rule = ANY_ROWS
-        child.rows_rule = rule
+        if type(child) is nn.Linear and rule != ANY_ROWS:
+            child.__class__ = UpcastLinear
+        if rule != ANY_ROWS or type(child) is not nn.Linear:
+            child.rows_rule = rule
         if chosen == "on" and child.weight.dtype in HALF:  # auto keeps a host's float32 path (its speed)
             child.min_rows = max(child.min_rows, UPCAST_FROM)
         counts[rule] = counts.get(rule, 0) + 1

@@ -56,11 +56,12 @@ def test_auto_leaves_float32_and_split_layers_as_they_are(monkeypatch):
     half, single = nn.Linear(8, 8, dtype=torch.bfloat16), nn.Linear(8, 8)
     half.min_rows = 4  # a host whose float32 path runs products of 4 rows or more
     assert invariance.make_batch_invariant(nn.Sequential(half, single)) == {ANY_ROWS: 1}
-    assert type(half) is UpcastLinear and half.min_rows == 4  # auto keeps the host's fast path
+    assert type(half) is nn.Linear and half.min_rows == 4  # auto: split left out, the host's fast path kept
     assert type(single) is nn.Linear
     monkeypatch.setenv(invariance.ENV, "on")
     assert invariance.make_batch_invariant(nn.Sequential(half, single)) == {SPLIT_ROWS: 2}
-    assert single.rows_rule == SPLIT_ROWS and half.min_rows == invariance.UPCAST_FROM
+    assert type(half) is UpcastLinear and single.rows_rule == half.rows_rule == SPLIT_ROWS
+    assert half.min_rows == invariance.UPCAST_FROM
     monkeypatch.setenv(invariance.ENV, "off")
     assert not invariance.applies(torch.bfloat16)
     monkeypatch.setenv(invariance.ENV, "sometimes")
