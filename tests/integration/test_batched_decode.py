@@ -1,6 +1,6 @@
 """Batched decode across real processes (ADR-0041, ADR-0064): eight concurrent greedy chats with
 different prompt lengths through a three-node mesh at the default recipe (bfloat16, its wire and
-speculation as a user gets them), each equal to its solo run token for token, while the nodes'
+speculation as a user gets them) and at int4, each equal to its solo run token for token, while the nodes'
 metrics show forwards of more than one session."""
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ TOPICS = ["the sea", "a robot who learns to paint", "why the sky is blue, in det
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def mesh(real_model_path, tmp_path_factory):
+@pytest.fixture(scope="module", params=["default", "int4"])
+def mesh(request, real_model_path, tmp_path_factory):
+    """The mesh at the default recipe (bfloat16), and at int4 (its own kernels, ADR-0062)."""
+    recipe = [] if request.param == "default" else ["--quantization", request.param]
     m = Mesh(tmp_path_factory.mktemp("batching"))
     try:
         m.start_tracker(REAL)
         for i, (a, b) in enumerate([(0, 9), (10, 19), (20, 29)]):
             m.start_node(f"node-{i}", "--model", REAL, "--shard-start", str(a), "--shard-end", str(b),
-                         "--batch-window-ms", "20")
+                         "--batch-window-ms", "20", *recipe)
         m.wait_routable(REAL, 240)
         yield m
     finally:
