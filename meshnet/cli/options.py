@@ -137,7 +137,10 @@ class NodeOptions:
                                    help="Shard slots (loaded shards at once).")
     dtype: str = dtype_option()
     device: str = device_option()
-    quantization: str = typer.Option(N.quantization, "--quantization", help="Recipe: bfloat16, int8, int4 (CPU), nf4.")
+    quantization: str = typer.Option(
+        N.quantization, "--quantization",
+        help="Recipe: bfloat16, float32, int8, int4 (CPU), nf4, or auto (the fastest on this host within the "
+             "doctor's tolerance, measured once and kept; it sets the compute dtype too).")
     wire_dtype: str = wire_dtype_option()
     host: str = typer.Option(N.host, "--host", help="Address to listen on.")
     port: int = typer.Option(N.port, "--port", help="Port (default: a free one).")

@@ -40,6 +40,30 @@ def compute_defaults(model: str | None, dtype: str, threads: int | None, budget:
         return calibrate(model, budget, dtype=given, threads=threads)
 
 
+def auto_recipe(opts: NodeOptions, choice, device: str):
+    """``--quantization auto``: the recipe measured fastest on this host within the doctor's
+    tolerance (:func:`meshnet.node.recipe_choice.choose_recipe`, at ``choice``'s threads), set on
+    ``opts``; returns ``choice`` with the recipe's compute dtype and reason. On a GPU nothing is
+    measured: the GPU's half dtype, unquantized. Exits when ``--dtype`` is given too (the recipe
+    decides it) or there is no ``--model`` to measure."""
+    from meshnet.models.devices import is_gpu
+    from meshnet.node.calibration import Choice
+
+    if opts.dtype != "auto":
+        fail(MeshnetError("--quantization auto chooses the compute dtype too: leave --dtype out, or name a recipe"))
+    if is_gpu(device):
+        opts.quantization = "bfloat16"  # the recipe of an unquantized shard, in the GPU's own dtype
+        return Choice(choice.compute_dtype, choice.threads, f"{choice.reason}; recipe auto on {device}: unquantized")
+    if opts.model is None:
+        fail(MeshnetError("--quantization auto measures the recipes on --model's layers: give --model"))
+    from meshnet.node.recipe_choice import choose_recipe
+
+    with err_console.status(f"measuring each recipe's decode speed of {opts.model} on this host"):
+        picked = choose_recipe(opts.model)
+    opts.quantization = picked.quantization
+    return Choice(picked.compute_dtype, choice.threads, f"recipe {picked.reason}")
+
+
 def chosen_device(spec: str) -> str:
     """The device ``--device spec`` names (:func:`meshnet.models.devices.resolve_device`); exits with
     one line naming the flag on a device this machine lacks."""
@@ -186,10 +210,12 @@ def node_start(opts: NodeOptions) -> None:
                           highlight=False)
     device = chosen_device(opts.device)
     choice = compute_defaults(opts.model, opts.dtype, opts.threads, usable_cores(), device)
-    print(f"compute: {choice.compute_dtype} on {device}, {choice.threads} thread(s): {choice.reason}", flush=True)
     import torch
 
     torch.set_num_threads(choice.threads)
+    if opts.quantization == "auto":
+        choice = auto_recipe(opts, choice, device)
+    print(f"compute: {choice.compute_dtype} on {device}, {choice.threads} thread(s): {choice.reason}", flush=True)
     settings = opts.settings(choice.compute_dtype, choice.threads, device)
     if settings.tracker_url:  # a node that joins a mesh signs as its identity: one process per identity
         _refuse_a_running_identity(settings.node_id, settings.state_dir)
