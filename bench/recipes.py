@@ -9,7 +9,7 @@ Per recipe (default ``bfloat16,int8,int4``; ``float32`` and ``nf4`` on request),
 * a 3-hop mesh: a tracker and three real node processes (layers 0-9, 10-19, 20-29) in the
   recipe, ``--threads`` torch threads each; decode tokens/s and prompt tokens/s timed from the
   client (:func:`bench.pipeline.timed_stream`: the first content chunk to the last, and the
-  request to the first chunk of a one-token answer);
+  request to the first chunk of a one-token answer), speculation off unless ``--speculate`` says;
 * the decoder-layer weight bytes of a 10-layer middle shard (every parameter and buffer of
   layers 10-19) and their ratio to bfloat16's (target for int4: <= 0.35);
 * the cost of batch invariance (ADR-0064): one process's decode tokens/s of one session and of
@@ -153,7 +153,7 @@ def mesh_rates(recipe: str, prompt_msgs: list[dict], args) -> dict:
             # no spot-checks: a drawn session goes hop by hop over HTTP (ADR-0042), another path
             mesh.start_node(name, "--model", MODEL, "--shard-start", str(start), "--shard-end", str(end),
                             "--quantization", recipe, "--dtype", dtype, "--wire-dtype", dtype,
-                            "--spot-check-rate", "0", threads=args.threads)
+                            "--spot-check-rate", "0", "--speculate", args.speculate, threads=args.threads)
         mesh.wait_routable(MODEL, 300)
         timed_stream(mesh.url, STORY, 4)  # warm-up
         runs = [timed_stream(mesh.url, STORY, args.decode_tokens) for _ in range(args.runs)]
@@ -185,6 +185,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--no-mesh", action="store_true", help="one process only")
+    parser.add_argument("--speculate", default="off",
+                        help="the mesh nodes' --speculate (default off: the issue's targets are without speculation)")
     parser.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary")
     parser.add_argument("--gguf", default=None, help="the GGUF llama-bench runs")
     args = parser.parse_args()
