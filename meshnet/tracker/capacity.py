@@ -70,12 +70,15 @@ class NodeState:
 class PlacementPlan:
     """Result of :func:`plan_placement` (ADR-0003): node_id -> full desired shard set, the
     ``(node_id, Assignment)`` pairs to load and to drop to get there, and node_id -> a short
-    human reason why the node did or did not receive a range."""
+    human reason why the node did or did not receive a range, and model -> copies of each of its
+    layers once the plan is carried out (the coverage map of the desired sets, ADR-0003; empty
+    where the planner did not give it)."""
 
     assignments: Mapping[str, tuple[Assignment, ...]]
     loads: tuple[tuple[str, Assignment], ...]
     drops: tuple[tuple[str, Assignment], ...]
     reasons: Mapping[str, str]
+    coverage: Mapping[str, Sequence[int]] = field(default_factory=dict)
 
 
 def memory_budget_bytes(vram_bytes: int) -> int:

@@ -331,7 +331,8 @@ def _finish(work: _Work) -> PlacementPlan:
         final[nid] = shards
         if lines:
             notes[i] = lines[0] if len(lines) == 1 else "; ".join(lines)
-    return PlacementPlan(MappingProxyType(final), tuple(loads), tuple(drops), _Reasons(work, notes))
+    return PlacementPlan(MappingProxyType(final), tuple(loads), tuple(drops), _Reasons(work, notes),
+                         MappingProxyType({name: tuple(c) for name, c in work.counts.items()}))
 
 
 class _Reasons(Mapping):

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from meshnet.layers import LayerRange
 from meshnet.protocol.control import OPEN_STATUSES, TIERS, Directive
@@ -74,13 +75,21 @@ def _model_specs(service: TrackerService) -> list[placement.ModelSpec]:
             for m in service.tracked_models()]
 
 
+#: the measured sizes of a node that holds nothing (shared: a NodeState is never changed)
+_NO_MEASURES = MappingProxyType({})
+
+
 def _node_state(node, known: set[str], open_directives: list[Directive], failed_recently: set[str]) -> placement.NodeState:
-    assignments = tuple(a for a in _assignments(node, open_directives) if a.model in known)
-    speed = max((node.tokens_per_s(s) for s in node.shards), default=node.benchmark_tokens_per_sec or 1.0)
+    if node.shards or open_directives:
+        assignments = tuple(a for a in _assignments(node, open_directives) if a.model in known)
+        speed = max((node.tokens_per_s(s) for s in node.shards), default=node.benchmark_tokens_per_sec or 1.0)
+        measured = measured_bytes_per_layer(node)
+    else:  # an idle node, most of a large network's (7 in 10 of bench/placement.py's): nothing to translate
+        assignments, speed, measured = (), node.benchmark_tokens_per_sec or 1.0, _NO_MEASURES
     accepts = (node.accepts_placement and not node.draining and node.reachable and node.quarantine is None
                and node.node_id not in failed_recently)
     return placement.NodeState(node.node_id, node.vram_bytes, node.quantization, speed, node.max_loaded_shards,
-                               assignments, accepts, measured_bytes_per_layer(node))
+                               assignments, accepts, measured)
 
 
 def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState], list[placement.ModelSpec]]:
@@ -229,12 +238,14 @@ def demand_moves(service: TrackerService, nodes: list[placement.NodeState], mode
     policy (:func:`policy.pick_managed_nodes`: the old model keeps >= 3 copies, the new model's
     demand is >= 1.5x, cooldown elapsed) decides (ADR-0005). Returns ``(node, old shards, new shard)``.
     """
-    ranges: dict[str, list[LayerRange]] = {m.name: [] for m in models}
-    for shards in plan.assignments.values():
-        for a in shards:
-            if a.model in ranges:
-                ranges[a.model].append(a.layers)
-    counts = {m.name: placement.coverage_counts(m.num_layers, ranges[m.name]) for m in models}
+    counts = {m.name: list(plan.coverage[m.name]) for m in models if m.name in plan.coverage}
+    if len(counts) < len(models):  # a plan made without its coverage map
+        ranges: dict[str, list[LayerRange]] = {m.name: [] for m in models}
+        for shards in plan.assignments.values():
+            for a in shards:
+                if a.model in ranges:
+                    ranges[a.model].append(a.layers)
+        counts = {m.name: placement.coverage_counts(m.num_layers, ranges[m.name]) for m in models}
     copies = {name: min(c) if c else 0 for name, c in counts.items()}
     demand = {m.name: m.demand for m in models}
     now, moves, moved = time.monotonic(), [], set()
