@@ -33,7 +33,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -82,7 +81,7 @@ def make_node(rng: random.Random, node_id: str, models: list[ModelSpec], held: f
         return node
     start = rng.randint(0, spec.num_layers - fit)
     tier = rng.choices(("pinned", "bootstrap", "managed"), weights=(1, 6, 3))[0]
-    return replace(node, assignments=(Assignment(spec.name, LayerRange(start, start + fit), tier),))
+    return node._replace(assignments=(Assignment(spec.name, LayerRange(start, start + fit), tier),))
 
 
 def churn(rng: random.Random, nodes: list[NodeState], models: list[ModelSpec], share: float) -> list[NodeState]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from itertools import accumulate, groupby
 from operator import not_
+from types import MappingProxyType
+from typing import NamedTuple
 
 from meshnet.errors import InvalidRequest
 from meshnet.layers import LayerRange
@@ -48,13 +50,16 @@ class Assignment:
             raise ValueError(f"unknown tier {self.tier!r}; expected one of {TIERS}")
 
 
-@dataclass(frozen=True)
-class NodeState:
+class NodeState(NamedTuple):
     """A node as placement sees it: ``vram_bytes`` of memory, its recipe (``quantization``),
     measured throughput in tokens/s, ``max_loaded_shards`` shard slots (>= 1), the shards it
     holds now, whether the tracker may add shards to it (ADR-0003), and model -> bytes per
     layer it measured holding that model in its recipe (doctor's ``resident_bytes`` over the
-    shard's layers, ADR-0039); see :func:`layer_bytes`."""
+    shard's layers, ADR-0039); see :func:`layer_bytes`.
+
+    A named tuple, not a frozen dataclass: a rebalance makes one per node of the network, and a
+    tuple is built in a fifth of a frozen dataclass's time (``bench/placement.py``; changes go
+    through ``_replace``)."""
 
     node_id: str
     vram_bytes: int
@@ -63,7 +68,7 @@ class NodeState:
     max_loaded_shards: int
     assignments: tuple[Assignment, ...] = ()
     accepts_placement: bool = True
-    measured_bytes_per_layer: Mapping[str, int] = field(default_factory=dict)
+    measured_bytes_per_layer: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
 from itertools import accumulate
 from types import MappingProxyType
 
@@ -390,5 +389,5 @@ def plan_placement(nodes: Sequence[NodeState], models: Sequence[ModelSpec], *,
 
 def apply_plan(nodes: Sequence[NodeState], plan: PlacementPlan) -> list[NodeState]:
     """``nodes`` with their assignments replaced by the plan's desired sets (others unchanged)."""
-    return [replace(n, assignments=tuple(plan.assignments[n.node_id]))
+    return [n._replace(assignments=tuple(plan.assignments[n.node_id]))
             if n.node_id in plan.assignments else n for n in nodes]

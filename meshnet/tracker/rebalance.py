@@ -14,10 +14,10 @@ DROP_SHARDs. A node whose load failed recently gets no new placement for a coold
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 from meshnet.layers import LayerRange
 from meshnet.protocol.control import OPEN_STATUSES, TIERS, Directive
@@ -39,7 +39,14 @@ def _assignments(node, open_directives: list[Directive]) -> tuple[placement.Assi
             held.setdefault(key, d.tier or "bootstrap")
         elif d.type == "DROP_SHARD":
             held.pop(key, None)
-    return tuple(placement.Assignment(m, r, t if t in TIERS else "pinned") for (m, r), t in sorted(held.items()))
+    return tuple(_assignment(m, r, t if t in TIERS else "pinned") for (m, r), t in sorted(held.items()))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _assignment(model: str, layers: LayerRange, tier: str) -> placement.Assignment:
+    """One shared frozen Assignment per shard (a lookup costs a quarter of building one, and the
+    snapshot of a large network meets the same shards on many nodes)."""
+    return placement.Assignment(model, layers, tier)
 
 
 def measured_bytes_per_layer(node) -> dict[str, int]:
@@ -75,21 +82,16 @@ def _model_specs(service: TrackerService) -> list[placement.ModelSpec]:
             for m in service.tracked_models()]
 
 
-#: the measured sizes of a node that holds nothing (shared: a NodeState is never changed)
-_NO_MEASURES = MappingProxyType({})
-
-
 def _node_state(node, known: set[str], open_directives: list[Directive], failed_recently: set[str]) -> placement.NodeState:
-    if node.shards or open_directives:
-        assignments = tuple(a for a in _assignments(node, open_directives) if a.model in known)
-        speed = max((node.tokens_per_s(s) for s in node.shards), default=node.benchmark_tokens_per_sec or 1.0)
-        measured = measured_bytes_per_layer(node)
-    else:  # an idle node, most of a large network's (7 in 10 of bench/placement.py's): nothing to translate
-        assignments, speed, measured = (), node.benchmark_tokens_per_sec or 1.0, _NO_MEASURES
     accepts = (node.accepts_placement and not node.draining and node.reachable and node.quarantine is None
                and node.node_id not in failed_recently)
+    if not (node.shards or open_directives):  # an idle node, most of a large network's: nothing to translate
+        return placement.NodeState(node.node_id, node.vram_bytes, node.quantizations[0],
+                                   node.benchmark_tokens_per_sec or 1.0, node.max_loaded_shards, (), accepts)
+    assignments = tuple(a for a in _assignments(node, open_directives) if a.model in known)
+    speed = max((node.tokens_per_s(s) for s in node.shards), default=node.benchmark_tokens_per_sec or 1.0)
     return placement.NodeState(node.node_id, node.vram_bytes, node.quantization, speed, node.max_loaded_shards,
-                               assignments, accepts, measured)
+                               assignments, accepts, measured_bytes_per_layer(node))
 
 
 def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState], list[placement.ModelSpec]]:

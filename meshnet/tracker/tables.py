@@ -57,9 +57,9 @@ _FAIL_DUPLICATES = ("UPDATE directives SET status = 'failed', error = 'duplicate
 #: directives per multi-row INSERT of :meth:`TrackerStore.add_directives`: ten bound values each,
 #: within sqlite's default limit of 32,766 variables per statement
 INSERT_CHUNK = 3000
-_INSERT_VALUES = ("INSERT INTO directives (node_id, type, model, shard_start, shard_end, tier, status, reason, "
-                  "created_at, updated_at) VALUES {values} ON CONFLICT DO NOTHING "
-                  "RETURNING id, node_id, type, model, shard_start, shard_end")
+_APPEND_VALUES = ("INSERT INTO directives (node_id, type, model, shard_start, shard_end, tier, status, reason, "
+                  "created_at, updated_at) VALUES {values}")
+_INSERT_VALUES = _APPEND_VALUES + " ON CONFLICT DO NOTHING RETURNING id, node_id, type, model, shard_start, shard_end"
 
 
 def matched_ids(new: list, got: list) -> list[int | None]:

@@ -79,6 +79,18 @@ def test_a_batch_over_several_statements_skips_an_open_twin_and_keeps_the_order(
     assert len(store.directives(limit=100)) == 4
 
 
+def test_a_batch_without_conflicts_over_several_statements_gives_each_directive_its_own_id(store, monkeypatch):
+    import meshnet.tracker.store as store_module
+
+    monkeypatch.setattr(store_module, "INSERT_CHUNK", 2)  # sqlite: three statements for five directives
+    store.add_directives([new("z", 9)])  # ids do not start at 1
+    batch = [new(node, start) for node, start in (("b", 0), ("c", 1), ("d", 2), ("e", 3), ("f", 4))]
+    ids = store.add_directives(batch)
+    assert [(store.directive(i).node_id, store.directive(i).shard_start) for i in ids] == \
+        [("b", 0), ("c", 1), ("d", 2), ("e", 3), ("f", 4)]
+    assert ids == sorted(ids) and len(set(ids)) == 5
+
+
 def test_a_failing_batch_is_rolled_back_whole(store):
     bad = NewDirective("n1", None, None)  # type NOT NULL
     with pytest.raises(store.IntegrityError):
