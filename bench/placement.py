@@ -16,7 +16,7 @@ threads, on each backend: a sqlite file in a temporary directory, and a fresh Po
 (ADR-0043; the server of ``MESHNET_BENCH_PG``, default ``postgresql://postgres@127.0.0.1:5432/test``;
 ``MESHNET_BENCH_PG=off`` leaves it out). It prints the wall time, the planner's and the write's
 shares, and the longest event-loop block meanwhile, seen by a probe task that sleeps 1 ms in a
-loop and records how late it wakes (ADR-0037).
+loop and records how late it wakes (:mod:`bench.looplag`, ADR-0037).
 
 Run: ``.venv/bin/python bench/placement.py``. Target: under 100 ms at 10,000 nodes.
 """
@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.looplag import LoopLag  # noqa: E402
 from meshnet.layers import LayerRange  # noqa: E402
 from meshnet.tracker import placement  # noqa: E402
 from meshnet.tracker.placement import (  # noqa: E402
@@ -146,7 +147,7 @@ def tracker_with(nodes: list[NodeState], models: list[ModelSpec], db_path: str) 
 async def timed_rebalance(svc: TrackerService) -> dict[str, float]:
     """One :func:`rebalance_off_loop` with a loop-lag probe beside it: wall, plan, write and longest
     block, ms."""
-    worst_s, written, planned = 0.0, {"ms": 0.0, "rows": 0}, {"ms": 0.0}
+    written, planned = {"ms": 0.0, "rows": 0}, {"ms": 0.0}
     write, plan = svc.store.add_directives, placement.plan_placement
 
     def timed_write(new, **kw):
@@ -163,27 +164,15 @@ async def timed_rebalance(svc: TrackerService) -> dict[str, float]:
 
     svc.store.add_directives = timed_write
     placement.plan_placement = timed_plan
-    stop = asyncio.Event()
-
-    async def probe() -> None:
-        nonlocal worst_s
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            await asyncio.sleep(0.001)
-            worst_s = max(worst_s, time.perf_counter() - t0 - 0.001)
-
-    task = asyncio.create_task(probe())
-    await asyncio.sleep(0.01)
-    t0 = time.perf_counter()
-    try:
-        await rebalance_off_loop(svc)
-    finally:
-        placement.plan_placement = plan
-    wall_ms = (time.perf_counter() - t0) * 1000
-    stop.set()
-    await task
+    async with LoopLag() as lag:
+        t0 = time.perf_counter()
+        try:
+            await rebalance_off_loop(svc)
+        finally:
+            placement.plan_placement = plan
+        wall_ms = (time.perf_counter() - t0) * 1000
     return {"wall_ms": wall_ms, "plan_ms": planned["ms"], "write_ms": written["ms"], "rows": written["rows"],
-            "block_ms": worst_s * 1000}
+            "block_ms": lag.worst_s * 1000}
 
 
 #: the PostgreSQL server a scratch database is made on (``off``: sqlite only)
