@@ -91,7 +91,8 @@ def build_app(tracker: TrackerSettings, node: NodeSettings, *, service: TrackerS
             finally:
                 stop.set()
                 try:
-                    await asyncio.wait_for(asyncio.shield(task), NODE_STOP_S)
+                    async with asyncio.timeout(NODE_STOP_S):  # not wait_for: it can swallow a cancel on 3.11
+                        await asyncio.shield(task)
                 except asyncio.TimeoutError:  # still loading or registering: stop it now
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):

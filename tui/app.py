@@ -125,7 +125,9 @@ class MeshnetConsole(OperatorActions, App[None]):
                 done, self._polled = self._polled, asyncio.Event()
                 done.set()
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self.state.connection.next_interval_s)
+                # not wait_for: on Python 3.11 it can swallow a cancel
+                async with asyncio.timeout(self.state.connection.next_interval_s):
+                    await self._wake.wait()
             except asyncio.TimeoutError:
                 pass
 
@@ -177,7 +179,8 @@ class MeshnetConsole(OperatorActions, App[None]):
             if not self.is_running or not any(w.group == "poll" and not w.is_finished for w in self.workers):
                 raise RuntimeError("the console stopped polling")
             try:
-                await asyncio.wait_for(self._polled.wait(), timeout=1.0)
+                async with asyncio.timeout(1.0):  # not wait_for: it can swallow a cancel on 3.11
+                    await self._polled.wait()
             except asyncio.TimeoutError:
                 pass
 

@@ -172,7 +172,8 @@ class TrackerAgent(RelayMixin):
         while True:
             wait_s = self.interval_s if not self.failures else min(self.interval_s, self.backoff.next_delay_s())
             try:
-                await asyncio.wait_for(self.wake.wait(), timeout=wait_s)
+                async with asyncio.timeout(wait_s):  # not wait_for: on 3.11 it swallows a cancel that meets the wake
+                    await self.wake.wait()
             except asyncio.TimeoutError:
                 pass
             self.wake.clear()

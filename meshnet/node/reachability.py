@@ -118,7 +118,8 @@ class RelayMixin:
         if self._tunnel_task is None:
             self._tunnel_task = asyncio.create_task(self.tunnel.run())
         try:
-            await asyncio.wait_for(self.tunnel.attached.wait(), timeout=attach_wait_s)
+            async with asyncio.timeout(attach_wait_s):  # not wait_for: it can swallow a cancel on 3.11
+                await self.tunnel.attached.wait()
         except asyncio.TimeoutError:
             log.warning("no tunnel to %s within %.0f s (%s); still trying", self.tunnel.relay_url, attach_wait_s,
                         self.tunnel.last_error)

@@ -103,8 +103,8 @@ async def gather_facts(node, route_timeout_s: float = 3.0) -> NodeFacts:
         route_error = None
         if slot.shard.is_entry and agent is not None and slot.layers.end < slot.shard.num_layers:
             try:
-                await asyncio.wait_for(agent.route(slot.model, LayerRange(slot.layers.end, slot.shard.num_layers),
-                                                   frozenset()), route_timeout_s)
+                async with asyncio.timeout(route_timeout_s):  # not wait_for: it can swallow a cancel on 3.11
+                    await agent.route(slot.model, LayerRange(slot.layers.end, slot.shard.num_layers), frozenset())
             except MeshnetError as exc:
                 route_error = exc.message
             except asyncio.TimeoutError:

@@ -143,7 +143,9 @@ class BodyLimit:
             if complete:  # the body is in: what follows is the wait for a disconnect, with no deadline
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                # not wait_for: on Python 3.11 it can swallow a cancel
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    message = await receive()
             except asyncio.TimeoutError:
                 raise RequestTimeout(f"the request body took over {self.body_timeout_s:g} s to arrive "
                                      f"({received} bytes so far)", hint="send the whole body at once") from None

@@ -362,7 +362,8 @@ async def _pump_ws(ws: WebSocket, tunnel: Tunnel, channel: int, queue: asyncio.Q
 
 async def _next(queue: asyncio.Queue[Frame], timeout_s: float, node_id: str) -> Frame:
     try:
-        return await asyncio.wait_for(queue.get(), timeout=timeout_s)
+        async with asyncio.timeout(timeout_s):  # not wait_for: it can swallow a cancel on 3.11
+            return await queue.get()
     except asyncio.TimeoutError:
         raise MeshnetError(f"relayed node {node_id} did not answer within {timeout_s:.0f} s",
                            code="relay_timeout", status=504) from None

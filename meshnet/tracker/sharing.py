@@ -66,7 +66,8 @@ class Sharing:
             return svc.leader
         self.round_s = time.monotonic()
         try:
-            leading = await asyncio.wait_for(asyncio.to_thread(store.lead), LEAD_WAIT_S)
+            async with asyncio.timeout(LEAD_WAIT_S):  # not wait_for: it can swallow a cancel on 3.11
+                leading = await asyncio.to_thread(store.lead)
         except asyncio.TimeoutError:
             log.warning("the lease renewal got no answer within %.1f s: standing by", LEAD_WAIT_S)
             leading = False
