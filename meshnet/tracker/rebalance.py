@@ -14,6 +14,7 @@ DROP_SHARDs. A node whose load failed recently gets no new placement for a coold
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import time
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 
 def _assignments(node, open_directives: list[Directive]) -> tuple[placement.Assignment, ...]:
     """The node's shards, plus its open LOAD_SHARDs, minus its open DROP_SHARDs."""
+    if not open_directives and len(node.shards) == 1:  # most held nodes: one shard, nothing pending
+        s = node.shards[0]
+        return (_assignment(s.model, s.layers, s.tier if s.tier in TIERS else "pinned"),)
     held = {(s.model, s.layers): s.tier for s in node.shards}
     for d in sorted(open_directives, key=lambda d: d.id):
         if not d.model or d.layers is None:
@@ -89,7 +93,9 @@ def _node_state(node, known: set[str], open_directives: list[Directive], failed_
         return placement.NodeState(node.node_id, node.vram_bytes, node.quantizations[0],
                                    node.benchmark_tokens_per_sec or 1.0, node.max_loaded_shards, (), accepts)
     assignments = tuple(a for a in _assignments(node, open_directives) if a.model in known)
-    speed = max((node.tokens_per_s(s) for s in node.shards), default=node.benchmark_tokens_per_sec or 1.0)
+    # a heartbeat's measured figure is every shard's (NodeRecord.tokens_per_s): no need to ask each one
+    speed = (node.stats.tokens_per_s if node.shards else 0.0) or max((node.tokens_per_s(s) for s in node.shards),
+                                           default=node.benchmark_tokens_per_sec or 1.0)
     return placement.NodeState(node.node_id, node.vram_bytes, node.quantization, speed, node.max_loaded_shards,
                                assignments, accepts, measured_bytes_per_layer(node))
 
@@ -173,12 +179,29 @@ def directives_for(service: TrackerService, nodes: list[placement.NodeState], mo
     return result
 
 
+#: loads a rebalance logs one line each at INFO; past it, one summary line (each load at DEBUG)
+LOGGED_LOADS = 20
+
+
+def _log_loads(loads: tuple[tuple[str, placement.Assignment], ...]) -> None:
+    """A line per load while there are few; a summary past :data:`LOGGED_LOADS`: at 10,000 nodes a
+    cold rebalance queues 7,000 loads, and a line each at the default level kept the event loop
+    formatting and writing for longer than the whole rebalance takes."""
+    level = logging.INFO if len(loads) <= LOGGED_LOADS else logging.DEBUG
+    if log.isEnabledFor(level):
+        for node_id, a in loads:
+            log.log(level, "LOAD_SHARD %s %s → %s (%s)", a.model, a.layers, node_id, a.tier)
+    if len(loads) > LOGGED_LOADS:
+        models = collections.Counter(a.model for _, a in loads)
+        log.info("rebalance queued %d loads (%s)", len(loads),
+                 ", ".join(f"{model} {count}" for model, count in models.most_common()))
+
+
 def apply_rebalance(service: TrackerService, result: RebalanceResult) -> None:
     """Record a persisted rebalance in the service's memory (on the event loop). A node that left
     while the directives were written gets its new ones failed at once, as a dropout would."""
     plan = result.plan
-    for node_id, a in plan.loads:
-        log.info("LOAD_SHARD %s %s → %s (%s)", a.model, a.layers, node_id, a.tier)
+    _log_loads(plan.loads)
     service.plan_reasons = plan.reasons  # read per node by GET /v1/nodes (computed lazily)
     for node in service.nodes.values():
         node.reason = ""

@@ -141,3 +141,18 @@ def test_a_node_whose_load_failed_within_the_cooldown_gets_no_placement(failed_a
     rebalance(svc)
     loads = [d for d in svc.store.directives(statuses=("queued",)) if d.type == "LOAD_SHARD"]
     assert bool(loads) == placed
+
+
+@pytest.mark.parametrize("count, lines", [
+    (2, ["LOAD_SHARD m 0-9 → n0 (bootstrap)", "LOAD_SHARD m 0-9 → n1 (bootstrap)"]),
+    (7000, ["rebalance queued 7000 loads (m 7000)"]),
+])
+def test_a_rebalance_logs_each_load_while_few_and_one_summary_at_scale(caplog, count, lines):
+    from meshnet.layers import LayerRange
+    from meshnet.tracker.placement import Assignment
+    from meshnet.tracker.rebalance import _log_loads
+
+    load = Assignment("m", LayerRange(0, 10), "bootstrap")
+    with caplog.at_level("INFO", logger="meshnet.tracker.rebalance"):
+        _log_loads(tuple((f"n{k}", load) for k in range(count)))
+    assert [r.getMessage() for r in caplog.records] == lines
