@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.looplag import LoopLag  # noqa: E402
+from bench.looplag import LoopLag, log_as_served  # noqa: E402
 from meshnet.layers import LayerRange  # noqa: E402
 from meshnet.tracker import placement  # noqa: E402
 from meshnet.tracker.placement import (  # noqa: E402
@@ -194,6 +194,7 @@ def database(backend: str):
 def rebalance_figures(size: int = SIZES[-1], runs: int = 3) -> None:
     """Print the full rebalance at ``size`` nodes (the ``cold`` network of :func:`main`'s seed), per
     backend: the median of ``runs``, each on a fresh database, with the load average beside it."""
+    log_as_served()
     rng = random.Random(size)
     models = make_models(rng)
     cold = [make_node(rng, f"node-{k:05d}", models, held=0.3) for k in range(size)]
