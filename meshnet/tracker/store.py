@@ -57,6 +57,10 @@ class LeaseLost(MeshnetError):
                          hint="this tracker stopped leading; the current leader plans instead")
 
 
+#: nodes per statement of :meth:`TrackerStore.forget_nodes` (one bound value each, within sqlite's
+#: 32,766 variables and PostgreSQL's 65,535 parameters a statement)
+FORGET_CHUNK = 5000
+
 #: the longest a store call waits for another call on the same connection (a worker thread's
 #: batch write, or a call stuck on an unreachable database) before it gives up, seconds: the
 #: event loop calls the store too, and must not wait out a network deadline (ADR-0054). A
@@ -326,6 +330,33 @@ class TrackerStore(SharedRecords):
             return self._execute(f"UPDATE directives SET status = 'failed', error = ?, updated_at = ? "
                                  f"WHERE node_id = ? AND status IN ({marks})",
                                  (error, time.time(), node_id, *OPEN_STATUSES)).rowcount
+
+    def forget_nodes(self, node_ids: list[str], error: str, *, delete_records: bool,
+                     term: int | None = None) -> int:
+        """For nodes that dropped out together: fail every open directive of each with ``error``
+        and, with ``delete_records``, delete their shared records; one transaction whatever their
+        number (a rack or a region dropping out costs two statements per :data:`FORGET_CHUNK`
+        nodes, not two transactions a node). Returns how many directives failed. ``term``: the
+        leader's lease term, as for :meth:`add_directives`.
+
+        Raises:
+            LeaseLost: ``term`` is no longer this process's lease (nothing changed).
+        """
+        if not node_ids:
+            return 0
+        opened = ",".join("?" * len(OPEN_STATUSES))
+        failed, now = 0, time.time()
+        with self._transaction():
+            self._check_term(term)
+            for start in range(0, len(node_ids), FORGET_CHUNK):
+                part = node_ids[start:start + FORGET_CHUNK]
+                ids = ",".join("?" * len(part))
+                failed += self._execute(f"UPDATE directives SET status = 'failed', error = ?, updated_at = ? "
+                                        f"WHERE node_id IN ({ids}) AND status IN ({opened})",
+                                        (error, now, *part, *OPEN_STATUSES)).rowcount
+                if delete_records:
+                    self._execute(f"DELETE FROM nodes WHERE node_id IN ({ids})", tuple(part))
+        return failed
 
     def directive(self, directive_id: int) -> Directive | None:
         rows = self._rows("SELECT * FROM directives WHERE id = ?", (directive_id,))

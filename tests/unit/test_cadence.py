@@ -71,3 +71,31 @@ def test_a_silent_node_of_a_10000_node_network_is_dropped_within_30_s_when_its_p
     assert [n.node_id for n in svc.to_probe(now=39.0)] == []  # n00002 answered since its last heartbeat
     heartbeat_all(60.5)
     assert svc.check_dropouts(now=60.5) == ["n00002"]  # its own 50 s timeout
+
+
+def test_a_thousand_nodes_that_drop_out_at_once_cost_one_transaction_and_a_few_log_lines(caplog):
+    """A rack or a region going silent: its nodes are forgotten together (their open directives
+    failed in one store transaction, not one or two a node), and the log says how many."""
+    from meshnet.tracker.registry import NodeRecord
+    from meshnet.tracker.service import TrackerService, TrackerSettings
+    from meshnet.tracker.store import NewDirective
+
+    svc = TrackerService(TrackerSettings(db_path=":memory:"))
+    for k in range(3_000):
+        svc.nodes[f"n{k:05d}"] = NodeRecord(f"n{k:05d}", f"http://n{k}.test:1", "", 2**30, 0, "cpu", ["bfloat16"],
+                                            10.0, None, 1, True, reachable=True, last_heartbeat_s=100.0)
+    silent = [f"n{k:05d}" for k in range(0, 3_000, 3)]
+    for node_id in silent:
+        svc.nodes[node_id].last_heartbeat_s = 0.0
+    svc.store.add_directives([NewDirective(n, "RELOAD") for n in ("n00000", "n00001", "n00003")])
+    transactions = []
+    svc.store.db.set_trace_callback(lambda sql: transactions.append(sql) if sql.strip().upper() == "COMMIT" else None)
+    with caplog.at_level("WARNING", logger="meshnet.tracker.membership"):
+        assert svc.check_dropouts(now=110.0) == silent
+    svc.store.db.set_trace_callback(None)
+    assert transactions == ["COMMIT"] and len(svc.nodes) == 2_000 and svc.dirty
+    assert {d.node_id: d.status for d in svc.store.directives()} == {"n00000": "failed", "n00001": "queued",
+                                                                     "n00003": "failed"}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 21 and lines[0] == "node n00000 dropped out (no heartbeat for 110 s)"
+    assert lines[-1] == "980 more nodes dropped out at once (no heartbeat for 110-110 s)"

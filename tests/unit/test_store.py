@@ -147,6 +147,29 @@ def test_fail_open_fails_only_that_nodes_open_directives(store):
         a1: ("failed", "node dropped out"), a2: ("done", None), b1: ("queued", None)}
 
 
+@pytest.mark.parametrize("delete_records", [True, False])
+def test_nodes_that_dropped_out_together_are_forgotten_in_one_transaction(store, monkeypatch, delete_records):
+    import meshnet.tracker.store as store_module
+
+    monkeypatch.setattr(store_module, "FORGET_CHUNK", 2)  # three statements of each kind for five nodes
+    ids = store.add_directives([new(n) for n in ("a", "b", "c", "d", "e", "keep")])
+    store.set_status(ids[1], "done")
+    for n in ("a", "b", "c", "d", "e", "keep"):
+        store.save_node(NodeRow(n, '{"v": 1}', record_at=10.0, heartbeat_at=10.0))
+    forget = lambda: store.forget_nodes(["a", "b", "c", "d", "e"], "node dropped out",  # noqa: E731
+                                        delete_records=delete_records)
+    if isinstance(store, SqliteStore):
+        assert commits_during(store, forget) == ["COMMIT"]
+    else:
+        assert forget() == 4  # b's was done already
+    assert {d.node_id: (d.status, d.error) for d in store.directives()} == {
+        "a": ("failed", "node dropped out"), "b": ("done", None), "c": ("failed", "node dropped out"),
+        "d": ("failed", "node dropped out"), "e": ("failed", "node dropped out"), "keep": ("queued", None)}
+    assert sorted(r.node_id for r in store.nodes_changed(0.0)) == (
+        ["keep"] if delete_records else ["a", "b", "c", "d", "e", "keep"])
+    assert store.forget_nodes([], "nothing", delete_records=True) == 0
+
+
 def test_directives_updated_after_a_time(store):
     old, new_ = store.add_directives([new("a"), new("b")])
     store._exec("UPDATE directives SET updated_at = 100 WHERE id = ?", (old,))
