@@ -18,7 +18,11 @@ threads, on each backend: a sqlite file in a temporary directory, and a fresh Po
 shares, and the longest event-loop block meanwhile, seen by a probe task that sleeps 1 ms in a
 loop and records how late it wakes (:mod:`bench.looplag`, ADR-0037).
 
-Run: ``.venv/bin/python bench/placement.py``. Target: under 100 ms at 10,000 nodes.
+Last, how long the leader's dropout check holds the event loop when 100, 1,000 or 5,000 of the
+10,000 nodes go silent at once (target: under 50 ms, as any block).
+
+Run: ``.venv/bin/python bench/placement.py`` (``--rebalance-only``: the last two parts). Target: under
+100 ms at 10,000 nodes.
 """
 
 from __future__ import annotations
@@ -222,7 +226,47 @@ def rebalance_figures(size: int = SIZES[-1], runs: int = 3) -> None:
           "block: the longest the event loop waited)")
 
 
+#: nodes of the 10,000 that go silent at once in :func:`dropout_figures` (a rack, a region)
+DROPOUTS = (100, 1_000, 5_000)
+
+
+def dropout_figures(size: int = SIZES[-1], runs: int = 3) -> None:
+    """Print how long the leader's dropout check holds the event loop when many of ``size`` nodes
+    go silent at once (:meth:`TrackerService.check_dropouts`, on the loop: it forgets them and fails
+    their open directives in the store), per backend, the median of ``runs``."""
+    from meshnet.tracker.sharing import Sharing
+
+    rng = random.Random(size)
+    models = make_models(rng)
+    cold = [make_node(rng, f"node-{k:05d}", models, held=0.3) for k in range(size)]
+    backends = ("sqlite",) if PG_SERVER == "off" else ("postgresql", "sqlite")
+    print(f"\nnodes dropping out at once from {size:,} (check_dropouts as the leader), ms on the event loop, "
+          f"median of {runs}; target < {BLOCK_TARGET_MS:.0f}")
+    print(f"{'backend':>11} " + " ".join(f"{n:>8,}" for n in DROPOUTS) + "  load avg")
+    for backend in backends:
+        cells = []
+        for gone in DROPOUTS:
+            times = []
+            for _ in range(runs):
+                with database(backend) as db:
+                    svc = tracker_with(cold, models, db)
+                    asyncio.run(Sharing(svc).sync_round())  # it leads, as the tracker whose loop drops them
+                    now = time.monotonic()
+                    for k, node in enumerate(svc.nodes.values()):
+                        node.last_heartbeat_s = now - 3600.0 if k < gone else now
+                    gc.collect()
+                    t0 = time.perf_counter()
+                    dropped = svc.check_dropouts(now)
+                    times.append((time.perf_counter() - t0) * 1000)
+                    assert len(dropped) == gone, (backend, gone, len(dropped))
+                    svc.store.close()
+            cells.append(statistics.median(times))
+        verdict = "OK" if max(cells) < BLOCK_TARGET_MS else "OVER"
+        print(f"{backend:>11} " + " ".join(f"{ms:>8.0f}" for ms in cells) + f"  {os.getloadavg()[0]:.2f}  {verdict}")
+
+
 if __name__ == "__main__":
     if "--rebalance-only" not in sys.argv:
         main()
     rebalance_figures()
+    dropout_figures()
