@@ -344,18 +344,19 @@ class TrackerStore(SharedRecords):
         """
         if not node_ids:
             return 0
-        opened = ",".join("?" * len(OPEN_STATUSES))
+        mark = self.placeholder  # the statements' texts vary with the count: kept out of the statement cache
+        opened = ",".join([mark] * len(OPEN_STATUSES))
         failed, now = 0, time.time()
         with self._transaction():
             self._check_term(term)
             for start in range(0, len(node_ids), FORGET_CHUNK):
                 part = node_ids[start:start + FORGET_CHUNK]
-                ids = ",".join("?" * len(part))
-                failed += self._execute(f"UPDATE directives SET status = 'failed', error = ?, updated_at = ? "
-                                        f"WHERE node_id IN ({ids}) AND status IN ({opened})",
-                                        (error, now, *part, *OPEN_STATUSES)).rowcount
+                ids = ",".join([mark] * len(part))
+                failed += self.db.execute(f"UPDATE directives SET status = 'failed', error = {mark}, "
+                                          f"updated_at = {mark} WHERE node_id IN ({ids}) AND status IN ({opened})",
+                                          (error, now, *part, *OPEN_STATUSES)).rowcount
                 if delete_records:
-                    self._execute(f"DELETE FROM nodes WHERE node_id IN ({ids})", tuple(part))
+                    self.db.execute(f"DELETE FROM nodes WHERE node_id IN ({ids})", tuple(part))
         return failed
 
     def directive(self, directive_id: int) -> Directive | None:
