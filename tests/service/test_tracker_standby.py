@@ -250,3 +250,32 @@ async def test_another_key_signed_before_the_node_s_latest_call_is_refused_as_an
                **signed("n1", "POST", "/v1/nodes/register", body, salt="impostor", now=time.time() - 5.0)}
     refused = await a.post("/v1/nodes/register", content=body, headers=headers)
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "node_id_taken", refused.text
+
+
+async def test_a_tracker_reading_every_record_serves_others_between_batches(trackers, monkeypatch):
+    """A tracker that starts (or takes over) applies every shared record; it does so a batch at a
+    time with the event loop free in between, so heartbeats wait one batch, not all of them."""
+    import asyncio
+
+    import meshnet.tracker.sharing as sharing_module
+
+    a, b = trackers
+    await a.sharing.sync_round()
+    for k in range(5):
+        assert (await a.post("/v1/nodes/register", json=node(f"node-{k}"))).status_code == 200
+    monkeypatch.setattr(sharing_module, "APPLY_BATCH", 2)
+    batches, ticks = [], []
+    apply = b.service.apply_rows
+    b.service.apply_rows = lambda rows: batches.append((len(rows), len(ticks))) or apply(rows)
+
+    async def other_work():  # what the loop also runs: it must get turns during the round
+        for _ in range(1_000_000):  # bounded; cancelled once the round is over
+            ticks.append(1)
+            await asyncio.sleep(0)
+
+    worker = asyncio.create_task(other_work())
+    await b.sharing.sync_round()
+    worker.cancel()
+    assert [size for size, _ in batches] == [2, 2, 1]
+    assert batches[0][1] < batches[1][1] < batches[2][1]  # the other task ran between every two batches
+    assert sorted(b.service.nodes) == [f"node-{k}" for k in range(5)]
