@@ -19,9 +19,10 @@ shares, and the longest event-loop block meanwhile, seen by a probe task that sl
 loop and records how late it wakes (:mod:`bench.looplag`, ADR-0037).
 
 Last, how long the leader's dropout check holds the event loop when 100, 1,000 or 5,000 of the
-10,000 nodes go silent at once (target: under 50 ms, as any block).
+10,000 nodes go silent at once, and how long a tracker that starts or takes over holds it while it
+reads every shared record (target: under 50 ms, as any block).
 
-Run: ``.venv/bin/python bench/placement.py`` (``--rebalance-only``: the last two parts). Target: under
+Run: ``.venv/bin/python bench/placement.py`` (``--rebalance-only``: the last three parts). Target: under
 100 ms at 10,000 nodes.
 """
 
@@ -265,8 +266,48 @@ def dropout_figures(size: int = SIZES[-1], runs: int = 3) -> None:
         print(f"{backend:>11} " + " ".join(f"{ms:>8.0f}" for ms in cells) + f"  {os.getloadavg()[0]:.2f}  {verdict}")
 
 
+def takeover_figures(size: int = SIZES[-1], runs: int = 3) -> None:
+    """Print what a tracker that starts or takes over pays to read every shared node record of a
+    ``size``-node network (PostgreSQL): its first sync round's wall time and the longest event-loop
+    block meanwhile (:class:`meshnet.tracker.sharing.Sharing`), the median of ``runs``."""
+    if PG_SERVER == "off":
+        return
+    from meshnet.tracker.sharing import Sharing
+
+    rng = random.Random(size)
+    models = make_models(rng)
+    cold = [make_node(rng, f"node-{k:05d}", models, held=0.3) for k in range(size)]
+    walls, blocks = [], []
+    for _ in range(runs):
+        with database("postgresql") as db:
+            reader = TrackerService(TrackerSettings(db_path=db))  # made first: the bench's models are no presets
+            writer = tracker_with(cold, models, db)
+            writer.store.save_nodes([writer.node_row(n) for n in writer.nodes.values()])
+            reader.models.update(writer.models)
+            writer.store.close()
+            del writer  # another process's heap in a real network: not this tracker's to collect
+            gc.collect()
+
+            async def first_round() -> float:
+                async with LoopLag() as lag:
+                    t0 = time.perf_counter()
+                    await Sharing(reader).sync_round()
+                    walls.append((time.perf_counter() - t0) * 1000)
+                return lag.worst_s * 1000
+
+            blocks.append(asyncio.run(first_round()))
+            assert len(reader.nodes) == size
+            reader.store.close()
+    verdict = "OK" if statistics.median(blocks) < BLOCK_TARGET_MS else "OVER"
+    print(f"\na tracker reading all {size:,} shared records (its first sync round, PostgreSQL), median of {runs}: "
+          f"wall {statistics.median(walls):.0f} ms, longest block {statistics.median(blocks):.0f} ms "
+          f"(runs {' '.join(f'{w:.0f}/{b:.0f}' for w, b in zip(walls, blocks))}; target < {BLOCK_TARGET_MS:.0f})  "
+          f"load avg {os.getloadavg()[0]:.2f}  {verdict}")
+
+
 if __name__ == "__main__":
     if "--rebalance-only" not in sys.argv:
         main()
     rebalance_figures()
     dropout_figures()
+    takeover_figures()

@@ -19,10 +19,12 @@ The store calls run on a worker thread; the service is changed on the event loop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
 
+from meshnet.tracker.heap import frozen_after
 from meshnet.tracker.routing import FAILURE_COOLDOWN_S
 from meshnet.tracker.service import TrackerService
 
@@ -103,10 +105,11 @@ class Sharing:
             svc.blind_until = time.monotonic() + svc.cadence().timeout_s  # no dropouts for one timeout
         svc.tracked_names |= set(models)
         svc.apply_quarantines(quarantines)
-        for start in range(0, len(rows), APPLY_BATCH):  # a tracker that starts or takes over reads them all
-            svc.apply_rows(rows[start:start + APPLY_BATCH])
-            if start + APPLY_BATCH < len(rows):
-                await asyncio.sleep(0)  # heartbeats are served between batches
+        with frozen_after() if len(rows) > APPLY_BATCH else contextlib.nullcontext():
+            for start in range(0, len(rows), APPLY_BATCH):  # a tracker that starts or takes over reads them all
+                svc.apply_rows(rows[start:start + APPLY_BATCH])
+                if start + APPLY_BATCH < len(rows):
+                    await asyncio.sleep(0)  # heartbeats are served between batches
         svc.apply_demand(events)
         svc.apply_hop_failures(failures)
         svc.queued_hint = set(queued) | svc.take_queued_since_read()

@@ -24,3 +24,25 @@ def test_the_heap_is_frozen_when_due_and_thawed_when_due():
         assert freezer.tick(start + 65.0) == "freeze"
     finally:
         gc.unfreeze()
+
+
+def test_what_a_bulk_read_makes_joins_the_permanent_generation_without_a_collection_meanwhile():
+    from meshnet.tracker.heap import frozen_after
+
+    gc.unfreeze()
+    collections = []
+    record = lambda phase, info: collections.append(info["generation"]) if phase == "start" else None  # noqa: E731
+    gc.callbacks.append(record)
+    try:
+        with frozen_after():
+            assert not gc.isenabled()
+            records = [{"node": k, "shards": [k]} for k in range(20_000)]  # far past the young threshold
+        assert gc.isenabled() and collections == [] and gc.get_freeze_count() >= len(records)
+        gc.disable()
+        with frozen_after():
+            pass
+        assert not gc.isenabled()  # a collector that was off stays off
+    finally:
+        gc.callbacks.remove(record)
+        gc.enable()
+        gc.unfreeze()
