@@ -331,7 +331,7 @@ class MembershipMixin:
             for nid, at in elsewhere.items():
                 self.nodes[nid].last_heartbeat_s = max(self.nodes[nid].last_heartbeat_s, now - (wall - at))
             gone = [(nid, now - self.nodes[nid].last_heartbeat_s) for nid, _ in gone if is_gone(self.nodes[nid])]
-        self._forget_all([nid for nid, _ in gone], "node dropped out")
+        self._forget([nid for nid, _ in gone], "node dropped out")
         for nid, silent_s in gone[:LOGGED_DROPOUTS]:
             log.warning("node %s dropped out (no heartbeat for %.0f s)", nid, silent_s)
         if len(gone) > LOGGED_DROPOUTS:  # a line each would hold the event loop (30 us a line)
@@ -346,13 +346,15 @@ class MembershipMixin:
             NotFound: unknown node.
         """
         self.get(node_id)
-        self._forget(node_id, "node deregistered", final=True)
+        self._forget([node_id], "node deregistered", final=True)
         log.info("node %s deregistered", node_id)
 
-    def _forget_all(self, node_ids: list[str], why: str) -> None:
-        """:meth:`_forget` of many nodes that dropped out together, with one store transaction for
-        all of them (:meth:`TrackerStore.forget_nodes`): 1,000 dropouts at once held the event loop
-        1.4 s on PostgreSQL as a transaction or two a node."""
+    def _forget(self, node_ids: list[str], why: str, *, final: bool = False) -> None:
+        """Forget ``node_ids``. Their open directives fail and their shared records go, in one store
+        transaction (:meth:`TrackerStore.forget_nodes`: 1,000 dropouts at once held the event loop
+        1.3 s on PostgreSQL as a transaction or two a node), when this tracker leads or the nodes left
+        on purpose (``final``); a standby that stopped hearing from a node only forgets it, since the
+        leader decides dropouts (ADR-0043)."""
         if not node_ids:
             return
         gone = set(node_ids)
@@ -360,22 +362,9 @@ class MembershipMixin:
             del self.nodes[node_id]
             self._heartbeats.pop(node_id, None)
         self.verdicts = {k: v for k, v in self.verdicts.items() if k[0] not in gone}
-        if self.leader:  # a dropout is the leader's decision: fenced
-            self.store.forget_nodes(node_ids, why, delete_records=self.store.shared, term=self.store.term)
-        self.dirty = True
-
-    def _forget(self, node_id: str, why: str, *, final: bool = False) -> None:
-        """Forget ``node_id``. Its open directives fail and its shared record goes when this tracker
-        leads or the node left on purpose (``final``); a standby that stopped hearing from a node
-        only forgets it, since the leader decides dropouts (ADR-0043)."""
-        del self.nodes[node_id]
-        self._heartbeats.pop(node_id, None)
-        self.verdicts = {k: v for k, v in self.verdicts.items() if k[0] != node_id}
         if self.leader or final:
             term = None if final else self.store.term  # a dropout is the leader's decision: fenced
-            self.store.fail_open(node_id, why, term=term)
-            if self.store.shared:
-                self.store.delete_node(node_id, term=term)
+            self.store.forget_nodes(node_ids, why, delete_records=self.store.shared, term=term)
         self.dirty = True
 
     def node_row(self, node: NodeRecord) -> NodeRow:

@@ -24,6 +24,7 @@ unique index): queueing it again is a no-op, whichever tracker queues it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sqlite3
 import threading
 import time
@@ -57,8 +58,8 @@ class LeaseLost(MeshnetError):
                          hint="this tracker stopped leading; the current leader plans instead")
 
 
-#: nodes per statement of :meth:`TrackerStore.forget_nodes` (one bound value each, within sqlite's
-#: 32,766 variables and PostgreSQL's 65,535 parameters a statement)
+#: nodes per statement of :meth:`TrackerStore.forget_nodes` on sqlite (one bound value each, within its
+#: 32,766 variables a statement; PostgreSQL takes the ids as one array)
 FORGET_CHUNK = 5000
 
 #: the longest a store call waits for another call on the same connection (a worker thread's
@@ -66,6 +67,13 @@ FORGET_CHUNK = 5000
 #: event loop calls the store too, and must not wait out a network deadline (ADR-0054). A
 #: 10,000-node rebalance's batch write takes well under a second.
 LOCK_WAIT_S = 2.0
+
+
+@functools.lru_cache(maxsize=512)
+def _with_placeholder(sql: str, placeholder: str) -> str:
+    """``sql`` with ``placeholder`` for ``?``, the recent ones remembered: bounded, since statements
+    over a list of ids (pins, heartbeat times, dropouts) differ with the list's length."""
+    return sql.replace("?", placeholder)
 
 
 class DeadlineLock:
@@ -150,19 +158,13 @@ class TrackerStore(SharedRecords):
 
     def __init__(self) -> None:
         self.lock = DeadlineLock()
-        self._sql_cache: dict[str, str] = {}
         #: the lease term this process leads under (the fencing token of its planning writes);
         #: None where it does not lead, or where only one tracker uses the database (ADR-0054)
         self.term: int | None = None
 
     def _sql(self, sql: str) -> str:
         """``sql`` with this backend's placeholder."""
-        if self.placeholder == "?":
-            return sql
-        out = self._sql_cache.get(sql)
-        if out is None:
-            out = self._sql_cache[sql] = sql.replace("?", self.placeholder)
-        return out
+        return sql if self.placeholder == "?" else _with_placeholder(sql, self.placeholder)
 
     def _execute(self, sql: str, args: tuple | list = ()):
         return self.db.execute(self._sql(sql), args)
@@ -344,19 +346,18 @@ class TrackerStore(SharedRecords):
         """
         if not node_ids:
             return 0
-        mark = self.placeholder  # the statements' texts vary with the count: kept out of the statement cache
-        opened = ",".join([mark] * len(OPEN_STATUSES))
+        opened = ",".join("?" * len(OPEN_STATUSES))
         failed, now = 0, time.time()
         with self._transaction():
             self._check_term(term)
             for start in range(0, len(node_ids), FORGET_CHUNK):
                 part = node_ids[start:start + FORGET_CHUNK]
-                ids = ",".join([mark] * len(part))
-                failed += self.db.execute(f"UPDATE directives SET status = 'failed', error = {mark}, "
-                                          f"updated_at = {mark} WHERE node_id IN ({ids}) AND status IN ({opened})",
-                                          (error, now, *part, *OPEN_STATUSES)).rowcount
+                ids = ",".join("?" * len(part))
+                failed += self._execute(f"UPDATE directives SET status = 'failed', error = ?, updated_at = ? "
+                                        f"WHERE node_id IN ({ids}) AND status IN ({opened})",
+                                        (error, now, *part, *OPEN_STATUSES)).rowcount
                 if delete_records:
-                    self.db.execute(f"DELETE FROM nodes WHERE node_id IN ({ids})", tuple(part))
+                    self._execute(f"DELETE FROM nodes WHERE node_id IN ({ids})", tuple(part))
         return failed
 
     def directive(self, directive_id: int) -> Directive | None:
@@ -483,15 +484,6 @@ class TrackerStore(SharedRecords):
                 for r in self._rows(f"SELECT node_id, heartbeat_at FROM nodes WHERE node_id IN ({marks})",
                                     tuple(node_ids))}
 
-    def delete_node(self, node_id: str, *, term: int | None = None) -> None:
-        """Forget a node's record (it dropped out or left). ``term``: the leader's lease term, as
-        for :meth:`add_directives`.
-
-        Raises:
-            LeaseLost: ``term`` is no longer this process's lease (nothing changed).
-        """
-        with self._fenced(term):
-            self._execute("DELETE FROM nodes WHERE node_id = ?", (node_id,))
 
 class SqliteStore(TrackerStore):
     """The embedded store: a sqlite file, or ``":memory:"`` (tests). One tracker process per file;
