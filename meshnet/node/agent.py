@@ -30,6 +30,7 @@ from meshnet.node.loader import load_shard
 from meshnet.protocol.control import PROTOCOL_REVISION, CapabilityReport, Directive, DirectiveUpdate, HeartbeatRequest, NodeStats, RegisterResponse, QuarantineReport, RegisterRequest, ShardInfo
 from meshnet.protocol.signing import decode_public_key, encode_public_key
 from meshnet.protocol.route import Hop, Route
+from meshnet.protocol.waits import wait_event
 from meshnet.relay.backoff import Backoff
 from meshnet.relay.tunnel import NodeTunnel
 from meshnet.node.reachability import RelayMixin
@@ -171,11 +172,7 @@ class TrackerAgent(RelayMixin):
         back-off (at most the interval), so a tracker that comes back finds the node within seconds."""
         while True:
             wait_s = self.interval_s if not self.failures else min(self.interval_s, self.backoff.next_delay_s())
-            try:
-                async with asyncio.timeout(wait_s):  # not wait_for: on 3.11 it swallows a cancel that meets the wake
-                    await self.wake.wait()
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self.wake, wait_s)
             self.wake.clear()
             try:
                 await self.heartbeat()

@@ -18,6 +18,7 @@ import httpx
 from meshnet.endpoints import check_endpoints
 from meshnet.errors import MeshnetError
 from meshnet.protocol.control import HeartbeatResponse, RegisterResponse
+from meshnet.protocol.waits import wait_event
 from meshnet.relay.tunnel import NodeTunnel
 
 log = logging.getLogger(__name__)
@@ -117,10 +118,7 @@ class RelayMixin:
             self.tunnel = self._new_tunnel()
         if self._tunnel_task is None:
             self._tunnel_task = asyncio.create_task(self.tunnel.run())
-        try:
-            async with asyncio.timeout(attach_wait_s):  # not wait_for: it can swallow a cancel on 3.11
-                await self.tunnel.attached.wait()
-        except asyncio.TimeoutError:
+        if not await wait_event(self.tunnel.attached, attach_wait_s):
             log.warning("no tunnel to %s within %.0f s (%s); still trying", self.tunnel.relay_url, attach_wait_s,
                         self.tunnel.last_error)
 

@@ -60,6 +60,7 @@ from meshnet.protocol.control import AssignResponse
 from meshnet.protocol.traffic import BUCKET_COUNT
 from meshnet.protocol.views import CoverageList, DemandList, DemandRow
 from meshnet.protocol.route import RouteResponse
+from meshnet.protocol.waits import wait_event
 from meshnet.relay.hub import DEFAULT_RELAY_BODY_BYTES, RelayHub
 from meshnet.tracker.service import TrackerService, TrackerSettings
 from meshnet.tracker.traffic import TrafficGatherer, last_buckets
@@ -293,11 +294,7 @@ async def control_loop(app: Starlette) -> None:
     last = 0.0
     pruned_s = 0.0
     while True:
-        try:
-            async with asyncio.timeout(1.0):  # not wait_for: on 3.11 it swallows a cancel that meets the wake
-                await app.state.wake.wait()
-        except asyncio.TimeoutError:
-            pass
+        await wait_event(app.state.wake, 1.0)
         app.state.wake.clear()
         heap.tick()  # short collector pauses at 10,000 nodes (ADR-0059)
         try:

@@ -46,6 +46,17 @@ async def test_the_trackers_control_loop_stops_when_cancelled_as_it_is_woken():
         await stops_when_cancelled_at_its_wake(asyncio.create_task(control_loop(app)), app.state.wake)
 
 
+async def test_wait_event_says_whether_it_was_woken_and_passes_a_cancel_on():
+    from meshnet.protocol.waits import wait_event
+
+    event = asyncio.Event()
+    assert await wait_event(event, 0.01) is False
+    asyncio.get_running_loop().call_later(0.01, event.set)
+    assert await wait_event(event, 5.0) is True
+    event.clear()
+    await stops_when_cancelled_at_its_wake(asyncio.create_task(wait_event(event, 5.0)), event)
+
+
 def test_no_module_waits_with_asyncio_wait_for():
     calls = []
     for path in [*sorted((ROOT / "meshnet").rglob("*.py")), *sorted((ROOT / "tui").rglob("*.py"))]:
