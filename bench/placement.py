@@ -90,6 +90,19 @@ def make_node(rng: random.Random, node_id: str, models: list[ModelSpec], held: f
     return node._replace(assignments=(Assignment(spec.name, LayerRange(start, start + fit), tier),))
 
 
+def cold_network(size: int) -> tuple[random.Random, list[ModelSpec], list[NodeState]]:
+    """The seeded ``cold`` network of ``size`` nodes (30 % hold a shard, the rest idle) over 20 models,
+    and its generator (the churn that follows draws from it)."""
+    rng = random.Random(size)
+    models = make_models(rng)
+    return rng, models, [make_node(rng, f"node-{k:05d}", models, held=0.3) for k in range(size)]
+
+
+def backends() -> tuple[str, ...]:
+    """The backends the figures are printed for (``MESHNET_BENCH_PG=off``: sqlite alone)."""
+    return ("sqlite",) if PG_SERVER == "off" else ("postgresql", "sqlite")
+
+
 def churn(rng: random.Random, nodes: list[NodeState], models: list[ModelSpec], share: float) -> list[NodeState]:
     """``nodes`` less a random ``share`` of them, plus as many new idle nodes."""
     leaving = set(rng.sample(range(len(nodes)), int(len(nodes) * share)))
@@ -112,9 +125,7 @@ def main() -> None:
     print(f"{'nodes':>7} {'cold ms':>9} {'loads':>6} {'churn ms':>9} {'loads':>6} {'steady ms':>10} {'replan':>7}")
     at_max = {}
     for size in SIZES:
-        rng = random.Random(size)
-        models = make_models(rng)
-        cold = [make_node(rng, f"node-{k:05d}", models, held=0.3) for k in range(size)]
+        rng, models, cold = cold_network(size)
         cold_plan = plan_placement(cold, models)
         settled = apply_plan(cold, cold_plan)
         churned = churn(rng, settled, models, 0.05)
@@ -200,15 +211,12 @@ def rebalance_figures(size: int = SIZES[-1], runs: int = 3) -> None:
     """Print the full rebalance at ``size`` nodes (the ``cold`` network of :func:`main`'s seed), per
     backend: the median of ``runs``, each on a fresh database, with the load average beside it."""
     log_as_served()
-    rng = random.Random(size)
-    models = make_models(rng)
-    cold = [make_node(rng, f"node-{k:05d}", models, held=0.3) for k in range(size)]
-    backends = ("sqlite",) if PG_SERVER == "off" else ("postgresql", "sqlite")
+    _, models, cold = cold_network(size)
     print(f"\nfull rebalance at {size:,} nodes x {len(models)} models (rebalance_off_loop), ms, median of {runs} "
           f"(each on a fresh database); targets: wall with the write < {TARGET_MS:.0f}, block < {BLOCK_TARGET_MS:.0f}")
     print(f"{'backend':>11} {'wall':>6} {'plan':>6} {'write':>6} {'rows':>6} {'rest':>6} {'block':>6}  "
           f"{'runs (wall/block)':<30} load avg")
-    for backend in backends:
+    for backend in backends():
         results = []
         for _ in range(runs):
             with database(backend) as db:
@@ -237,14 +245,11 @@ def dropout_figures(size: int = SIZES[-1], runs: int = 3) -> None:
     their open directives in the store), per backend, the median of ``runs``."""
     from meshnet.tracker.sharing import Sharing
 
-    rng = random.Random(size)
-    models = make_models(rng)
-    cold = [make_node(rng, f"node-{k:05d}", models, held=0.3) for k in range(size)]
-    backends = ("sqlite",) if PG_SERVER == "off" else ("postgresql", "sqlite")
+    _, models, cold = cold_network(size)
     print(f"\nnodes dropping out at once from {size:,} (check_dropouts as the leader), ms on the event loop, "
           f"median of {runs}; target < {BLOCK_TARGET_MS:.0f}")
     print(f"{'backend':>11} " + " ".join(f"{n:>8,}" for n in DROPOUTS) + "  load avg")
-    for backend in backends:
+    for backend in backends():
         cells = []
         for gone in DROPOUTS:
             times = []
@@ -274,9 +279,7 @@ def takeover_figures(size: int = SIZES[-1], runs: int = 3) -> None:
         return
     from meshnet.tracker.sharing import Sharing
 
-    rng = random.Random(size)
-    models = make_models(rng)
-    cold = [make_node(rng, f"node-{k:05d}", models, held=0.3) for k in range(size)]
+    _, models, cold = cold_network(size)
     walls, blocks = [], []
     for _ in range(runs):
         with database("postgresql") as db:
