@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from meshnet.endpoints import check_endpoints
 from meshnet.errors import MeshnetError, ModelNotRoutable
 from meshnet.protocol.control import (AssignResponse, DirectiveList, FailureReport, HeartbeatRequest,
-                                      HeartbeatResponse, QuarantineReport, RegisterRequest, RegisterResponse)
+                                      HeartbeatResponse, RegisterRequest, RegisterResponse, AuditReport)
 from meshnet.protocol.route import Hop, Route, RouteResponse
 from meshnet.protocol.traffic import MeshTraffic
 from meshnet.protocol.views import Coverage, CoverageList, DemandList, NodeList
@@ -89,6 +89,10 @@ def _parse(model: type[T], body: Any, what: str) -> T:
         field = ".".join(str(p) for p in err["loc"]) or "body"
         raise MeshnetError(f"{what}: unexpected answer, field '{field}': {err['msg']}", code="bad_response",
                            status=502, hint="tracker and node versions may differ") from exc
+
+
+#: seconds the tracker may take over an audit's dispute (it re-runs the steps on two holders)
+AUDIT_TIMEOUT_S = 300.0
 
 
 class NodeSigner(httpx.Auth):
@@ -248,11 +252,12 @@ class TrackerClient(_Base):
         await self._call("POST", f"/v1/nodes/{node_id}/failure", "report hop failure",
                          json=FailureReport(reason=reason[:2000], ticket=ticket or "").model_dump(), retry=True)
 
-    async def report_quarantine(self, node_id: str, report: QuarantineReport) -> None:
-        """Ask the tracker to quarantine ``node_id``, outvoted by a spot-check (ADR-0042; signed
-        by the client's auth, an entry node's :class:`NodeSigner`)."""
-        await self._call("POST", f"/v1/nodes/{node_id}/quarantine", "report a spot-check",
-                         json=report.model_dump(), retry=True)
+    async def report_audit(self, node_id: str, report: AuditReport) -> dict:
+        """Send the tracker an audit's dispute over ``node_id`` with its signed steps (ADR-0067;
+        signed by the client's auth, an entry node's :class:`NodeSigner`); the tracker's verdict
+        (``{"verdict", "reason", "distances"}``)."""
+        return await self._call("POST", f"/v1/nodes/{node_id}/audit", "report an audit",
+                                json=report.model_dump(), timeout=AUDIT_TIMEOUT_S)
 
     async def _route(self, model: str, start_layer: int, end_layer: int, exclude: frozenset[str],
                      session: str | None = None, like: str | None = None) -> RouteResponse:

@@ -9,6 +9,12 @@ corruption applied). The environment says where and when:
     MESHNET_TEST_CORRUPT_AFTER=N      ... from the (N+1)-th hop call on (default 0: from the first);
                                       N=1 passes one admission challenge, then turns bad
     MESHNET_TEST_CORRUPT_SCALE=S      noise std relative to that weight's std (default 0.5)
+    MESHNET_TEST_CORRUPT_DECODE=S     instead: lie only on decode steps (one token past position 0, on
+                                      hop streams and hop calls alike): add seeded noise of S x the
+                                      output's std to the hop's output; prefill, admission challenges
+                                      and spot-checks (position 0) stay honest
+    MESHNET_TEST_CLAIM_SPEED=K        claim K times the measured decode speed in doctor reports (routes
+                                      prefer the fastest holder: the dishonest node draws the traffic)
 
 The noise is seeded (0) and added in place to the loaded weights; the capability report and
 its weights digest stay those of the honest load (a dishonest node would lie about them too).
@@ -67,11 +73,39 @@ class Corruption:
             self.done = True
 
 
+def lie_on_decode(scale: float) -> None:
+    """Make every decode step of this process's hops (one token past position 0) return its output
+    plus seeded noise of ``scale`` x the output's std (the node's one lie)."""
+    from meshnet.node.runtime import NodeRuntime
+
+    honest = NodeRuntime.forward_async
+    gen = torch.Generator().manual_seed(0)
+
+    async def forward_async(self, *, position, hidden, **kw):
+        out = await honest(self, position=position, hidden=hidden, **kw)
+        if position > 0 and hidden.shape[1] == 1:
+            noise = torch.randn(out.shape, generator=gen) * float(out.float().std()) * scale
+            out = out + noise.to(out.dtype)
+        return out
+
+    NodeRuntime.forward_async = forward_async
+    log.warning("TEST: lying on decode steps (noise %.2f x the output's std)", scale)
+
+
 def main() -> None:
     """``meshnet`` with :class:`Corruption` from the environment installed on the node's hop calls
-    (``POST /v1/forward``: admission challenges, spot-checks and the HTTP hop path)."""
+    (``POST /v1/forward``: admission challenges, spot-checks and the HTTP hop path), or lying on
+    decode steps only (``MESHNET_TEST_CORRUPT_DECODE``)."""
     import meshnet.node.app as node_app
     from meshnet.cli.main import app
+
+    if os.environ.get("MESHNET_TEST_CORRUPT_DECODE"):
+        lie_on_decode(float(os.environ["MESHNET_TEST_CORRUPT_DECODE"]))
+    if os.environ.get("MESHNET_TEST_CLAIM_SPEED"):
+        import meshnet.node.doctor as doctor
+
+        measured, factor = doctor.measure_decode_tokens_per_s, float(os.environ["MESHNET_TEST_CLAIM_SPEED"])
+        doctor.measure_decode_tokens_per_s = lambda *a, **kw: measured(*a, **kw) * factor
 
     corruption = Corruption.from_env()
     if corruption is not None:

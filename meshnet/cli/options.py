@@ -87,6 +87,12 @@ def spot_check_option(help: str):
                         help=help)
 
 
+def audit_option(help: str = "As an entry: share of sessions whose every hop is re-run on a second holder after "
+                              "the session, every position, from the hops' signed transcripts (ADR-0067; higher "
+                              "while a hop is on probation; 0 disables)."):
+    return typer.Option(N.audit_rate, "--audit-rate", min=0.0, max=1.0, envvar="MESHNET_AUDIT_RATE", help=help)
+
+
 def _check_speculate(value: str) -> str:
     from meshnet.gateway.speculation import parse_speculate
 
@@ -180,6 +186,7 @@ class NodeOptions:
                                   help="Most sessions' steps in one batched forward.")
     spot_check_rate: float = spot_check_option("As an entry: share of sessions whose hops are also run on a second "
                                                "holder and compared (0 disables).")
+    audit_rate: float = audit_option()
     speculate: str = speculate_option()
     drain_grace: float = drain_option()
     relay: bool = typer.Option(False, "--relay", envvar="MESHNET_RELAY",
@@ -239,7 +246,7 @@ class NodeOptions:
             relay=self.relay or self.relay_url is not None, relay_url=self.relay_url,
             batch_window_s=self.batch_window_ms / 1000, max_batch_size=self.max_batch,
             auto_relay=not self.no_auto_relay, offer_relay=self.offer_relay, spot_check_rate=self.spot_check_rate,
-            speculate=self.speculate, max_client_requests=self.max_client_requests,
+            audit_rate=self.audit_rate, speculate=self.speculate, max_client_requests=self.max_client_requests,
             **body_limit(self.max_body_bytes))
 
 
@@ -301,6 +308,8 @@ class TrackerOptions:
     spot_check_rate: float = spot_check_option("With --serve-layers from layer 0, as the entry: share of sessions "
                                                "whose hops are also run on a second holder and compared (ADR-0042; "
                                                "0 disables).")
+    audit_rate: float = audit_option("With --serve-layers from layer 0, as the entry: share of sessions whose "
+                                     "hops are re-run on a second holder after the session (ADR-0067; 0 disables).")
     speculate: str = speculate_option("With --serve-layers from layer 0, as the entry: speculative decoding "
                                       "(ADR-0058): auto, off, or a fixed draft count K (0-16).")
     log_level: str | None = log_level_option()
@@ -351,6 +360,9 @@ class ServeOptions:
     spot_check_rate: float = typer.Option(N.spot_check_rate, "--spot-check-rate", min=0.0, max=1.0,
                                           help="Share of sessions whose hops the entry also runs on a second holder "
                                                "and compares (ADR-0042; 0 disables).")
+    audit_rate: float = audit_option("Share of sessions whose every hop the entry re-runs on a second holder after "
+                                     "the session, every position, from the hops' signed transcripts (ADR-0067; "
+                                     "higher while a hop is on probation; 0 disables).")
     speculate: str = speculate_option("The entry's speculative decoding (ADR-0058): auto (prompt-lookup drafts, as "
                                       "many per step as measured acceptance and step cost make pay), off, or a "
                                       "fixed draft count K (0-16).")

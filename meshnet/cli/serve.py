@@ -190,7 +190,8 @@ def _start(mesh: LocalMesh, opts: ServeOptions, model: str, ranges: list[LayerRa
     # the processes share the machine's RAM, or the one GPU's free memory
     memory_mb = memory_per_node_mb(shards, device_memory_bytes(opts.device) or psutil.virtual_memory().total)
     drain = ["--drain-grace", str(opts.drain_grace), "--max-client-requests", str(opts.max_client_requests)]
-    spot = ["--spot-check-rate", str(opts.spot_check_rate), "--speculate", opts.speculate]
+    spot = ["--spot-check-rate", str(opts.spot_check_rate), "--audit-rate", str(opts.audit_rate),
+            "--speculate", opts.speculate]
     compute = ["--dtype", choice.compute_dtype, "--device", opts.device, "--wire-dtype", opts.wire_dtype,
                "--memory", str(memory_mb)]
     own = (["--serve-layers", str(ranges[0]), "--threads", str(choice.threads), *compute, *spot]

@@ -192,7 +192,7 @@ def _tracker_node_settings(tracker, model: str, opts: TrackerOptions):
                         compute_dtype=choice.compute_dtype, device=device, wire_dtype=opts.wire_dtype,
                         heartbeat_interval_s=tracker.heartbeat_interval_s, torch_threads=choice.threads,
                         drain_grace_s=tracker.drain_grace_s, spot_check_rate=opts.spot_check_rate,
-                        speculate=opts.speculate)
+                        audit_rate=opts.audit_rate, speculate=opts.speculate)
 
 
 @node_app.command("start")

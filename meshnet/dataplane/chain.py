@@ -31,6 +31,7 @@ from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed, MeshnetError, 
 from meshnet.dataplane.codec import Activation
 from meshnet.dataplane.deadlines import deadline_s
 from meshnet.dataplane.failover import CHAIN_LOST, Failover, FailoverCounts, FailoverListener, RemoteContext, describe
+from meshnet.dataplane.receipts import digest
 from meshnet.dataplane.replay import cut_history, rechunk
 from meshnet.dataplane.transport import StreamPool
 from meshnet.layers import LayerRange
@@ -41,7 +42,10 @@ from meshnet.dataplane.frames import FLAG_LAST_ONLY, FLAG_NO_RESULT, FLAG_REWIND
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHAIN_LOST", "ChainEnd", "ChainInbox", "ChainRoute", "StageOrder"]
+#: most receipts a chain keeps (a session of 65,536 steps over 4 hops is far longer than any)
+MAX_RECEIPTS = 262_144
+
+__all__ = ["CHAIN_LOST", "ChainEnd", "ChainInbox", "ChainRecord", "ChainRoute", "StageOrder"]
 
 
 class StageOrder:
@@ -100,6 +104,23 @@ class ChainInbox:
 
 
 @dataclass(frozen=True)
+class ChainRecord:
+    """One chain as its entry saw it, for an audit (ADR-0067): the ``model``, ``chain_id``, chain
+    ``key`` and ``ticket``, its remote ``hops``, the frames the entry sent down it (``sent``:
+    ``(position, SHA-256 of the frame)`` in order) and the hops' ``receipts`` as they came
+    (``(hop index, position, flags, RECEIPT body)``)."""
+
+    model: str | None
+    chain_id: str
+    key: str
+    ticket: str | None
+    hops: tuple[Hop, ...]
+    sent: tuple[tuple[int, bytes], ...]
+    receipts: tuple[tuple[int, int, int, bytes], ...]
+    failed_over: bool = False  # the chain replaced another: its first steps were a replay, not the history
+
+
+@dataclass(frozen=True)
 class ChainEnd:
     """An entry node as its chains see it: its ``node_id`` and ``endpoint`` (the last hop returns
     results there, any hop sends errors there), its outbound stream ``pool`` and the ``inbox`` its
@@ -135,6 +156,10 @@ class ChainRoute(FailoverCounts):
         self.times = self.fo.new_times()
         #: everything sent so far, contiguous from position 0: ``(position, frame, tokens, flags)``
         self.history: list[tuple[int, bytes, int, int]] = []
+        #: the current chain's step receipts as they came (ADR-0067): (hop index, position, flags, 128-byte body)
+        self.receipts: list[tuple[int, int, int, bytes]] = []
+        #: (position, SHA-256) of every frame sent down the current chain, in order (what its first hop received)
+        self.sent: list[tuple[int, bytes]] = []
         self.order = StageOrder()  # ``length``: tokens sent down the chain so far
         self.replayed_tokens = 0
         self._futures: dict[int, asyncio.Future] = {}
@@ -155,23 +180,36 @@ class ChainRoute(FailoverCounts):
         if self.chain_id is not None:
             self.inbox.unregister(self.chain_id)
         self.hops, self.ticket, self.chain_id = list(route.hops), route.ticket, chain_id
+        self.receipts, self.sent = [], []
         self.key = new_chain_key()  # every chain its own: a failed-over chain's hops cannot speak for the new one
         self.epoch += 1
         self.broken: asyncio.Future = asyncio.get_running_loop().create_future()
         self.inbox.register(chain_id, self)
         self._opened = False
 
+    def forget(self) -> None:
+        """Take no more messages for the current chain (after a lingering :meth:`close`)."""
+        self.inbox.unregister(self.chain_id)
+
+    def audit_record(self) -> "ChainRecord":
+        """What an audit of the current chain needs (ADR-0067): its hops, id, key and ticket, the
+        frames this entry sent down it and the hops' receipts (a snapshot: the chain may go on)."""
+        return ChainRecord(self.model, self.chain_id, self.key, self.ticket, tuple(self.hops), tuple(self.sent),
+                           tuple(self.receipts), self.epoch > 0)
+
     def _release(self, abandoned: bool) -> None:
         """Release the current chain's session on each of its hops, in the background."""
         self.fo.release([(h.endpoint, self.ticket) for h in self.hops], self.chain_id, abandoned=abandoned)
 
-    def close(self) -> None:
+    def close(self, linger: bool = False) -> None:
         """End the session on every hop at once: the releases go out in the background (returns
-        at once, never raises; safe while the generation is being cancelled)."""
+        at once, never raises; safe while the generation is being cancelled). With ``linger`` the
+        chain still takes its hops' late receipts until :meth:`forget` (an audit waits for them)."""
         if self._closed:
             return
         self._closed = True
-        self.inbox.unregister(self.chain_id)
+        if not linger:
+            self.inbox.unregister(self.chain_id)
         for fut in self._futures.values():
             if not fut.done():
                 fut.cancel()
@@ -195,6 +233,9 @@ class ChainRoute(FailoverCounts):
                 fut.set_result((self.epoch, message.body))  # the chain that sent it, should it be unusable
         elif message.kind == Kind.ERROR and not self.broken.done():
             self.broken.set_result(self._error_of(message))
+        elif message.kind == Kind.RECEIPT and 0 < message.hop_index <= len(self.hops) \
+                and len(self.receipts) < MAX_RECEIPTS:
+            self.receipts.append((message.hop_index - 1, message.position, message.flags, message.body))
 
     def _error_of(self, message: Message) -> HopFailed:
         try:
@@ -225,7 +266,8 @@ class ChainRoute(FailoverCounts):
 
     async def _open(self) -> None:
         opened = ChainOpen(model=self.model, entry=self.entry_id, entry_endpoint=self.entry_endpoint,
-                           hops=[h.to_json() for h in self.hops], tickets=[self.ticket] * len(self.hops))
+                           hops=[h.to_json() for h in self.hops], tickets=[self.ticket] * len(self.hops),
+                           receipts=True)
         self._opened = True
         await self._send(Kind.OPEN, body=opened.to_body())
 
@@ -260,6 +302,7 @@ class ChainRoute(FailoverCounts):
             if not self._opened:
                 await self._open()
             await self._send(Kind.STEP, position, flags, frame)
+            self.sent.append((position, digest(frame)))
             self.order.cond.notify_all()
         try:
             return await self._result(position, fut, shape[1], (1, 1 if last_only else shape[1], shape[-1]))

@@ -17,7 +17,8 @@ import numpy as np
 
 from meshnet.dataplane.frames import DEFAULT_MAX_BYTES, pack_header, read_array
 
-__all__ = ["TOLERANCE", "challenge_frame", "frame_distance", "outvoted", "tolerance"]
+__all__ = ["TOLERANCE", "challenge_frame", "frame_distance", "outvoted", "reference_rows", "step_distances",
+           "tolerance"]
 
 #: the largest frame this module reads, bytes (a challenge or a prefill chunk is far smaller)
 MAX_FRAME_BYTES = DEFAULT_MAX_BYTES
@@ -83,3 +84,43 @@ def outvoted(checked: str, second: str, third: str, distances: dict[tuple[str, s
         if agree(x, y) and not agree(loser, x) and not agree(loser, y):
             return loser
     return None
+
+
+def step_distances(outputs: list[tuple[int, int, int, bytes]], reference: np.ndarray) -> list[float]:
+    """Relative L2 distance of each step's output to a reference run of the same inputs (ADR-0067).
+
+    Args:
+        outputs: ``(position, tokens, flags, output frame)`` of the audited hop's steps; an output
+            holds every position of its step, or only the last with :data:`FLAG_LAST_ONLY`.
+        reference: ``[positions, hidden]`` float32 rows, every position from 0 of a second holder's
+            run over the same inputs (a prefill of the whole history).
+
+    Returns:
+        One distance per step, in order (``inf`` when the step's rows are not in ``reference``,
+        its shape differs or a value is not finite).
+
+    Raises:
+        WireError: an output is not a frame.
+    """
+    out = []
+    for position, tokens, flags, frame in outputs:
+        rows = read_array(frame, MAX_FRAME_BYTES)
+        rows = rows.reshape(-1, rows.shape[-1]) if rows.ndim > 1 else rows.reshape(1, -1)
+        end = position + tokens
+        ref = reference[end - rows.shape[0]:end] if end <= reference.shape[0] else None
+        if ref is None or ref.shape != rows.shape or not (np.isfinite(rows).all() and np.isfinite(ref).all()):
+            out.append(float("inf"))
+            continue
+        out.append(float(np.linalg.norm(rows - ref) / max(float(np.linalg.norm(ref)), 1e-12)))
+    return out
+
+
+def reference_rows(frames: list[bytes]) -> np.ndarray:
+    """The ``[positions, hidden]`` float32 rows of consecutive ``[1, seq, hidden]`` output frames of
+    one run (every position returned), joined in order.
+
+    Raises:
+        WireError: a frame does not read.
+    """
+    arrays = [read_array(f, MAX_FRAME_BYTES) for f in frames]
+    return np.concatenate([a.reshape(-1, a.shape[-1]) for a in arrays], axis=0)

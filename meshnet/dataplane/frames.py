@@ -25,10 +25,10 @@ Part 2, hop stream messages: what travels on the WebSocket streams between nodes
 Every message is one binary WebSocket message: a fixed 32-byte header, then a body::
 
     offset size  field
-    0      1     kind (1 OPEN, 2 STEP, 3 RESULT, 4 ERROR, 5 BUNDLE)
+    0      1     kind (1 OPEN, 2 STEP, 3 RESULT, 4 ERROR, 5 BUNDLE, 6 RECEIPT)
     1      1     version (2)
     2      1     hop index: the receiver's place in the route (OPEN, STEP), from 0; the
-                 sender's place plus one (RESULT, ERROR), 0 when not given
+                 sender's place plus one (RESULT, ERROR, RECEIPT), 0 when not given
     3      1     flags (bit 0 LAST_ONLY: the last hop returns only the last position;
                          bit 1 NO_RESULT: it returns nothing, e.g. a failover's replay chunks)
     4      16    chain id: the session id of this chain on every hop, as 16 raw bytes (a uuid)
@@ -41,7 +41,9 @@ is no secret (it names the session in tickets, releases and the operator's views
 travels only inside the chain, so a peer that is not on the route cannot forge a message of it:
 it would have to guess 64 random bits, one message per guess, within the chain's lifetime.
 
-The body of STEP and RESULT is one activation frame (ADR-0001) passed on as it is; the body
+A RECEIPT's body is a hop's signed receipt of the step at its position (ADR-0067: two SHA-256
+digests and an Ed25519 signature, 128 bytes, :mod:`meshnet.dataplane.receipts`); its flags are
+the step's. The body of STEP and RESULT is one activation frame (ADR-0001) passed on as it is; the body
 of OPEN is :class:`ChainOpen` and that of ERROR :class:`ChainError`, both JSON. A decode step
 thus costs 32 bytes plus the frame (a 20-byte frame header and the hidden state) on each hop.
 
@@ -221,6 +223,7 @@ class Kind(enum.IntEnum):
     RESULT = 3  #: last hop → entry: the chain's output for one step
     ERROR = 4   #: any hop → entry: a step (or the chain) failed, naming the hop at fault
     BUNDLE = 5  #: node → peer: several of the above, in order, in one WebSocket message
+    RECEIPT = 6  #: any hop → entry: the hop's signed receipt of one step (ADR-0067, :mod:`meshnet.dataplane.receipts`)
 
 
 @dataclass(frozen=True)
@@ -388,6 +391,9 @@ class ChainOpen(Payload):
     entry_endpoint: str = Field(min_length=1)
     hops: list[HopJSON] = Field(min_length=1, max_length=64)
     tickets: list[str | None]
+    #: every hop sends the entry a signed RECEIPT of each step (ADR-0067); an entry that cannot
+    #: read receipts leaves it off
+    receipts: bool = False
 
     def to_body(self) -> bytes:
         return self.model_dump_json().encode()

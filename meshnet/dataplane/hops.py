@@ -43,6 +43,7 @@ from meshnet.dataplane.deadlines import StepTimes, deadline_s
 from meshnet.dataplane.codec import Activation, ActivationCodec
 from meshnet.dataplane.chain import StageOrder
 from meshnet.dataplane.failover import Failover, FailoverCounts, FailoverListener, RemoteContext, Touched, describe
+from meshnet.dataplane.receipts import HEADER_RECEIPT
 from meshnet.dataplane.frames import HEADER_REWIND
 from meshnet.dataplane.replay import cut_history, rechunk
 from meshnet.protocol.ids import SessionId
@@ -77,7 +78,8 @@ def _error_of(resp: httpx.Response) -> tuple[str, str]:
 async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, session_id: SessionId, position: int,
                        frame: bytes, last_only: bool, timeout: httpx.Timeout | float,
                        codec: ActivationCodec, expect_shape: tuple[int, ...] | None = None,
-                       ticket: str | None = None, rewind: bool = False) -> tuple[bytes, Activation]:
+                       ticket: str | None = None, rewind: bool = False,
+                       receipts: list[str] | None = None) -> tuple[bytes, Activation]:
     """``POST {endpoint}/v1/forward`` with one activation frame.
 
     Args:
@@ -86,6 +88,8 @@ async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, sessi
         ticket: the session's ticket naming this hop (sent as ``X-Meshnet-Ticket``; None: none).
         timeout: the whole call (seconds) or an ``httpx.Timeout`` with its own connect limit.
         expect_shape: the output shape the reply must have (None: any).
+        receipts: where to append the hop's signed receipt of the call (its ``X-Meshnet-Receipt``,
+            "" when it sent none; ADR-0067), or None.
 
     Returns:
         ``(reply frame, decoded tensor)``: the frame goes on to the next hop unchanged.
@@ -123,6 +127,8 @@ async def post_forward(client: httpx.AsyncClient, hop: Hop, *, model: str, sessi
     if expect_shape is not None and codec.shape(out) != tuple(expect_shape):
         raise HopFailed(f"{describe(hop)} sent shape {list(codec.shape(out))}, expected {list(expect_shape)}",
                         node_id=hop.node_id)
+    if receipts is not None:
+        receipts.append(resp.headers.get(HEADER_RECEIPT, ""))
     return resp.content, out
 
 
@@ -192,31 +198,33 @@ class RemoteRoute(FailoverCounts):
         shape = None if self.hidden_size is None else (1, 1 if last_only else seq_len, self.hidden_size)
         self._touched[state.hop.node_id] = (state.hop.endpoint, state.ticket)
         t0 = time.perf_counter()
+        receipts: list[str] | None = [] if check and position == 0 and self.spot_check is not None else None
         call = asyncio.ensure_future(post_forward(
             self.client, state.hop, model=self.model, session_id=self.session_id, position=position,
             frame=frame, last_only=last_only, timeout=self.timeout, codec=self.codec, expect_shape=shape,
-            ticket=state.ticket, rewind=rewind))
+            ticket=state.ticket, rewind=rewind, receipts=receipts))
         try:
             out = await self._await_in_time(state, call, seq_len, t0)
         finally:
             _settle(call)
         state.times.observe(seq_len, time.perf_counter() - t0)
-        if check and position == 0 and self.spot_check is not None:
-            await self._spot_check(state, frame, out[0], last_only)
+        if receipts is not None:
+            await self._spot_check(state, frame, out[0], last_only, receipts[0] if receipts else "")
         state.history.append((position, frame, seq_len))
         state.order.length = position + seq_len
         return out
 
-    async def _spot_check(self, state: HopState, frame: bytes, output: bytes, last_only: bool) -> None:
-        """Check the hop's first output against other holders; when the vote outvotes the hop it
-        is failed over like a failed hop (its call does not count, its replacement replays).
+    async def _spot_check(self, state: HopState, frame: bytes, output: bytes, last_only: bool, receipt: str) -> None:
+        """Check the hop's first output (``receipt``: the hop's signed receipt of it) against other
+        holders; when the vote outvotes the hop it is failed over like a failed hop (its call does
+        not count, its replacement replays).
 
         Raises:
             HopFailed: the hop was outvoted (and reported for quarantine).
         """
         loser = await self.spot_check.check(model=self.model, hop=state.hop, frame=frame, output=output,
                                             last_only=last_only, codec=self.codec, session_id=self.session_id,
-                                            exclude=frozenset(self.failed), ticket=state.ticket)
+                                            exclude=frozenset(self.failed), ticket=state.ticket, receipt=receipt)
         if loser == state.hop.node_id:
             raise HopFailed(f"{describe(state.hop)} was outvoted by a spot-check and quarantined",
                             node_id=state.hop.node_id)

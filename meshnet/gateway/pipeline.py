@@ -27,6 +27,7 @@ from meshnet.gateway.entry import Activation, EntryLayers, GenerationObserver, T
 from meshnet.dataplane.hops import RemoteRoute
 from meshnet.dataplane.failover import MeshLink, RemoteContext
 from meshnet.gateway.traffic import TrafficLog
+from meshnet.gateway.audit import Auditor
 from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.gateway.speculation import PromptLookup, SpeculationPolicy, StepCosts
 from meshnet.layers import LayerRange
@@ -109,13 +110,17 @@ class Orchestrator:
             :class:`meshnet.gateway.spotcheck.SpotChecker`), or None.
         step_costs: the route's measured step times by positions, which speculative decoding sizes
             its drafts by (ADR-0058), shared by the sessions of one entry (None: this one's own).
+        audit: audits a share of the chains after their sessions end, every hop and position
+            (ADR-0067, :class:`meshnet.gateway.audit.Auditor`), or None.
     """
 
     def __init__(self, entry: EntryLayers, *, end: ChainEnd, link: MeshLink,
                  settings: OrchestratorSettings = OrchestratorSettings(),
                  observer: GenerationObserver | None = None, traffic: TrafficLog | None = None,
-                 spot_check: SpotChecker | None = None, step_costs: StepCosts | None = None) -> None:
+                 spot_check: SpotChecker | None = None, step_costs: StepCosts | None = None,
+                 audit: Auditor | None = None) -> None:
         self.entry, self.end, self.link = entry, end, link
+        self.audit = audit
         self.node_id, self.endpoint = end.node_id, end.endpoint
         self.settings = settings
         self.observer = observer
@@ -237,6 +242,7 @@ class Orchestrator:
         session_id = uuid.uuid4().hex
         entry_hop = Hop(self.node_id, self.endpoint, LayerRange(0, self.entry.local_end))
         remote = await self._open(session_id)
+        audited = isinstance(remote, ChainRoute) and self.audit is not None and self.audit.draw(remote.hops)
         chooser: TokenChooser = self.entry.new_chooser(params)
         local = StageOrder()  # the entry's own layers
         if self.observer is not None:
@@ -274,7 +280,10 @@ class Orchestrator:
         finally:  # every ending (finish, disconnect, error, failover gave up): free every hop's session
             if decode is not None:
                 self.step_costs.decoding -= 1
-            if remote is not None:
+            if audited:  # its hops' last receipts may still be on their way
+                remote.close(linger=True)
+                self.audit.audit_soon(remote, self.entry.codec)
+            elif remote is not None:
                 remote.close()  # in the background, without awaiting: a frozen hop holds up no one
             self.entry.release(session_id)
             if self.traffic is not None:

@@ -31,17 +31,22 @@ from meshnet.dataplane.hops import post_forward
 from meshnet.dataplane.failover import release_soon
 from meshnet.layers import LayerRange
 from meshnet.dataplane.evidence import frame_distance, outvoted, tolerance
+from meshnet.dataplane.frames import FLAG_LAST_ONLY, read_frame
+from meshnet.errors import MeshnetError
+from meshnet.protocol.control import AuditReport, AuditStep
 from meshnet.protocol.route import Hop, Route
+from meshnet.protocol.signing import b64url
 
 log = logging.getLogger(__name__)
 
 #: async (model, layers, exclude node ids, session id, like node id) -> a route over ``layers`` through
 #: shards of the same recipe as node ``like``'s, with its ticket (``GET /v1/route?like=``)
 WitnessRoutes = Callable[[str, LayerRange, frozenset[str], str, str], Awaitable[Route]]
-#: async (node id, model, the checked hop, witnesses, distances keyed "a|b", limit, session) -> None:
-#: asks the tracker to quarantine the node (``POST /v1/nodes/{id}/quarantine``)
-QuarantineReporter = Callable[[str, str, Hop, list[str], dict[str, float], float, str, "str | None"],
-                              Awaitable[None]]
+#: async (node id, model, the checked hop, witnesses, distances keyed "a|b", limit, session, ticket,
+#: evidence) -> None: asks the tracker to judge the node. ``evidence`` is the outvoted node's own signed
+#: step (``POST /v1/nodes/{id}/audit``, ADR-0067), None when it signed none: then nothing can be shown
+QuarantineReporter = Callable[[str, str, Hop, list[str], dict[str, float], float, str, "str | None",
+                               "AuditReport | None"], Awaitable[None]]
 #: seconds a spot-check's session release may take
 RELEASE_TIMEOUT_S = 5.0
 
@@ -90,10 +95,10 @@ class SpotChecker:
         return self.rate > 0 and self.rng.random() < self.rate
 
     async def _witness(self, model: str, hop: Hop, exclude: frozenset[str], frame: bytes, last_only: bool,
-                       codec: ActivationCodec) -> tuple[str, bytes, str | None] | None:
+                       codec: ActivationCodec) -> tuple[str, bytes, str | None, str, str] | None:
         """Run ``frame`` through another holder of ``hop.layers`` (one node, not in ``exclude``) under
-        a fresh session; ``(node id, output frame, the ticket naming it)``, or None when there is
-        none or it failed."""
+        a fresh session; ``(node id, output frame, the ticket naming it, the session, its signed
+        receipt or "")``, or None when there is none or it failed."""
         session = uuid.uuid4().hex
         try:
             route: Route = await self.routes(model, hop.layers, exclude, session, hop.node_id)
@@ -103,17 +108,18 @@ class SpotChecker:
         if len(route.hops) != 1:  # covered only in pieces: no single node to hold to account
             return None
         witness = route.hops[0]
+        receipts: list[str] = []
         try:
             out, _ = await post_forward(self.client, witness, model=model, session_id=session, position=0,
                                         frame=frame, last_only=last_only, timeout=self.timeout_s, codec=codec,
-                                        ticket=route.ticket)
+                                        ticket=route.ticket, receipts=receipts)
         except Exception as exc:  # noqa: BLE001 - a witness that fails is no evidence either way
             log.info("spot-check witness %s failed: %s", witness.node_id, exc)
             return None
         finally:
             release_soon(self.client, [(witness.endpoint, route.ticket)], session, RELEASE_TIMEOUT_S,
                          self.release_auth)
-        return witness.node_id, out, route.ticket
+        return witness.node_id, out, route.ticket, session, receipts[0] if receipts else ""
 
     def _measure(self, a: bytes, b: bytes) -> float:
         d = frame_distance(a, b)
@@ -122,11 +128,12 @@ class SpotChecker:
 
     async def check(self, *, model: str, hop: Hop, frame: bytes, output: bytes, last_only: bool,
                     codec: ActivationCodec, session_id: str = "", exclude: frozenset[str] = frozenset(),
-                    ticket: str | None = None) -> str | None:
+                    ticket: str | None = None, receipt: str = "") -> str | None:
         """Check ``hop``'s ``output`` for input ``frame`` (a position-0 call) against other holders,
         none of them in ``exclude`` (the session's failed nodes) or outvoted by this checker before.
         ``ticket``: the session's ticket naming ``hop`` (the report of an outvoted hop carries the
-        ticket that named it, ADR-0042).
+        ticket that named it, ADR-0042); ``receipt``: the hop's signed receipt of ``output`` (the
+        evidence the tracker judges by, ADR-0067).
 
         Returns:
             The node id the vote quarantined (``hop.node_id`` when the checked hop lost, a
@@ -138,7 +145,7 @@ class SpotChecker:
         if second is None:
             self.stats.unverified += 1
             return None
-        second_id, second_out, second_ticket = second
+        second_id, second_out, second_ticket, second_session, second_receipt = second
         d12 = self._measure(output, second_out)
         if d12 <= self.limit:
             return None
@@ -150,7 +157,7 @@ class SpotChecker:
             log.warning("spot-check: no third holder of layers %s to settle %s against %s", hop.layers,
                         hop.node_id, second_id)
             return None
-        third_id, third_out, third_ticket = third
+        third_id, third_out, third_ticket, third_session, third_receipt = third
         distances = {(hop.node_id, second_id): d12, (hop.node_id, third_id): self._measure(output, third_out),
                      (second_id, third_id): self._measure(second_out, third_out)}
         loser = outvoted(hop.node_id, second_id, third_id, distances, self.limit)
@@ -163,9 +170,32 @@ class SpotChecker:
         log.warning("spot-check: %s outvoted over layers %s by %s: %s", loser, hop.layers, witnesses, evidence)
         self.stats.quarantined = (self.stats.quarantined + [loser])[-100:]
         self.outvoted = self.outvoted | {loser}
+        named, session, out, signed = {
+            hop.node_id: (ticket, session_id, output, receipt),
+            second_id: (second_ticket, second_session, second_out, second_receipt),
+            third_id: (third_ticket, third_session, third_out, third_receipt)}[loser]
+        proof = _evidence(model, hop, session, named, frame, out, signed, last_only)
         try:
-            named = {hop.node_id: ticket, second_id: second_ticket, third_id: third_ticket}[loser]
-            await self.report(loser, model, hop, witnesses, evidence, self.limit, session_id, named)
+            await self.report(loser, model, hop, witnesses, evidence, self.limit, session_id, named, proof)
         except Exception:  # noqa: BLE001 - a lost report must not fail the generation
             log.warning("could not report %s for quarantine", loser, exc_info=True)
         return loser
+
+
+def _evidence(model: str, hop: Hop, session: str, ticket: str | None, frame: bytes, output: bytes, receipt: str,
+              last_only: bool) -> AuditReport | None:
+    """The outvoted node's own signed step, as the tracker judges it (ADR-0067): its input at
+    position 0 of ``session``, its output and its receipt; None when it signed none."""
+    if not receipt or not ticket:
+        return None
+    start, end = hop.layers.to_inclusive()
+    try:
+        tokens = read_frame(frame).shape[1]
+    except (MeshnetError, IndexError):
+        return None
+    try:
+        return AuditReport(model=model, shard_start=start, shard_end=end, chain_id=session, ticket=ticket, steps=[
+            AuditStep(position=0, tokens=tokens, flags=FLAG_LAST_ONLY if last_only else 0, input=b64url(frame),
+                      output=b64url(output), receipt=receipt)])
+    except ValueError:  # a session id that is no chain id (32 hex characters): nothing the tracker could check
+        return None

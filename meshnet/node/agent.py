@@ -27,7 +27,7 @@ from meshnet.layers import LayerRange
 from meshnet.node import hardware, identity
 from meshnet.node.doctor import run_doctor
 from meshnet.node.loader import load_shard
-from meshnet.protocol.control import PROTOCOL_REVISION, CapabilityReport, Directive, DirectiveUpdate, HeartbeatRequest, NodeStats, RegisterResponse, QuarantineReport, RegisterRequest, ShardInfo
+from meshnet.protocol.control import PROTOCOL_REVISION, CapabilityReport, Directive, DirectiveUpdate, HeartbeatRequest, NodeStats, RegisterResponse, RegisterRequest, ShardInfo, AuditReport
 from meshnet.protocol.signing import decode_public_key, encode_public_key
 from meshnet.protocol.route import Hop, Route
 from meshnet.protocol.waits import wait_event
@@ -334,12 +334,13 @@ class TrackerAgent(RelayMixin):
         """
         return await self.client.session_route(model, layers.start, layers.end - 1, session_id, exclude, like)
 
-    async def report_quarantine(self, node_id: str, report: QuarantineReport) -> None:
-        """Ask the tracker to quarantine ``node_id`` (a spot-check outvoted it, ADR-0042)."""
-        try:
-            await self.client.report_quarantine(node_id, report)
-        except MeshnetError as exc:
-            log.warning("could not report %s for quarantine: %s", node_id, exc.message)
+    async def report_audit(self, node_id: str, report: AuditReport) -> dict:
+        """Send the tracker an audit's dispute over ``node_id`` (ADR-0067); its verdict.
+
+        Raises:
+            MeshnetError: the tracker refused it or could not be reached.
+        """
+        return await self.client.report_audit(node_id, report)
 
     async def report_failure(self, node_id: str, reason: str, ticket: str | None = None) -> None:
         """Report a hop failure to the tracker with the ticket that named the hop; a lost report is logged."""

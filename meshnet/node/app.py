@@ -4,6 +4,7 @@ Routes:
     POST   /v1/forward              activation frame in, activation frame out (headers below)
     WS     /v1/stream               hop streams: chains of sessions pushed node to node (ADR-0040)
     DELETE /v1/sessions/{id}        release a session's KV caches
+    GET    /v1/transcripts/{id}     what this node's hop of a chain received and sent, for holders of its key (ADR-0067)
     GET    /v1/health               liveness: node id, endpoint, relay tunnel, shard slots, sessions, cache bytes left, draining
     GET    /v1/ready                readiness: 200 {"ready": true} or 503 {"ready": false, "reasons"} (ADR-0032)
     GET    /v1/traffic              sessions in flight as entry, recent failovers, the last minutes'
@@ -38,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import httpx
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.exceptions import HTTPException
@@ -51,11 +52,14 @@ from meshnet.drain import Drain, DrainMiddleware
 from meshnet.errors import InvalidRequest, MeshnetError, NotFound, Unauthorized
 from meshnet.gateway import completions, openai_api
 from meshnet.dataplane.chain import ChainInbox
-from meshnet.dataplane.frames import HEADER_REWIND
+from meshnet.dataplane.frames import FLAG_LAST_ONLY, FLAG_REWIND, HEADER_REWIND
+from meshnet.dataplane.receipts import HEADER_CHAIN_KEY, HEADER_RECEIPT, TranscriptStore, sign_step, transcript_json
+from meshnet.protocol.signing import b64url
 from meshnet.dataplane.transport import StreamPool
 from meshnet.protocol.http import BodyLimit, http_error
 from meshnet.protocol.limits import ClientLimit
 from meshnet.gateway.traffic import TrafficLog
+from meshnet.gateway.audit import Auditor
 from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.layers import LayerRange
 from meshnet.node import hardware
@@ -100,9 +104,18 @@ class NodeContext:
     chains: ChainHost | None = None  # this node's hop of every chain through it
     inbox: ChainInbox = field(default_factory=ChainInbox)  # chains this node drives as entry
     spot_checker: SpotChecker | None = None  # made with the first orchestrator (ADR-0042)
+    auditor: Auditor | None = None  # made with the first orchestrator (ADR-0067)
     #: model -> the route's step times by positions, learnt across its chats (speculation, ADR-0058)
     step_costs: dict = field(default_factory=dict)
     traffic: TrafficLog = field(init=False)  # sessions in flight as entry, failovers (ADR-0046)
+    #: what this node's hops received and sent, by chain, for audits (ADR-0067)
+    transcripts: TranscriptStore = field(default_factory=TranscriptStore)
+
+    @property
+    def step_key(self) -> Ed25519PrivateKey | None:
+        """The node key its step receipts are signed with (ADR-0067): its tracker agent's (None:
+        no tracker, so no identity and nobody to show a receipt to)."""
+        return getattr(None if self.agent is None else self.agent.signer, "key", None)
 
     def __post_init__(self) -> None:
         self.traffic = TrafficLog(self.settings.node_id)
@@ -149,9 +162,27 @@ async def forward(request: Request) -> Response:
                                            position=position, hidden=hidden,
                                            rewind=request.headers.get(HEADER_REWIND) == "1")
     node.metrics.observe_forward(hidden.shape[1], time.perf_counter() - t0, position)
-    if request.headers.get("X-Meshnet-Last-Only") == "1":
+    last_only = request.headers.get("X-Meshnet-Last-Only") == "1"
+    if last_only:
         out = out[:, -1:]
-    return Response(await wire.encode_async(out, dtype=hidden.dtype), media_type="application/octet-stream")
+    frame = await wire.encode_async(out, dtype=hidden.dtype)
+    flags = (FLAG_LAST_ONLY if last_only else 0) | (FLAG_REWIND if request.headers.get(HEADER_REWIND) == "1" else 0)
+    return Response(frame, media_type="application/octet-stream",
+                    headers=_receipt_header(node, session, position, hidden.shape[1], flags, body, frame))
+
+
+def _receipt_header(node: NodeContext, session: str, position: int, tokens: int, flags: int, frame_in: bytes,
+                    frame_out: bytes) -> dict[str, str]:
+    """``X-Meshnet-Receipt``: the node's signed receipt of a hop call (ADR-0067), as a hop stream
+    step's RECEIPT; none without a node key or for a session id that is not 32 hex characters."""
+    key = node.step_key
+    if key is None:
+        return {}
+    try:
+        receipt = sign_step(key, session, position, tokens, flags, frame_in, frame_out)
+    except ValueError:
+        return {}
+    return {HEADER_RECEIPT: b64url(receipt.to_bytes())}
 
 
 async def release_session(request: Request) -> JSONResponse:
@@ -164,6 +195,22 @@ async def release_session(request: Request) -> JSONResponse:
         node.chains.drop(session)
     dropped = await asyncio.to_thread(node.runtime.end_session, session)
     return JSONResponse({"released": dropped})
+
+
+async def transcript(request: Request) -> JSONResponse:
+    """What this node's hop of a chain received and sent (ADR-0067), for whoever holds the chain's
+    key (its entry and its hops): an audit compares it with the hop's signed receipts.
+
+    Raises:
+        NotFound (404 ``no_transcript``): no transcript of that chain is kept here (never run here,
+            gone after its keeping time or evicted by newer ones), or the key is not the chain's.
+    """
+    node = _state(request)
+    chain_id = request.path_params["chain_id"]
+    steps = node.transcripts.steps(chain_id, request.headers.get(HEADER_CHAIN_KEY, ""))
+    if steps is None:
+        raise NotFound(f"no transcript of chain {chain_id} is kept here for that key", code="no_transcript")
+    return JSONResponse(transcript_json(chain_id, node.settings.node_id, steps))
 
 
 async def health(request: Request) -> JSONResponse:
@@ -183,6 +230,7 @@ async def health(request: Request) -> JSONResponse:
                          "compute_dtype": rt.compute_dtype, "rss_bytes": hardware.rss_bytes(), "uptime_s": round(time.time() - node.started_at, 1),
                          # what this entry's spot-checks found (ADR-0042); None before its first chat
                          "spot_checks": None if node.spot_checker is None else asdict(node.spot_checker.stats),
+                         "audits": None if node.auditor is None else asdict(node.auditor.stats),
                          **({} if chain is None else {"chain": chain in node.chains.chains})})
 
 
@@ -319,6 +367,7 @@ def _routes() -> list:
     """The node's HTTP and WebSocket routes."""
     return [Route("/v1/forward", forward, methods=["POST"]), WebSocketRoute("/v1/stream", stream_endpoint),
             Route("/v1/sessions/{session_id}", release_session, methods=["DELETE"]),
+            Route("/v1/transcripts/{chain_id}", transcript),
             Route("/v1/health", health), Route("/v1/ready", ready), Route("/v1/traffic", traffic),
             Route("/v1/doctor", doctor, methods=["POST"]), Route("/v1/models", list_models),
             Route("/v1/models/{model:path}", get_model),

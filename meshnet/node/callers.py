@@ -27,7 +27,7 @@ from meshnet.errors import Forbidden, InvalidRequest, SessionConflict, Unauthori
 from meshnet.layers import LayerRange
 from meshnet.node.settings import NodeSettings
 from meshnet.presets import canonical_model_name
-from meshnet.protocol.control import QuarantineReport
+from meshnet.protocol.control import AuditReport
 from meshnet.protocol.ids import NodeId, SessionId
 from meshnet.protocol.route import Hop, Route
 from meshnet.protocol.signing import decode_public_key, signer_of, verify_request
@@ -56,7 +56,7 @@ class TrackerLink(Protocol):
 
     async def report_failure(self, node_id: NodeId, reason: str) -> None: ...
 
-    async def report_quarantine(self, node_id: NodeId, report: QuarantineReport) -> None: ...
+    async def report_audit(self, node_id: NodeId, report: AuditReport) -> dict: ...
 
 
 class Caller(Protocol):

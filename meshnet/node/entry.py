@@ -13,6 +13,7 @@ sampling and log-probabilities, pure functions over tensors plus one small state
 from __future__ import annotations
 
 import json
+import logging
 import time
 import weakref
 
@@ -21,9 +22,10 @@ import torch
 from meshnet.node import wire
 from meshnet.dataplane.chain import ChainEnd
 from meshnet.dataplane.failover import MeshLink
-from meshnet.errors import InvalidRequest, NotFound
+from meshnet.errors import InvalidRequest, MeshnetError, NotFound
 from meshnet.gateway.pipeline import Orchestrator, OrchestratorSettings
 from meshnet.gateway.speculation import StepCosts, parse_speculate
+from meshnet.gateway.audit import Auditor
 from meshnet.gateway.spotcheck import SpotChecker
 from meshnet.gateway.entry import Activation, TokenLogprob
 from meshnet.layers import LayerRange
@@ -32,9 +34,11 @@ from meshnet.node.runtime import NodeRuntime
 from meshnet.node.slots import ShardSlot
 from meshnet.node.callers import advertised_endpoint
 from meshnet.presets import canonical_model_name
-from meshnet.protocol.control import QuarantineReport
+from meshnet.protocol.control import AuditReport
 from meshnet.protocol.openai import SamplingParams
 from meshnet.protocol.route import Route as MeshRoute
+
+log = logging.getLogger(__name__)
 
 
 def sample_token(logits: torch.Tensor, *, temperature: float = 0.0, top_p: float = 1.0,
@@ -367,6 +371,8 @@ def orchestrator_for(node, model: str | None, pipelined: bool | None = None) -> 
 
     if node.spot_checker is None and agent is not None:
         node.spot_checker = spot_checker_for(node)
+    if node.auditor is None and agent is not None:
+        node.auditor = auditor_for(node)
     settings = OrchestratorSettings(hop_timeout_s=node.settings.hop_timeout_s,
                                     hop_connect_timeout_s=node.settings.hop_connect_timeout_s,
                                     pipelined=True if pipelined is None else pipelined,
@@ -378,23 +384,46 @@ def orchestrator_for(node, model: str | None, pipelined: bool | None = None) -> 
     link = MeshLink(node.http, routes, report, None if agent is None else agent.signer)
     costs = node.step_costs.setdefault(slot.model, StepCosts())  # learnt across this entry's sessions
     return slot.model, Orchestrator(entry, end=end, link=link, settings=settings, observer=node.metrics,
-                                    traffic=node.traffic, spot_check=node.spot_checker, step_costs=costs)
+                                    traffic=node.traffic, spot_check=node.spot_checker, step_costs=costs,
+                                    audit=node.auditor)
+
+
+def auditor_for(node) -> Auditor:
+    """This entry's auditor (``audit_rate`` of its sessions, more while a hop is on probation):
+    witnesses of the audited hop's recipe from the tracker, disputes sent to it (ADR-0067)."""
+    agent = node.agent
+
+    async def routes(name, layers, exclude, session_id, like) -> MeshRoute:
+        return await agent.session_route(name, layers, exclude, session_id, like)
+
+    async def report(node_id: str, evidence: AuditReport) -> dict:
+        return await agent.report_audit(node_id, evidence)
+
+    return Auditor(node.settings.audit_rate, client=node.http, routes=routes, report=report,
+                   timeout_s=node.settings.hop_timeout_s, release_auth=agent.signer)
 
 
 def spot_checker_for(node) -> SpotChecker:
     """This entry's spot-checker (``spot_check_rate`` of its sessions): witnesses of the checked
-    hop's recipe from the tracker, outvoted nodes reported to it with the evidence (ADR-0042)."""
+    hop's recipe from the tracker (ADR-0042); an outvoted node's own signed step goes to the
+    tracker, which re-runs it and decides (ADR-0067)."""
     agent = node.agent
 
     async def routes(name, layers, exclude, session_id, like) -> MeshRoute:
         return await agent.session_route(name, layers, exclude, session_id, like)
 
     async def report(node_id: str, model: str, hop, witnesses: list[str], distances: dict[str, float],
-                     limit: float, session: str, ticket: str | None) -> None:
-        start, end = hop.layers.to_inclusive()
-        await agent.report_quarantine(node_id, QuarantineReport(
-            model=model, shard_start=start, shard_end=end, witnesses=witnesses, distances=distances,
-            tolerance=limit, session=session, ticket=ticket or ""))
+                     limit: float, session: str, ticket: str | None, evidence: AuditReport | None) -> None:
+        if evidence is None:
+            log.warning("spot-check: %s was outvoted over layers %s but signed nothing to show the tracker",
+                        node_id, hop.layers)
+            return
+        try:
+            verdict = await agent.report_audit(node_id, evidence)
+        except MeshnetError as exc:
+            log.warning("could not report %s's spot-check to the tracker: %s", node_id, exc.message)
+            return
+        log.warning("tracker's verdict on %s's spot-check: %s", node_id, verdict)
 
     return SpotChecker(node.settings.spot_check_rate, client=node.http, routes=routes, report=report,
                        timeout_s=node.settings.hop_timeout_s, release_auth=None if agent is None else agent.signer)

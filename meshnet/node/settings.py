@@ -49,6 +49,9 @@ class NodeSettings:
             thread: an event loop only moves bytes (ADR-0049).
         spot_check_rate: as an entry node, the share of sessions whose first call to each hop is
             also run on a second holder and compared (ADR-0042; 0 disables).
+        audit_rate: as an entry node, the share of sessions whose every hop is re-run on a second
+            holder after the session, every position, from the hops' signed transcripts
+            (ADR-0067; sessions through a hop still on probation are audited more often; 0 disables).
         speculate: as an entry node, speculative decoding (ADR-0058): ``auto``, ``off`` or a fixed
             draft count (:func:`meshnet.gateway.speculation.parse_speculate`).
         drain_hop_idle_s: while draining, a hop session untouched this long counts as over
@@ -103,6 +106,7 @@ class NodeSettings:
         in one while the batch runs, plus the codec and LM-head calls around them."""
         return max(32, 4 * self.max_batch_size)
     spot_check_rate: float = 0.02
+    audit_rate: float = 0.06
     speculate: str = "auto"
 
     @property

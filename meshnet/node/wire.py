@@ -38,12 +38,14 @@ from functools import cached_property
 from typing import Protocol
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from meshnet.dataplane import frames
 from meshnet.node.callers import HopHost, admit_hop
 from meshnet.node.metrics import NodeMetrics
 from meshnet.dataplane.chain import ChainInbox
+from meshnet.dataplane.receipts import TranscriptStep, TranscriptStore, sign_step
 from meshnet.dataplane.transport import StreamPool
 from meshnet.errors import Forbidden, MeshnetError, TicketExpired, WireError
 from meshnet.protocol.route import Hop
@@ -158,6 +160,8 @@ class HopChain:
     worker: asyncio.Task | None = None
     sender: asyncio.Task | None = None
     sending: bool = False       # the sender holds an output it has not sent yet
+    #: id of a step's message -> (its tokens, its index in the transcript), until its receipt went
+    recorded: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @cached_property
     def next_hop(self) -> Hop | None:
@@ -177,6 +181,11 @@ class ChainNode(HopHost, Protocol):
     streams: StreamPool | None
     inbox: ChainInbox
     last_forward_s: float
+    transcripts: TranscriptStore
+
+    @property
+    def step_key(self) -> Ed25519PrivateKey | None:
+        """The key this node signs its step receipts with (None: it has no identity yet)."""
 
 
 class ChainHost:
@@ -274,6 +283,7 @@ class ChainHost:
         for task in (chain.worker, chain.sender):
             if task is not None:
                 task.cancel()
+        self.node.transcripts.ended(chain_id)
         while not chain.queue.empty():  # frames decoded for nothing: mark their outcome as seen
             _settle(chain.queue.get_nowait()[1])
 
@@ -305,6 +315,7 @@ class ChainHost:
         finally:
             if self.chains.get(chain.chain_id) is chain:
                 del self.chains[chain.chain_id]
+            node.transcripts.ended(chain.chain_id)
             chain.outbox.put_nowait(None)  # the sender ends once what is queued has gone
 
     async def _step(self, chain: HopChain, message: Message, decoding: asyncio.Future) -> bool:
@@ -332,8 +343,11 @@ class ChainHost:
         except MeshnetError as exc:
             await self._report(chain, message.position, node.settings.node_id, exc)
             return False
+        chain.recorded[id(message)] = (hidden.shape[1], node.transcripts.record(
+            chain.chain_id, chain.key, TranscriptStep(message.position, hidden.shape[1], message.flags, message.body, None)))
         if chain.next_hop is None:
             if message.no_result:
+                await self._signed(chain, message, None)
                 return True
             if message.last_only:
                 out = out[:, -1:]
@@ -361,7 +375,8 @@ class ChainHost:
                 return
 
     async def _send_output(self, chain: HopChain, message: Message, frame: bytes) -> bool:
-        """The RESULT to the entry (last hop) or the STEP to the next hop; False when it could not go."""
+        """The RESULT to the entry (last hop) or the STEP to the next hop (then the step's receipt,
+        :meth:`_signed`); False when it could not go."""
         node = self.node
         nxt = chain.next_hop
         if nxt is None:
@@ -372,9 +387,32 @@ class ChainHost:
             except MeshnetError as exc:  # the entry is gone or unreachable: nobody waits for this chain
                 log.warning("could not return chain %s's result to its entry: %s", chain.chain_id, exc.message)
                 return False
-            return True
-        return await self._push(chain, nxt, pack(Kind.STEP, chain.chain_id, key=chain.key, position=message.position,
-                                                 hop_index=chain.index + 1, flags=message.flags, body=frame))
+        elif not await self._push(chain, nxt, pack(Kind.STEP, chain.chain_id, key=chain.key, position=message.position,
+                                                   hop_index=chain.index + 1, flags=message.flags, body=frame)):
+            return False
+        await self._signed(chain, message, frame)
+        return True
+
+    async def _signed(self, chain: HopChain, message: Message, frame: bytes | None) -> None:
+        """Keep the step's output in this node's transcript (the step is there since it ran) and,
+        when the entry asked for receipts, send it the step's signed receipt (ADR-0067; best
+        effort: a lost receipt is the entry's to notice). ``frame``: the output sent (None: nothing was)."""
+        node = self.node
+        tokens, index = chain.recorded.pop(id(message), (0, None))
+        if index is None:
+            return
+        if frame is not None:
+            node.transcripts.set_output(chain.chain_id, index, frame)
+        key = node.step_key
+        if not chain.opened.receipts or key is None:
+            return
+        receipt = sign_step(key, chain.chain_id, message.position, tokens, message.flags, message.body, frame)
+        try:
+            await node.streams.send(chain.opened.entry_endpoint, pack(
+                Kind.RECEIPT, chain.chain_id, key=chain.key, position=message.position,
+                hop_index=min(chain.index + 1, 255), flags=message.flags, body=receipt.to_bytes()))
+        except MeshnetError as exc:
+            log.debug("could not send chain %s's receipt to its entry: %s", chain.chain_id, exc.message)
 
     async def _push(self, chain: HopChain, nxt: Hop, data: bytes) -> bool:
         """Send ``data`` to the next hop; when it cannot be reached tell the entry, naming it."""
@@ -412,6 +450,7 @@ class ChainHost:
 
 
 _background: set[asyncio.Task] = set()
+
 
 
 def _settle(future: asyncio.Future) -> None:

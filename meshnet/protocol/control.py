@@ -315,6 +315,35 @@ class QuarantineReport(ShardRange):
     ticket: str = Field(default="", max_length=MAX_TICKET_CHARS)  # the ticket whose route named the accused
 
 
+#: most steps an audit's evidence carries (a decode audit cut at the worst step of a long session)
+MAX_AUDIT_STEPS = 4096
+
+
+class AuditStep(Payload):
+    """One step of an audited hop (ADR-0067): ``tokens`` positions from ``position``, the message
+    ``flags``, the frame the hop received (``input``) and sent (``output``; None: nothing), as
+    base64url, and the hop's signed ``receipt`` of them (128 bytes, base64url)."""
+
+    position: int = Field(ge=0, lt=2**32)
+    tokens: int = Field(ge=1, le=65536)
+    flags: int = Field(ge=0, le=255)
+    input: str = Field(min_length=1)
+    output: str | None = None
+    receipt: str = Field(min_length=1, max_length=256)
+
+
+class AuditReport(ShardRange):
+    """Body of ``POST /v1/nodes/{id}/audit``: an entry's audit found the node's outputs away from a
+    second holder's over ``shard_start``..``shard_end`` of ``model`` (ADR-0067). The evidence is
+    the node's own: every step of chain ``chain_id`` from position 0 up to the disputed one, with
+    the node's signed receipts; ``ticket`` is the session ticket whose route named it. The
+    tracker re-runs the inputs on holders it picks and decides."""
+
+    chain_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    ticket: str = Field(min_length=1, max_length=MAX_TICKET_CHARS)
+    steps: list[AuditStep] = Field(min_length=1, max_length=MAX_AUDIT_STEPS)
+
+
 class DoctorResponse(Payload):
     """Body of a node's ``POST /v1/doctor``: one capability report per loaded shard."""
 

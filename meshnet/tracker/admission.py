@@ -35,12 +35,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshnet.layers import LayerRange
 from meshnet.dataplane.evidence import challenge_frame, frame_distance, tolerance
-from meshnet.dataplane.frames import read_array
+from meshnet.dataplane.frames import HEADER_REWIND, read_array
 from meshnet.protocol.route import Hop
 from meshnet.protocol.signing import encode_public_key, sign_request
 from meshnet.protocol.tickets import HEADER_TICKET, TicketClaims, issue_ticket
 
-__all__ = ["ADMITTING", "CHALLENGE_TOKENS", "TRACKER_ENTRY", "Challenge", "Verdict", "decide", "run_challenge"]
+__all__ = ["ADMITTING", "CHALLENGE_TOKENS", "TRACKER_ENTRY", "Challenge", "Verdict", "decide", "run_challenge",
+           "run_steps"]
 
 #: verifications that count toward coverage and routes
 ADMITTING = ("verified", "unverified")
@@ -137,20 +138,39 @@ def _ticket(key: Ed25519PrivateKey, session: str, model: str, hop: Hop, ttl_s: f
 
 async def _run_on(http: httpx.AsyncClient, key: Ed25519PrivateKey, holder: Holder, model: str, layers: LayerRange,
                   frame: bytes, timeout_s: float) -> bytes:
-    """The challenge on one holder: one forward call under a fresh session (ticket signed by the
-    tracker), then its release signed by the tracker's key. Raises on any failure."""
+    """The challenge on one holder: one forward call under a fresh session. Raises on any failure."""
+    return (await run_steps(http, key, holder, model, layers, [(0, frame, False)], timeout_s))[0]
+
+
+async def run_steps(http: httpx.AsyncClient, key: Ed25519PrivateKey, holder: Holder, model: str, layers: LayerRange,
+                    steps: list[tuple[int, bytes, bool]], timeout_s: float) -> list[bytes]:
+    """Run ``steps`` (``(position, frame, rewind)``: one session's history from position 0, a
+    speculative step taking the session back to its position first) through ``holder``'s
+    ``layers`` as one fresh session (ticket signed by the tracker), every position returned, then
+    release it with the tracker's signature. ``timeout_s`` bounds each call.
+
+    Returns:
+        The output frames, one per step, in order.
+
+    Raises:
+        Any failure of a call (refused, timed out, an error status).
+    """
     session = uuid.uuid4().hex
     hop = Hop(holder.node_id, holder.endpoint, layers)
-    ticket = _ticket(key, session, model, hop, ttl_s=max(60.0, 4 * timeout_s))
+    ticket = _ticket(key, session, model, hop, ttl_s=max(60.0, 4 * timeout_s, timeout_s * len(steps)))
     start, end = layers.to_inclusive()
-    headers = {"X-Meshnet-Model": model, "X-Meshnet-Session": session, "X-Meshnet-Start-Layer": str(start),
-               "X-Meshnet-End-Layer": str(end), "X-Meshnet-Position": "0", HEADER_TICKET: ticket,
-               "Content-Type": "application/octet-stream"}
+    outputs = []
     try:
-        async with asyncio.timeout(timeout_s):
-            resp = await http.post(f"{holder.endpoint}/v1/forward", content=frame, headers=headers, timeout=timeout_s)
-        resp.raise_for_status()
-        return resp.content
+        for position, frame, rewind in steps:
+            headers = {"X-Meshnet-Model": model, "X-Meshnet-Session": session, "X-Meshnet-Start-Layer": str(start),
+                       "X-Meshnet-End-Layer": str(end), "X-Meshnet-Position": str(position), HEADER_TICKET: ticket,
+                       "Content-Type": "application/octet-stream", **({HEADER_REWIND: "1"} if rewind else {})}
+            async with asyncio.timeout(timeout_s):
+                resp = await http.post(f"{holder.endpoint}/v1/forward", content=frame, headers=headers,
+                                       timeout=timeout_s)
+            resp.raise_for_status()
+            outputs.append(resp.content)
+        return outputs
     finally:
         path = f"/v1/sessions/{session}"
         signed = sign_request(key, TRACKER_ENTRY, "DELETE", path, b"")

@@ -5,6 +5,7 @@ inclusive on the wire, ADR-0002):
     POST /v1/nodes/register, POST /v1/nodes/{id}/heartbeat, POST /v1/nodes/{id}/failure
     POST /v1/nodes/{id}/drain, DELETE /v1/nodes/{id}  (a node's own drain and leave, ADR-0032)
     POST /v1/nodes/{id}/quarantine  (an entry's spot-check verdict with its evidence, ADR-0042)
+    POST /v1/nodes/{id}/audit       (an entry's audit with the hop's signed steps; the tracker re-runs them, ADR-0067)
         (registration: join token when set, signed by the key it registers; every later node
         call signed by the node's bound key, ADR-0035)
     GET  /v1/route[?session=] (with a session: signed by its entry node, answered with a ticket, ADR-0038)
@@ -49,7 +50,7 @@ from meshnet.presets import canonical_model_name, default_model, model_aliases
 from meshnet.tracker import operator, proxy, views
 from meshnet.tracker.auth import NodeAuth, exposure_problem
 from meshnet.tracker.metrics import TrackerMetrics
-from meshnet.tracker.node_api import deregister, drain_node, failure, heartbeat, node_key, probe_soon, quarantine, \
+from meshnet.tracker.node_api import audit, deregister, drain_node, failure, heartbeat, node_key, probe_soon, quarantine, \
     register, service_of as _svc, public_key, signed_by, start_challenges
 from meshnet.tracker.groupcommit import GroupCommit
 from meshnet.tracker.heap import HeapFreezer
@@ -350,6 +351,7 @@ def _routes() -> list:
             Route("/v1/nodes/{node_id}/failure", failure, methods=["POST"]),
             Route("/v1/nodes/{node_id}/drain", drain_node, methods=["POST"]),
             Route("/v1/nodes/{node_id}/quarantine", quarantine, methods=["POST"]),
+            Route("/v1/nodes/{node_id}/audit", audit, methods=["POST"]),
             Route("/v1/nodes/{node_id}", deregister, methods=["DELETE"]),
             Route("/v1/nodes/{node_id}/key", node_key),
             Route("/v1/nodes", nodes), Route("/v1/traffic", traffic), Route("/v1/coverage", coverage_all),

@@ -1,4 +1,4 @@
-"""The tracker's node-facing API: registration, heartbeats, hop failure and quarantine reports,
+"""The tracker's node-facing API: registration, heartbeats, hop failure, quarantine and audit reports,
 a node's own drain and leave, the key bound to a node id; and the background work they start
 (reachability probes, admission challenges).
 
@@ -10,20 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from meshnet.errors import Conflict, NotFound
-from meshnet.protocol.control import (FailureReport, HeartbeatRequest, HeartbeatResponse, QuarantineReport,
+from meshnet.protocol.control import (AuditReport, FailureReport, HeartbeatRequest, HeartbeatResponse, QuarantineReport,
                                       RegisterRequest, RegisterResponse, check_revision)
+from meshnet.dataplane.frames import FLAG_REWIND
 from meshnet.protocol.http import validate_json
-from meshnet.protocol.signing import HEADER_NODE, HEADER_TIMESTAMP
-from meshnet.tracker.admission import Challenge, run_challenge
+from meshnet.protocol.signing import HEADER_NODE, HEADER_TIMESTAMP, decode_public_key
+from meshnet.tracker.admission import Challenge, run_challenge, run_steps
+from meshnet.tracker.audit import AuditCase, judge_audit
 from meshnet.tracker.auth import NodeAuth
 from meshnet.tracker.probe import answers_as, probe_endpoint
 from meshnet.tracker.service import TrackerService
+
+log = logging.getLogger(__name__)
 
 
 def service_of(request: Request) -> TrackerService:
@@ -196,6 +201,46 @@ async def quarantine(request: Request) -> JSONResponse:
                                            validate_json(QuarantineReport, raw))
     request.app.state.wake.set()
     return JSONResponse({"node_id": record.node_id, "quarantine": record.to_json()})
+
+
+async def audit(request: Request) -> JSONResponse:
+    """An entry's audit of a hop, signed by the entry, with the hop's own signed steps as evidence:
+    the tracker re-runs them on holders it picks and decides (ADR-0067, :mod:`meshnet.tracker.audit`).
+    200 with ``{"verdict", "reason", "distances"}``: ``quarantine``, ``false_accusation`` or
+    ``inconclusive``; 403 from a node that did not have the accused on that chain's route; 422
+    ``forged_evidence`` when the accused did not sign the steps (the sender is quarantined)."""
+    raw = await request.body()
+    sender = await signed_by(request, raw)
+    report = validate_json(AuditReport, raw)
+    svc = service_of(request)
+    node_id = request.path_params["node_id"]
+    key = await public_key(svc, node_id)
+    if key is None:
+        raise NotFound(f"unknown node {node_id!r}", code="unknown_node")
+    case = svc.audit_case(sender, node_id, report, decode_public_key(key))
+    runs = await rerun(request.app, case)
+    verdict = judge_audit(case, runs)
+    svc.apply_audit(case, verdict)
+    request.app.state.wake.set()
+    return JSONResponse({"node_id": node_id, **verdict.to_json()})
+
+
+async def rerun(app: Starlette, case: AuditCase) -> dict[str, list[bytes]]:
+    """Each witness's run of the case's inputs (node id -> its output frames; one that failed is
+    left out), the witnesses run side by side."""
+    svc: TrackerService = app.state.service
+    steps = [(s.position, s.frame_in, bool(s.flags & FLAG_REWIND)) for s in case.steps]
+
+    async def one(witness):
+        try:
+            return witness.node_id, await run_steps(app.state.http, svc.tickets.key, witness, case.model, case.layers,
+                                                    steps, svc.settings.challenge_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a witness that fails is no evidence either way
+            log.info("audit witness %s failed: %s: %s", witness.node_id, type(exc).__name__, exc)
+            return witness.node_id, None
+
+    done = await asyncio.gather(*(one(w) for w in case.witnesses))
+    return {node_id: frames for node_id, frames in done if frames is not None}
 
 
 async def drain_node(request: Request) -> JSONResponse:

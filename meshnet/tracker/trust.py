@@ -1,10 +1,11 @@
 """The tracker's trust decisions over its node records (ADR-0042), part of :class:`TrackerService`.
 
 Admission by evidence (each passed capability report gets a verification: the pure decision
-is :func:`meshnet.tracker.admission.decide`, the calls :func:`meshnet.tracker.admission.run_challenge`)
-and quarantine (a spot-check's verdict re-counted by :func:`meshnet.tracker.quarantine.judge`).
-Kept apart from the service's registry, coverage and routing so that each file reads as one
-concept; the state lives on the service (``verdicts``, ``digests``, ``challenges``, ``quarantined``).
+is :func:`meshnet.tracker.admission.decide`, the calls :func:`meshnet.tracker.admission.run_challenge`),
+audits (an entry's evidence re-run by holders the tracker picks, :mod:`meshnet.tracker.audit`, ADR-0067)
+and quarantine. Kept apart from the service's registry, coverage and routing so that each file reads as one
+concept; the state lives on the service (``verdicts``, ``digests``, ``challenges``, ``quarantined``,
+``false_accusations``).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from meshnet.protocol.ids import NodeId
 from meshnet.errors import Forbidden, InvalidRequest, Unauthorized
 from meshnet.presets import canonical_model_name, find_preset
-from meshnet.protocol.control import QuarantineReport
+from meshnet.protocol.control import AuditReport, QuarantineReport
 from meshnet.protocol.tickets import read_ticket
 from meshnet.dataplane.evidence import tolerance
 from meshnet.tracker.admission import ADMITTING, Challenge, Holder, Verdict, decide, digest_key
-from meshnet.tracker.quarantine import Quarantine, judge
+from meshnet.tracker.audit import FALSE_ACCUSATIONS, FORGED, WITNESSES, AuditCase, AuditVerdict, read_evidence
+from meshnet.tracker.quarantine import Quarantine
 from meshnet.tracker.registry import NodeRecord, ShardRecord
 
 log = logging.getLogger(__name__)
@@ -51,11 +53,11 @@ REPORT_GRACE_S = 300.0
 
 
 def ticket_names(token: str, tracker_key: Ed25519PublicKey, sender: str, accused: str, model: str | None = None,
-                 now: float | None = None) -> str:
+                 now: float | None = None, session: str | None = None) -> str:
     """Why the session ticket ``token`` does not show that ``sender`` had ``accused`` on a route
     ("" when it does): the ticket must verify with this tracker's key (expired at most
     :data:`REPORT_GRACE_S` ago), be issued to ``sender`` and name ``accused`` among its hops (and be
-    for ``model``, when given). A report without such a ticket is hearsay: any entry of a model
+    for ``model`` and chain ``session``, when given). A report without such a ticket is hearsay: any entry of a model
     could otherwise accuse any of its holders."""
     if not token:
         return "the report carries no session ticket naming the node"
@@ -69,6 +71,8 @@ def ticket_names(token: str, tracker_key: Ed25519PublicKey, sender: str, accused
         return f"its ticket's route does not name {accused}"
     if model is not None and canonical_model_name(claims.model) != canonical_model_name(model):
         return f"its ticket is for {claims.model}, not {model}"
+    if session is not None and claims.session != session:
+        return f"its ticket is for session {claims.session}, not {session}"
     return ""
 
 
@@ -215,16 +219,16 @@ class TrustMixin:
         return True
 
     def quarantine_from(self, sender: str, node_id: str, report: QuarantineReport) -> Quarantine:
-        """Quarantine ``node_id`` on a spot-check's evidence reported by entry node ``sender`` (whose
-        signature the caller checked): never routed or placed, its open directives cancelled,
-        until :meth:`reinstate` (ADR-0042). A node already quarantined keeps its first evidence.
+        """A spot-check verdict as distances only (ADR-0042's report): no longer evidence (ADR-0067).
+        The distances are the entry's own word, so any entry could frame any holder it routed
+        through; a quarantine now needs the node's own signed steps, which the tracker re-runs
+        (:meth:`audit_case`, ``POST /v1/nodes/{id}/audit``). Nothing changes.
 
         Raises:
             NotFound: ``node_id`` is not registered.
             Forbidden (403 ``not_on_route``): the sender could not have had it on a route, or the
                 report's ticket does not show it had (:func:`ticket_names`).
-            InvalidRequest (422 ``weak_evidence``): the evidence does not outvote it (see
-                :func:`meshnet.tracker.quarantine.judge`); nothing changes.
+            InvalidRequest (422 ``weak_evidence``): otherwise.
         """
         accused = self.get(node_id)
         why = may_report_failure(self.nodes.get(sender), accused) or ticket_names(
@@ -232,27 +236,85 @@ class TrustMixin:
         if why:
             log.warning("refused a quarantine report of %s from %s: %s", node_id, sender, why)
             raise Forbidden(f"{sender} may not report {node_id}: {why}", code="not_on_route")
-        if node_id in self.quarantined:
-            return self.quarantined[node_id]
-        layers = report.layers
-        model = canonical_model_name(report.model)
-        holders = {n.node_id: (s.quantization, s.report.recipe.compute_dtype) for n, s in self.admitted_shards(model)
-                   if s.layers.start <= layers.start and layers.end <= s.layers.end}
-        why = judge(sender, node_id, report, holders)
+        log.warning("refused a distances-only quarantine report of %s from %s", node_id, sender)
+        raise InvalidRequest(f"distances alone do not quarantine {node_id}: they are {sender}'s word",
+                             code="weak_evidence", status=422,
+                             hint="send the node's own signed steps to POST /v1/nodes/{id}/audit (ADR-0067); "
+                                  "the tracker re-runs them on holders it picks")
+
+    # ---- audits (ADR-0067) ----------------------------------------------------------
+
+    def audit_case(self, sender: str, node_id: str, report: AuditReport, accused_key: Ed25519PublicKey) -> AuditCase:
+        """The dispute an entry's audit report opens, ready for the witnesses' runs
+        (:mod:`meshnet.tracker.audit`). Evidence the accused did not sign quarantines the sender.
+
+        Raises:
+            NotFound: ``node_id`` is not registered.
+            Forbidden (403 ``not_on_route``): the sender could not have had it on a route, or the
+                ticket does not show it had, for that chain.
+            InvalidRequest (422 ``forged_evidence``): a step's receipt does not verify with the
+                accused's key (the sender is quarantined); (422 ``no_holding``) the accused holds no
+                admitted shard of those layers.
+        """
+        accused = self.get(node_id)
+        why = may_report_failure(self.nodes.get(sender), accused) or ticket_names(
+            report.ticket, self.tickets.key.public_key(), sender, node_id, report.model, session=report.chain_id)
         if why:
-            log.warning("refused a quarantine report of %s from %s: %s", node_id, sender, why)
-            raise InvalidRequest(f"the spot-check evidence does not quarantine {node_id}: {why}",
-                                 code="weak_evidence", status=422)
-        limit = tolerance(*holders[node_id])
-        record = Quarantine(node_id=node_id, reported_by=sender, model=model, shard_start=report.shard_start,
-                            shard_end=report.shard_end, witnesses=tuple(report.witnesses),
-                            distances=dict(report.distances), tolerance=limit)
-        record = self._quarantine(record)
-        self.store.fail_open(node_id, "node quarantined: outvoted by a spot-check")
-        self.dirty = True
-        log.warning("node %s quarantined: outvoted over %s layers %d-%d by %s (distances %s)", node_id, model,
-                    report.shard_start, report.shard_end, ", ".join(report.witnesses), report.distances)
-        return record
+            log.warning("refused an audit report of %s from %s: %s", node_id, sender, why)
+            raise Forbidden(f"{sender} may not report {node_id}: {why}", code="not_on_route")
+        steps, why = read_evidence(report, accused_key)
+        if why:
+            self._accuser_at_fault(sender, node_id, AuditVerdict(FORGED, why))
+            raise InvalidRequest(f"the audit evidence against {node_id} is not its own: {why}", code="forged_evidence",
+                                 status=422)
+        layers, model = report.layers, canonical_model_name(report.model)
+        shard = next((s for n, s in self.admitted_shards(model) if n.node_id == node_id
+                      and s.layers.start <= layers.start and layers.end <= s.layers.end), None)
+        if shard is None:
+            raise InvalidRequest(f"{node_id} holds no admitted shard of {model} covering layers {layers}",
+                                 code="no_holding", status=422)
+        recipe = (shard.quantization, shard.report.recipe.compute_dtype)
+        witnesses = sorted((self._holder(n, s) for n, s in self.admitted_shards(model)
+                            if n.node_id not in (node_id, sender) and n.node_id not in self.quarantined
+                            and s.layers.start <= layers.start and layers.end <= s.layers.end
+                            and (s.quantization, s.report.recipe.compute_dtype) == recipe), key=lambda h: h.node_id)
+        holder = self._holder(accused, shard)
+        return AuditCase(sender, holder, model, layers, report.chain_id, tuple(steps), tuple(witnesses[:WITNESSES]),
+                         tolerance(*recipe))
+
+    def apply_audit(self, case: AuditCase, verdict: AuditVerdict) -> None:
+        """Act on an audit's verdict: quarantine the outvoted accused, or count a false accusation
+        against the sender; an inconclusive verdict changes nothing."""
+        accused = case.accused.node_id
+        if verdict.state == "quarantine" and accused not in self.quarantined:
+            start, end = case.layers.to_inclusive()
+            self._quarantine(Quarantine(node_id=accused, reported_by=case.sender, model=case.model, shard_start=start,
+                                        shard_end=end, witnesses=tuple(w.node_id for w in case.witnesses),
+                                        distances=dict(verdict.distances), tolerance=case.limit))
+            self.store.fail_open(accused, "node quarantined: outvoted by an audit")
+            self.dirty = True
+            log.warning("node %s quarantined: an audit of chain %s re-run by %s outvoted it (distances %s)", accused,
+                        case.chain_id, ", ".join(w.node_id for w in case.witnesses), verdict.distances)
+        elif verdict.state == "false_accusation":
+            self._accuser_at_fault(case.sender, accused, verdict)
+        else:
+            log.info("audit of %s on chain %s from %s: %s (%s)", accused, case.chain_id, case.sender, verdict.state,
+                     verdict.reason)
+
+    def _accuser_at_fault(self, sender: str, accused: str, verdict: AuditVerdict) -> None:
+        """Count a false or forged accusation against ``sender``: forged evidence quarantines it at
+        once, :data:`FALSE_ACCUSATIONS` false ones too."""
+        count = self.false_accusations[sender] = self.false_accusations.get(sender, 0) + 1
+        log.warning("%s accused %s falsely (%s: %s); %d false accusation(s)", sender, accused, verdict.state,
+                    verdict.reason, count)
+        if (verdict.state == FORGED or count >= FALSE_ACCUSATIONS) and sender in self.nodes \
+                and sender not in self.quarantined:
+            self._quarantine(Quarantine(node_id=sender, reported_by=f"tracker ({verdict.state} accusation of {accused})",
+                                        model="", shard_start=0, shard_end=0, witnesses=(),
+                                        distances=dict(verdict.distances), tolerance=0.0))
+            self.store.fail_open(sender, f"node quarantined: {verdict.state} accusation")
+            self.dirty = True
+            log.warning("node %s quarantined: %d false accusation(s), the last %s", sender, count, verdict.state)
 
     def reinstate(self, node_id: str) -> bool:
         """Lift ``node_id``'s quarantine (operator action); returns whether it was quarantined. Its

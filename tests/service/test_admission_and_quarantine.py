@@ -2,8 +2,9 @@
 
 Fake nodes answer hop calls with a fixed function of their input (``tanh``), so honest
 holders agree exactly; a dishonest one adds noise. The tracker challenges a second holder of
-a range against the first, takes spot-check reports from entry nodes only on evidence that
-outvotes the accused, keeps a quarantined node out of routes, and lets an operator reinstate it.
+a range against the first, judges an entry's audit by re-running the accused's own signed steps
+on two holders it picks (ADR-0067), keeps a quarantined node out of routes, and lets an operator
+reinstate it.
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import uuid
 
 import httpx
 import numpy as np
 import pytest
 
 from meshnet.dataplane.frames import read_array as read_frame
+from meshnet.dataplane.receipts import sign_step
+from meshnet.protocol.signing import b64url
 from meshnet.tracker.app import build_app
 from meshnet.tracker.service import TrackerSettings
-from tests.payloads import SignAsNodes, capability_report, registration, route_ticket, signed
+from tests.payloads import SignAsNodes, capability_report, node_key, registration, route_ticket, signed
 
 MODEL = "tiny-llama"  # a preset with hidden_size 64: challenges run
 
@@ -161,27 +165,49 @@ async def entry_and_three_holders(mesh) -> None:
         await verification(mesh, name)
 
 
-def report(witnesses: list[str], distances: dict[str, float], tolerance: float = 0.05, ticket: str = "") -> dict:
-    return {"model": MODEL, "shard_start": 2, "shard_end": 3, "witnesses": witnesses, "distances": distances,
-            "tolerance": tolerance, "session": "s1", "ticket": ticket}
+CHAIN = uuid.UUID(int=1).hex
+NOISE = 1.0  # what a lying holder adds to one output (tanh outputs are within -1..1)
 
 
-async def h1_ticket(mesh, entry: str = "entry") -> str:
-    """The ticket of a session whose route put h1 on ``entry``'s route."""
-    return await route_ticket(mesh, entry, MODEL, 2, 3, f"s-{entry}", exclude=("h2", "h3"))
+async def h1_ticket(mesh, entry: str = "entry", chain: str = CHAIN) -> str:
+    """The ticket of chain ``chain`` whose route put h1 on ``entry``'s route."""
+    return await route_ticket(mesh, entry, MODEL, 2, 3, chain, exclude=("h2", "h3"))
 
 
-async def test_an_entrys_spot_check_quarantines_the_outvoted_node_until_the_operator_reinstates_it(mesh):
-    await entry_and_three_holders(mesh)
-    body = report(["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.8, "h2|h3": 0.0}, ticket=await h1_ticket(mesh))
-    path = "/v1/nodes/h1/quarantine"
+def audit_report(ticket: str, *, lied: bool = True, signer: str = "h1", chain: str = CHAIN) -> dict:
+    """An audit's evidence against h1 (ADR-0067): a 4-token prefill at position 0 and one decode
+    step, as h1 signed them; with ``lied`` h1's decode output is off by :data:`NOISE`."""
+    key, steps = node_key(signer), []
+    for position, tokens, seed in ((0, 4, 1), (4, 1, 2)):
+        x = np.random.default_rng(seed).standard_normal((1, tokens, 64)).astype(np.float32)
+        out = np.tanh(x) + (NOISE if lied and position > 0 else 0.0)
+        a, b = frame(x), frame(out)
+        steps.append({"position": position, "tokens": tokens, "flags": 0, "input": b64url(a), "output": b64url(b),
+                      "receipt": b64url(sign_step(key, chain, position, tokens, 0, a, b).to_bytes())})
+    return {"model": MODEL, "shard_start": 2, "shard_end": 3, "chain_id": chain, "ticket": ticket, "steps": steps}
+
+
+async def post_signed(mesh, sender: str, path: str, body: dict) -> httpx.Response:
     raw = json.dumps(body).encode()
-    resp = await mesh.post(path, content=raw, headers={**signed("entry", "POST", path, raw),
-                                                        "Content-Type": "application/json"})
+    return await mesh.post(path, content=raw, headers={**signed(sender, "POST", path, raw),
+                                                       "Content-Type": "application/json"})
+
+
+async def view_of(mesh, node_id: str) -> dict:
+    return next(n for n in (await mesh.get("/v1/nodes")).json()["nodes"] if n["node_id"] == node_id)
+
+
+async def test_an_audit_quarantines_the_node_its_witnesses_outvote_until_the_operator_reinstates_it(mesh):
+    await entry_and_three_holders(mesh)
+    mesh.nodes.forwards.clear()
+    resp = await post_signed(mesh, "entry", "/v1/nodes/h1/audit", audit_report(await h1_ticket(mesh)))
     assert resp.status_code == 200, resp.text
-    view = next(n for n in (await mesh.get("/v1/nodes")).json()["nodes"] if n["node_id"] == "h1")
+    assert resp.json()["verdict"] == "quarantine"
+    assert sorted(mesh.nodes.forwards) == ["h2.test"] * 2 + ["h3.test"] * 2  # the tracker re-ran both steps on each
+    view = await view_of(mesh, "h1")
     assert view["quarantine"]["reported_by"] == "entry" and view["quarantine"]["witnesses"] == ["h2", "h3"]
-    assert view["quarantine"]["distances"] == {"h1|h2": 0.9, "h1|h3": 0.8, "h2|h3": 0.0}
+    distances = view["quarantine"]["distances"]
+    assert distances["h2|h3"] == 0.0 and distances["h1|h2"] > 0.5 and distances["h1|h3"] > 0.5
     assert [s["admitted"] for s in view["shards"]] == [False]
     for _ in range(5):
         hops = (await mesh.get("/v1/route", params={"model": MODEL, "start_layer": 2, "end_layer": 3,
@@ -189,12 +215,12 @@ async def test_an_entrys_spot_check_quarantines_the_outvoted_node_until_the_oper
         assert [h["node_id"] for h in hops] == ["h3"]
     # a re-registration keeps the quarantine
     await mesh.post("/v1/nodes/register", json=node("h1", 2, 3))
-    view = next(n for n in (await mesh.get("/v1/nodes")).json()["nodes"] if n["node_id"] == "h1")
-    assert view["quarantine"] is not None
+    assert (await view_of(mesh, "h1"))["quarantine"] is not None
     assert (await mesh.post("/v1/operator/reinstate", json={"node_id": "h1"})).status_code == 401
     resp = await mesh.post("/v1/operator/reinstate", json={"node_id": "h1"}, headers={"Authorization": "Bearer op"})
     assert resp.json() == {"node_id": "h1", "reinstated": True}
     assert (await verification(mesh, "h1"))["admitted"] is True
+    assert (await view_of(mesh, "entry"))["quarantine"] is None
 
 
 async def test_a_quarantine_outlives_a_tracker_restart_and_a_reinstatement_too(asgi_client, tmp_path):
@@ -213,17 +239,13 @@ async def test_a_quarantine_outlives_a_tracker_restart_and_a_reinstatement_too(a
 
     first = await tracker()
     await entry_and_three_holders(first)
-    path, raw = "/v1/nodes/h1/quarantine", json.dumps(report(["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.8,
-                                                                             "h2|h3": 0.0},
-                                                             ticket=await h1_ticket(first))).encode()
-    resp = await first.post(path, content=raw, headers={**signed("entry", "POST", path, raw),
-                                                         "Content-Type": "application/json"})
-    assert resp.status_code == 200, resp.text
-    before = resp.json()["quarantine"]
+    resp = await post_signed(first, "entry", "/v1/nodes/h1/audit", audit_report(await h1_ticket(first)))
+    assert resp.status_code == 200 and resp.json()["verdict"] == "quarantine", resp.text
+    before = (await view_of(first, "h1"))["quarantine"]
 
     restarted = await tracker()
     await entry_and_three_holders(restarted)
-    view = next(n for n in (await restarted.get("/v1/nodes")).json()["nodes"] if n["node_id"] == "h1")
+    view = await view_of(restarted, "h1")
     assert view["quarantine"] == before and [s["admitted"] for s in view["shards"]] == [False]
     hops = (await restarted.get("/v1/route", params={"model": MODEL, "start_layer": 2, "end_layer": 3,
                                                      "exclude": "h2"})).json()["hops"]
@@ -234,39 +256,66 @@ async def test_a_quarantine_outlives_a_tracker_restart_and_a_reinstatement_too(a
 
     again = await tracker()
     await entry_and_three_holders(again)
-    view = next(n for n in (await again.get("/v1/nodes")).json()["nodes"] if n["node_id"] == "h1")
+    view = await view_of(again, "h1")
     assert view["quarantine"] is None and view["shards"][0]["admitted"] is True
 
 
-STRONG = {"h1|h2": 0.9, "h1|h3": 0.8, "h2|h3": 0.0}
-
-
-@pytest.mark.parametrize("sender, ticket, witnesses, distances, status, code, why", [
-    ("h2", "h1", ["h2", "h3"], STRONG, 403, "not_on_route", "the sender holds no entry shard"),
-    ("entry", "none", ["h2", "h3"], STRONG, 403, "not_on_route", "carries no session ticket naming the node"),
-    ("entry", "h2", ["h2", "h3"], STRONG, 403, "not_on_route", "its ticket's route does not name h1"),
-    ("entry", "entry2's", ["h2", "h3"], STRONG, 403, "not_on_route", "its ticket was issued to entry2, not to entry"),
-    ("entry", "forged", ["h2", "h3"], STRONG, 403, "not_on_route", "not one this tracker issued"),
-    ("entry", "h1", ["h2", "h3"], {"h1|h2": 0.9, "h1|h3": 0.01, "h2|h3": 0.0}, 422, "weak_evidence",
-     "do not outvote h1"),  # h3 agrees with h1
-    ("entry", "h1", ["h2", "h2"], {"h1|h2": 0.9}, 422, "weak_evidence", ""),  # one witness twice
-    ("entry", "h1", ["h2", "ghost"], {"h1|h2": 0.9, "h1|ghost": 0.9, "h2|ghost": 0.0}, 422, "weak_evidence", ""),
+@pytest.mark.parametrize("sender, ticket, why", [
+    ("h2", "h1", "the sender holds no entry shard"),
+    ("entry", "h2", "its ticket's route does not name h1"),
+    ("entry", "entry2's", "its ticket was issued to entry2, not to entry"),
+    ("entry", "forged", "not one this tracker issued"),
+    ("entry", "another chain's", f"not {CHAIN}"),
 ])
-async def test_a_quarantine_report_without_standing_or_evidence_changes_nothing(mesh, sender, ticket, witnesses,
-                                                                               distances, status, code, why):
+async def test_an_audit_report_from_an_entry_that_did_not_route_the_node_changes_nothing(mesh, sender, ticket, why):
     await entry_and_three_holders(mesh)
     await mesh.post("/v1/nodes/register", json=node("entry2", 0, 1))
-    tickets = {"none": "", "h1": await h1_ticket(mesh), "entry2's": await h1_ticket(mesh, "entry2"),
-               "h2": await route_ticket(mesh, "entry", MODEL, 2, 3, "s2", exclude=("h1", "h3")),
-               "forged": (await h1_ticket(mesh)).rsplit(".", 1)[0] + "." + "A" * 86}
-    path = "/v1/nodes/h1/quarantine"
-    raw = json.dumps(report(witnesses, distances, ticket=tickets[ticket])).encode()
-    resp = await mesh.post(path, content=raw, headers={**signed(sender, "POST", path, raw),
-                                                        "Content-Type": "application/json"})
-    assert resp.status_code == status, resp.text
-    assert resp.json()["error"]["code"] == code and why in resp.json()["error"]["message"]
-    view = next(n for n in (await mesh.get("/v1/nodes")).json()["nodes"] if n["node_id"] == "h1")
-    assert view["quarantine"] is None and view["shards"][0]["admitted"] is True
+    tickets = {"h1": await h1_ticket(mesh), "entry2's": await h1_ticket(mesh, "entry2", chain=uuid.UUID(int=3).hex),
+               "h2": await route_ticket(mesh, "entry", MODEL, 2, 3, CHAIN, exclude=("h1", "h3")),
+               "forged": (await h1_ticket(mesh)).rsplit(".", 1)[0] + "." + "A" * 86,
+               "another chain's": await h1_ticket(mesh, chain=uuid.UUID(int=2).hex)}
+    resp = await post_signed(mesh, sender, "/v1/nodes/h1/audit", audit_report(tickets[ticket]))
+    assert resp.status_code == 403, resp.text
+    assert resp.json()["error"]["code"] == "not_on_route" and why in resp.json()["error"]["message"]
+    for name in ("h1", "entry", sender):
+        assert (await view_of(mesh, name))["quarantine"] is None
+
+
+async def test_evidence_the_accused_did_not_sign_quarantines_the_entry_that_forged_it(mesh):
+    await entry_and_three_holders(mesh)
+    resp = await post_signed(mesh, "entry", "/v1/nodes/h1/audit", audit_report(await h1_ticket(mesh), signer="h2"))
+    assert resp.status_code == 422 and resp.json()["error"]["code"] == "forged_evidence", resp.text
+    assert (await view_of(mesh, "h1"))["quarantine"] is None
+    marked = (await view_of(mesh, "entry"))["quarantine"]
+    assert marked["reported_by"] == "tracker (forged accusation of h1)"
+
+
+async def test_an_entry_that_accuses_an_honest_node_is_marked_and_quarantined_at_its_second_false_accusation(mesh):
+    await entry_and_three_holders(mesh)
+    for attempt in (1, 2):
+        resp = await post_signed(mesh, "entry", "/v1/nodes/h1/audit",
+                                 audit_report(await h1_ticket(mesh), lied=False))
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["verdict"] == "false_accusation"
+        assert resp.json()["distances"] == {"h1|h2": 0.0, "h1|h3": 0.0, "h2|h3": 0.0}
+        assert (await view_of(mesh, "h1"))["quarantine"] is None
+        marked = (await view_of(mesh, "entry"))["quarantine"]
+        assert (marked is None) if attempt == 1 else marked["reported_by"] == "tracker (false_accusation accusation of h1)"
+
+
+async def test_distances_alone_no_longer_quarantine_anyone(mesh):
+    """An entry's word is no evidence (ADR-0067): a spot-check report of distances is refused and
+    changes nothing, however strongly it outvotes the node."""
+    await entry_and_three_holders(mesh)
+    body = {"model": MODEL, "shard_start": 2, "shard_end": 3, "witnesses": ["h2", "h3"],
+            "distances": {"h1|h2": 0.9, "h1|h3": 0.8, "h2|h3": 0.0}, "tolerance": 0.05, "session": "s1",
+            "ticket": await h1_ticket(mesh)}
+    resp = await post_signed(mesh, "entry", "/v1/nodes/h1/quarantine", body)
+    assert resp.status_code == 422 and resp.json()["error"]["code"] == "weak_evidence", resp.text
+    assert "/audit" in resp.json()["error"]["hint"]
+    assert (await view_of(mesh, "h1"))["quarantine"] is None
+    resp = await post_signed(mesh, "h2", "/v1/nodes/h1/quarantine", body)
+    assert resp.status_code == 403 and resp.json()["error"]["code"] == "not_on_route"
 
 
 async def test_hops_whose_range_has_no_second_holder_are_unverified_in_the_route(mesh):
@@ -298,11 +347,10 @@ async def test_holders_of_another_recipe_neither_challenge_nor_witness_each_othe
         hops = (await mesh.get("/v1/route", params={**like, "exclude": "h1", "like": "h1"})).json()["hops"]
         assert [h["node_id"] for h in hops] == ["h3"]
     assert (await mesh.get("/v1/route", params={**like, "exclude": "h2", "like": "h2"})).status_code == 503
-    path = "/v1/nodes/h1/quarantine"
-    raw = json.dumps(report(["h2", "h3"], STRONG, ticket=await h1_ticket(mesh))).encode()
-    resp = await mesh.post(path, content=raw, headers={**signed("entry", "POST", path, raw),
-                                                        "Content-Type": "application/json"})
-    assert resp.status_code == 422 and "recipe" in resp.json()["error"]["message"]
+    resp = await post_signed(mesh, "entry", "/v1/nodes/h1/audit", audit_report(await h1_ticket(mesh)))
+    assert resp.status_code == 200, resp.text  # only h3 shares h1's recipe: one witness is no verdict
+    assert resp.json()["verdict"] == "inconclusive" and "1 witness(es)" in resp.json()["reason"]
+    assert (await view_of(mesh, "h1"))["quarantine"] is None
 
 
 async def test_a_challenge_call_that_fails_is_no_verdict_and_the_next_heartbeat_tries_again(mesh):

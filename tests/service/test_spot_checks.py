@@ -73,7 +73,7 @@ async def generate(entry, client, routes, *, checked: bool = True):
         assert ticket == f"ticket-naming-{node_id}"
         failures.append(node_id)
 
-    async def quarantine(node_id, model, hop, witnesses, distances, limit, session, ticket):
+    async def quarantine(node_id, model, hop, witnesses, distances, limit, session, ticket, evidence):
         assert ticket == f"ticket-naming-{node_id}"  # the hop's own ticket, or the witness route's
         quarantines.append((node_id, witnesses, distances))
 

@@ -1,13 +1,11 @@
-"""Admission and quarantine decisions as pure functions (ADR-0042)."""
+"""Admission decisions as a pure function (ADR-0042); audit verdicts are tests/unit/test_audit_verdicts.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from meshnet.layers import LayerRange
-from meshnet.protocol.control import QuarantineReport
 from meshnet.tracker.admission import Holder, Verdict, decide
-from meshnet.tracker.quarantine import judge
 
 BF16 = ("bfloat16", "bfloat16")
 
@@ -36,27 +34,3 @@ def test_decide(digest, known, holders, hidden, expected):
         assert isinstance(out, Verdict) and out.state == expected
     else:
         assert tuple(h.node_id for h in out) == expected
-
-
-def report(witnesses, distances) -> QuarantineReport:
-    return QuarantineReport(model="m", shard_start=10, shard_end=19, witnesses=witnesses, distances=distances,
-                            tolerance=0.05)
-
-
-HOLDERS = {"x": BF16, "y": BF16, "z": BF16}
-OUTVOTED = {"x|y": 0.3, "x|z": 0.2, "y|z": 0.0}
-
-
-@pytest.mark.parametrize("sender, witnesses, distances, holders, why", [
-    ("e", ["y", "z"], OUTVOTED, HOLDERS, ""),
-    ("e", ["y", "z"], {"x|y": 0.3, "x|z": 0.04, "y|z": 0.0}, HOLDERS, "do not outvote"),
-    ("e", ["x", "z"], OUTVOTED, HOLDERS, "other than the accused"),
-    ("y", ["y", "z"], OUTVOTED, HOLDERS, "cannot witness its own report"),
-    ("e", ["y", "w"], {"x|y": 0.3, "x|w": 0.2, "y|w": 0.0}, HOLDERS, "w hold(s) no admitted shard"),
-    ("e", ["y", "z"], OUTVOTED, {**HOLDERS, "z": ("bfloat16", "float32")}, "one recipe"),
-    ("e", ["y", "z"], {"x|y": 0.3, "y|z": 0.0}, HOLDERS, "do not outvote"),    # a distance missing
-    ("e", ["y", "z"], {"x~y": 0.3, "x|z": 0.2, "y|z": 0.0}, HOLDERS, "do not outvote"),  # a malformed key
-])
-def test_judge(sender, witnesses, distances, holders, why):
-    got = judge(sender, "x", report(witnesses, distances), holders)
-    assert (why in got) if why else got == ""

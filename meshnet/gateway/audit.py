@@ -1,0 +1,307 @@
+"""Audits: an entry re-runs a share of its chains' hops, every position, prefill and decode alike (ADR-0067).
+
+Every hop of a chain signs a receipt of each step it runs and sends it to the entry
+(:mod:`meshnet.dataplane.receipts`), and keeps its transcript for a while after the session.
+When a session the entry drew for an audit ends, for each remote hop the entry:
+
+1. asks the hop for its transcript (``GET /v1/transcripts/{chain}`` with the chain's key) and
+   checks it against the receipts the hop sent during the session: the frames must be the ones it
+   signed, and its inputs the ones the hop before it (or the entry) signed as sent;
+2. replays the transcript's inputs as a chunked prefill (:func:`meshnet.dataplane.replay.rechunk`)
+   on another holder of the hop's layers and recipe, under a fresh session, every position
+   returned, and measures every step's output against it
+   (:func:`meshnet.dataplane.evidence.step_distances`);
+3. when a step is further than the recipe's tolerance, sends the tracker the hop's signed steps up
+   to the worst one (``POST /v1/nodes/{id}/audit``): the tracker re-runs them on holders it picks
+   and decides (:mod:`meshnet.tracker.audit`).
+
+The hop cannot tell an audited session from another: every session's hops sign and keep the
+same things, and the question comes only after the session ended, when its receipts already
+bind it. A hop that no longer has the transcript, or whose transcript is not what it signed,
+is counted (``withheld``) and logged: that alone is no proof (a restart loses transcripts).
+
+How often: each session is audited with probability ``rate``; a session through a hop that has
+passed fewer than ``probation_passes`` audits here with ``probation_rate`` (new holders are
+audited often until they have shown something).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import httpx
+
+from meshnet.dataplane.chain import ChainRecord, ChainRoute
+from meshnet.dataplane.codec import ActivationCodec
+from meshnet.dataplane.evidence import reference_rows, step_distances, tolerance
+from meshnet.dataplane.failover import release_soon
+from meshnet.dataplane.hops import post_forward
+from meshnet.dataplane.frames import FLAG_REWIND
+from meshnet.dataplane.receipts import HEADER_CHAIN_KEY, Receipt, TranscriptStep, digest, history_problem, \
+    read_transcript
+from meshnet.dataplane.replay import rechunk
+from meshnet.errors import MeshnetError
+from meshnet.gateway.spotcheck import WitnessRoutes
+from meshnet.protocol.control import AuditReport, AuditStep
+from meshnet.protocol.route import Hop
+from meshnet.protocol.signing import b64url
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AuditStats", "Auditor", "AuditReporter", "DEFAULT_AUDIT_RATE", "PROBATION_PASSES", "PROBATION_RATE"]
+
+#: async (node id, report) -> the tracker's answer (``POST /v1/nodes/{id}/audit``)
+AuditReporter = Callable[[str, AuditReport], Awaitable[dict]]
+#: the share of sessions audited through proven hops. A hop lying on every request it serves is
+#: then caught within 50 of them with probability 1 - 0.94**50 = 95.5 % (issue target: 19 of 20)
+DEFAULT_AUDIT_RATE = 0.06
+#: the share of sessions audited while one of their hops is on probation
+PROBATION_RATE = 0.5
+#: audits a hop passes here before it leaves probation
+PROBATION_PASSES = 5
+#: seconds a witness session's release may take
+RELEASE_TIMEOUT_S = 5.0
+#: seconds an audit waits after its session ended for the hops' last receipts
+RECEIPT_WAIT_S = 0.5
+
+
+@dataclass
+class AuditStats:
+    """What this entry's audits found (metrics and benches read them)."""
+
+    audits: int = 0       # hops audited
+    passed: int = 0
+    disputes: int = 0     # reported to the tracker
+    withheld: int = 0     # no transcript, or not the one the hop signed
+    unverified: int = 0   # no witness
+    mismatched: int = 0   # a hop's signed input is not what the hop before it signed as sent
+    #: the latest verdicts the tracker gave, newest last (at most 100)
+    verdicts: list[dict] = field(default_factory=list)
+    #: the largest step distance of each of the latest audits (at most 100)
+    distances: list[float] = field(default_factory=list)
+
+
+class Auditor:
+    """Draws the sessions to audit and audits them after they end.
+
+    Args:
+        rate: probability that a session through proven hops is audited (0 disables audits).
+        client: httpx client for transcripts and witness calls; ``timeout_s`` bounds each.
+        routes: finds witnesses (as spot-checks do: holders of the hop's layers and recipe).
+        report: sends a dispute to the tracker (:data:`AuditReporter`).
+        limit: the step distance above which a hop is disputed (default: the bfloat16 tolerance,
+            :data:`meshnet.dataplane.evidence.TOLERANCE`; the tracker applies the hop's recipe's own).
+        chunk_tokens: positions per replayed chunk on the witness.
+        probation_rate, probation_passes: see the module doc.
+        release_auth: signs the witnesses' session releases as this entry.
+        rng: the source of the draws (tests pass a seeded one).
+    """
+
+    def __init__(self, rate: float = DEFAULT_AUDIT_RATE, *, client: httpx.AsyncClient, routes: WitnessRoutes,
+                 report: AuditReporter, limit: float | None = None, timeout_s: float = 60.0, chunk_tokens: int = 128,
+                 probation_rate: float = PROBATION_RATE, probation_passes: int = PROBATION_PASSES,
+                 release_auth: httpx.Auth | None = None, rng: random.Random | None = None) -> None:
+        for name, value in (("audit rate", rate), ("probation rate", probation_rate)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be within 0..1, got {value}")
+        self.rate, self.client, self.routes, self.report = rate, client, routes, report
+        self.limit = tolerance("bfloat16") if limit is None else limit
+        self.timeout_s, self.chunk_tokens = timeout_s, chunk_tokens
+        self.probation_rate, self.probation_passes = probation_rate, probation_passes
+        self.release_auth = release_auth
+        self.rng = rng or random.Random()
+        self.stats = AuditStats()
+        self.passes: dict[str, int] = {}  # node id -> audits it passed here
+        self._tasks: set[asyncio.Task] = set()
+
+    def draw(self, hops: list[Hop]) -> bool:
+        """Whether to audit a session through ``hops`` (0 rate: never)."""
+        if self.rate <= 0:
+            return False
+        probation = any(self.passes.get(h.node_id, 0) < self.probation_passes for h in hops)
+        return self.rng.random() < (max(self.rate, self.probation_rate) if probation else self.rate)
+
+    def audit_soon(self, chain: ChainRoute, codec: ActivationCodec) -> None:
+        """Audit ``chain``'s hops in the background once its session has ended (closed with
+        ``linger``): after :data:`RECEIPT_WAIT_S`, so that the receipts of its last steps are in."""
+        async def later() -> None:
+            try:
+                await asyncio.sleep(RECEIPT_WAIT_S)
+            finally:
+                chain.forget()
+            await self.audit(chain.audit_record(), codec)
+
+        task = asyncio.get_running_loop().create_task(later())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        """Until the audits under way have finished (tests and benches)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def audit(self, record: ChainRecord, codec: ActivationCodec) -> list[dict | None]:
+        """Audit every remote hop of ``record``; per hop, the tracker's verdict when a dispute went
+        to it, else None. Never raises (a failed audit is logged)."""
+        if record.failed_over or not record.sent:  # its first steps were a replay: nothing to chain them to
+            return []
+        out = []
+        for index, hop in enumerate(record.hops):
+            try:
+                out.append(await self._audit_hop(record, index, hop, codec))
+            except Exception:  # noqa: BLE001 - an audit must never hurt the entry
+                log.warning("audit of %s on chain %s failed", hop.node_id, record.chain_id, exc_info=True)
+                out.append(None)
+        return out
+
+    @staticmethod
+    def _receipts(record: ChainRecord, index: int) -> dict[tuple[int, bytes, int], Receipt]:
+        """Hop ``index``'s receipts by (position, input digest, flags): what it signed it was given."""
+        out = {}
+        for i, position, flags, body in record.receipts:
+            if i == index:
+                try:
+                    receipt = Receipt.from_bytes(body)
+                except MeshnetError:
+                    continue
+                out[(position, receipt.in_digest, flags)] = receipt
+        return out
+
+    async def _transcript(self, record: ChainRecord, hop: Hop) -> list[TranscriptStep] | None:
+        try:
+            resp = await self.client.get(f"{hop.endpoint}/v1/transcripts/{record.chain_id}",
+                                         headers={HEADER_CHAIN_KEY: record.key}, timeout=self.timeout_s)
+            if resp.status_code != 200:
+                return None
+            return read_transcript(resp.json())
+        except (httpx.HTTPError, ValueError, MeshnetError):
+            return None
+
+    async def _audit_hop(self, record: ChainRecord, index: int, hop: Hop, codec: ActivationCodec) -> dict | None:
+        self.stats.audits += 1
+        steps = await self._transcript(record, hop)
+        receipts = self._receipts(record, index)
+        why = _unsigned(steps, receipts)
+        if why:
+            self.stats.withheld += 1
+            log.warning("audit of %s on chain %s: %s", hop.node_id, record.chain_id, why)
+            return None
+        sent = self._sent_to(record, index)
+        wrong = [s.position for s in steps if (s.position, digest(s.frame_in)) not in sent]
+        if wrong:
+            self.stats.mismatched += 1
+            log.warning("audit of %s on chain %s: its signed inputs at positions %s are not what was sent to it",
+                        hop.node_id, record.chain_id, wrong[:5])
+            return None
+        distances = await self._witness_run(record, hop, steps, codec)
+        if distances is None:
+            self.stats.unverified += 1
+            return None
+        worst = max(range(len(distances)), key=distances.__getitem__)
+        self.stats.distances = (self.stats.distances + [distances[worst]])[-100:]
+        if distances[worst] <= self.limit:
+            self.stats.passed += 1
+            self.passes[hop.node_id] = self.passes.get(hop.node_id, 0) + 1
+            return None
+        log.warning("audit: %s's output at position %d of chain %s is %.4f from a second holder's (> %.4f); "
+                    "asking the tracker", hop.node_id, steps[worst].position, record.chain_id, distances[worst],
+                    self.limit)
+        self.stats.disputes += 1
+        start, end = hop.layers.to_inclusive()
+        report = AuditReport(model=record.model or "", shard_start=start, shard_end=end, chain_id=record.chain_id,
+                             ticket=record.ticket or "", steps=[
+                                 AuditStep(position=s.position, tokens=s.tokens, flags=s.flags,
+                                           input=b64url(s.frame_in),
+                                           output=None if s.frame_out is None else b64url(s.frame_out),
+                                           receipt=b64url(receipts[(s.position, digest(s.frame_in), s.flags)].to_bytes()))
+                                 for s in steps[:worst + 1]])
+        try:
+            verdict = await self.report(hop.node_id, report)
+        except Exception as exc:  # noqa: BLE001 - a lost report must not fail anything else
+            log.warning("could not report the audit of %s: %s", hop.node_id, exc)
+            return None
+        self.stats.verdicts = (self.stats.verdicts + [verdict])[-100:]
+        return verdict
+
+    def _sent_to(self, record: ChainRecord, index: int) -> set[tuple[int, bytes]]:
+        """(position, digest) of every frame sent to hop ``index``: the entry's own for the first
+        hop, else the outputs the hop before it signed."""
+        if index == 0:
+            return set(record.sent)
+        return {(position, r.out_digest) for (position, _, _), r in self._receipts(record, index - 1).items()}
+
+    async def _witness_run(self, record: ChainRecord, hop: Hop, steps: list[TranscriptStep],
+                           codec: ActivationCodec) -> list[float] | None:
+        """Each step's distance (0 for a step that returned nothing) from another holder of
+        ``hop.layers`` given the same inputs: runs of ordinary steps as chunked prefills, each
+        speculative step as it was (it rewinds the session); None when there is no such holder or
+        it failed."""
+        session = uuid.uuid4().hex
+        try:
+            route = await self.routes(record.model or "", hop.layers, frozenset({hop.node_id}), session, hop.node_id)
+        except Exception as exc:  # noqa: BLE001 - no other holder, tracker down: unverified
+            log.debug("no witness for %s layers %s: %s", hop.node_id, hop.layers, exc)
+            return None
+        if len(route.hops) != 1:
+            return None
+        witness = route.hops[0]
+
+        async def call(position: int, frame: bytes, rewind: bool = False) -> bytes:
+            out, _ = await post_forward(self.client, witness, model=record.model or "", session_id=session,
+                                        position=position, frame=frame, last_only=False, timeout=self.timeout_s,
+                                        codec=codec, ticket=route.ticket, rewind=rewind)
+            return out
+
+        distances = []
+        try:
+            for run in _runs(steps):
+                start = run[0].position
+                if run[0].flags & FLAG_REWIND:
+                    frames = [await call(start, run[0].frame_in, rewind=True)]
+                else:
+                    history = [(s.position, s.frame_in, s.tokens) for s in run]
+                    frames = [await call(p, frame) async for p, frame, _ in rechunk(history, codec, self.chunk_tokens)]
+                rows = reference_rows(frames)
+                outputs = [(s.position - start, s.tokens, s.flags, s.frame_out) for s in run if s.frame_out is not None]
+                measured = iter(step_distances(outputs, rows))
+                distances += [next(measured) if s.frame_out is not None else 0.0 for s in run]
+        except Exception as exc:  # noqa: BLE001 - a witness that fails is no evidence either way
+            log.info("audit witness %s failed: %s", witness.node_id, exc)
+            return None
+        finally:
+            release_soon(self.client, [(witness.endpoint, route.ticket)], session, RELEASE_TIMEOUT_S,
+                         self.release_auth)
+        return distances
+
+
+def _runs(steps: list[TranscriptStep]) -> list[list[TranscriptStep]]:
+    """``steps`` cut into runs that replay together: each speculative step alone, the ordinary
+    steps between them as one run (contiguous: a chunked prefill)."""
+    runs: list[list[TranscriptStep]] = []
+    for s in steps:
+        if s.flags & FLAG_REWIND or not runs or runs[-1][0].flags & FLAG_REWIND:
+            runs.append([s])
+        else:
+            runs[-1].append(s)
+    return runs
+
+
+def _unsigned(steps: list[TranscriptStep] | None, receipts: dict[tuple[int, bytes, int], Receipt]) -> str:
+    """Why a hop's transcript is not what it signed during the session ("" when it is)."""
+    if steps is None:
+        return "the hop keeps no transcript of the chain"
+    why = history_problem(steps)
+    if why:
+        return f"its transcript is no session's history: {why}"
+    for s in steps:
+        receipt = receipts.get((s.position, digest(s.frame_in), s.flags))
+        if receipt is None:
+            return f"no receipt came for its step at position {s.position}"
+        if receipt.out_digest != digest(s.frame_out):
+            return f"its transcript's output at position {s.position} is not the one it signed"
+    return ""

@@ -1,0 +1,150 @@
+"""Audit verdicts are the tracker's (ADR-0067): an entry brings the accused's own signed steps, the
+tracker re-runs them on holders it picks and decides.
+
+An entry whose audit (:mod:`meshnet.gateway.audit`) found a hop's outputs away from a second
+holder's sends ``POST /v1/nodes/{id}/audit`` with every step of the chain from position 0 to the
+disputed one: the frames the hop received and sent, each with the hop's signed receipt
+(:mod:`meshnet.dataplane.receipts`). The tracker:
+
+1. checks that the sender had the accused on a route (its ticket names both, for that chain);
+2. checks every receipt against the accused's key: evidence the accused did not sign is forged,
+   and forging it is the sender's fault (:data:`FORGED`: the sender is quarantined at once);
+3. re-runs the inputs, as one fresh session each, on up to :data:`WITNESSES` admitted holders of
+   the same layers and recipe that are neither the accused nor the sender, and compares every
+   step's output with theirs (:func:`judge_audit`):
+
+   - the witnesses agree with each other and all disagree with the accused: the accused is
+     quarantined, on the tracker's own measurements;
+   - they agree with each other and with the accused: the accusation was false; a sender with
+     :data:`FALSE_ACCUSATIONS` of them is quarantined itself (an honest entry whose own witness
+     lied to it may make one);
+   - anything else (fewer than two witnesses answered, or they disagree with each other) is
+     ``inconclusive``: nothing changes, and the answer says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshnet.dataplane.frames import read_array
+from meshnet.dataplane.receipts import Receipt, TranscriptStep, history_problem, verify_step
+from meshnet.errors import MeshnetError
+from meshnet.layers import LayerRange
+from meshnet.protocol.control import AuditReport
+from meshnet.protocol.signing import unb64url
+from meshnet.tracker.admission import Holder
+
+__all__ = ["FALSE_ACCUSATIONS", "FORGED", "WITNESSES", "AuditCase", "AuditVerdict", "judge_audit", "read_evidence"]
+
+#: holders the tracker re-runs a disputed session on (two: a vote needs a majority without the accused)
+WITNESSES = 2
+#: false accusations (the witnesses agreed with the accused) after which the accuser is quarantined
+FALSE_ACCUSATIONS = 2
+#: the verdict of evidence the accused did not sign
+FORGED = "forged"
+#: the distance recorded for outputs that cannot be compared (other shapes, non-finite values; JSON has no inf)
+UNREADABLE = 1e9
+
+
+@dataclass(frozen=True)
+class AuditCase:
+    """A dispute the tracker will re-run: who accuses whom over which layers and recipe, the
+    accused's signed steps, the witnesses picked and the tolerance that applies."""
+
+    sender: str
+    accused: Holder
+    model: str
+    layers: LayerRange
+    chain_id: str
+    steps: tuple[TranscriptStep, ...]
+    witnesses: tuple[Holder, ...]
+    limit: float
+
+
+
+@dataclass(frozen=True)
+class AuditVerdict:
+    """``state``: ``quarantine`` (the accused is outvoted), ``false_accusation``, ``inconclusive`` or
+    :data:`FORGED`; why, and the measured distances (keyed ``"a|b"``: the largest step distance
+    between two holders' outputs)."""
+
+    state: str
+    reason: str
+    distances: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"verdict": self.state, "reason": self.reason, "distances": dict(self.distances)}
+
+
+def read_evidence(report: AuditReport, public_key) -> tuple[list[TranscriptStep], str]:
+    """The report's steps, and why they are not the accused's own ("" when every step's receipt
+    verifies with ``public_key``, the steps are one session's history from position 0, and one
+    of them at least returned something to judge). Unreadable steps are a reason, not an error:
+    broken evidence is its sender's fault either way."""
+    steps = []
+    for i, step in enumerate(report.steps):
+        try:
+            frame_in = unb64url(step.input)
+            frame_out = None if step.output is None else unb64url(step.output)
+            receipt = Receipt.from_bytes(unb64url(step.receipt))
+        except (ValueError, MeshnetError) as exc:
+            return [], f"step {i} does not decode: {exc}"
+        why = verify_step(public_key, report.chain_id, step.position, step.tokens, step.flags, frame_in, frame_out,
+                          receipt)
+        if why:
+            return [], why
+        steps.append(TranscriptStep(step.position, step.tokens, step.flags, frame_in, frame_out))
+    why = history_problem(steps)
+    if why:
+        return [], f"the steps are no session's history: {why}"
+    if not any(s.frame_out is not None for s in steps):
+        return [], "no step carries an output to judge"
+    return steps, ""
+
+
+def _rows(frame: bytes) -> np.ndarray:
+    array = read_array(frame)
+    return array.reshape(-1, array.shape[-1])
+
+
+def _distance(frame: bytes, reference: bytes) -> float:
+    """Relative L2 distance of an output to a reference run's output of the same step: over the
+    positions ``frame`` holds (the last ones of the step when it returned only its last)."""
+    a, b = _rows(frame), _rows(reference)
+    b = b[b.shape[0] - a.shape[0]:] if a.shape[0] <= b.shape[0] else None
+    if b is None or a.shape != b.shape or not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return UNREADABLE
+    return float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), 1e-12))
+
+
+def judge_audit(case: AuditCase, runs: dict[str, list[bytes]]) -> AuditVerdict:
+    """The verdict on ``case`` from the witnesses' runs (node id -> its output frames, one per step
+    of the case, every position; a witness that failed is absent). Distances are the largest
+    over the steps. See the module doc for the rule.
+
+    Raises:
+        WireError: a frame does not read.
+    """
+    accused = case.accused.node_id
+    judged = [i for i, s in enumerate(case.steps) if s.frame_out is not None]
+    distances = {f"{accused}|{w}": max(_distance(case.steps[i].frame_out, frames[i]) for i in judged)
+                 for w, frames in runs.items()}
+    names = sorted(runs)
+    for k, a in enumerate(names):
+        for b in names[k + 1:]:
+            distances[f"{a}|{b}"] = max(_distance(runs[a][i], runs[b][i]) for i in judged)
+    distances = {k: round(min(v, UNREADABLE), 6) for k, v in distances.items()}
+    if len(runs) < 2:
+        return AuditVerdict("inconclusive", f"{len(runs)} witness(es) answered; a verdict needs two", distances)
+    if any(distances[f"{a}|{b}"] > case.limit for k, a in enumerate(names) for b in names[k + 1:]):
+        return AuditVerdict("inconclusive", "the witnesses disagree with each other", distances)
+    away = [w for w in names if distances[f"{accused}|{w}"] > case.limit]
+    if len(away) == len(names):
+        return AuditVerdict("quarantine", f"{', '.join(names)} agree with each other and not with {accused} "
+                                          f"(tolerance {case.limit})", distances)
+    if not away:
+        return AuditVerdict("false_accusation", f"{', '.join(names)} agree with {accused} (tolerance {case.limit})",
+                            distances)
+    return AuditVerdict("inconclusive", "the witnesses split on the accused", distances)

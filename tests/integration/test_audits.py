@@ -1,0 +1,82 @@
+"""Decode audits with real processes and the real model (ADR-0067).
+
+The entry holds layers 0-9, ``tail`` 20-29; three nodes hold the middle range 10-19: ``h1`` and
+``h2`` honestly, ``x-bad`` honest on every prefill (its admission challenge, spot-checks) and
+lying on every decode step (noise on its output, ``MESHNET_TEST_CORRUPT_DECODE``, test-only),
+over hop streams as much as over hop calls, and claiming ten times its speed so that routes take it. Everything else is at its default: the entry audits
+a share of its sessions, more while a hop is on probation.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import REAL
+from tests.integration.mesh import Mesh
+
+pytestmark = pytest.mark.slow
+SHORT = [{"role": "user", "content": "Count from one to ten."}]
+BF16 = ("--dtype", "bfloat16", "--wire-dtype", "bfloat16")
+MIDDLE = ("--model", REAL, "--shard-start", "10", "--shard-end", "19", *BF16)
+
+
+def node_view(mesh: Mesh, name: str) -> dict:
+    """The tracker's view of node ``name`` (KeyError while it is not registered: "not yet" to a wait)."""
+    return {n["node_id"]: n for n in mesh.get("/v1/nodes")["nodes"]}[name]
+
+
+def admitted(mesh: Mesh, name: str) -> bool:
+    shards = node_view(mesh, name)["shards"]
+    return bool(shards) and (shards[0].get("verification") or {}).get("state") in ("verified", "unverified")
+
+
+def test_a_node_lying_only_on_decode_steps_is_caught_by_an_audit_and_quarantined(real_model_path, tmp_path):
+    mesh = Mesh(tmp_path)
+    try:
+        mesh.start_tracker(REAL, node_timeout_s=10.0)
+        mesh.start_node("entry", "--model", REAL, "--shard-start", "0", "--shard-end", "9", *BF16)
+        mesh.start_node("tail", "--model", REAL, "--shard-start", "20", "--shard-end", "29", *BF16)
+        mesh.start_node("h1", *MIDDLE)
+        mesh.wait_routable(REAL, 240)
+        mesh.start_node("x-bad", *MIDDLE, env={"MESHNET_TEST_CORRUPT_DECODE": "0.1", "MESHNET_TEST_CLAIM_SPEED": "10"},
+                        module="tests.corrupt")  # claims to be fastest, so routes go through it
+        mesh.wait(lambda: admitted(mesh, "x-bad"), 180, "x-bad admitted")  # honest for its challenge
+        mesh.start_node("h2", *MIDDLE)
+        mesh.wait(lambda: admitted(mesh, "h2"), 180, "h2 admitted")
+
+        answers, through_bad, quarantine, caught_after = [], 0, None, None
+        for _ in range(80):
+            resp = mesh.chat(REAL, SHORT, max_tokens=8)
+            assert resp.status_code == 200, resp.text
+            route = [h["node_id"] for h in resp.json()["meshnet"]["route"]]
+            answers.append((time.time(), route))
+            through_bad += "x-bad" in route
+            if quarantine is None:
+                quarantine = node_view(mesh, "x-bad")["quarantine"]
+                if not quarantine and through_bad:  # the audit runs after its session: give it its time
+                    time.sleep(1.0)
+                    quarantine = node_view(mesh, "x-bad")["quarantine"]
+                caught_after = through_bad if quarantine else None
+            elif len(answers) >= 5 + next(i for i, (t, _) in enumerate(answers) if t > quarantine["since"]):
+                break
+        assert quarantine, f"x-bad not quarantined after {len(answers)} requests, {through_bad} through it"
+        print(f"x-bad quarantined after {caught_after} request(s) through it: {quarantine}")
+        assert caught_after <= 50
+        assert quarantine["reported_by"] == "entry" and set(quarantine["witnesses"]) == {"h1", "h2"}
+        honest = quarantine["distances"]["h1|h2"]
+        assert honest <= quarantine["tolerance"] < min(quarantine["distances"]["x-bad|h1"],
+                                                       quarantine["distances"]["x-bad|h2"])
+        late = [route for finished, route in answers if finished > quarantine["since"] + 2.0]
+        assert late and all("x-bad" not in route for route in late)
+        for name in ("h1", "h2", "entry", "tail"):
+            assert node_view(mesh, name)["quarantine"] is None, name
+        audits = httpx.get(f"{node_view(mesh, 'entry')['endpoint']}/v1/health", timeout=5).json()["audits"]
+        print(f"entry audits: {audits}")
+        assert audits["withheld"] == 0 and audits["mismatched"] == 0
+        assert any(v.get("verdict") == "quarantine" for v in audits["verdicts"])
+        assert max(audits["distances"]) > quarantine["tolerance"]
+    finally:
+        mesh.stop()

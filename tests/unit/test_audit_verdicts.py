@@ -1,0 +1,144 @@
+"""Receipts, transcripts and the tracker's audit verdicts as pure functions (ADR-0067)."""
+
+from __future__ import annotations
+
+import struct
+import uuid
+
+import numpy as np
+import pytest
+
+from meshnet.dataplane.frames import FLAG_LAST_ONLY, FLAG_REWIND
+from meshnet.dataplane.receipts import NO_OUTPUT, Receipt, TranscriptStep, TranscriptStore, history_problem, \
+    read_transcript, sign_step, transcript_json, verify_step
+from meshnet.layers import LayerRange
+from meshnet.protocol.control import AuditReport, AuditStep
+from meshnet.protocol.signing import b64url
+from meshnet.tracker.admission import Holder
+from meshnet.tracker.audit import AuditCase, judge_audit, read_evidence
+from tests.payloads import node_key
+
+CHAIN = uuid.UUID(int=7).hex
+
+
+def frame(array: np.ndarray) -> bytes:
+    """A float32 activation frame (ADR-0001) of ``array``."""
+    header = struct.pack("<4sBBBB", b"MSHN", 1, 2, array.ndim, 0) + struct.pack(f"<{array.ndim}I", *array.shape)
+    return header + array.astype("<f4").tobytes()
+
+
+def rows(seed: int, tokens: int, width: int = 8) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, tokens, width)).astype(np.float32)
+
+
+def test_a_receipt_binds_the_step_to_the_signers_key():
+    key = node_key("h1")
+    a, b = frame(rows(0, 3)), frame(rows(1, 3))
+    receipt = sign_step(key, CHAIN, 5, 3, FLAG_REWIND, a, b)
+    assert len(receipt.to_bytes()) == 128 and Receipt.from_bytes(receipt.to_bytes()) == receipt
+    public = key.public_key()
+    assert verify_step(public, CHAIN, 5, 3, FLAG_REWIND, a, b, receipt) == ""
+    assert "output" in verify_step(public, CHAIN, 5, 3, FLAG_REWIND, a, a, receipt)
+    assert "input" in verify_step(public, CHAIN, 5, 3, FLAG_REWIND, b, b, receipt)
+    assert "not signed" in verify_step(public, CHAIN, 6, 3, FLAG_REWIND, a, b, receipt)  # another position
+    assert "not signed" in verify_step(public, CHAIN, 5, 3, 0, a, b, receipt)  # other flags
+    assert "not signed" in verify_step(node_key("h2").public_key(), CHAIN, 5, 3, FLAG_REWIND, a, b, receipt)
+    assert sign_step(key, CHAIN, 0, 1, 0, a, None).out_digest == NO_OUTPUT
+
+
+def test_a_transcript_keeps_steps_in_order_for_its_key_and_forgets_them_after_its_time():
+    store = TranscriptStore(max_bytes=10_000, keep_s=0.0)
+    i = store.record(CHAIN, "k" * 16, TranscriptStep(0, 4, 0, b"in0", None))
+    store.record(CHAIN, "k" * 16, TranscriptStep(4, 1, 0, b"in1", None))
+    store.set_output(CHAIN, i, b"out0")
+    assert [(s.position, s.frame_out) for s in store.steps(CHAIN, "k" * 16)] == [(0, b"out0"), (4, None)]
+    assert store.steps(CHAIN, "x" * 16) is None and store.bytes == len(b"in0in1out0")
+    doc = transcript_json(CHAIN, "h1", store.steps(CHAIN, "k" * 16))
+    assert read_transcript(doc) == store.steps(CHAIN, "k" * 16)
+    store.ended(CHAIN)
+    assert store.steps(CHAIN, "k" * 16) is None and store.bytes == 0
+
+
+def test_the_oldest_transcripts_go_when_the_bytes_run_out():
+    store = TranscriptStore(max_bytes=10)
+    store.record(uuid.UUID(int=1).hex, "k", TranscriptStep(0, 1, 0, b"123456", None))
+    store.record(uuid.UUID(int=2).hex, "k", TranscriptStep(0, 1, 0, b"abcdef", None))
+    assert store.steps(uuid.UUID(int=1).hex, "k") is None and store.steps(uuid.UUID(int=2).hex, "k") is not None
+
+
+@pytest.mark.parametrize("steps, why", [
+    ([(0, 4, 0), (4, 1, 0), (5, 1, 0)], ""),
+    ([(0, 4, 0), (4, 3, FLAG_REWIND), (5, 2, FLAG_REWIND), (7, 1, 0)], ""),  # drafts taken back
+    ([(1, 4, 0)], "position 1 where position 0"),
+    ([(0, 4, 0), (5, 1, 0)], "position 5 where position 4"),  # a gap
+    ([(0, 4, 0), (3, 1, 0)], "position 3 where position 4"),  # an overlap that is no rewind
+    ([], "no steps"),
+])
+def test_a_history_runs_from_position_0_and_only_a_speculative_step_goes_back(steps, why):
+    got = history_problem([TranscriptStep(p, t, f, b"", None) for p, t, f in steps])
+    assert (why in got) if why else got == ""
+
+
+def evidence(outputs: list[np.ndarray], *, signer: str = "x", chain: str = CHAIN) -> tuple[AuditReport, list]:
+    """A report of x's steps: a 4-token prefill at 0 (last position returned), then decode steps."""
+    key, steps, position = node_key(signer), [], 0
+    for i, out in enumerate(outputs):
+        tokens = 4 if i == 0 else 1
+        flags = FLAG_LAST_ONLY
+        a, b = frame(rows(10 + i, tokens)), frame(out)
+        steps.append(AuditStep(position=position, tokens=tokens, flags=flags, input=b64url(a), output=b64url(b),
+                               receipt=b64url(sign_step(key, chain, position, tokens, flags, a, b).to_bytes())))
+        position += tokens
+    return AuditReport(model="m", shard_start=10, shard_end=19, chain_id=CHAIN, ticket="t", steps=steps), steps
+
+
+HONEST = [rows(100 + i, 1) for i in range(3)]
+
+
+def case_of(report: AuditReport) -> AuditCase:
+    steps, why = read_evidence(report, node_key("x").public_key())
+    assert why == ""
+    holder = Holder("x", "http://x", LayerRange(10, 20), "bfloat16", "bfloat16")
+    return AuditCase("entry", holder, "m", LayerRange(10, 20), CHAIN, tuple(steps), (), 0.05)
+
+
+def witness_run(outputs: list[np.ndarray], noise: float = 0.0) -> list[bytes]:
+    """A witness's frames: every position of each step (the prefill's first 3 rows arbitrary)."""
+    out = []
+    for i, last in enumerate(outputs):
+        full = np.concatenate([rows(50, 3), last], axis=1) if i == 0 else last
+        out.append(frame(full + noise * rows(200 + i, full.shape[1])))
+    return out
+
+
+def test_evidence_the_accused_did_not_sign_is_forged():
+    report, _ = evidence(HONEST, signer="y")
+    assert "not signed by the node" in read_evidence(report, node_key("x").public_key())[1]
+    report, steps = evidence(HONEST)
+    steps[1] = steps[1].model_copy(update={"output": b64url(frame(HONEST[1] + 1.0))})  # the entry changed it
+    assert "output at position 4" in read_evidence(report.model_copy(update={"steps": steps}),
+                                                   node_key("x").public_key())[1]
+
+
+def test_the_witnesses_outvote_a_node_that_lied_on_one_decode_step():
+    lied = [HONEST[0], HONEST[1] + 0.5, HONEST[2]]
+    verdict = judge_audit(case_of(evidence(lied)[0]), {"w1": witness_run(HONEST), "w2": witness_run(HONEST)})
+    assert verdict.state == "quarantine"
+    assert verdict.distances["w1|w2"] == 0.0 and verdict.distances["x|w1"] > 0.3 and verdict.distances["x|w2"] > 0.3
+
+
+def test_witnesses_that_agree_with_the_accused_make_the_accusation_false():
+    verdict = judge_audit(case_of(evidence(HONEST)[0]), {"w1": witness_run(HONEST), "w2": witness_run(HONEST, 1e-3)})
+    assert verdict.state == "false_accusation" and verdict.distances["x|w1"] == 0.0
+
+
+@pytest.mark.parametrize("runs, why", [
+    ({"w1": "honest"}, "1 witness(es) answered"),
+    ({}, "0 witness(es) answered"),
+    ({"w1": "honest", "w2": "noisy"}, "disagree with each other"),
+])
+def test_fewer_than_two_agreeing_witnesses_is_inconclusive(runs, why):
+    lied = [HONEST[0], HONEST[1] + 0.5, HONEST[2]]
+    made = {w: witness_run(HONEST, 0.0 if kind == "honest" else 1.0) for w, kind in runs.items()}
+    verdict = judge_audit(case_of(evidence(lied)[0]), made)
+    assert verdict.state == "inconclusive" and why in verdict.reason
