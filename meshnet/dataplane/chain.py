@@ -143,10 +143,13 @@ class ChainRoute(FailoverCounts):
         chain_id: the session id the hops use for the first chain (32 hex characters).
         on_failover: told of the failed hop and the new chain's hops over its layers after each
             chain replacement (the traffic log, ADR-0046; None: nobody).
+        receipts: ask every hop for a signed receipt of each step (ADR-0067: this entry audits a
+            share of its sessions; the same for every session, audited or not).
     """
 
     def __init__(self, ctx: RemoteContext, end: "ChainEnd", *, route: Route, layers: LayerRange, chain_id: SessionId,
-                 on_failover: FailoverListener | None = None) -> None:
+                 on_failover: FailoverListener | None = None, receipts: bool = False) -> None:
+        self.want_receipts = receipts
         self.pool, self.inbox = end.pool, end.inbox
         self.fo = Failover(ctx, chain_id, on_failover)
         self.model, self.entry_id, self.entry_endpoint = ctx.model, end.node_id, end.endpoint
@@ -267,7 +270,7 @@ class ChainRoute(FailoverCounts):
     async def _open(self) -> None:
         opened = ChainOpen(model=self.model, entry=self.entry_id, entry_endpoint=self.entry_endpoint,
                            hops=[h.to_json() for h in self.hops], tickets=[self.ticket] * len(self.hops),
-                           receipts=True)
+                           receipts=self.want_receipts)
         self._opened = True
         await self._send(Kind.OPEN, body=opened.to_body())
 

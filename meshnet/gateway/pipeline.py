@@ -152,7 +152,8 @@ class Orchestrator:
                             connect_timeout_s=s.hop_connect_timeout_s, deadlines=s.deadlines,
                             replay_chunk_tokens=s.chunk_tokens)
         if s.chain and self.end.pool is not None and self.end.inbox is not None and not checked:
-            return ChainRoute(ctx, self.end, route=route, layers=layers, chain_id=session_id, on_failover=on_failover)
+            return ChainRoute(ctx, self.end, route=route, layers=layers, chain_id=session_id, on_failover=on_failover,
+                              receipts=self.audit is not None and self.audit.rate > 0)
         return RemoteRoute(ctx, session_id=session_id, route=route, on_failover=on_failover,
                            spot_check=self.spot_check if checked else None)
 

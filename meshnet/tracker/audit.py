@@ -18,7 +18,10 @@ disputed one: the frames the hop received and sent, each with the hop's signed r
    - they agree with each other and with the accused: the accusation was false; a sender with
      :data:`FALSE_ACCUSATIONS` of them is quarantined itself (an honest entry whose own witness
      lied to it may make one);
-   - anything else (fewer than two witnesses answered, or they disagree with each other) is
+   - the accused and one witness agree and the other witness does not: that witness lied to the
+     tracker itself (``witness_outvoted``): it is quarantined on the tracker's own measurements,
+     and the accusation counts against no one (the sender's own witness may have been that one);
+   - anything else (fewer than two witnesses answered, or no two of the three agree) is
      ``inconclusive``: nothing changes, and the answer says so.
 """
 
@@ -66,13 +69,15 @@ class AuditCase:
 
 @dataclass(frozen=True)
 class AuditVerdict:
-    """``state``: ``quarantine`` (the accused is outvoted), ``false_accusation``, ``inconclusive`` or
-    :data:`FORGED`; why, and the measured distances (keyed ``"a|b"``: the largest step distance
+    """``state``: ``quarantine`` (the accused is outvoted), ``false_accusation``, ``witness_outvoted``
+    (the accused and one witness agree against the other witness, ``outvoted``), ``inconclusive``
+    or :data:`FORGED`; why, and the measured distances (keyed ``"a|b"``: the largest step distance
     between two holders' outputs)."""
 
     state: str
     reason: str
     distances: dict[str, float] = field(default_factory=dict)
+    outvoted: str | None = None  # the witness a ``witness_outvoted`` verdict names
 
     def to_json(self) -> dict:
         return {"verdict": self.state, "reason": self.reason, "distances": dict(self.distances)}
@@ -139,6 +144,11 @@ def judge_audit(case: AuditCase, runs: dict[str, list[bytes]]) -> AuditVerdict:
     if len(runs) < 2:
         return AuditVerdict("inconclusive", f"{len(runs)} witness(es) answered; a verdict needs two", distances)
     if any(distances[f"{a}|{b}"] > case.limit for k, a in enumerate(names) for b in names[k + 1:]):
+        odd = [w for w in names if distances[f"{accused}|{w}"] > case.limit]
+        if len(names) == 2 and len(odd) == 1:  # the accused and the other witness agree against it
+            return AuditVerdict("witness_outvoted", f"{accused} and {next(w for w in names if w not in odd)} agree "
+                                                   f"with each other and not with {odd[0]} (tolerance {case.limit})",
+                                distances, odd[0])
         return AuditVerdict("inconclusive", "the witnesses disagree with each other", distances)
     away = [w for w in names if distances[f"{accused}|{w}"] > case.limit]
     if len(away) == len(names):

@@ -283,8 +283,9 @@ class TrustMixin:
                          tolerance(*recipe))
 
     def apply_audit(self, case: AuditCase, verdict: AuditVerdict) -> None:
-        """Act on an audit's verdict: quarantine the outvoted accused, or count a false accusation
-        against the sender; an inconclusive verdict changes nothing."""
+        """Act on an audit's verdict: quarantine the outvoted accused, or the witness the accused and
+        the other witness outvoted, or count a false accusation against the sender; an
+        inconclusive verdict changes nothing."""
         accused = case.accused.node_id
         if verdict.state == "quarantine" and accused not in self.quarantined:
             start, end = case.layers.to_inclusive()
@@ -297,6 +298,18 @@ class TrustMixin:
                         case.chain_id, ", ".join(w.node_id for w in case.witnesses), verdict.distances)
         elif verdict.state == "false_accusation":
             self._accuser_at_fault(case.sender, accused, verdict)
+        elif verdict.state == "witness_outvoted" and verdict.outvoted not in self.quarantined \
+                and verdict.outvoted in self.nodes:
+            start, end = case.layers.to_inclusive()
+            self._quarantine(Quarantine(node_id=verdict.outvoted, reported_by="tracker (outvoted as an audit witness)",
+                                        model=case.model, shard_start=start, shard_end=end,
+                                        witnesses=tuple(n for n in (accused, *(w.node_id for w in case.witnesses))
+                                                        if n != verdict.outvoted),
+                                        distances=dict(verdict.distances), tolerance=case.limit))
+            self.store.fail_open(verdict.outvoted, "node quarantined: outvoted as an audit witness")
+            self.dirty = True
+            log.warning("node %s quarantined: it answered an audit's re-run unlike %s and the other witness (%s)",
+                        verdict.outvoted, accused, verdict.distances)
         else:
             log.info("audit of %s on chain %s from %s: %s (%s)", accused, case.chain_id, case.sender, verdict.state,
                      verdict.reason)

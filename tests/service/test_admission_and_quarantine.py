@@ -303,6 +303,16 @@ async def test_an_entry_that_accuses_an_honest_node_is_marked_and_quarantined_at
         assert (marked is None) if attempt == 1 else marked["reported_by"] == "tracker (false_accusation accusation of h1)"
 
 
+async def test_a_witness_that_lies_to_the_trackers_re_run_is_the_one_quarantined(mesh):
+    await entry_and_three_holders(mesh)
+    mesh.nodes.dishonest.add("h3.test")  # h3 turns bad after its admission
+    resp = await post_signed(mesh, "entry", "/v1/nodes/h1/audit", audit_report(await h1_ticket(mesh), lied=False))
+    assert resp.status_code == 200 and resp.json()["verdict"] == "witness_outvoted", resp.text
+    assert resp.json()["distances"]["h1|h2"] == 0.0 and resp.json()["distances"]["h2|h3"] > 0.5
+    assert (await view_of(mesh, "h3"))["quarantine"]["reported_by"] == "tracker (outvoted as an audit witness)"
+    assert (await view_of(mesh, "h1"))["quarantine"] is None and (await view_of(mesh, "entry"))["quarantine"] is None
+
+
 async def test_distances_alone_no_longer_quarantine_anyone(mesh):
     """An entry's word is no evidence (ADR-0067): a spot-check report of distances is refused and
     changes nothing, however strongly it outvotes the node."""

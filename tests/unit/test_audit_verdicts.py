@@ -132,10 +132,16 @@ def test_witnesses_that_agree_with_the_accused_make_the_accusation_false():
     assert verdict.state == "false_accusation" and verdict.distances["x|w1"] == 0.0
 
 
+def test_a_witness_that_answers_unlike_the_accused_and_the_other_witness_is_the_one_outvoted():
+    verdict = judge_audit(case_of(evidence(HONEST)[0]), {"w1": witness_run(HONEST), "w2": witness_run(HONEST, 1.0)})
+    assert verdict.state == "witness_outvoted" and verdict.outvoted == "w2"
+    assert verdict.distances["x|w1"] == 0.0 and verdict.distances["w1|w2"] > 0.3
+
+
 @pytest.mark.parametrize("runs, why", [
     ({"w1": "honest"}, "1 witness(es) answered"),
     ({}, "0 witness(es) answered"),
-    ({"w1": "honest", "w2": "noisy"}, "disagree with each other"),
+    ({"w1": "honest", "w2": "noisy"}, "disagree with each other"),  # the accused lied: no two of three agree
 ])
 def test_fewer_than_two_agreeing_witnesses_is_inconclusive(runs, why):
     lied = [HONEST[0], HONEST[1] + 0.5, HONEST[2]]

@@ -1,0 +1,178 @@
+"""Audit benchmark (ADR-0067): what signed steps and decode audits cost, and how fast they catch a liar.
+
+Real processes, SmolLM2-135M, bfloat16, a 3-hop route: an entry 0-9, holders of the middle range
+10-19, one holder of 20-29. Load averages are printed before each part (this machine is shared).
+
+Part 1, cost and false positives: two entries, ``entry-on`` at the default audit settings and
+``entry-off`` with audits off (``--audit-rate 0``: no receipts asked, none audited), three honest
+holders of 10-19. ``--requests`` greedy chats per entry, interleaved, in three rounds; prints each
+round's median decode tokens/s with and without audits and their ratio (the median of the three
+ratios is the figure), and what the audits found: audits run, passed, disputes (on honest holders
+every dispute is a false positive), quarantines, and the quantiles of the largest step distance
+of each audit.
+
+Part 2, sensitivity: per noise scale (``--scales``, x the output's std), a mesh whose third middle
+holder lies on every decode step by that much (``tests/corrupt.py``, test-only) and claims ten
+times its speed, so that routes take it; ``--cycles`` times: chats until it is quarantined
+(at most 60 requests), counting the requests routed through it, then the operator reinstates it.
+Prints the counts, their median and how many cycles caught it within 50 requests. The entry
+never sees the liar pass an audit, so it stays on probation (rate 0.5); a holder that lied only
+after passing five audits is audited at the base rate r = 0.06 and is caught within 50 requests
+with probability 1 - (1 - r)**50 = 0.955 when each audit catches it.
+
+Usage: .venv/bin/python bench/audits.py [--requests 60] [--cycles 20] [--scales 0.5,0.2,0.1,0.05] [--max-tokens 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MODEL = "smollm2-135m-instruct"
+PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "Explain photosynthesis briefly.",
+           "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good morning' to Spanish.",
+           "What is 12 times 7?", "Name a large ocean.", "Describe a cat in one sentence.", "Count to ten."]
+BF16 = ("--dtype", "bfloat16", "--wire-dtype", "bfloat16")
+MIDDLE = ("--model", MODEL, "--shard-start", "10", "--shard-end", "19", *BF16)
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def quantiles(values: list[float]) -> str:
+    if not values:
+        return "none"
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return f"n={len(values)} min {min(values):.4f} p50 {q[49]:.4f} p99 {q[98]:.4f} max {max(values):.4f}"
+
+
+def nodes(mesh) -> dict[str, dict]:
+    return {n["node_id"]: n for n in mesh.get("/v1/nodes")["nodes"]}
+
+
+def admitted(mesh, names: tuple[str, ...]) -> bool:
+    view = nodes(mesh)
+    return all(name in view and view[name]["shards"] and all(s["admitted"] for s in view[name]["shards"])
+               for name in names)
+
+
+def chat(endpoint: str, i: int, max_tokens: int) -> dict:
+    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]}
+    resp = httpx.post(f"{endpoint}/v1/chat/completions", json=body, timeout=300)
+    resp.raise_for_status()
+    return resp.json()["meshnet"]
+
+
+def cost(requests: int, max_tokens: int) -> None:
+    from meshnet.localmesh import LocalMesh
+
+    print(f"part 1: cost and false positives ({load()})")
+    with tempfile.TemporaryDirectory() as tmp:
+        mesh = LocalMesh(Path(tmp), heartbeat_s=1.0)
+        try:
+            mesh.start_tracker(MODEL, node_timeout_s=10.0)
+            for name, rate in (("entry-on", None), ("entry-off", "0")):
+                mesh.start_node(name, "--model", MODEL, "--shard-start", "0", "--shard-end", "9", *BF16,
+                                env={} if rate is None else {"MESHNET_AUDIT_RATE": rate})
+            mesh.start_node("tail", "--model", MODEL, "--shard-start", "20", "--shard-end", "29", *BF16)
+            for name in ("h1", "h2", "h3"):
+                mesh.start_node(name, *MIDDLE)
+            names = ("entry-on", "entry-off", "tail", "h1", "h2", "h3")
+            mesh.wait(lambda: admitted(mesh, names), 300, "every node admitted")
+            entries = {n: nodes(mesh)[n]["endpoint"] for n in ("entry-on", "entry-off")}
+            ratios = []
+            for round_ in range(3):
+                tps = {"entry-on": [], "entry-off": []}
+                for i in range(requests // 3):
+                    for name in ("entry-on", "entry-off") if i % 2 == 0 else ("entry-off", "entry-on"):
+                        tps[name].append(chat(entries[name], i, max_tokens)["decode_tokens_per_s"])
+                on, off = statistics.median(tps["entry-on"]), statistics.median(tps["entry-off"])
+                ratios.append(on / off)
+                print(f"  round {round_ + 1}: decode tokens/s median with audits {on:.2f}, without {off:.2f}, "
+                      f"ratio {on / off:.3f} ({load()})")
+            time.sleep(3.0)  # the last audits finish
+            audits = httpx.get(f"{entries['entry-on']}/v1/health", timeout=5).json()["audits"]
+            quarantined = [n for n, v in nodes(mesh).items() if v.get("quarantine")]
+            print(f"  decode tokens/s with audits over without, median of 3 rounds: {statistics.median(ratios):.3f}")
+            print(f"  audits of hops {audits['audits']}: passed {audits['passed']}, disputes {audits['disputes']} "
+                  f"(false positives: all holders are honest), withheld {audits['withheld']}, mismatched "
+                  f"{audits['mismatched']}, no witness {audits['unverified']}; quarantined {quarantined or 'none'}")
+            print(f"  largest step distance per audit: {quantiles(audits['distances'])}")
+        finally:
+            mesh.stop()
+
+
+def sensitivity(scale: float, cycles: int, max_tokens: int) -> None:
+    from meshnet.localmesh import LocalMesh
+
+    print(f"part 2: a holder lying on decode steps by {scale} x its output's std ({load()})")
+    with tempfile.TemporaryDirectory() as tmp:
+        mesh = LocalMesh(Path(tmp), heartbeat_s=1.0)
+        try:
+            mesh.start_tracker(MODEL, node_timeout_s=10.0)
+            mesh.start_node("entry", "--model", MODEL, "--shard-start", "0", "--shard-end", "9", *BF16)
+            mesh.start_node("tail", "--model", MODEL, "--shard-start", "20", "--shard-end", "29", *BF16)
+            mesh.start_node("h1", *MIDDLE)
+            mesh.start_node("h2", *MIDDLE)
+            mesh.wait(lambda: admitted(mesh, ("entry", "tail", "h1", "h2")), 300, "honest nodes admitted")
+            mesh.start_node("liar", *MIDDLE, module="tests.corrupt",
+                            env={"MESHNET_TEST_CORRUPT_DECODE": str(scale), "MESHNET_TEST_CLAIM_SPEED": "10"})
+            mesh.wait(lambda: admitted(mesh, ("liar",)), 300, "the liar admitted")
+            entry = nodes(mesh)["entry"]["endpoint"]
+            counts, i = [], 0
+            for _ in range(cycles):
+                through = None
+                for _ in range(60):
+                    route = [h["node_id"] for h in chat(entry, i, max_tokens)["route"]]
+                    i += 1
+                    through = (through or 0) + ("liar" in route)
+                    deadline = time.monotonic() + (3.0 if "liar" in route else 0.0)
+                    while not nodes(mesh)["liar"].get("quarantine") and time.monotonic() < deadline:
+                        time.sleep(0.2)  # the audit runs after its session
+                    if nodes(mesh)["liar"].get("quarantine"):
+                        break
+                caught = bool(nodes(mesh)["liar"].get("quarantine"))
+                counts.append(through if caught else None)
+                if caught:
+                    httpx.post(f"{mesh.url}/v1/operator/reinstate", json={"node_id": "liar"}, timeout=10)
+                    mesh.wait(lambda: admitted(mesh, ("liar",)) and not nodes(mesh)["liar"].get("quarantine"), 120,
+                              "the liar reinstated")
+            got = [c for c in counts if c is not None]
+            within = sum(1 for c in got if c <= 50)
+            print(f"  requests through it until quarantined, per cycle: {counts}")
+            print(f"  median {statistics.median(got) if got else 'never'}; caught within 50 in {within} of {cycles} "
+                  f"cycles; wrongly quarantined: {[n for n, v in nodes(mesh).items() if v.get('quarantine')] or 'none'}")
+        finally:
+            mesh.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=60, help="chats per entry in part 1 (three rounds)")
+    parser.add_argument("--cycles", type=int, default=20, help="quarantine-and-reinstate cycles per scale")
+    parser.add_argument("--scales", default="0.5,0.2,0.1,0.05", help="noise scales of part 2 (x output std)")
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--skip-cost", action="store_true")
+    parser.add_argument("--skip-sensitivity", action="store_true")
+    args = parser.parse_args()
+    if not args.skip_cost:
+        cost(args.requests, args.max_tokens)
+    if not args.skip_sensitivity:
+        for scale in (float(s) for s in args.scales.split(",")):
+            sensitivity(scale, args.cycles, args.max_tokens)
+
+
+if __name__ == "__main__":
+    main()
