@@ -5,7 +5,8 @@ Real processes, SmolLM2-135M, bfloat16, a 3-hop route: an entry 0-9, holders of 
 
 Part 1, cost and false positives: two entries, ``entry-on`` at the default audit settings and
 ``entry-off`` with audits off (``--audit-rate 0``: no receipts asked, none audited), three honest
-holders of 10-19. ``--requests`` greedy chats per entry, interleaved, in three rounds; prints each
+holders of 10-19 on different weight layouts and thread counts (:data:`LAYOUTS`; where this CPU
+cannot pack bfloat16, ``packed`` falls back to another layout). ``--requests`` greedy chats per entry, interleaved, in three rounds; prints each
 round's median decode tokens/s with and without audits and their ratio (the median of the three
 ratios is the figure), and what the audits found: audits run, passed, disputes (on honest holders
 every dispute is a false positive), quarantines, and the quantiles of the largest step distance
@@ -14,7 +15,8 @@ of each audit.
 Part 2, sensitivity: per noise scale (``--scales``, x the output's std), a mesh whose third middle
 holder lies on every decode step by that much (``tests/corrupt.py``, test-only) and claims ten
 times its speed, so that routes take it; ``--cycles`` times: chats until it is quarantined
-(at most 60 requests), counting the requests routed through it, then the operator reinstates it.
+(at most 60 requests), counting the requests routed through it, then the operator reinstates it
+(a scale that three cycles in a row do not catch ends there).
 Prints the counts, their median and how many cycles caught it within 50 requests. The entry
 never sees the liar pass an audit, so it stays on probation (rate 0.5); a holder that lied only
 after passing five audits is audited at the base rate r = 0.06 and is caught within 50 requests
@@ -38,12 +40,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MODEL = "smollm2-135m-instruct"
-PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "Explain photosynthesis briefly.",
-           "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good morning' to Spanish.",
-           "What is 12 times 7?", "Name a large ocean.", "Describe a cat in one sentence.", "Count to ten."]
-BF16 = ("--dtype", "bfloat16", "--wire-dtype", "bfloat16")
+from bench.spotcheck import BF16, MODEL, PROMPTS  # noqa: E402 - the spot-check bench's prompts and recipe
 MIDDLE = ("--model", MODEL, "--shard-start", "10", "--shard-end", "19", *BF16)
+#: the honest holders of part 1: weight layouts and torch threads that differ, as across hosts
+LAYOUTS = (("h1", "row", 1), ("h2", "packed", 1), ("h3", "transposed", 2))
 
 
 def load() -> str:
@@ -87,8 +87,8 @@ def cost(requests: int, max_tokens: int) -> None:
                 mesh.start_node(name, "--model", MODEL, "--shard-start", "0", "--shard-end", "9", *BF16,
                                 env={} if rate is None else {"MESHNET_AUDIT_RATE": rate})
             mesh.start_node("tail", "--model", MODEL, "--shard-start", "20", "--shard-end", "29", *BF16)
-            for name in ("h1", "h2", "h3"):
-                mesh.start_node(name, *MIDDLE)
+            for name, layout, threads in LAYOUTS:
+                mesh.start_node(name, *MIDDLE, threads=threads, env={"MESHNET_WEIGHT_LAYOUT": layout})
             names = ("entry-on", "entry-off", "tail", "h1", "h2", "h3")
             mesh.wait(lambda: admitted(mesh, names), 300, "every node admitted")
             entries = {n: nodes(mesh)[n]["endpoint"] for n in ("entry-on", "entry-off")}
@@ -145,6 +145,8 @@ def sensitivity(scale: float, cycles: int, max_tokens: int) -> None:
                         break
                 caught = bool(nodes(mesh)["liar"].get("quarantine"))
                 counts.append(through if caught else None)
+                if counts[-3:] == [None] * 3:  # below what an audit can tell from honest rounding
+                    break
                 if caught:
                     httpx.post(f"{mesh.url}/v1/operator/reinstate", json={"node_id": "liar"}, timeout=10)
                     mesh.wait(lambda: admitted(mesh, ("liar",)) and not nodes(mesh)["liar"].get("quarantine"), 120,

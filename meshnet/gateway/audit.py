@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import uuid
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -39,14 +38,13 @@ import httpx
 from meshnet.dataplane.chain import ChainRecord, ChainRoute
 from meshnet.dataplane.codec import ActivationCodec
 from meshnet.dataplane.evidence import reference_rows, step_distances, tolerance
-from meshnet.dataplane.failover import release_soon
 from meshnet.dataplane.hops import post_forward
 from meshnet.dataplane.frames import FLAG_REWIND
 from meshnet.dataplane.receipts import HEADER_CHAIN_KEY, Receipt, TranscriptStep, digest, history_problem, \
     read_transcript
 from meshnet.dataplane.replay import rechunk
 from meshnet.errors import MeshnetError
-from meshnet.gateway.spotcheck import WitnessRoutes
+from meshnet.gateway.spotcheck import WitnessRoutes, witness_session
 from meshnet.protocol.control import AuditReport, AuditStep
 from meshnet.protocol.route import Hop
 from meshnet.protocol.signing import b64url
@@ -64,8 +62,6 @@ DEFAULT_AUDIT_RATE = 0.06
 PROBATION_RATE = 0.5
 #: audits a hop passes here before it leaves probation
 PROBATION_PASSES = 5
-#: seconds a witness session's release may take
-RELEASE_TIMEOUT_S = 5.0
 #: seconds an audit waits after its session ended for the hops' last receipts
 RECEIPT_WAIT_S = 0.5
 
@@ -241,41 +237,34 @@ class Auditor:
         ``hop.layers`` given the same inputs: runs of ordinary steps as chunked prefills, each
         speculative step as it was (it rewinds the session); None when there is no such holder or
         it failed."""
-        session = uuid.uuid4().hex
-        try:
-            route = await self.routes(record.model or "", hop.layers, frozenset({hop.node_id}), session, hop.node_id)
-        except Exception as exc:  # noqa: BLE001 - no other holder, tracker down: unverified
-            log.debug("no witness for %s layers %s: %s", hop.node_id, hop.layers, exc)
-            return None
-        if len(route.hops) != 1:
-            return None
-        witness = route.hops[0]
+        model = record.model or ""
+        async with witness_session(self.routes, self.client, self.release_auth, model, hop, frozenset()) as found:
+            if found is None:
+                return None
+            witness, session, ticket = found
 
-        async def call(position: int, frame: bytes, rewind: bool = False) -> bytes:
-            out, _ = await post_forward(self.client, witness, model=record.model or "", session_id=session,
-                                        position=position, frame=frame, last_only=False, timeout=self.timeout_s,
-                                        codec=codec, ticket=route.ticket, rewind=rewind)
-            return out
+            async def call(position: int, frame: bytes, rewind: bool = False) -> bytes:
+                out, _ = await post_forward(self.client, witness, model=model, session_id=session, position=position,
+                                            frame=frame, last_only=False, timeout=self.timeout_s, codec=codec,
+                                            ticket=ticket, rewind=rewind)
+                return out
 
-        distances = []
-        try:
-            for run in _runs(steps):
-                start = run[0].position
-                if run[0].flags & FLAG_REWIND:
-                    frames = [await call(start, run[0].frame_in, rewind=True)]
-                else:
-                    history = [(s.position, s.frame_in, s.tokens) for s in run]
-                    frames = [await call(p, frame) async for p, frame, _ in rechunk(history, codec, self.chunk_tokens)]
-                rows = reference_rows(frames)
-                outputs = [(s.position - start, s.tokens, s.flags, s.frame_out) for s in run if s.frame_out is not None]
-                measured = iter(step_distances(outputs, rows))
-                distances += [next(measured) if s.frame_out is not None else 0.0 for s in run]
-        except Exception as exc:  # noqa: BLE001 - a witness that fails is no evidence either way
-            log.info("audit witness %s failed: %s", witness.node_id, exc)
-            return None
-        finally:
-            release_soon(self.client, [(witness.endpoint, route.ticket)], session, RELEASE_TIMEOUT_S,
-                         self.release_auth)
+            distances = []
+            try:
+                for run in _runs(steps):
+                    start = run[0].position
+                    if run[0].flags & FLAG_REWIND:
+                        frames = [await call(start, run[0].frame_in, rewind=True)]
+                    else:
+                        history = [(s.position, s.frame_in, s.tokens) for s in run]
+                        frames = [await call(p, f) async for p, f, _ in rechunk(history, codec, self.chunk_tokens)]
+                    outputs = [(s.position - start, s.tokens, s.flags, s.frame_out) for s in run
+                               if s.frame_out is not None]
+                    measured = iter(step_distances(outputs, reference_rows(frames)))
+                    distances += [next(measured) if s.frame_out is not None else 0.0 for s in run]
+            except Exception as exc:  # noqa: BLE001 - a witness that fails is no evidence either way
+                log.info("audit witness %s failed: %s", witness.node_id, exc)
+                return None
         return distances
 
 

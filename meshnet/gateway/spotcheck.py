@@ -18,6 +18,7 @@ evidence.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import uuid
@@ -63,6 +64,29 @@ class SpotCheckStats:
     distances: list[float] = field(default_factory=list)
 
 
+@contextlib.asynccontextmanager
+async def witness_session(routes: WitnessRoutes, client: httpx.AsyncClient, release_auth: httpx.Auth | None,
+                          model: str, hop: Hop, exclude: frozenset[str]):
+    """A fresh session on one other holder of ``hop.layers`` with ``hop``'s recipe, none in
+    ``exclude`` (a spot-check's or an audit's witness): yields ``(witness hop, session id, its
+    ticket)``, or None when there is no such single holder (no route, the tracker down, or the
+    layers covered only in pieces: no one node to hold to account); the session is released on
+    the witness in the background at the end."""
+    session = uuid.uuid4().hex
+    try:
+        route: Route = await routes(model, hop.layers, exclude | {hop.node_id}, session, hop.node_id)
+    except Exception as exc:  # noqa: BLE001 - no other holder (NoRoute), tracker down: unverified
+        log.debug("no witness for %s layers %s: %s", hop.node_id, hop.layers, exc)
+        route = None
+    if route is None or len(route.hops) != 1:
+        yield None
+        return
+    try:
+        yield route.hops[0], session, route.ticket
+    finally:
+        release_soon(client, [(route.hops[0].endpoint, route.ticket)], session, RELEASE_TIMEOUT_S, release_auth)
+
+
 class SpotChecker:
     """Decides which hop calls to check and runs the checks.
 
@@ -99,27 +123,19 @@ class SpotChecker:
         """Run ``frame`` through another holder of ``hop.layers`` (one node, not in ``exclude``) under
         a fresh session; ``(node id, output frame, the ticket naming it, the session, its signed
         receipt or "")``, or None when there is none or it failed."""
-        session = uuid.uuid4().hex
-        try:
-            route: Route = await self.routes(model, hop.layers, exclude, session, hop.node_id)
-        except Exception as exc:  # noqa: BLE001 - no other holder (NoRoute), tracker down: unverified
-            log.debug("no witness for %s layers %s: %s", hop.node_id, hop.layers, exc)
-            return None
-        if len(route.hops) != 1:  # covered only in pieces: no single node to hold to account
-            return None
-        witness = route.hops[0]
-        receipts: list[str] = []
-        try:
-            out, _ = await post_forward(self.client, witness, model=model, session_id=session, position=0,
-                                        frame=frame, last_only=last_only, timeout=self.timeout_s, codec=codec,
-                                        ticket=route.ticket, receipts=receipts)
-        except Exception as exc:  # noqa: BLE001 - a witness that fails is no evidence either way
-            log.info("spot-check witness %s failed: %s", witness.node_id, exc)
-            return None
-        finally:
-            release_soon(self.client, [(witness.endpoint, route.ticket)], session, RELEASE_TIMEOUT_S,
-                         self.release_auth)
-        return witness.node_id, out, route.ticket, session, receipts[0] if receipts else ""
+        async with witness_session(self.routes, self.client, self.release_auth, model, hop, exclude) as found:
+            if found is None:
+                return None
+            witness, session, ticket = found
+            receipts: list[str] = []
+            try:
+                out, _ = await post_forward(self.client, witness, model=model, session_id=session, position=0,
+                                            frame=frame, last_only=last_only, timeout=self.timeout_s, codec=codec,
+                                            ticket=ticket, receipts=receipts)
+            except Exception as exc:  # noqa: BLE001 - a witness that fails is no evidence either way
+                log.info("spot-check witness %s failed: %s", witness.node_id, exc)
+                return None
+        return witness.node_id, out, ticket, session, receipts[0] if receipts else ""
 
     def _measure(self, a: bytes, b: bytes) -> float:
         d = frame_distance(a, b)

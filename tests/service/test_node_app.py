@@ -445,3 +445,48 @@ async def test_time_to_first_token_is_measured_to_the_first_streamed_token(entry
     assert "meshnet_time_to_first_token_seconds_count 1.0" in lines
     observed = float(next(x for x in lines if x.startswith("meshnet_time_to_first_token_seconds_sum")).split()[1])
     assert observed == pytest.approx(ttft, abs=1e-4)
+
+
+# ---- receipts and transcripts (ADR-0067) ------------------------------------------------
+
+
+async def test_a_hop_call_answers_with_the_nodes_signed_receipt_of_it(asgi_client, tail_runtime):
+    from types import SimpleNamespace
+
+    from meshnet.client import NodeSigner
+    from meshnet.dataplane.frames import FLAG_LAST_ONLY
+    from meshnet.dataplane.receipts import Receipt, verify_step
+    from meshnet.protocol.signing import unb64url
+    from tests.payloads import node_key
+
+    app = build_app(TAIL_SETTINGS, runtime=tail_runtime)
+    client = await asgi_client(app, "http://node-tail")
+    body = wire.encode(hidden_states(4, seed=5), dtype="float32")
+    resp = await post_forward(client, body, fwd_headers(new_session()))
+    assert resp.status_code == 200 and "X-Meshnet-Receipt" not in resp.headers  # no identity yet: nothing to sign with
+    app.state.node.agent = SimpleNamespace(signer=NodeSigner("node-tail", node_key("node-tail")))
+    session = uuid.uuid4().hex
+    resp = await post_forward(client, body, fwd_headers(session, **{"X-Meshnet-Last-Only": "1"}))
+    assert resp.status_code == 200, resp.text
+    receipt = Receipt.from_bytes(unb64url(resp.headers["X-Meshnet-Receipt"]))
+    public = node_key("node-tail").public_key()
+    assert verify_step(public, session, 0, 4, FLAG_LAST_ONLY, body, resp.content, receipt) == ""
+    assert verify_step(public, session, 0, 4, 0, body, resp.content, receipt) != ""  # the flags are signed too
+
+
+async def test_a_transcript_is_given_only_to_a_holder_of_its_chain_key(asgi_client, tail_runtime):
+    from meshnet.dataplane.receipts import TranscriptStep
+    from meshnet.protocol.signing import b64url
+
+    app = build_app(TAIL_SETTINGS, runtime=tail_runtime)
+    client = await asgi_client(app, "http://node-tail")
+    chain, key = uuid.uuid4().hex, "ab" * 8
+    app.state.node.transcripts.record(chain, key, TranscriptStep(0, 1, 0, b"in", b"out"))
+    resp = await client.get(f"/v1/transcripts/{chain}", headers={"X-Meshnet-Chain-Key": key})
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"chain_id": chain, "node_id": "node-tail", "steps": [
+        {"position": 0, "tokens": 1, "flags": 0, "input": b64url(b"in"), "output": b64url(b"out")}]}
+    for headers in ({"X-Meshnet-Chain-Key": "cd" * 8}, {}):
+        assert_envelope(await client.get(f"/v1/transcripts/{chain}", headers=headers), 404, "no_transcript")
+    assert_envelope(await client.get(f"/v1/transcripts/{uuid.uuid4().hex}", headers={"X-Meshnet-Chain-Key": key}),
+                    404, "no_transcript")
