@@ -12,9 +12,11 @@ ratios is the figure), and what the audits found: audits run, passed, disputes (
 every dispute is a false positive), quarantines, and the quantiles of the largest step distance
 of each audit.
 
-Part 2, sensitivity: per noise scale (``--scales``, x the output's std), a mesh whose third middle
-holder lies on every decode step by that much (``tests/corrupt.py``, test-only) and claims ten
-times its speed, so that routes take it; ``--cycles`` times: chats until it is quarantined
+Part 2, sensitivity: per noise scale (``--scales``), a mesh whose third middle holder lies on every
+decode step (``tests/corrupt.py``, test-only): with ``--noise weights`` (the default) it runs its
+decode steps with noise of scale x the weight's std on layer 15's MLP down-projection, and every
+other step honestly; with ``--noise output`` it adds noise of scale x its output's std. It claims
+ten times its speed, so that routes take it; ``--cycles`` times: chats until it is quarantined
 (at most 60 requests), counting the requests routed through it, then the operator reinstates it
 (a scale that three cycles in a row do not catch ends there).
 Prints the counts, their median and how many cycles caught it within 50 requests. The entry
@@ -114,10 +116,13 @@ def cost(requests: int, max_tokens: int) -> None:
             mesh.stop()
 
 
-def sensitivity(scale: float, cycles: int, max_tokens: int) -> None:
+def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str) -> None:
     from meshnet.localmesh import LocalMesh
 
-    print(f"part 2: a holder lying on decode steps by {scale} x its output's std ({load()})")
+    what = "its output's std" if noise == "output" else "layer 15's MLP down-projection weight std"
+    print(f"part 2: a holder lying on decode steps by {scale} x {what} ({load()})")
+    lie = ({"MESHNET_TEST_CORRUPT_DECODE": str(scale)} if noise == "output" else
+           {"MESHNET_TEST_CORRUPT_DECODE_WEIGHTS": str(scale), "MESHNET_TEST_CORRUPT_LAYER": "15"})
     with tempfile.TemporaryDirectory() as tmp:
         mesh = LocalMesh(Path(tmp), heartbeat_s=1.0)
         try:
@@ -128,7 +133,7 @@ def sensitivity(scale: float, cycles: int, max_tokens: int) -> None:
             mesh.start_node("h2", *MIDDLE)
             mesh.wait(lambda: admitted(mesh, ("entry", "tail", "h1", "h2")), 300, "honest nodes admitted")
             mesh.start_node("liar", *MIDDLE, module="tests.corrupt",
-                            env={"MESHNET_TEST_CORRUPT_DECODE": str(scale), "MESHNET_TEST_CLAIM_SPEED": "10"})
+                            env={**lie, "MESHNET_TEST_CLAIM_SPEED": "10"})
             mesh.wait(lambda: admitted(mesh, ("liar",)), 300, "the liar admitted")
             entry = nodes(mesh)["entry"]["endpoint"]
             counts, i = [], 0
@@ -153,9 +158,10 @@ def sensitivity(scale: float, cycles: int, max_tokens: int) -> None:
                               "the liar reinstated")
             got = [c for c in counts if c is not None]
             within = sum(1 for c in got if c <= 50)
+            wrong = [n for n, v in nodes(mesh).items() if v.get("quarantine") and n != "liar"]
             print(f"  requests through it until quarantined, per cycle: {counts}")
             print(f"  median {statistics.median(got) if got else 'never'}; caught within 50 in {within} of {cycles} "
-                  f"cycles; wrongly quarantined: {[n for n, v in nodes(mesh).items() if v.get('quarantine')] or 'none'}")
+                  f"cycles; honest nodes quarantined: {wrong or 'none'}")
         finally:
             mesh.stop()
 
@@ -164,7 +170,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=60, help="chats per entry in part 1 (three rounds)")
     parser.add_argument("--cycles", type=int, default=20, help="quarantine-and-reinstate cycles per scale")
-    parser.add_argument("--scales", default="0.5,0.2,0.1,0.05", help="noise scales of part 2 (x output std)")
+    parser.add_argument("--scales", default="0.5,0.2,0.1,0.05", help="noise scales of part 2 (x the std)")
+    parser.add_argument("--noise", choices=("weights", "output"), default="weights",
+                        help="part 2's lie: noise on layer 15's MLP weights during decode steps, or on the output")
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--skip-sensitivity", action="store_true")
@@ -173,7 +181,7 @@ def main() -> None:
         cost(args.requests, args.max_tokens)
     if not args.skip_sensitivity:
         for scale in (float(s) for s in args.scales.split(",")):
-            sensitivity(scale, args.cycles, args.max_tokens)
+            sensitivity(scale, args.cycles, args.max_tokens, args.noise)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ corruption applied). The environment says where and when:
                                       hop streams and hop calls alike): add seeded noise of S x the
                                       output's std to the hop's output; prefill, admission challenges
                                       and spot-checks (position 0) stay honest
+    MESHNET_TEST_CORRUPT_DECODE_WEIGHTS=S  instead: on decode steps only, run with noise of S x the
+                                      weight's std on layer MESHNET_TEST_CORRUPT_LAYER's MLP
+                                      down-projection (the honest weights back for every other step;
+                                      for one request at a time: a step batched with another
+                                      session's would share the swap)
     MESHNET_TEST_CLAIM_SPEED=K        claim K times the measured decode speed in doctor reports (routes
                                       prefer the fastest holder: the dishonest node draws the traffic)
 
@@ -92,6 +97,46 @@ def lie_on_decode(scale: float) -> None:
     log.warning("TEST: lying on decode steps (noise %.2f x the output's std)", scale)
 
 
+def lie_on_decode_weights(layer: int, scale: float) -> None:
+    """Make every decode step of this process's hops (one token past position 0) run with seeded
+    noise of ``scale`` x the weight's std on ``layer``'s MLP down-projection; every other step
+    (prefill, admission challenges, spot-checks, audit re-runs) with the honest weights."""
+    from meshnet.node.runtime import NodeRuntime
+
+    honest_forward = NodeRuntime.forward_async
+    weights: dict[int, list] = {}  # id(runtime) -> [(module, honest weight, noisy weight)]
+
+    def swaps(runtime) -> list:
+        if id(runtime) not in weights:
+            found = []
+            for slot in list(runtime.slots.values()):
+                if str(layer) in slot.shard.blocks:
+                    module = slot.shard.blocks[str(layer)].mlp.down_proj
+                    honest = dense_weight(module).detach().clone()
+                    gen = torch.Generator().manual_seed(0)
+                    noise = torch.randn(honest.shape, generator=gen) * float(honest.float().std()) * scale
+                    found.append((module, honest, (honest.float() + noise).to(honest.dtype)))
+            weights[id(runtime)] = found
+        return weights[id(runtime)]
+
+    async def forward_async(self, *, position, hidden, **kw):
+        if not (position > 0 and hidden.shape[1] == 1):
+            return await honest_forward(self, position=position, hidden=hidden, **kw)
+        pairs = swaps(self)
+        with torch.no_grad():
+            for module, _, noisy in pairs:
+                set_weight(module, noisy)
+        try:
+            return await honest_forward(self, position=position, hidden=hidden, **kw)
+        finally:
+            with torch.no_grad():
+                for module, honest, _ in pairs:
+                    set_weight(module, honest)
+
+    NodeRuntime.forward_async = forward_async
+    log.warning("TEST: lying on decode steps (noise %.2f x std on layer %d's weights)", scale, layer)
+
+
 def main() -> None:
     """``meshnet`` with :class:`Corruption` from the environment installed on the node's hop calls
     (``POST /v1/forward``: admission challenges, spot-checks and the HTTP hop path), or lying on
@@ -101,13 +146,16 @@ def main() -> None:
 
     if os.environ.get("MESHNET_TEST_CORRUPT_DECODE"):
         lie_on_decode(float(os.environ["MESHNET_TEST_CORRUPT_DECODE"]))
+    if os.environ.get("MESHNET_TEST_CORRUPT_DECODE_WEIGHTS"):
+        lie_on_decode_weights(int(os.environ["MESHNET_TEST_CORRUPT_LAYER"]),
+                              float(os.environ["MESHNET_TEST_CORRUPT_DECODE_WEIGHTS"]))
     if os.environ.get("MESHNET_TEST_CLAIM_SPEED"):
         import meshnet.node.doctor as doctor
 
         measured, factor = doctor.measure_decode_tokens_per_s, float(os.environ["MESHNET_TEST_CLAIM_SPEED"])
         doctor.measure_decode_tokens_per_s = lambda *a, **kw: measured(*a, **kw) * factor
 
-    corruption = Corruption.from_env()
+    corruption = None if os.environ.get("MESHNET_TEST_CORRUPT_DECODE_WEIGHTS") else Corruption.from_env()
     if corruption is not None:
         honest = node_app.forward
 

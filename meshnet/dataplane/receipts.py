@@ -37,8 +37,9 @@ from meshnet.dataplane.frames import FLAG_REWIND
 from meshnet.errors import WireError
 from meshnet.protocol.signing import b64url, unb64url
 
-__all__ = ["HEADER_CHAIN_KEY", "HEADER_RECEIPT", "NO_OUTPUT", "RECEIPT_BYTES", "Receipt", "TranscriptStep", "TranscriptStore", "digest",
-           "history_problem", "read_transcript", "receipt_message", "sign_step", "transcript_json", "verify_step"]
+__all__ = ["HEADER_CHAIN_KEY", "HEADER_RECEIPT", "NO_OUTPUT", "RECEIPT_BYTES", "Receipt", "TranscriptStep",
+           "TranscriptStore", "digest", "history_problem", "read_transcript", "receipt_message", "sign_step",
+           "transcript_json", "verify_step"]
 
 _CONTEXT = b"meshnet-receipt/1"
 #: a RECEIPT body: input digest, output digest, signature

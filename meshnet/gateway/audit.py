@@ -209,13 +209,12 @@ class Auditor:
                     self.limit)
         self.stats.disputes += 1
         start, end = hop.layers.to_inclusive()
+        signed = [receipts[(s.position, digest(s.frame_in), s.flags)] for s in steps[:worst + 1]]
         report = AuditReport(model=record.model or "", shard_start=start, shard_end=end, chain_id=record.chain_id,
                              ticket=record.ticket or "", steps=[
-                                 AuditStep(position=s.position, tokens=s.tokens, flags=s.flags,
-                                           input=b64url(s.frame_in),
+                                 AuditStep(position=s.position, tokens=s.tokens, flags=s.flags, input=b64url(s.frame_in),
                                            output=None if s.frame_out is None else b64url(s.frame_out),
-                                           receipt=b64url(receipts[(s.position, digest(s.frame_in), s.flags)].to_bytes()))
-                                 for s in steps[:worst + 1]])
+                                           receipt=b64url(r.to_bytes())) for s, r in zip(steps, signed)])
         try:
             verdict = await self.report(hop.node_id, report)
         except Exception as exc:  # noqa: BLE001 - a lost report must not fail anything else

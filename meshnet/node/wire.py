@@ -343,8 +343,9 @@ class ChainHost:
         except MeshnetError as exc:
             await self._report(chain, message.position, node.settings.node_id, exc)
             return False
-        chain.recorded[id(message)] = (hidden.shape[1], node.transcripts.record(
-            chain.chain_id, chain.key, TranscriptStep(message.position, hidden.shape[1], message.flags, message.body, None)))
+        if chain.opened.receipts:  # the entry audits: keep the step for its questions (ADR-0067)
+            step = TranscriptStep(message.position, hidden.shape[1], message.flags, message.body, None)
+            chain.recorded[id(message)] = (step.tokens, node.transcripts.record(chain.chain_id, chain.key, step))
         if chain.next_hop is None:
             if message.no_result:
                 await self._signed(chain, message, None)
@@ -394,8 +395,8 @@ class ChainHost:
         return True
 
     async def _signed(self, chain: HopChain, message: Message, frame: bytes | None) -> None:
-        """Keep the step's output in this node's transcript (the step is there since it ran) and,
-        when the entry asked for receipts, send it the step's signed receipt (ADR-0067; best
+        """When the entry asked for receipts: keep the step's output in this node's transcript (the
+        step is there since it ran) and send the entry the step's signed receipt (ADR-0067; best
         effort: a lost receipt is the entry's to notice). ``frame``: the output sent (None: nothing was)."""
         node = self.node
         tokens, index = chain.recorded.pop(id(message), (0, None))
@@ -404,7 +405,7 @@ class ChainHost:
         if frame is not None:
             node.transcripts.set_output(chain.chain_id, index, frame)
         key = node.step_key
-        if not chain.opened.receipts or key is None:
+        if key is None:
             return
         receipt = sign_step(key, chain.chain_id, message.position, tokens, message.flags, message.body, frame)
         try:
@@ -450,7 +451,6 @@ class ChainHost:
 
 
 _background: set[asyncio.Task] = set()
-
 
 
 def _settle(future: asyncio.Future) -> None:
