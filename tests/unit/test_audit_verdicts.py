@@ -138,6 +138,15 @@ def test_a_witness_that_answers_unlike_the_accused_and_the_other_witness_is_the_
     assert verdict.distances["x|w1"] == 0.0 and verdict.distances["w1|w2"] > 0.3
 
 
+def test_an_accused_near_the_tolerance_is_no_false_accusation():
+    """0.03 from both witnesses: within the tolerance (0.05), but an honest entry's own replay may
+    have measured it beyond: inconclusive, and the entry is not counted against."""
+    near = [h * 1.03 for h in HONEST]
+    verdict = judge_audit(case_of(evidence(near)[0]), {"w1": witness_run(HONEST), "w2": witness_run(HONEST)})
+    assert verdict.state == "inconclusive" and "near the tolerance" in verdict.reason
+    assert 0.025 < verdict.distances["x|w1"] <= 0.05
+
+
 @pytest.mark.parametrize("runs, why", [
     ({"w1": "honest"}, "1 witness(es) answered"),
     ({}, "0 witness(es) answered"),
