@@ -47,8 +47,11 @@ MAX_LAYERS = 1024
 #: interval in heartbeat responses (ADR-0037: a revision-2 node would refuse the unknown field);
 #: revision 4 the ``unverified`` hops of a route (a revision-3 node would refuse the unknown field),
 #: witness routes (``like``) and quarantine reports (ADR-0042); revision 5 signs a relay tunnel's
-#: attach over the relay's host (ADR-0045: a revision-4 node's attach would be refused).
-PROTOCOL_REVISION = 5
+#: attach over the relay's host (ADR-0045: a revision-4 node's attach would be refused); revision 6
+#: asks hops for step receipts in a chain's OPEN and judges audits by the accused's signed steps
+#: (ADR-0067: a revision-5 hop would refuse the OPEN's unknown field, and a revision-5 entry's
+#: distance reports no longer quarantine anyone).
+PROTOCOL_REVISION = 6
 
 #: a ticket longer than this is refused unread (a route has a few hops; this leaves room for ~60)
 MAX_TICKET_CHARS = 8192
