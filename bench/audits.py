@@ -116,7 +116,7 @@ def cost(requests: int, max_tokens: int) -> None:
             mesh.stop()
 
 
-def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str) -> None:
+def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str, keep_logs: str | None = None) -> None:
     from meshnet.localmesh import LocalMesh
 
     what = "its output's std" if noise == "output" else "layer 15's MLP down-projection weight std"
@@ -124,7 +124,9 @@ def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str) -> None:
     lie = ({"MESHNET_TEST_CORRUPT_DECODE": str(scale)} if noise == "output" else
            {"MESHNET_TEST_CORRUPT_DECODE_WEIGHTS": str(scale), "MESHNET_TEST_CORRUPT_LAYER": "15"})
     with tempfile.TemporaryDirectory() as tmp:
-        mesh = LocalMesh(Path(tmp), heartbeat_s=1.0)
+        logs = Path(keep_logs) / f"{noise}-{scale}" if keep_logs else Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        mesh = LocalMesh(logs, heartbeat_s=1.0)
         try:
             mesh.start_tracker(MODEL, node_timeout_s=10.0)
             mesh.start_node("entry", "--model", MODEL, "--shard-start", "0", "--shard-end", "9", *BF16)
@@ -158,7 +160,7 @@ def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str) -> None:
                               "the liar reinstated")
             got = [c for c in counts if c is not None]
             within = sum(1 for c in got if c <= 50)
-            wrong = [n for n, v in nodes(mesh).items() if v.get("quarantine") and n != "liar"]
+            wrong = {n: v["quarantine"] for n, v in nodes(mesh).items() if v.get("quarantine") and n != "liar"}
             print(f"  requests through it until quarantined, per cycle: {counts}")
             print(f"  median {statistics.median(got) if got else 'never'}; caught within 50 in {within} of {cycles} "
                   f"cycles; honest nodes quarantined: {wrong or 'none'}")
@@ -174,6 +176,7 @@ def main() -> None:
     parser.add_argument("--noise", choices=("weights", "output"), default="weights",
                         help="part 2's lie: noise on layer 15's MLP weights during decode steps, or on the output")
     parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--keep-logs", metavar="DIR", help="keep part 2's process logs under DIR/<noise>-<scale>")
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--skip-sensitivity", action="store_true")
     args = parser.parse_args()
@@ -181,7 +184,7 @@ def main() -> None:
         cost(args.requests, args.max_tokens)
     if not args.skip_sensitivity:
         for scale in (float(s) for s in args.scales.split(",")):
-            sensitivity(scale, args.cycles, args.max_tokens, args.noise)
+            sensitivity(scale, args.cycles, args.max_tokens, args.noise, args.keep_logs)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,9 @@ class NodeView(BaseModel):
     #: ``shard_start``/``shard_end``, ``witnesses``, ``distances`` (``"a|b"`` -> relative L2),
     #: ``tolerance``, ``since`` (unix seconds)
     quarantine: dict | None = None
+    #: its audit accusations by the tracker's verdict (ADR-0067): ``upheld``, ``false``, ``forged``;
+    #: None when it made none
+    accusations: dict[str, int] | None = None
 
 
 class NodeList(BaseModel):

@@ -16,8 +16,9 @@ disputed one: the frames the hop received and sent, each with the hop's signed r
    - the witnesses agree with each other and all disagree with the accused: the accused is
      quarantined, on the tracker's own measurements;
    - they agree with each other and with the accused, clearly (within :data:`CLEAR` of the
-     tolerance): the accusation was false; a sender with :data:`FALSE_ACCUSATIONS` of them is
-     quarantined itself (an honest entry whose own witness lied to it may make one);
+     tolerance): the accusation was false; a sender with :data:`FALSE_ACCUSATIONS` of them, more
+     than its upheld ones, is quarantined itself (an honest entry whose own witness lied to it
+     makes some, and its other disputes catch that liar);
    - the accused and one witness agree and the other witness does not: that witness lied to the
      tracker itself (``witness_outvoted``): it is quarantined on the tracker's own measurements,
      and the accusation counts against no one (the sender's own witness may have been that one);
@@ -43,8 +44,9 @@ __all__ = ["FALSE_ACCUSATIONS", "FORGED", "WITNESSES", "AuditCase", "AuditVerdic
 
 #: holders the tracker re-runs a disputed session on (two: a vote needs a majority without the accused)
 WITNESSES = 2
-#: false accusations (the witnesses agreed with the accused) after which the accuser is quarantined
-FALSE_ACCUSATIONS = 2
+#: false accusations (the witnesses agreed with the accused) at which the accuser is quarantined, when
+#: they also outnumber its upheld ones
+FALSE_ACCUSATIONS = 3
 #: the verdict of evidence the accused did not sign
 FORGED = "forged"
 #: a false accusation needs the accused within this share of the tolerance of every witness: between

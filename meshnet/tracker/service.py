@@ -129,7 +129,8 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
         self.plan_reasons: Mapping[str, str] = {}  # node id -> why it did or did not get a range
         #: node id -> why it is quarantined (ADR-0042); kept across its re-registrations
         self.quarantined: dict[str, Quarantine] = {}
-        self.false_accusations: dict[str, int] = {}  # node id -> audits that found its accusation false (ADR-0067)
+        #: node id -> its audit accusations by outcome: upheld, false, forged (ADR-0067)
+        self.accusations: dict[str, dict[str, int]] = {}
         #: (node id, model, start, end, report timestamp) -> the shard's verification (ADR-0042)
         self.verdicts: dict[tuple, Verdict] = {}
         #: weights digest known per model, exact range and recipe (:func:`admission.digest_key`)

@@ -5,7 +5,7 @@ is :func:`meshnet.tracker.admission.decide`, the calls :func:`meshnet.tracker.ad
 audits (an entry's evidence re-run by holders the tracker picks, :mod:`meshnet.tracker.audit`, ADR-0067)
 and quarantine. Kept apart from the service's registry, coverage and routing so that each file reads as one
 concept; the state lives on the service (``verdicts``, ``digests``, ``challenges``, ``quarantined``,
-``false_accusations``).
+``accusations``).
 """
 
 from __future__ import annotations
@@ -287,6 +287,8 @@ class TrustMixin:
         the other witness outvoted, or count a false accusation against the sender; an
         inconclusive verdict changes nothing."""
         accused = case.accused.node_id
+        if verdict.state in ("quarantine", "witness_outvoted"):  # the sender's dispute caught a liar
+            self._count_accusation(case.sender, "upheld")
         if verdict.state == "quarantine" and accused not in self.quarantined:
             start, end = case.layers.to_inclusive()
             self._quarantine(Quarantine(node_id=accused, reported_by=case.sender, model=case.model, shard_start=start,
@@ -314,20 +316,28 @@ class TrustMixin:
             log.info("audit of %s on chain %s from %s: %s (%s)", accused, case.chain_id, case.sender, verdict.state,
                      verdict.reason)
 
+    def _count_accusation(self, sender: str, kind: str) -> dict[str, int]:
+        """Count one of ``sender``'s accusations as ``upheld``, ``false`` or ``forged``; its counts."""
+        counts = self.accusations.setdefault(sender, {"upheld": 0, "false": 0, "forged": 0})
+        counts[kind] += 1
+        return counts
+
     def _accuser_at_fault(self, sender: str, accused: str, verdict: AuditVerdict) -> None:
         """Count a false or forged accusation against ``sender``: forged evidence quarantines it at
-        once, :data:`FALSE_ACCUSATIONS` false ones too."""
-        count = self.false_accusations[sender] = self.false_accusations.get(sender, 0) + 1
-        log.warning("%s accused %s falsely (%s: %s); %d false accusation(s)", sender, accused, verdict.state,
-                    verdict.reason, count)
-        if (verdict.state == FORGED or count >= FALSE_ACCUSATIONS) and sender in self.nodes \
-                and sender not in self.quarantined:
+        once; false ones once there are :data:`FALSE_ACCUSATIONS` of them and more than its upheld
+        ones (an honest entry's own witness may lie to it now and then, and then its accusation
+        looks false; an entry that mostly accuses honest nodes is the one marked)."""
+        counts = self._count_accusation(sender, "forged" if verdict.state == FORGED else "false")
+        log.warning("%s accused %s falsely (%s: %s); its accusations: %s", sender, accused, verdict.state,
+                    verdict.reason, counts)
+        marked = verdict.state == FORGED or (counts["false"] >= FALSE_ACCUSATIONS and counts["false"] > counts["upheld"])
+        if marked and sender in self.nodes and sender not in self.quarantined:
             self._quarantine(Quarantine(node_id=sender, reported_by=f"tracker ({verdict.state} accusation of {accused})",
                                         model="", shard_start=0, shard_end=0, witnesses=(),
                                         distances=dict(verdict.distances), tolerance=0.0))
             self.store.fail_open(sender, f"node quarantined: {verdict.state} accusation")
-            self.dirty = True
-            log.warning("node %s quarantined: %d false accusation(s), the last %s", sender, count, verdict.state)
+            log.warning("node %s quarantined: its accusations %s, the last %s", sender, counts, verdict.state)
+        self.dirty = True
 
     def reinstate(self, node_id: str) -> bool:
         """Lift ``node_id``'s quarantine (operator action); returns whether it was quarantined. Its

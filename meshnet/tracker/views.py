@@ -40,7 +40,8 @@ def node_json(service, node, models) -> NodeView:
                     reason=node.reason or service.plan_reasons.get(node.node_id, ""),
                     stats=node.stats, last_heartbeat_age_s=round(now - node.last_heartbeat_s, 1),
                     benchmark_tokens_per_sec=node.benchmark_tokens_per_sec,
-                    quarantine=None if node.quarantine is None else node.quarantine.to_json())
+                    quarantine=None if node.quarantine is None else node.quarantine.to_json(),
+                    accusations=service.accusations.get(node.node_id))
 
 
 def nodes_view(service) -> NodeList:

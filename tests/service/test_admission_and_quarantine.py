@@ -290,17 +290,40 @@ async def test_evidence_the_accused_did_not_sign_quarantines_the_entry_that_forg
     assert marked["reported_by"] == "tracker (forged accusation of h1)"
 
 
-async def test_an_entry_that_accuses_an_honest_node_is_marked_and_quarantined_at_its_second_false_accusation(mesh):
+async def test_an_entry_that_accuses_honest_nodes_is_marked_and_quarantined_at_its_third_false_accusation(mesh):
     await entry_and_three_holders(mesh)
-    for attempt in (1, 2):
+    for attempt in (1, 2, 3):
         resp = await post_signed(mesh, "entry", "/v1/nodes/h1/audit",
                                  audit_report(await h1_ticket(mesh), lied=False))
         assert resp.status_code == 200, resp.text
         assert resp.json()["verdict"] == "false_accusation"
         assert resp.json()["distances"] == {"h1|h2": 0.0, "h1|h3": 0.0, "h2|h3": 0.0}
         assert (await view_of(mesh, "h1"))["quarantine"] is None
-        marked = (await view_of(mesh, "entry"))["quarantine"]
-        assert (marked is None) if attempt == 1 else marked["reported_by"] == "tracker (false_accusation accusation of h1)"
+        entry = await view_of(mesh, "entry")
+        assert entry["accusations"] == {"upheld": 0, "false": attempt, "forged": 0}
+        assert (entry["quarantine"] is None) if attempt < 3 else \
+            entry["quarantine"]["reported_by"] == "tracker (false_accusation accusation of h1)"
+
+
+async def test_an_entry_whose_accusations_are_mostly_upheld_is_not_quarantined_for_a_few_false_ones(mesh):
+    """An honest entry whose own witness lied to it accuses an honest node now and then; its other
+    disputes catch liars, and it stays in."""
+    await entry_and_three_holders(mesh)
+    mesh.nodes.dishonest.add("h3.test")  # h3 lies to the tracker's re-runs
+    for _ in range(3):
+        resp = await post_signed(mesh, "entry", "/v1/nodes/h1/audit", audit_report(await h1_ticket(mesh), lied=False))
+        assert resp.json()["verdict"] == "witness_outvoted"  # h3 caught lying to the re-run: upheld
+        mesh.nodes.dishonest.clear()
+        await mesh.post("/v1/operator/reinstate", json={"node_id": "h3"}, headers={"Authorization": "Bearer op"})
+        await verification(mesh, "h3")
+        mesh.nodes.dishonest.add("h3.test")
+    mesh.nodes.dishonest.clear()
+    for _ in range(3):
+        resp = await post_signed(mesh, "entry", "/v1/nodes/h1/audit", audit_report(await h1_ticket(mesh), lied=False))
+        assert resp.json()["verdict"] == "false_accusation"
+    entry = await view_of(mesh, "entry")
+    assert entry["accusations"] == {"upheld": 3, "false": 3, "forged": 0} and entry["quarantine"] is None
+    assert (await view_of(mesh, "h1"))["quarantine"] is None
 
 
 async def test_a_witness_that_lies_to_the_trackers_re_run_is_the_one_quarantined(mesh):
