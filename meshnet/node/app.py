@@ -110,12 +110,10 @@ class NodeContext:
     traffic: TrafficLog = field(init=False)  # sessions in flight as entry, failovers (ADR-0046)
     #: what this node's hops received and sent, by chain, for audits (ADR-0067)
     transcripts: TranscriptStore = field(default_factory=TranscriptStore)
-
-    @property
-    def step_key(self) -> Ed25519PrivateKey | None:
-        """The node key its step receipts are signed with (ADR-0067): its tracker agent's (None:
-        no tracker, so no identity and nobody to show a receipt to)."""
-        return getattr(None if self.agent is None else self.agent.signer, "key", None)
+    #: the node key its step receipts are signed with (ADR-0067): its tracker agent's, set when the
+    #: agent starts (None: no tracker, so no identity and nobody to show a receipt to). A plain
+    #: attribute: every hop step reads it (ADR-0055: the token path stays out of this module)
+    step_key: Ed25519PrivateKey | None = None
 
     def __post_init__(self) -> None:
         self.traffic = TrafficLog(self.settings.node_id)
@@ -425,6 +423,7 @@ async def _start_agent(node: NodeContext, drain: Drain) -> asyncio.Task:
     from meshnet.node.agent import TrackerAgent
 
     node.agent = TrackerAgent(node)
+    node.step_key = node.agent.key
     try:
         await node.agent.start()
     except BaseException:

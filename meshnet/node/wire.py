@@ -175,17 +175,15 @@ class ChainNode(HopHost, Protocol):
     """What a :class:`ChainHost` uses of its node (the node's :class:`meshnet.node.app.NodeContext`):
     besides hop admission's (:class:`meshnet.node.callers.HopHost`: settings, tickets, runtime,
     drain), the metrics a forward is recorded in, the outbound ``streams`` pool, the ``inbox`` of
-    the chains it drives as an entry, and when it last ran a hop's step."""
+    the chains it drives as an entry, when it last ran a hop's step, and its transcripts and receipt key
+    (ADR-0067)."""
 
     metrics: NodeMetrics
     streams: StreamPool | None
     inbox: ChainInbox
     last_forward_s: float
     transcripts: TranscriptStore
-
-    @property
-    def step_key(self) -> Ed25519PrivateKey | None:
-        """The key this node signs its step receipts with (None: it has no identity yet)."""
+    step_key: Ed25519PrivateKey | None  # what it signs its step receipts with (None: no identity yet)
 
 
 class ChainHost:

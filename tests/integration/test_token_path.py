@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 #: the most distinct files a steady decode token may run through (issue 24; ADR-0055 lists them): 12,
 #: then 15 with speculative decoding (ADR-0058): ``gateway/speculation.py`` drafts every step, and
 #: the KV caches and the session store left ``kernels.py`` and ``runtime.py`` for ``models/caches.py``
-#: and ``node/sessions.py`` (the same code, in modules kept within 450 lines)
-MAX_FILES = 15
+#: and ``node/sessions.py`` (the same code, in modules kept within 450 lines); then 16 with step
+#: receipts (ADR-0067, ADR-0055's amendment): every hop signs each step in ``dataplane/receipts.py``
+MAX_FILES = 16
 
 
 def load_bench():

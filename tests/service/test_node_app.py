@@ -451,9 +451,6 @@ async def test_time_to_first_token_is_measured_to_the_first_streamed_token(entry
 
 
 async def test_a_hop_call_answers_with_the_nodes_signed_receipt_of_it(asgi_client, tail_runtime):
-    from types import SimpleNamespace
-
-    from meshnet.client import NodeSigner
     from meshnet.dataplane.frames import FLAG_LAST_ONLY
     from meshnet.dataplane.receipts import Receipt, verify_step
     from meshnet.protocol.signing import unb64url
@@ -464,7 +461,7 @@ async def test_a_hop_call_answers_with_the_nodes_signed_receipt_of_it(asgi_clien
     body = wire.encode(hidden_states(4, seed=5), dtype="float32")
     resp = await post_forward(client, body, fwd_headers(new_session()))
     assert resp.status_code == 200 and "X-Meshnet-Receipt" not in resp.headers  # no identity yet: nothing to sign with
-    app.state.node.agent = SimpleNamespace(signer=NodeSigner("node-tail", node_key("node-tail")))
+    app.state.node.step_key = node_key("node-tail")  # as the tracker agent sets it when it starts
     session = uuid.uuid4().hex
     resp = await post_forward(client, body, fwd_headers(session, **{"X-Meshnet-Last-Only": "1"}))
     assert resp.status_code == 200, resp.text
