@@ -4,7 +4,9 @@ Real processes, SmolLM2-135M, bfloat16, a 3-hop route: an entry 0-9, holders of 
 10-19, one holder of 20-29. Load averages are printed before each part (this machine is shared).
 
 Part 1, cost and false positives: two entries, ``entry-on`` at the default audit settings and
-``entry-off`` with audits off (``--audit-rate 0``: no receipts asked, none audited), three honest
+``entry-off`` with audits off (the node's ``--audit-rate 0``: no receipts asked, none audited; this
+bench's ``--audit-rate R`` gives ``entry-on`` rate R, 1 to audit every session for the false-positive
+count), three honest
 holders of 10-19 on different weight layouts and thread counts (:data:`LAYOUTS`; where this CPU
 cannot pack bfloat16, ``packed`` falls back to another layout). ``--requests`` greedy chats per entry, interleaved, in three rounds; prints each
 round's median decode tokens/s with and without audits and their ratio (the median of the three
@@ -15,7 +17,9 @@ of each audit.
 Part 2, sensitivity: per noise scale (``--scales``), a mesh whose third middle holder lies on every
 decode step (``tests/corrupt.py``, test-only): with ``--noise weights`` (the default) it runs its
 decode steps with noise of scale x the weight's std on layer 15's MLP down-projection, and every
-other step honestly; with ``--noise output`` it adds noise of scale x its output's std. It claims
+other step honestly; with ``--noise output`` it adds noise of scale x its output's std; with
+``--noise streams`` it runs every step that comes over a hop stream (prefill and decode) with the
+weight noise and answers ``POST /v1/forward`` (challenges, witness replays) honestly. It claims
 ten times its speed, so that routes take it; ``--cycles`` times: chats until it is quarantined
 (at most 60 requests), counting the requests routed through it, then the operator reinstates it
 (a scale that three cycles in a row do not catch ends there).
@@ -30,6 +34,7 @@ Usage: .venv/bin/python bench/audits.py [--requests 60] [--cycles 20] [--scales 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import sys
@@ -77,7 +82,7 @@ def chat(endpoint: str, i: int, max_tokens: int) -> dict:
     return resp.json()["meshnet"]
 
 
-def cost(requests: int, max_tokens: int) -> None:
+def cost(requests: int, max_tokens: int, audit_rate: str | None = None) -> None:
     from meshnet.localmesh import LocalMesh
 
     print(f"part 1: cost and false positives ({load()})")
@@ -85,7 +90,7 @@ def cost(requests: int, max_tokens: int) -> None:
         mesh = LocalMesh(Path(tmp), heartbeat_s=1.0)
         try:
             mesh.start_tracker(MODEL, node_timeout_s=10.0)
-            for name, rate in (("entry-on", None), ("entry-off", "0")):
+            for name, rate in (("entry-on", audit_rate), ("entry-off", "0")):
                 mesh.start_node(name, "--model", MODEL, "--shard-start", "0", "--shard-end", "9", *BF16,
                                 env={} if rate is None else {"MESHNET_AUDIT_RATE": rate})
             mesh.start_node("tail", "--model", MODEL, "--shard-start", "20", "--shard-end", "29", *BF16)
@@ -111,7 +116,7 @@ def cost(requests: int, max_tokens: int) -> None:
             print(f"  audits of hops {audits['audits']}: passed {audits['passed']}, disputes {audits['disputes']} "
                   f"(false positives: all holders are honest), withheld {audits['withheld']}, mismatched "
                   f"{audits['mismatched']}, no witness {audits['unverified']}; quarantined {quarantined or 'none'}")
-            print(f"  largest step distance per audit: {quantiles(audits['distances'])}")
+            print(f"  largest step distance per audit (the latest 100): {quantiles(audits['distances'])}")
         finally:
             mesh.stop()
 
@@ -120,8 +125,11 @@ def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str, keep_log
     from meshnet.localmesh import LocalMesh
 
     what = "its output's std" if noise == "output" else "layer 15's MLP down-projection weight std"
-    print(f"part 2: a holder lying on decode steps by {scale} x {what} ({load()})")
+    where = "every hop-stream step" if noise == "streams" else "decode steps"
+    print(f"part 2: a holder lying on {where} by {scale} x {what} ({load()})")
     lie = ({"MESHNET_TEST_CORRUPT_DECODE": str(scale)} if noise == "output" else
+           {"MESHNET_TEST_CORRUPT_STREAMS_WEIGHTS": str(scale), "MESHNET_TEST_CORRUPT_LAYER": "15"}
+           if noise == "streams" else
            {"MESHNET_TEST_CORRUPT_DECODE_WEIGHTS": str(scale), "MESHNET_TEST_CORRUPT_LAYER": "15"})
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(keep_logs) / f"{noise}-{scale}" if keep_logs else Path(tmp)
@@ -138,7 +146,7 @@ def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str, keep_log
                             env={**lie, "MESHNET_TEST_CLAIM_SPEED": "10"})
             mesh.wait(lambda: admitted(mesh, ("liar",)), 300, "the liar admitted")
             entry = nodes(mesh)["entry"]["endpoint"]
-            counts, i = [], 0
+            counts, missed, i = [], [], 0
             for _ in range(cycles):
                 through = None
                 for _ in range(60):
@@ -152,6 +160,8 @@ def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str, keep_log
                         break
                 caught = bool(nodes(mesh)["liar"].get("quarantine"))
                 counts.append(through if caught else None)
+                if not caught:
+                    missed.append(through)
                 if counts[-3:] == [None] * 3:  # below what an audit can tell from honest rounding
                     break
                 if caught:
@@ -161,7 +171,13 @@ def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str, keep_log
             got = [c for c in counts if c is not None]
             within = sum(1 for c in got if c <= 50)
             wrong = {n: v["quarantine"] for n, v in nodes(mesh).items() if v.get("quarantine") and n != "liar"}
-            print(f"  requests through it until quarantined, per cycle: {counts}")
+            audits = httpx.get(f"{entry}/v1/health", timeout=5).json()["audits"]
+            print(f"  requests through it until quarantined, per cycle: {counts}"
+                  f"{f' (None: not caught in 60 requests, {missed} of them through it)' if missed else ''}")
+            verdicts = collections.Counter(v.get("verdict") for v in audits["verdicts"])
+            print(f"  the entry's audits: {audits['audits']} run, {audits['passed']} passed, {audits['disputes']} "
+                  f"disputed; the tracker's verdicts on them: {dict(verdicts)}; largest step distance per audit: "
+                  f"{quantiles([d for d in audits['distances'] if d > 0])} (0.0 left out: honest holders, one layout)")
             print(f"  median {statistics.median(got) if got else 'never'}; caught within 50 in {within} of {cycles} "
                   f"cycles; honest nodes quarantined: {wrong or 'none'}")
         finally:
@@ -173,15 +189,18 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=60, help="chats per entry in part 1 (three rounds)")
     parser.add_argument("--cycles", type=int, default=20, help="quarantine-and-reinstate cycles per scale")
     parser.add_argument("--scales", default="0.5,0.2,0.1,0.05", help="noise scales of part 2 (x the std)")
-    parser.add_argument("--noise", choices=("weights", "output"), default="weights",
-                        help="part 2's lie: noise on layer 15's MLP weights during decode steps, or on the output")
+    parser.add_argument("--noise", choices=("weights", "output", "streams"), default="weights",
+                        help="part 2's lie: noise on layer 15's MLP weights during decode steps, or on the "
+                             "decode output, or on layer 15's MLP weights for every hop-stream step")
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--keep-logs", metavar="DIR", help="keep part 2's process logs under DIR/<noise>-<scale>")
+    parser.add_argument("--audit-rate", help="part 1's entry-on audit rate (default: the entry's default); 1 audits "
+                                             "every session, for the false-positive count")
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--skip-sensitivity", action="store_true")
     args = parser.parse_args()
     if not args.skip_cost:
-        cost(args.requests, args.max_tokens)
+        cost(args.requests, args.max_tokens, args.audit_rate)
     if not args.skip_sensitivity:
         for scale in (float(s) for s in args.scales.split(",")):
             sensitivity(scale, args.cycles, args.max_tokens, args.noise, args.keep_logs)

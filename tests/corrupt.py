@@ -18,6 +18,10 @@ corruption applied). The environment says where and when:
                                       down-projection (the honest weights back for every other step;
                                       for one request at a time: a step batched with another
                                       session's would share the swap)
+    MESHNET_TEST_CORRUPT_STREAMS_WEIGHTS=S  instead: on every step that comes over a hop stream
+                                      (prefill and decode), the same noise on the same weights;
+                                      honest on ``POST /v1/forward`` (admission challenges,
+                                      spot-checks, witness replays, the HTTP hop path)
     MESHNET_TEST_CLAIM_SPEED=K        claim K times the measured decode speed in doctor reports (routes
                                       prefer the fastest holder: the dishonest node draws the traffic)
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,28 +106,84 @@ def lie_on_decode_weights(layer: int, scale: float) -> None:
     """Make every decode step of this process's hops (one token past position 0) run with seeded
     noise of ``scale`` x the weight's std on ``layer``'s MLP down-projection; every other step
     (prefill, admission challenges, spot-checks, audit re-runs) with the honest weights."""
+    _lie_with_weights(layer, scale, lambda position, hidden: position > 0 and hidden.shape[1] == 1)
+    log.warning("TEST: lying on decode steps (noise %.2f x std on layer %d's weights)", scale, layer)
+
+
+def lie_on_stream_weights(layer: int, scale: float) -> None:
+    """Make this process's hops hold weights with the noise of :func:`lie_on_decode_weights` for
+    every step that comes over a hop stream (prefill and decode), and the honest ones while any
+    ``POST /v1/forward`` is in flight (admission challenges, spot-checks, witness replays): the
+    node lies only where it thinks no one checks. A stream step that runs beside such a call runs
+    honestly too (the lie is never larger than stated)."""
+    import meshnet.node.app as node_app
+
+    honest_forward, in_flight = node_app.forward, [0]
+
+    def use(runtime, which: int) -> None:
+        with torch.no_grad():
+            for entry in _weight_pairs(runtime, layer, scale):
+                set_weight(entry[0], entry[which])
+
+    async def forward(request):
+        runtime = request.app.state.node.runtime
+        in_flight[0] += 1
+        if in_flight[0] == 1:
+            use(runtime, 1)  # honest
+        try:
+            return await honest_forward(request)
+        finally:
+            in_flight[0] -= 1
+            if in_flight[0] == 0:
+                use(runtime, 2)  # back to the lie
+
+    node_app.forward = forward  # build_app routes /v1/forward to this module attribute
+    from meshnet.node.runtime import NodeRuntime
+
+    honest_load = NodeRuntime.forward_async
+
+    async def forward_async(self, **kw):  # the first step after loading puts the lie in place
+        if not _weight_pairs.done.get(id(self)) and in_flight[0] == 0:
+            _weight_pairs.done[id(self)] = True
+            use(self, 2)
+        return await honest_load(self, **kw)
+
+    NodeRuntime.forward_async = forward_async
+    log.warning("TEST: lying on hop streams (noise %.2f x std on layer %d's weights)", scale, layer)
+
+
+def _weight_pairs(runtime, layer: int, scale: float) -> list:
+    """[(module, honest weight, noisy weight)] of ``layer``'s MLP down-projection in each of
+    ``runtime``'s shards, the noise seeded (0) and ``scale`` x the weight's std (made once)."""
+    if id(runtime) not in _weight_pairs.cache:
+        found = []
+        for slot in list(runtime.slots.values()):
+            if str(layer) in slot.shard.blocks:
+                module = slot.shard.blocks[str(layer)].mlp.down_proj
+                honest = dense_weight(module).detach().clone()
+                gen = torch.Generator().manual_seed(0)
+                noise = torch.randn(honest.shape, generator=gen) * float(honest.float().std()) * scale
+                found.append((module, honest, (honest.float() + noise).to(honest.dtype)))
+        _weight_pairs.cache[id(runtime)] = found
+    return _weight_pairs.cache[id(runtime)]
+
+
+_weight_pairs.cache = {}
+_weight_pairs.done = {}
+
+
+def _lie_with_weights(layer: int, scale: float, lies: Callable[[int, torch.Tensor], bool]) -> None:
+    """Run each forward pass of this process's hops for which ``lies(position, hidden)`` holds with
+    :func:`_weight_pairs`' noisy weights, the honest ones back afterwards (for one request at a
+    time: a pass that runs beside a lying one, of another session, shares the swap)."""
     from meshnet.node.runtime import NodeRuntime
 
     honest_forward = NodeRuntime.forward_async
-    weights: dict[int, list] = {}  # id(runtime) -> [(module, honest weight, noisy weight)]
-
-    def swaps(runtime) -> list:
-        if id(runtime) not in weights:
-            found = []
-            for slot in list(runtime.slots.values()):
-                if str(layer) in slot.shard.blocks:
-                    module = slot.shard.blocks[str(layer)].mlp.down_proj
-                    honest = dense_weight(module).detach().clone()
-                    gen = torch.Generator().manual_seed(0)
-                    noise = torch.randn(honest.shape, generator=gen) * float(honest.float().std()) * scale
-                    found.append((module, honest, (honest.float() + noise).to(honest.dtype)))
-            weights[id(runtime)] = found
-        return weights[id(runtime)]
 
     async def forward_async(self, *, position, hidden, **kw):
-        if not (position > 0 and hidden.shape[1] == 1):
+        if not lies(position, hidden):
             return await honest_forward(self, position=position, hidden=hidden, **kw)
-        pairs = swaps(self)
+        pairs = _weight_pairs(self, layer, scale)
         with torch.no_grad():
             for module, _, noisy in pairs:
                 set_weight(module, noisy)
@@ -134,7 +195,6 @@ def lie_on_decode_weights(layer: int, scale: float) -> None:
                     set_weight(module, honest)
 
     NodeRuntime.forward_async = forward_async
-    log.warning("TEST: lying on decode steps (noise %.2f x std on layer %d's weights)", scale, layer)
 
 
 def main() -> None:
@@ -149,13 +209,17 @@ def main() -> None:
     if os.environ.get("MESHNET_TEST_CORRUPT_DECODE_WEIGHTS"):
         lie_on_decode_weights(int(os.environ["MESHNET_TEST_CORRUPT_LAYER"]),
                               float(os.environ["MESHNET_TEST_CORRUPT_DECODE_WEIGHTS"]))
+    if os.environ.get("MESHNET_TEST_CORRUPT_STREAMS_WEIGHTS"):
+        lie_on_stream_weights(int(os.environ["MESHNET_TEST_CORRUPT_LAYER"]),
+                              float(os.environ["MESHNET_TEST_CORRUPT_STREAMS_WEIGHTS"]))
     if os.environ.get("MESHNET_TEST_CLAIM_SPEED"):
         import meshnet.node.doctor as doctor
 
         measured, factor = doctor.measure_decode_tokens_per_s, float(os.environ["MESHNET_TEST_CLAIM_SPEED"])
         doctor.measure_decode_tokens_per_s = lambda *a, **kw: measured(*a, **kw) * factor
 
-    corruption = None if os.environ.get("MESHNET_TEST_CORRUPT_DECODE_WEIGHTS") else Corruption.from_env()
+    weights_lie = any(os.environ.get(f"MESHNET_TEST_CORRUPT_{kind}_WEIGHTS") for kind in ("DECODE", "STREAMS"))
+    corruption = None if weights_lie else Corruption.from_env()
     if corruption is not None:
         honest = node_app.forward
 

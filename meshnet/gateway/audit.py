@@ -37,7 +37,7 @@ import httpx
 
 from meshnet.dataplane.chain import ChainRecord, ChainRoute
 from meshnet.dataplane.codec import ActivationCodec
-from meshnet.dataplane.evidence import reference_rows, step_distances, tolerance
+from meshnet.dataplane.evidence import audit_tolerance, reference_rows, step_distances
 from meshnet.dataplane.hops import post_forward
 from meshnet.dataplane.frames import FLAG_REWIND
 from meshnet.dataplane.receipts import HEADER_CHAIN_KEY, Receipt, TranscriptStep, digest, history_problem, \
@@ -90,8 +90,8 @@ class Auditor:
         client: httpx client for transcripts and witness calls; ``timeout_s`` bounds each.
         routes: finds witnesses (as spot-checks do: holders of the hop's layers and recipe).
         report: sends a dispute to the tracker (:data:`AuditReporter`).
-        limit: the step distance above which a hop is disputed (default: the bfloat16 tolerance,
-            :data:`meshnet.dataplane.evidence.TOLERANCE`; the tracker applies the hop's recipe's own).
+        limit: the step distance above which a hop is disputed (default: the bfloat16 audit tolerance,
+            :data:`meshnet.dataplane.evidence.AUDIT_TOLERANCE`; the tracker applies the hop's recipe's own).
         chunk_tokens: positions per replayed chunk on the witness.
         probation_rate, probation_passes: see the module doc.
         release_auth: signs the witnesses' session releases as this entry.
@@ -106,7 +106,7 @@ class Auditor:
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be within 0..1, got {value}")
         self.rate, self.client, self.routes, self.report = rate, client, routes, report
-        self.limit = tolerance("bfloat16") if limit is None else limit
+        self.limit = audit_tolerance("bfloat16") if limit is None else limit
         self.timeout_s, self.chunk_tokens = timeout_s, chunk_tokens
         self.probation_rate, self.probation_passes = probation_rate, probation_passes
         self.release_auth = release_auth

@@ -52,7 +52,8 @@ FORGED = "forged"
 #: a false accusation needs the accused within this share of the tolerance of every witness: between
 #: it and the tolerance the entry's measurement (a chunked replay on its own witness) may honestly
 #: have come out beyond, so the verdict is inconclusive (ADR-0067; honest same-recipe distances
-#: measured across weight layouts and thread counts: p99 0.014 against the bfloat16 tolerance 0.05)
+#: measured across weight layouts and thread counts: max 0.0138, against the bfloat16 audit tolerance
+#: 0.018, :data:`meshnet.dataplane.evidence.AUDIT_TOLERANCE`; on one layout they are 0.0)
 CLEAR = 0.5
 #: the distance recorded for outputs that cannot be compared (other shapes, non-finite values; JSON has no inf)
 UNREADABLE = 1e9

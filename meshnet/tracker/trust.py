@@ -21,7 +21,7 @@ from meshnet.errors import Forbidden, InvalidRequest, Unauthorized
 from meshnet.presets import canonical_model_name, find_preset
 from meshnet.protocol.control import AuditReport, QuarantineReport
 from meshnet.protocol.tickets import read_ticket
-from meshnet.dataplane.evidence import tolerance
+from meshnet.dataplane.evidence import audit_tolerance
 from meshnet.tracker.admission import ADMITTING, Challenge, Holder, Verdict, decide, digest_key
 from meshnet.tracker.audit import FALSE_ACCUSATIONS, FORGED, WITNESSES, AuditCase, AuditVerdict, read_evidence
 from meshnet.tracker.quarantine import Quarantine
@@ -280,7 +280,7 @@ class TrustMixin:
                             and (s.quantization, s.report.recipe.compute_dtype) == recipe), key=lambda h: h.node_id)
         holder = self._holder(accused, shard)
         return AuditCase(sender, holder, model, layers, report.chain_id, tuple(steps), tuple(witnesses[:WITNESSES]),
-                         tolerance(*recipe))
+                         audit_tolerance(*recipe))
 
     def apply_audit(self, case: AuditCase, verdict: AuditVerdict) -> None:
         """Act on an audit's verdict: quarantine the outvoted accused, or the witness the accused and

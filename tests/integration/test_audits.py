@@ -1,10 +1,12 @@
 """Decode audits with real processes and the real model (ADR-0067).
 
 The entry holds layers 0-9, ``tail`` 20-29; three nodes hold the middle range 10-19: ``h1`` and
-``h2`` honestly, ``x-bad`` honest on every prefill (its admission challenge, spot-checks) and
-lying on every decode step (noise on its output, ``MESHNET_TEST_CORRUPT_DECODE``, test-only),
-over hop streams as much as over hop calls, and claiming ten times its speed so that routes take it. Everything else is at its default: the entry audits
-a share of its sessions, more while a hop is on probation.
+``h2`` honestly, ``x-bad`` with noise of 0.1 x the weight's std on layer 15's MLP down-projection
+(the issue's acceptance case; test-only, ``tests/corrupt.py``), in one of two ways: only on decode
+steps (honest on every prefill: its admission challenge, spot-checks), or only on the steps that
+come over hop streams (honest on every ``POST /v1/forward``: challenges, witness replays). It claims
+ten times its speed so that routes take it. Everything else is at its default: the entry audits a
+share of its sessions, more while a hop is on probation.
 """
 
 from __future__ import annotations
@@ -33,7 +35,13 @@ def admitted(mesh: Mesh, name: str) -> bool:
     return bool(shards) and (shards[0].get("verification") or {}).get("state") in ("verified", "unverified")
 
 
-def test_a_node_lying_only_on_decode_steps_is_caught_by_an_audit_and_quarantined(real_model_path, tmp_path):
+LIES = {"decode": {"MESHNET_TEST_CORRUPT_DECODE_WEIGHTS": "0.1", "MESHNET_TEST_CORRUPT_LAYER": "15"},
+        "streams": {"MESHNET_TEST_CORRUPT_STREAMS_WEIGHTS": "0.1", "MESHNET_TEST_CORRUPT_LAYER": "15"}}
+
+
+@pytest.mark.parametrize("lie", sorted(LIES))
+def test_a_node_lying_only_where_it_thinks_no_one_checks_is_caught_by_an_audit_and_quarantined(
+        lie, real_model_path, tmp_path):
     mesh = Mesh(tmp_path)
     try:
         mesh.start_tracker(REAL, node_timeout_s=10.0)
@@ -41,7 +49,7 @@ def test_a_node_lying_only_on_decode_steps_is_caught_by_an_audit_and_quarantined
         mesh.start_node("tail", "--model", REAL, "--shard-start", "20", "--shard-end", "29", *BF16)
         mesh.start_node("h1", *MIDDLE)
         mesh.wait_routable(REAL, 240)
-        mesh.start_node("x-bad", *MIDDLE, env={"MESHNET_TEST_CORRUPT_DECODE": "0.1", "MESHNET_TEST_CLAIM_SPEED": "10"},
+        mesh.start_node("x-bad", *MIDDLE, env={**LIES[lie], "MESHNET_TEST_CLAIM_SPEED": "10"},
                         module="tests.corrupt")  # claims to be fastest, so routes go through it
         mesh.wait(lambda: admitted(mesh, "x-bad"), 180, "x-bad admitted")  # honest for its challenge
         mesh.start_node("h2", *MIDDLE)
@@ -65,10 +73,13 @@ def test_a_node_lying_only_on_decode_steps_is_caught_by_an_audit_and_quarantined
         assert quarantine, f"x-bad not quarantined after {len(answers)} requests, {through_bad} through it"
         print(f"x-bad quarantined after {caught_after} request(s) through it: {quarantine}")
         assert caught_after <= 50
-        assert quarantine["reported_by"] == "entry" and set(quarantine["witnesses"]) == {"h1", "h2"}
-        honest = quarantine["distances"]["h1|h2"]
-        assert honest <= quarantine["tolerance"] < min(quarantine["distances"]["x-bad|h1"],
-                                                       quarantine["distances"]["x-bad|h2"])
+        # the entry's dispute of x-bad, or x-bad outvoted as a witness of the tracker's re-run of a
+        # dispute (it lies to that too): either way on the tracker's own measurements
+        assert quarantine["reported_by"] in ("entry", "tracker (outvoted as an audit witness)"), quarantine
+        assert set(quarantine["witnesses"]) == {"h1", "h2"}
+        distance = {frozenset(pair.split("|")): d for pair, d in quarantine["distances"].items()}
+        assert distance[frozenset({"h1", "h2"})] <= quarantine["tolerance"] == 0.018 < min(
+            distance[frozenset({"x-bad", "h1"})], distance[frozenset({"x-bad", "h2"})])
         late = [route for finished, route in answers if finished > quarantine["since"] + 2.0]
         assert late and all("x-bad" not in route for route in late)
         for name in ("h1", "h2", "entry", "tail"):
@@ -76,7 +87,7 @@ def test_a_node_lying_only_on_decode_steps_is_caught_by_an_audit_and_quarantined
         audits = httpx.get(f"{node_view(mesh, 'entry')['endpoint']}/v1/health", timeout=5).json()["audits"]
         print(f"entry audits: {audits}")
         assert audits["withheld"] == 0 and audits["mismatched"] == 0
-        assert any(v.get("verdict") == "quarantine" for v in audits["verdicts"])
+        assert any(v.get("verdict") in ("quarantine", "witness_outvoted") for v in audits["verdicts"])
         assert max(audits["distances"]) > quarantine["tolerance"]
     finally:
         mesh.stop()

@@ -8,7 +8,7 @@ import torch
 
 from meshnet.node import wire
 from meshnet.errors import WireError
-from meshnet.dataplane.evidence import challenge_frame, frame_distance, outvoted, tolerance
+from meshnet.dataplane.evidence import audit_tolerance, challenge_frame, frame_distance, outvoted, tolerance
 from meshnet.dataplane.frames import read_array as read_frame
 
 
@@ -53,6 +53,13 @@ def test_a_body_that_is_not_a_frame_is_a_wire_error(body):
     (("something-new",), 0.3), ((), 0.05)])
 def test_tolerance_is_the_loosest_of_the_recipes(recipes, expected):
     assert tolerance(*recipes) == expected
+
+
+@pytest.mark.parametrize("recipes, expected", [
+    (("bfloat16", "bfloat16"), 0.018), (("float32", "float32"), 1e-3), (("bfloat16", "float32"), 0.018),
+    (("int8", "bfloat16"), 0.15), (("something-new",), 0.3), ((), 0.018)])
+def test_the_audit_tolerance_is_tighter_where_measured_and_the_recipes_own_elsewhere(recipes, expected):
+    assert audit_tolerance(*recipes) == expected
 
 
 @pytest.mark.parametrize("distances, loser", [
