@@ -22,8 +22,9 @@ corruption applied). The environment says where and when:
                                       (prefill and decode), the same noise on the same weights;
                                       honest on ``POST /v1/forward`` (admission challenges,
                                       spot-checks, witness replays, the HTTP hop path)
-    MESHNET_TEST_CLAIM_SPEED=K        claim K times the measured decode speed in doctor reports (routes
-                                      prefer the fastest holder: the dishonest node draws the traffic)
+    MESHNET_TEST_CLAIM_SPEED=K        claim K times the measured decode speed in doctor reports and in
+                                      heartbeats (routes prefer the fastest holder: the dishonest node
+                                      draws the traffic)
 
 The noise is seeded (0) and added in place to the loaded weights; the capability report and
 its weights digest stay those of the honest load (a dishonest node would lie about them too).
@@ -214,9 +215,17 @@ def main() -> None:
                               float(os.environ["MESHNET_TEST_CORRUPT_STREAMS_WEIGHTS"]))
     if os.environ.get("MESHNET_TEST_CLAIM_SPEED"):
         import meshnet.node.doctor as doctor
+        from meshnet.node.metrics import NodeMetrics
 
         measured, factor = doctor.measure_decode_tokens_per_s, float(os.environ["MESHNET_TEST_CLAIM_SPEED"])
         doctor.measure_decode_tokens_per_s = lambda *a, **kw: measured(*a, **kw) * factor
+        honest_stats = NodeMetrics.heartbeat_stats
+
+        def heartbeat_stats(self, *args, **kw):  # the figure heartbeats carry once it has served
+            stats = honest_stats(self, *args, **kw)
+            return stats.model_copy(update={"tokens_per_s": stats.tokens_per_s * factor})
+
+        NodeMetrics.heartbeat_stats = heartbeat_stats
 
     weights_lie = any(os.environ.get(f"MESHNET_TEST_CORRUPT_{kind}_WEIGHTS") for kind in ("DECODE", "STREAMS"))
     corruption = None if weights_lie else Corruption.from_env()
