@@ -96,7 +96,7 @@ def cost(requests: int, max_tokens: int, audit_rate: str | None = None) -> None:
             mesh.start_node("tail", "--model", MODEL, "--shard-start", "20", "--shard-end", "29", *BF16)
             for name, layout, threads in LAYOUTS:
                 mesh.start_node(name, *MIDDLE, threads=threads, env={"MESHNET_WEIGHT_LAYOUT": layout})
-            names = ("entry-on", "entry-off", "tail", "h1", "h2", "h3")
+            names = ("entry-on", "entry-off", "tail", *(name for name, _, _ in LAYOUTS))
             mesh.wait(lambda: admitted(mesh, names), 300, "every node admitted")
             entries = {n: nodes(mesh)[n]["endpoint"] for n in ("entry-on", "entry-off")}
             ratios = []
