@@ -121,33 +121,33 @@ def lie_on_stream_weights(layer: int, scale: float) -> None:
 
     honest_forward, in_flight = node_app.forward, [0]
 
-    def use(runtime, which: int) -> None:
+    def use(runtime, noisy: bool) -> None:
         with torch.no_grad():
-            for entry in _weight_pairs(runtime, layer, scale):
-                set_weight(entry[0], entry[which])
+            for module, honest, lie in _weight_pairs(runtime, layer, scale):
+                set_weight(module, lie if noisy else honest)
 
     async def forward(request):
         runtime = request.app.state.node.runtime
         in_flight[0] += 1
         if in_flight[0] == 1:
-            use(runtime, 1)  # honest
+            use(runtime, noisy=False)
         try:
             return await honest_forward(request)
         finally:
             in_flight[0] -= 1
             if in_flight[0] == 0:
-                use(runtime, 2)  # back to the lie
+                use(runtime, noisy=True)  # back to the lie
 
     node_app.forward = forward  # build_app routes /v1/forward to this module attribute
     from meshnet.node.runtime import NodeRuntime
 
-    honest_load = NodeRuntime.forward_async
+    honest_forward_async, lying = NodeRuntime.forward_async, set()  # lying: id() of runtimes with the lie in
 
     async def forward_async(self, **kw):  # the first step after loading puts the lie in place
-        if not _weight_pairs.done.get(id(self)) and in_flight[0] == 0:
-            _weight_pairs.done[id(self)] = True
-            use(self, 2)
-        return await honest_load(self, **kw)
+        if id(self) not in lying and in_flight[0] == 0:
+            lying.add(id(self))
+            use(self, noisy=True)
+        return await honest_forward_async(self, **kw)
 
     NodeRuntime.forward_async = forward_async
     log.warning("TEST: lying on hop streams (noise %.2f x std on layer %d's weights)", scale, layer)
@@ -156,7 +156,7 @@ def lie_on_stream_weights(layer: int, scale: float) -> None:
 def _weight_pairs(runtime, layer: int, scale: float) -> list:
     """[(module, honest weight, noisy weight)] of ``layer``'s MLP down-projection in each of
     ``runtime``'s shards, the noise seeded (0) and ``scale`` x the weight's std (made once)."""
-    if id(runtime) not in _weight_pairs.cache:
+    if id(runtime) not in _PAIRS:
         found = []
         for slot in list(runtime.slots.values()):
             if str(layer) in slot.shard.blocks:
@@ -165,12 +165,12 @@ def _weight_pairs(runtime, layer: int, scale: float) -> list:
                 gen = torch.Generator().manual_seed(0)
                 noise = torch.randn(honest.shape, generator=gen) * float(honest.float().std()) * scale
                 found.append((module, honest, (honest.float() + noise).to(honest.dtype)))
-        _weight_pairs.cache[id(runtime)] = found
-    return _weight_pairs.cache[id(runtime)]
+        _PAIRS[id(runtime)] = found
+    return _PAIRS[id(runtime)]
 
 
-_weight_pairs.cache = {}
-_weight_pairs.done = {}
+#: id(runtime) -> :func:`_weight_pairs`' answer
+_PAIRS: dict[int, list] = {}
 
 
 def _lie_with_weights(layer: int, scale: float, lies: Callable[[int, torch.Tensor], bool]) -> None:
