@@ -209,6 +209,8 @@ class NodeOptions:
             fail(MeshnetError("--shard-start and --shard-end go together"))
         if self.shard_start is not None and self.shard_end < self.shard_start:
             fail(MeshnetError("--shard-end must be >= --shard-start"))
+        if self.quantization == "auto" and self.dtype != "auto":  # before anything is measured
+            fail(MeshnetError("--quantization auto chooses the compute dtype too: leave --dtype out, or name a recipe"))
         if (self.relay or self.relay_url or self.offer_relay) and not self.tracker:
             fail(MeshnetError("--relay, --relay-url and --offer-relay need --tracker",
                               hint="a relayed node registers its relayed endpoint with a tracker"))

@@ -44,13 +44,11 @@ def auto_recipe(opts: NodeOptions, choice, device: str):
     """``--quantization auto``: the recipe measured fastest on this host within the doctor's
     tolerance (:func:`meshnet.node.recipe_choice.choose_recipe`, at ``choice``'s threads), set on
     ``opts``; returns ``choice`` with the recipe's compute dtype and reason. On a GPU nothing is
-    measured: the GPU's half dtype, unquantized. Exits when ``--dtype`` is given too (the recipe
-    decides it) or there is no ``--model`` to measure."""
+    measured: the GPU's half dtype, unquantized. Exits when there is no ``--model`` to measure
+    (``--dtype`` given too is refused earlier, by :meth:`NodeOptions.check`)."""
     from meshnet.models.devices import is_gpu
     from meshnet.node.calibration import Choice
 
-    if opts.dtype != "auto":
-        fail(MeshnetError("--quantization auto chooses the compute dtype too: leave --dtype out, or name a recipe"))
     if is_gpu(device):
         opts.quantization = "bfloat16"  # the recipe of an unquantized shard, in the GPU's own dtype
         return Choice(choice.compute_dtype, choice.threads, f"{choice.reason}; recipe auto on {device}: unquantized")
