@@ -22,7 +22,11 @@ other step honestly; with ``--noise output`` it adds noise of scale x its output
 weight noise and answers ``POST /v1/forward`` (challenges, witness replays) honestly. It claims
 ten times its speed, so that routes take it; ``--cycles`` times: chats until it is quarantined
 (at most 60 requests), counting the requests routed through it, then the operator reinstates it
-(a scale that three cycles in a row do not catch ends there).
+(a scale that three cycles in a row do not catch ends there). With ``--noise replays`` the liar
+frames instead: it computes honestly everywhere but in the witness replays of an entry's audits
+(weight noise there), claiming five times its speed, behind an honest ``fast`` holder claiming ten:
+sessions go through ``fast`` and the liar witnesses its audits; every request counts, and the
+entry must never be the one quarantined.
 Prints the counts, their median and how many cycles caught it within 50 requests. The entry
 never sees the liar pass an audit, so it stays on probation (rate 0.5); a holder that lied only
 after passing five audits is audited at the base rate r = 0.06 and is caught within 50 requests
@@ -125,12 +129,16 @@ def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str, keep_log
     from meshnet.localmesh import LocalMesh
 
     what = "its output's std" if noise == "output" else "layer 15's MLP down-projection weight std"
-    where = "every hop-stream step" if noise == "streams" else "decode steps"
+    where = {"streams": "every hop-stream step", "replays": "the witness replays of entries' audits"}.get(
+        noise, "decode steps")
     print(f"part 2: a holder lying on {where} by {scale} x {what} ({load()})")
     lie = ({"MESHNET_TEST_CORRUPT_DECODE": str(scale)} if noise == "output" else
            {"MESHNET_TEST_CORRUPT_STREAMS_WEIGHTS": str(scale), "MESHNET_TEST_CORRUPT_LAYER": "15"}
            if noise == "streams" else
+           {"MESHNET_TEST_CORRUPT_REPLAYS_WEIGHTS": str(scale), "MESHNET_TEST_CORRUPT_LAYER": "15"}
+           if noise == "replays" else
            {"MESHNET_TEST_CORRUPT_DECODE_WEIGHTS": str(scale), "MESHNET_TEST_CORRUPT_LAYER": "15"})
+    framing = noise == "replays"
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(keep_logs) / f"{noise}-{scale}" if keep_logs else Path(tmp)
         logs.mkdir(parents=True, exist_ok=True)
@@ -141,9 +149,12 @@ def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str, keep_log
             mesh.start_node("tail", "--model", MODEL, "--shard-start", "20", "--shard-end", "29", *BF16)
             mesh.start_node("h1", *MIDDLE)
             mesh.start_node("h2", *MIDDLE)
-            mesh.wait(lambda: admitted(mesh, ("entry", "tail", "h1", "h2")), 300, "honest nodes admitted")
+            if framing:  # the holder sessions go through; the liar witnesses its audits
+                mesh.start_node("fast", *MIDDLE, module="tests.corrupt", env={"MESHNET_TEST_CLAIM_SPEED": "10"})
+            mesh.wait(lambda: admitted(mesh, ("entry", "tail", "h1", "h2", *(("fast",) if framing else ()))), 300,
+                      "honest nodes admitted")
             mesh.start_node("liar", *MIDDLE, module="tests.corrupt",
-                            env={**lie, "MESHNET_TEST_CLAIM_SPEED": "10"})
+                            env={**lie, "MESHNET_TEST_CLAIM_SPEED": "5" if framing else "10"})
             mesh.wait(lambda: admitted(mesh, ("liar",)), 300, "the liar admitted")
             entry = nodes(mesh)["entry"]["endpoint"]
             counts, missed, i = [], [], 0
@@ -152,17 +163,20 @@ def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str, keep_log
                 for _ in range(60):
                     route = [h["node_id"] for h in chat(entry, i, max_tokens)["route"]]
                     i += 1
-                    through = (through or 0) + ("liar" in route)
-                    deadline = time.monotonic() + (3.0 if "liar" in route else 0.0)
+                    through = (through or 0) + (framing or "liar" in route)
+                    deadline = time.monotonic() + (3.0 if framing or "liar" in route else 0.0)
                     while not nodes(mesh)["liar"].get("quarantine") and time.monotonic() < deadline:
                         time.sleep(0.2)  # the audit runs after its session
-                    if nodes(mesh)["liar"].get("quarantine"):
+                    if nodes(mesh)["liar"].get("quarantine") or nodes(mesh)["entry"].get("quarantine"):
                         break
                 caught = bool(nodes(mesh)["liar"].get("quarantine"))
                 counts.append(through if caught else None)
                 if not caught:
                     missed.append(through)
                 if counts[-3:] == [None] * 3:  # below what an audit can tell from honest rounding
+                    break
+                if nodes(mesh)["entry"].get("quarantine"):
+                    print(f"  the entry was quarantined: {nodes(mesh)['entry']['quarantine']}")
                     break
                 if caught:
                     httpx.post(f"{mesh.url}/v1/operator/reinstate", json={"node_id": "liar"}, timeout=10)
@@ -172,14 +186,15 @@ def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str, keep_log
             within = sum(1 for c in got if c <= 50)
             wrong = {n: v["quarantine"] for n, v in nodes(mesh).items() if v.get("quarantine") and n != "liar"}
             audits = httpx.get(f"{entry}/v1/health", timeout=5).json()["audits"]
-            print(f"  requests through it until quarantined, per cycle: {counts}"
+            print(f"  requests {'' if framing else 'through it '}until quarantined, per cycle: {counts}"
                   f"{f' (None: not caught in 60 requests, {missed} of them through it)' if missed else ''}")
             verdicts = collections.Counter(v.get("verdict") for v in audits["verdicts"])
             print(f"  the entry's audits: {audits['audits']} run, {audits['passed']} passed, {audits['disputes']} "
                   f"disputed; the tracker's verdicts on them: {dict(verdicts)}; largest step distance per audit: "
                   f"{quantiles([d for d in audits['distances'] if d > 0])} (0.0 left out: honest holders, one layout)")
             print(f"  median {statistics.median(got) if got else 'never'}; caught within 50 in {within} of {cycles} "
-                  f"cycles; honest nodes quarantined: {wrong or 'none'}")
+                  f"cycles; honest nodes quarantined: {wrong or 'none'}; the entry's accusations: "
+                  f"{nodes(mesh)['entry'].get('accusations')}")
         finally:
             mesh.stop()
 
@@ -189,9 +204,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=60, help="chats per entry in part 1 (three rounds)")
     parser.add_argument("--cycles", type=int, default=20, help="quarantine-and-reinstate cycles per scale")
     parser.add_argument("--scales", default="0.5,0.2,0.1,0.05", help="noise scales of part 2 (x the std)")
-    parser.add_argument("--noise", choices=("weights", "output", "streams"), default="weights",
+    parser.add_argument("--noise", choices=("weights", "output", "streams", "replays"), default="weights",
                         help="part 2's lie: noise on layer 15's MLP weights during decode steps, or on the "
-                             "decode output, or on layer 15's MLP weights for every hop-stream step")
+                             "decode output, or on layer 15's MLP weights for every hop-stream step, or for "
+                             "the witness replays of entries' audits (a witness framing honest holders)")
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--keep-logs", metavar="DIR", help="keep part 2's process logs under DIR/<noise>-<scale>")
     parser.add_argument("--audit-rate", help="part 1's entry-on audit rate (default: the entry's default); 1 audits "

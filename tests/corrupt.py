@@ -22,6 +22,11 @@ corruption applied). The environment says where and when:
                                       (prefill and decode), the same noise on the same weights;
                                       honest on ``POST /v1/forward`` (admission challenges,
                                       spot-checks, witness replays, the HTTP hop path)
+    MESHNET_TEST_CORRUPT_REPLAYS_WEIGHTS=S  instead: the same noise on the same weights only on an
+                                      entry's ``POST /v1/forward`` calls that return every position
+                                      (an audit's witness replay); honest on hop streams and on the
+                                      tracker's calls (admission challenges, audit re-runs): a
+                                      witness that lies to entries to frame honest holders
     MESHNET_TEST_CLAIM_SPEED=K        claim K times the measured decode speed in doctor reports and in
                                       heartbeats (routes prefer the fastest holder: the dishonest node
                                       draws the traffic)
@@ -153,6 +158,44 @@ def lie_on_stream_weights(layer: int, scale: float) -> None:
     log.warning("TEST: lying on hop streams (noise %.2f x std on layer %d's weights)", scale, layer)
 
 
+def lie_on_replay_weights(layer: int, scale: float) -> None:
+    """Make this process's ``POST /v1/forward`` calls from an entry that ask for every position (an
+    audit's witness replay; the session ticket names the entry, not ``@tracker``) run with
+    :func:`_weight_pairs`' noisy weights, every other step with the honest ones: the node lies to
+    entries when it witnesses for them, so that their audits accuse the honest node they audit."""
+    import json
+
+    import meshnet.node.app as node_app
+    from meshnet.protocol.signing import unb64url
+    from meshnet.protocol.tickets import HEADER_TICKET
+    from meshnet.tracker.admission import TRACKER_ENTRY
+
+    honest_forward = node_app.forward
+
+    def entry_of(request) -> str:
+        try:
+            return json.loads(unb64url(request.headers.get(HEADER_TICKET, "").split(".")[0]))["entry"]
+        except (ValueError, KeyError, TypeError):
+            return ""
+
+    async def forward(request):
+        if request.headers.get("X-Meshnet-Last-Only") == "1" or entry_of(request) in ("", TRACKER_ENTRY):
+            return await honest_forward(request)
+        pairs = _weight_pairs(request.app.state.node.runtime, layer, scale)
+        with torch.no_grad():
+            for module, _, noisy in pairs:
+                set_weight(module, noisy)
+        try:
+            return await honest_forward(request)
+        finally:
+            with torch.no_grad():
+                for module, honest, _ in pairs:
+                    set_weight(module, honest)
+
+    node_app.forward = forward  # build_app routes /v1/forward to this module attribute
+    log.warning("TEST: lying on entries' witness replays (noise %.2f x std on layer %d's weights)", scale, layer)
+
+
 def _weight_pairs(runtime, layer: int, scale: float) -> list:
     """[(module, honest weight, noisy weight)] of ``layer``'s MLP down-projection in each of
     ``runtime``'s shards, the noise seeded (0) and ``scale`` x the weight's std (made once)."""
@@ -213,6 +256,9 @@ def main() -> None:
     if os.environ.get("MESHNET_TEST_CORRUPT_STREAMS_WEIGHTS"):
         lie_on_stream_weights(int(os.environ["MESHNET_TEST_CORRUPT_LAYER"]),
                               float(os.environ["MESHNET_TEST_CORRUPT_STREAMS_WEIGHTS"]))
+    if os.environ.get("MESHNET_TEST_CORRUPT_REPLAYS_WEIGHTS"):
+        lie_on_replay_weights(int(os.environ["MESHNET_TEST_CORRUPT_LAYER"]),
+                              float(os.environ["MESHNET_TEST_CORRUPT_REPLAYS_WEIGHTS"]))
     if os.environ.get("MESHNET_TEST_CLAIM_SPEED"):
         import meshnet.node.doctor as doctor
         from meshnet.node.metrics import NodeMetrics
@@ -227,7 +273,7 @@ def main() -> None:
 
         NodeMetrics.heartbeat_stats = heartbeat_stats
 
-    weights_lie = any(os.environ.get(f"MESHNET_TEST_CORRUPT_{kind}_WEIGHTS") for kind in ("DECODE", "STREAMS"))
+    weights_lie = any(os.environ.get(f"MESHNET_TEST_CORRUPT_{kind}_WEIGHTS") for kind in ("DECODE", "STREAMS", "REPLAYS"))
     corruption = None if weights_lie else Corruption.from_env()
     if corruption is not None:
         honest = node_app.forward

@@ -38,8 +38,8 @@ from meshnet.errors import WireError
 from meshnet.protocol.signing import b64url, unb64url
 
 __all__ = ["HEADER_CHAIN_KEY", "HEADER_RECEIPT", "NO_OUTPUT", "RECEIPT_BYTES", "Receipt", "TranscriptStep",
-           "TranscriptStore", "digest", "history_problem", "read_transcript", "receipt_message", "sign_step",
-           "transcript_json", "verify_step"]
+           "TranscriptStore", "digest", "history_problem", "read_transcript", "receipt_message", "replay_runs",
+           "sign_step", "transcript_json", "verify_step"]
 
 _CONTEXT = b"meshnet-receipt/1"
 #: a RECEIPT body: input digest, output digest, signature
@@ -229,6 +229,20 @@ def history_problem(steps: list[TranscriptStep]) -> str:
             return f"a step at position {s.position} where position {expected} was next"
         expected = s.position + s.tokens
     return "" if steps else "no steps"
+
+
+def replay_runs(steps: list[TranscriptStep]) -> list[list[TranscriptStep]]:
+    """``steps`` cut into the runs an audit replays together: each speculative step
+    (:data:`FLAG_REWIND`) alone, the ordinary steps between them as one run (contiguous: replayed
+    as a chunked prefill). A replay's own calls cut by the same rule give one group per run of
+    the steps it replayed (ADR-0067)."""
+    runs: list[list[TranscriptStep]] = []
+    for s in steps:
+        if s.flags & FLAG_REWIND or not runs or runs[-1][0].flags & FLAG_REWIND:
+            runs.append([s])
+        else:
+            runs[-1].append(s)
+    return runs
 
 
 def read_transcript(data: dict) -> list[TranscriptStep]:

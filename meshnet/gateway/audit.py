@@ -12,8 +12,15 @@ When a session the entry drew for an audit ends, for each remote hop the entry:
    returned, and measures every step's output against it
    (:func:`meshnet.dataplane.evidence.step_distances`);
 3. when a step is further than the recipe's tolerance, sends the tracker the hop's signed steps up
-   to the worst one (``POST /v1/nodes/{id}/audit``): the tracker re-runs them on holders it picks
-   and decides (:mod:`meshnet.tracker.audit`).
+   to the worst one (``POST /v1/nodes/{id}/audit``) with the witness's own signed calls (its
+   receipts of the replay): the tracker re-runs the steps on holders it picks and decides
+   (:mod:`meshnet.tracker.audit`); when its holders agree with the hop, the witness's signed replay
+   shows whether the witness lied to this entry (it is then the one quarantined) or the entry
+   made the dispute up.
+
+With the hops' keys (``keys``), the entry first checks every receipt it would send, the hop's and
+the witness's: a node that signs garbage would otherwise make the entry's evidence look forged.
+Such a hop is counted (``unsigned``) and not disputed.
 
 The hop cannot tell an audited session from another: every session's hops sign and keep the
 same things, and the question comes only after the session ended, when its receipts already
@@ -41,20 +48,23 @@ from meshnet.dataplane.evidence import audit_tolerance, reference_rows, step_dis
 from meshnet.dataplane.hops import post_forward
 from meshnet.dataplane.frames import FLAG_REWIND
 from meshnet.dataplane.receipts import HEADER_CHAIN_KEY, Receipt, TranscriptStep, digest, history_problem, \
-    read_transcript
+    read_transcript, replay_runs, verify_step
 from meshnet.dataplane.replay import rechunk
 from meshnet.errors import MeshnetError
 from meshnet.gateway.spotcheck import WitnessRoutes, witness_session
-from meshnet.protocol.control import AuditReport, AuditStep
+from meshnet.protocol.control import AuditReplay, AuditReport, AuditStep
 from meshnet.protocol.route import Hop
-from meshnet.protocol.signing import b64url
+from meshnet.protocol.signing import b64url, decode_public_key, unb64url
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AuditStats", "Auditor", "AuditReporter", "DEFAULT_AUDIT_RATE", "PROBATION_PASSES", "PROBATION_RATE"]
+__all__ = ["AuditStats", "Auditor", "AuditReporter", "DEFAULT_AUDIT_RATE", "KeyLookup", "PROBATION_PASSES",
+           "PROBATION_RATE"]
 
 #: async (node id, report) -> the tracker's answer (``POST /v1/nodes/{id}/audit``)
 AuditReporter = Callable[[str, AuditReport], Awaitable[dict]]
+#: async node id -> its public key (base64url Ed25519, ``GET /v1/nodes/{id}/key``), None when unknown
+KeyLookup = Callable[[str], Awaitable[str | None]]
 #: the share of sessions audited through proven hops. A hop lying on every request it serves is
 #: then caught within 50 of them with probability 1 - 0.94**50 = 95.5 % (issue target: 19 of 20)
 DEFAULT_AUDIT_RATE = 0.06
@@ -76,6 +86,7 @@ class AuditStats:
     withheld: int = 0     # no transcript, or not the one the hop signed
     unverified: int = 0   # no witness
     mismatched: int = 0   # a hop's signed input is not what the hop before it signed as sent
+    unsigned: int = 0     # a receipt, the hop's or the witness's, does not verify with its node's key
     #: the latest verdicts the tracker gave, newest last (at most 100)
     verdicts: list[dict] = field(default_factory=list)
     #: the largest step distance of each of the latest audits (at most 100)
@@ -95,13 +106,16 @@ class Auditor:
         chunk_tokens: positions per replayed chunk on the witness.
         probation_rate, probation_passes: see the module doc.
         release_auth: signs the witnesses' session releases as this entry.
+        keys: looks up a node's public key (:data:`KeyLookup`), to check receipts before they go
+            to the tracker as evidence (None: not checked here).
         rng: the source of the draws (tests pass a seeded one).
     """
 
     def __init__(self, rate: float = DEFAULT_AUDIT_RATE, *, client: httpx.AsyncClient, routes: WitnessRoutes,
                  report: AuditReporter, limit: float | None = None, timeout_s: float = 60.0, chunk_tokens: int = 128,
                  probation_rate: float = PROBATION_RATE, probation_passes: int = PROBATION_PASSES,
-                 release_auth: httpx.Auth | None = None, rng: random.Random | None = None) -> None:
+                 release_auth: httpx.Auth | None = None, keys: KeyLookup | None = None,
+                 rng: random.Random | None = None) -> None:
         for name, value in (("audit rate", rate), ("probation rate", probation_rate)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be within 0..1, got {value}")
@@ -109,7 +123,7 @@ class Auditor:
         self.limit = audit_tolerance("bfloat16") if limit is None else limit
         self.timeout_s, self.chunk_tokens = timeout_s, chunk_tokens
         self.probation_rate, self.probation_passes = probation_rate, probation_passes
-        self.release_auth = release_auth
+        self.release_auth, self.keys = release_auth, keys
         self.rng = rng or random.Random()
         self.stats = AuditStats()
         self.passes: dict[str, int] = {}  # node id -> audits it passed here
@@ -194,10 +208,11 @@ class Auditor:
             log.warning("audit of %s on chain %s: its signed inputs at positions %s are not what was sent to it",
                         hop.node_id, record.chain_id, wrong[:5])
             return None
-        distances = await self._witness_run(record, hop, steps, codec)
-        if distances is None:
+        witnessed = await self._witness_run(record, hop, steps, codec)
+        if witnessed is None:
             self.stats.unverified += 1
             return None
+        distances, replay = witnessed
         worst = max(range(len(distances)), key=distances.__getitem__)
         self.stats.distances = (self.stats.distances + [distances[worst]])[-100:]
         if distances[worst] <= self.limit:
@@ -207,14 +222,24 @@ class Auditor:
         log.warning("audit: %s's output at position %d of chain %s is %.4f from a second holder's (> %.4f); "
                     "asking the tracker", hop.node_id, steps[worst].position, record.chain_id, distances[worst],
                     self.limit)
+        disputed = steps[:worst + 1]
+        signed = [receipts[(s.position, digest(s.frame_in), s.flags)] for s in disputed]
+        replay = replay.upto(disputed) if replay is not None else None
+        why = await self._unverified(hop.node_id, record.chain_id, disputed, signed)
+        if not why and replay is not None:
+            why = await self._unverified(replay.witness, replay.session, replay.steps, replay.receipts)
+        if why:
+            self.stats.unsigned += 1
+            log.warning("audit of %s on chain %s: no dispute, the evidence would not stand: %s", hop.node_id,
+                        record.chain_id, why)
+            return None
         self.stats.disputes += 1
         start, end = hop.layers.to_inclusive()
-        signed = [receipts[(s.position, digest(s.frame_in), s.flags)] for s in steps[:worst + 1]]
         report = AuditReport(model=record.model or "", shard_start=start, shard_end=end, chain_id=record.chain_id,
-                             ticket=record.ticket or "", steps=[
-                                 AuditStep(position=s.position, tokens=s.tokens, flags=s.flags, input=b64url(s.frame_in),
-                                           output=None if s.frame_out is None else b64url(s.frame_out),
-                                           receipt=b64url(r.to_bytes())) for s, r in zip(steps, signed)])
+                             ticket=record.ticket or "", steps=_audit_steps(disputed, signed),
+                             replay=None if replay is None else AuditReplay(
+                                 witness=replay.witness, session=replay.session,
+                                 steps=_audit_steps(replay.steps, replay.receipts)))
         try:
             verdict = await self.report(hop.node_id, report)
         except Exception as exc:  # noqa: BLE001 - a lost report must not fail anything else
@@ -222,6 +247,25 @@ class Auditor:
             return None
         self.stats.verdicts = (self.stats.verdicts + [verdict])[-100:]
         return verdict
+
+    async def _unverified(self, node_id: str, chain_id: str, steps: list[TranscriptStep],
+                          receipts: list[Receipt]) -> str:
+        """Why ``receipts`` do not show that ``node_id`` ran ``steps`` of ``chain_id`` ("" when
+        they do, or when this auditor has no :data:`KeyLookup`)."""
+        if self.keys is None:
+            return ""
+        try:
+            text = await self.keys(node_id)
+            key = None if text is None else decode_public_key(text)
+        except Exception as exc:  # noqa: BLE001 - no key, no evidence that stands
+            return f"{node_id}'s key cannot be read: {exc}"
+        if key is None:
+            return f"the tracker knows no key of {node_id}"
+        for s, r in zip(steps, receipts):
+            why = verify_step(key, chain_id, s.position, s.tokens, s.flags, s.frame_in, s.frame_out, r)
+            if why:
+                return f"{node_id}: {why}"
+        return ""
 
     def _sent_to(self, record: ChainRecord, index: int) -> set[tuple[int, bytes]]:
         """(position, digest) of every frame sent to hop ``index``: the entry's own for the first
@@ -231,32 +275,37 @@ class Auditor:
         return {(position, r.out_digest) for (position, _, _), r in self._receipts(record, index - 1).items()}
 
     async def _witness_run(self, record: ChainRecord, hop: Hop, steps: list[TranscriptStep],
-                           codec: ActivationCodec) -> list[float] | None:
+                           codec: ActivationCodec) -> tuple[list[float], "_Replay | None"] | None:
         """Each step's distance (0 for a step that returned nothing) from another holder of
         ``hop.layers`` given the same inputs: runs of ordinary steps as chunked prefills, each
-        speculative step as it was (it rewinds the session); None when there is no such holder or
-        it failed."""
+        speculative step as it was (it rewinds the session); with the witness's signed calls
+        (None when a call came without a receipt). None when there is no such holder or it failed."""
         model = record.model or ""
         async with witness_session(self.routes, self.client, self.release_auth, model, hop, frozenset()) as found:
             if found is None:
                 return None
             witness, session, ticket = found
+            calls: list[tuple[int, TranscriptStep, str]] = []  # (the run it replays, the call, its receipt)
 
-            async def call(position: int, frame: bytes, rewind: bool = False) -> bytes:
+            async def call(run: int, position: int, frame: bytes, tokens: int, rewind: bool = False) -> bytes:
+                signed: list[str] = []
                 out, _ = await post_forward(self.client, witness, model=model, session_id=session, position=position,
                                             frame=frame, last_only=False, timeout=self.timeout_s, codec=codec,
-                                            ticket=ticket, rewind=rewind)
+                                            ticket=ticket, rewind=rewind, receipts=signed)
+                calls.append((run, TranscriptStep(position, tokens, FLAG_REWIND if rewind else 0, frame, out),
+                              signed[0]))
                 return out
 
             distances = []
             try:
-                for run in _runs(steps):
+                for k, run in enumerate(replay_runs(steps)):
                     start = run[0].position
                     if run[0].flags & FLAG_REWIND:
-                        frames = [await call(start, run[0].frame_in, rewind=True)]
+                        frames = [await call(k, start, run[0].frame_in, run[0].tokens, rewind=True)]
                     else:
                         history = [(s.position, s.frame_in, s.tokens) for s in run]
-                        frames = [await call(p, f) async for p, f, _ in rechunk(history, codec, self.chunk_tokens)]
+                        frames = [await call(k, p, f, n)
+                                  async for p, f, n in rechunk(history, codec, self.chunk_tokens)]
                     outputs = [(s.position - start, s.tokens, s.flags, s.frame_out) for s in run
                                if s.frame_out is not None]
                     measured = iter(step_distances(outputs, reference_rows(frames)))
@@ -264,19 +313,48 @@ class Auditor:
             except Exception as exc:  # noqa: BLE001 - a witness that fails is no evidence either way
                 log.info("audit witness %s failed: %s", witness.node_id, exc)
                 return None
-        return distances
+        replay = None
+        try:
+            if all(r for _, _, r in calls):
+                replay = _Replay(witness.node_id, session,
+                                 [(k, c, Receipt.from_bytes(unb64url(r))) for k, c, r in calls])
+        except (ValueError, MeshnetError) as exc:
+            log.info("audit witness %s sent unreadable receipts: %s", witness.node_id, exc)
+        return distances, replay
 
 
-def _runs(steps: list[TranscriptStep]) -> list[list[TranscriptStep]]:
-    """``steps`` cut into runs that replay together: each speculative step alone, the ordinary
-    steps between them as one run (contiguous: a chunked prefill)."""
-    runs: list[list[TranscriptStep]] = []
-    for s in steps:
-        if s.flags & FLAG_REWIND or not runs or runs[-1][0].flags & FLAG_REWIND:
-            runs.append([s])
-        else:
-            runs[-1].append(s)
-    return runs
+@dataclass(frozen=True)
+class _Replay:
+    """A witness's signed run of an audited hop's inputs: its calls in order with its receipts."""
+
+    witness: str
+    session: str
+    calls: list[tuple[int, TranscriptStep, Receipt]]  # (the run of the audited steps it replays, call, receipt)
+
+    def upto(self, steps: list[TranscriptStep]) -> "_Replay":
+        """The calls that replayed ``steps`` (a dispute's steps, the audited ones up to the worst):
+        those of their runs (:func:`replay_runs`), in the last run up to the call that holds the
+        last step's end."""
+        runs = replay_runs(steps)
+        end = steps[-1].position + steps[-1].tokens
+        kept = [(k, c, r) for k, c, r in self.calls
+                if k < len(runs) - 1 or (k == len(runs) - 1 and c.position < end)]
+        return _Replay(self.witness, self.session, kept)
+
+    @property
+    def steps(self) -> list[TranscriptStep]:
+        return [c for _, c, _ in self.calls]
+
+    @property
+    def receipts(self) -> list[Receipt]:
+        return [r for _, _, r in self.calls]
+
+
+def _audit_steps(steps: list[TranscriptStep], receipts: list[Receipt]) -> list[AuditStep]:
+    """``steps`` with their receipts as the report's :class:`AuditStep` list."""
+    return [AuditStep(position=s.position, tokens=s.tokens, flags=s.flags, input=b64url(s.frame_in),
+                      output=None if s.frame_out is None else b64url(s.frame_out), receipt=b64url(r.to_bytes()))
+            for s, r in zip(steps, receipts)]
 
 
 def _unsigned(steps: list[TranscriptStep] | None, receipts: dict[tuple[int, bytes, int], Receipt]) -> str:

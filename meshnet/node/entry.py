@@ -390,7 +390,8 @@ def orchestrator_for(node, model: str | None, pipelined: bool | None = None) -> 
 
 def auditor_for(node) -> Auditor:
     """This entry's auditor (``audit_rate`` of its sessions, more while a hop is on probation):
-    witnesses of the audited hop's recipe from the tracker, disputes sent to it (ADR-0067)."""
+    witnesses of the audited hop's recipe from the tracker, receipts checked with the keys the
+    tracker binds to node ids, disputes sent to it (ADR-0067)."""
     agent = node.agent
 
     async def routes(name, layers, exclude, session_id, like) -> MeshRoute:
@@ -400,7 +401,7 @@ def auditor_for(node) -> Auditor:
         return await agent.report_audit(node_id, evidence)
 
     return Auditor(node.settings.audit_rate, client=node.http, routes=routes, report=report,
-                   timeout_s=node.settings.hop_timeout_s, release_auth=agent.signer)
+                   timeout_s=node.settings.hop_timeout_s, release_auth=agent.signer, keys=agent.client.node_key)
 
 
 def spot_checker_for(node) -> SpotChecker:

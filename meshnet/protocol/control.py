@@ -335,16 +335,29 @@ class AuditStep(Payload):
     receipt: str = Field(min_length=1, max_length=256)
 
 
+class AuditReplay(Payload):
+    """The entry's own witness's run of the disputed steps' inputs (ADR-0067, amended 2026-12-07):
+    ``witness`` ran them as fresh session ``session`` (32 hex), chunked, every position returned;
+    ``steps`` are its calls in order, each with the witness's signed receipt. With it the tracker
+    can tell a false accusation from a witness that lied to the entry."""
+
+    witness: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    session: str = Field(pattern=r"^[0-9a-f]{32}$")
+    steps: list[AuditStep] = Field(min_length=1, max_length=MAX_AUDIT_STEPS)
+
+
 class AuditReport(ShardRange):
     """Body of ``POST /v1/nodes/{id}/audit``: an entry's audit found the node's outputs away from a
     second holder's over ``shard_start``..``shard_end`` of ``model`` (ADR-0067). The evidence is
     the node's own: every step of chain ``chain_id`` from position 0 up to the disputed one, with
-    the node's signed receipts; ``ticket`` is the session ticket whose route named it. The
+    the node's signed receipts; ``ticket`` is the session ticket whose route named it; ``replay``
+    (optional) the signed run of the entry's witness that the entry measured against. The
     tracker re-runs the inputs on holders it picks and decides."""
 
     chain_id: str = Field(pattern=r"^[0-9a-f]{32}$")
     ticket: str = Field(min_length=1, max_length=MAX_TICKET_CHARS)
     steps: list[AuditStep] = Field(min_length=1, max_length=MAX_AUDIT_STEPS)
+    replay: AuditReplay | None = None
 
 
 class DoctorResponse(Payload):

@@ -24,6 +24,14 @@ disputed one: the frames the hop received and sent, each with the hop's signed r
      and the accusation counts against no one (the sender's own witness may have been that one);
    - anything else (fewer than two witnesses answered, no two of the three agree, or the accused
      near the tolerance) is ``inconclusive``: nothing changes, and the answer says so.
+
+4. a false accusation that came with the entry's own witness's signed replay of the same inputs
+   (:func:`judge_replay`, ADR-0067 amended 2026-12-07) is looked at once more: when the replay is
+   that witness's (its receipts verify with its key, under the session it names), ran the
+   accused's very inputs, and its outputs are beyond the tolerance from the accused's and from
+   every one of the tracker's witnesses (never the entry's witness), that witness lied to the
+   entry: it is quarantined (``replay_outvoted``) and the entry's dispute counts as upheld. An
+   honest entry is then never marked for what its witness did.
 """
 
 from __future__ import annotations
@@ -32,15 +40,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from meshnet.dataplane.frames import read_array
-from meshnet.dataplane.receipts import Receipt, TranscriptStep, history_problem, verify_step
+from meshnet.dataplane.evidence import reference_rows, step_distances
+from meshnet.dataplane.frames import FLAG_REWIND, read_array
+from meshnet.dataplane.receipts import Receipt, TranscriptStep, history_problem, replay_runs, verify_step
 from meshnet.errors import MeshnetError
 from meshnet.layers import LayerRange
-from meshnet.protocol.control import AuditReport
+from meshnet.protocol.control import AuditReplay, AuditReport, AuditStep
 from meshnet.protocol.signing import unb64url
 from meshnet.tracker.admission import Holder
 
-__all__ = ["FALSE_ACCUSATIONS", "FORGED", "WITNESSES", "AuditCase", "AuditVerdict", "judge_audit", "read_evidence"]
+__all__ = ["FALSE_ACCUSATIONS", "FORGED", "REPLAY_OUTVOTED", "WITNESSES", "AuditCase", "AuditVerdict", "judge_audit",
+           "judge_replay", "read_evidence", "read_replay"]
 
 #: holders the tracker re-runs a disputed session on (two: a vote needs a majority without the accused)
 WITNESSES = 2
@@ -55,6 +65,8 @@ FORGED = "forged"
 #: measured across weight layouts and thread counts: max 0.0138, against the bfloat16 audit tolerance
 #: 0.018, :data:`meshnet.dataplane.evidence.AUDIT_TOLERANCE`; on one layout they are 0.0)
 CLEAR = 0.5
+#: the verdict on an entry's witness whose signed replay the accused and the tracker's witnesses outvote
+REPLAY_OUTVOTED = "replay_outvoted"
 #: the distance recorded for outputs that cannot be compared (other shapes, non-finite values; JSON has no inf)
 UNREADABLE = 1e9
 
@@ -88,7 +100,8 @@ class AuditVerdict:
     outvoted: str | None = None  # the witness a ``witness_outvoted`` verdict names
 
     def to_json(self) -> dict:
-        return {"verdict": self.state, "reason": self.reason, "distances": dict(self.distances)}
+        out = {"verdict": self.state, "reason": self.reason, "distances": dict(self.distances)}
+        return {**out, "outvoted": self.outvoted} if self.outvoted else out
 
 
 def read_evidence(report: AuditReport, public_key) -> tuple[list[TranscriptStep], str]:
@@ -96,24 +109,40 @@ def read_evidence(report: AuditReport, public_key) -> tuple[list[TranscriptStep]
     verifies with ``public_key``, the steps are one session's history from position 0, and one
     of them at least returned something to judge). Unreadable steps are a reason, not an error:
     broken evidence is its sender's fault either way."""
+    steps, why = _signed_steps(report.steps, report.chain_id, public_key)
+    if not why and not any(s.frame_out is not None for s in steps):
+        return [], "no step carries an output to judge"
+    return steps, why
+
+
+def read_replay(replay: AuditReplay, public_key) -> tuple[list[TranscriptStep], str]:
+    """The replay's calls, and why they are not its witness's own run ("" when every receipt
+    verifies with ``public_key``, the witness's, under the replay's session, the calls are one
+    session's history from position 0 and each returned its positions)."""
+    steps, why = _signed_steps(replay.steps, replay.session, public_key)
+    if not why and any(s.frame_out is None for s in steps):
+        return [], "a replay call returned nothing"
+    return steps, why
+
+
+def _signed_steps(body: list[AuditStep], session: str, public_key) -> tuple[list[TranscriptStep], str]:
+    """``body`` as steps of ``session``, and why they are not what ``public_key``'s node signed as
+    one session's history ("" when they are). Unreadable steps are a reason, not an error."""
     steps = []
-    for i, step in enumerate(report.steps):
+    for i, step in enumerate(body):
         try:
             frame_in = unb64url(step.input)
             frame_out = None if step.output is None else unb64url(step.output)
             receipt = Receipt.from_bytes(unb64url(step.receipt))
         except (ValueError, MeshnetError) as exc:
             return [], f"step {i} does not decode: {exc}"
-        why = verify_step(public_key, report.chain_id, step.position, step.tokens, step.flags, frame_in, frame_out,
-                          receipt)
+        why = verify_step(public_key, session, step.position, step.tokens, step.flags, frame_in, frame_out, receipt)
         if why:
             return [], why
         steps.append(TranscriptStep(step.position, step.tokens, step.flags, frame_in, frame_out))
     why = history_problem(steps)
     if why:
         return [], f"the steps are no session's history: {why}"
-    if not any(s.frame_out is not None for s in steps):
-        return [], "no step carries an output to judge"
     return steps, ""
 
 
@@ -169,3 +198,63 @@ def judge_audit(case: AuditCase, runs: dict[str, list[bytes]]) -> AuditVerdict:
         return AuditVerdict("inconclusive", f"{accused} is near the tolerance {case.limit}: an honest entry may have "
                                             f"measured it beyond", distances)
     return AuditVerdict("inconclusive", "the witnesses split on the accused", distances)
+
+
+def judge_replay(case: AuditCase, replay: list[TranscriptStep], witness: str, runs: dict[str, list[bytes]],
+                 verdict: AuditVerdict) -> AuditVerdict:
+    """The verdict on a false accusation (``verdict``) that came with the signed replay of the
+    entry's own witness ``witness`` (calls read by :func:`read_replay`), given the tracker's
+    witnesses' ``runs`` of the case (as :func:`judge_audit`'s).
+
+    The replay counts when it ran the accused's inputs: cut by :func:`replay_runs`, its calls form
+    one group per run of the case's steps, at the same positions, with the same input rows (the
+    last group may hold more positions: a chunk past the disputed step). Then each judged step's
+    output is measured against the replay's rows of it, and so is each tracker witness's output.
+    Beyond the tolerance from the accused and from every tracker witness (at least two, as for any
+    verdict): :data:`REPLAY_OUTVOTED`, naming ``witness``. Otherwise ``verdict`` stands, its reason
+    saying why the replay did not change it.
+
+    Raises:
+        WireError: a frame does not read.
+    """
+    def stands(why: str) -> AuditVerdict:
+        return AuditVerdict(verdict.state, f"{verdict.reason}; the entry's witness {witness}'s replay {why}",
+                            verdict.distances, verdict.outvoted)
+
+    if witness == case.accused.node_id or witness in {w.node_id for w in case.witnesses}:
+        return stands("comes from a node the tracker asked itself")
+    if len(runs) < 2:
+        return stands(f"is weighed against {len(runs)} witness(es) of the tracker; that needs two")
+    mine, theirs = replay_runs(list(case.steps)), replay_runs(replay)
+    if len(theirs) != len(mine):
+        return stands(f"has {len(theirs)} run(s) where the steps have {len(mine)}")
+    judged = [i for i, s in enumerate(case.steps) if s.frame_out is not None]
+    against = {case.accused.node_id: [0.0] * len(case.steps), **{w: [0.0] * len(case.steps) for w in runs}}
+    first = 0  # index in case.steps of the run's first step
+    for k, (run, calls) in enumerate(zip(mine, theirs)):
+        start = run[0].position
+        if calls[0].position != start or bool(calls[0].flags & FLAG_REWIND) != bool(run[0].flags & FLAG_REWIND):
+            return stands(f"does not start run {k} as the steps do (position {calls[0].position}, not {start})")
+        given, replayed = reference_rows([s.frame_in for s in run]), reference_rows([c.frame_in for c in calls])
+        if replayed.shape[0] < given.shape[0] or not np.array_equal(replayed[:given.shape[0]], given):
+            return stands(f"did not run the accused's inputs in run {k} (from position {start})")
+        rows = reference_rows([c.frame_out for c in calls])
+        for j, step in enumerate(run):
+            i = first + j
+            if i not in judged:
+                continue
+            offset = step.position - start
+            against[case.accused.node_id][i] = step_distances([(offset, step.tokens, step.flags, step.frame_out)],
+                                                              rows)[0]
+            for w, frames in runs.items():  # the tracker's runs return every position of the step
+                against[w][i] = step_distances([(offset, step.tokens, 0, frames[i])], rows)[0]
+        first += len(run)
+    worst = {name: round(min(max(d[i] for i in judged), UNREADABLE), 6) for name, d in against.items()}
+    distances = {**verdict.distances, **{f"{name}|{witness}": d for name, d in worst.items()}}
+    if all(d > case.limit for d in worst.values()):
+        return AuditVerdict(REPLAY_OUTVOTED, f"the entry's witness {witness} signed a replay of the accused's inputs "
+                                             f"that {', '.join(sorted(worst))} all disagree with (tolerance "
+                                             f"{case.limit}): it lied to the entry", distances, witness)
+    return AuditVerdict(verdict.state, f"{verdict.reason}; the entry's witness {witness}'s replay agrees with "
+                                       f"{', '.join(n for n in sorted(worst) if worst[n] <= case.limit)}", distances,
+                        verdict.outvoted)

@@ -17,13 +17,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from meshnet.errors import Conflict, NotFound
-from meshnet.protocol.control import (AuditReport, FailureReport, HeartbeatRequest, HeartbeatResponse, QuarantineReport,
-                                      RegisterRequest, RegisterResponse, check_revision)
+from meshnet.protocol.control import (AuditReplay, AuditReport, FailureReport, HeartbeatRequest, HeartbeatResponse,
+                                      QuarantineReport, RegisterRequest, RegisterResponse, check_revision)
 from meshnet.dataplane.frames import FLAG_REWIND
 from meshnet.protocol.http import validate_json
 from meshnet.protocol.signing import HEADER_NODE, HEADER_TIMESTAMP, decode_public_key
 from meshnet.tracker.admission import Challenge, run_challenge, run_steps
-from meshnet.tracker.audit import AuditCase, judge_audit
+from meshnet.tracker.audit import AuditCase, AuditVerdict, judge_audit, judge_replay, read_replay
 from meshnet.tracker.auth import NodeAuth
 from meshnet.tracker.probe import answers_as, probe_endpoint
 from meshnet.tracker.service import TrackerService
@@ -206,8 +206,9 @@ async def quarantine(request: Request) -> JSONResponse:
 async def audit(request: Request) -> JSONResponse:
     """An entry's audit of a hop, signed by the entry, with the hop's own signed steps as evidence:
     the tracker re-runs them on holders it picks and decides (ADR-0067, :mod:`meshnet.tracker.audit`).
-    200 with ``{"verdict", "reason", "distances"}``: ``quarantine``, ``false_accusation`` or
-    ``inconclusive``; 403 from a node that did not have the accused on that chain's route; 422
+    200 with ``{"verdict", "reason", "distances"}``: ``quarantine``, ``false_accusation``,
+    ``witness_outvoted``, ``replay_outvoted`` (the entry's own witness signed a replay the others
+    outvote) or ``inconclusive``; 403 from a node that did not have the accused on that chain's route; 422
     ``forged_evidence`` when the accused did not sign the steps (the sender is quarantined)."""
     raw = await request.body()
     sender = await signed_by(request, raw)
@@ -220,9 +221,26 @@ async def audit(request: Request) -> JSONResponse:
     case = svc.audit_case(sender, node_id, report, decode_public_key(key))
     runs = await rerun(request.app, case)
     verdict = judge_audit(case, runs)
+    if verdict.state == "false_accusation" and report.replay is not None:
+        verdict = await weigh_replay(svc, case, report.replay, runs, verdict)
     svc.apply_audit(case, verdict)
     request.app.state.wake.set()
     return JSONResponse({"node_id": node_id, **verdict.to_json()})
+
+
+async def weigh_replay(svc: TrackerService, case: AuditCase, replay: AuditReplay, runs: dict[str, list[bytes]],
+                       verdict: AuditVerdict) -> AuditVerdict:
+    """``verdict`` (a false accusation) after the entry's witness's signed replay is weighed
+    (:func:`meshnet.tracker.audit.judge_replay`); a replay its witness did not sign leaves it as it is."""
+    text = await public_key(svc, replay.witness)
+    if text is None:
+        steps, why = [], f"names {replay.witness}, a node the tracker does not know"
+    else:
+        steps, why = read_replay(replay, decode_public_key(text))
+    if why:
+        return AuditVerdict(verdict.state, f"{verdict.reason}; the entry's replay does not stand: {why}",
+                            verdict.distances, verdict.outvoted)
+    return judge_replay(case, steps, replay.witness, runs, verdict)
 
 
 async def rerun(app: Starlette, case: AuditCase) -> dict[str, list[bytes]]:

@@ -23,7 +23,8 @@ from meshnet.protocol.control import AuditReport, QuarantineReport
 from meshnet.protocol.tickets import read_ticket
 from meshnet.dataplane.evidence import audit_tolerance
 from meshnet.tracker.admission import ADMITTING, Challenge, Holder, Verdict, decide, digest_key
-from meshnet.tracker.audit import FALSE_ACCUSATIONS, FORGED, WITNESSES, AuditCase, AuditVerdict, read_evidence
+from meshnet.tracker.audit import FALSE_ACCUSATIONS, FORGED, REPLAY_OUTVOTED, WITNESSES, AuditCase, AuditVerdict, \
+    read_evidence
 from meshnet.tracker.quarantine import Quarantine
 from meshnet.tracker.registry import NodeRecord, ShardRecord
 
@@ -246,7 +247,8 @@ class TrustMixin:
 
     def audit_case(self, sender: str, node_id: str, report: AuditReport, accused_key: Ed25519PublicKey) -> AuditCase:
         """The dispute an entry's audit report opens, ready for the witnesses' runs
-        (:mod:`meshnet.tracker.audit`). Evidence the accused did not sign quarantines the sender.
+        (:mod:`meshnet.tracker.audit`): none of them the accused, the sender or the witness whose
+        replay the report carries. Evidence the accused did not sign quarantines the sender.
 
         Raises:
             NotFound: ``node_id`` is not registered.
@@ -274,8 +276,9 @@ class TrustMixin:
             raise InvalidRequest(f"{node_id} holds no admitted shard of {model} covering layers {layers}",
                                  code="no_holding", status=422)
         recipe = (shard.quantization, shard.report.recipe.compute_dtype)
+        unasked = {node_id, sender} | ({report.replay.witness} if report.replay is not None else set())
         witnesses = sorted((self._holder(n, s) for n, s in self.admitted_shards(model)
-                            if n.node_id not in (node_id, sender) and n.node_id not in self.quarantined
+                            if n.node_id not in unasked and n.node_id not in self.quarantined
                             and s.layers.start <= layers.start and layers.end <= s.layers.end
                             and (s.quantization, s.report.recipe.compute_dtype) == recipe), key=lambda h: h.node_id)
         holder = self._holder(accused, shard)
@@ -284,10 +287,11 @@ class TrustMixin:
 
     def apply_audit(self, case: AuditCase, verdict: AuditVerdict) -> None:
         """Act on an audit's verdict: quarantine the outvoted accused, or the witness the accused and
-        the other witness outvoted, or count a false accusation against the sender; an
+        the other witness outvoted, or the entry's witness whose signed replay they outvoted
+        (:data:`REPLAY_OUTVOTED`), or count a false accusation against the sender; an
         inconclusive verdict changes nothing."""
         accused = case.accused.node_id
-        if verdict.state in ("quarantine", "witness_outvoted"):  # the sender's dispute caught a liar
+        if verdict.state in ("quarantine", "witness_outvoted", REPLAY_OUTVOTED):  # the sender's dispute caught a liar
             self._count_accusation(case.sender, "upheld")
         if verdict.state == "quarantine" and accused not in self.quarantined:
             start, end = case.layers.to_inclusive()
@@ -300,18 +304,20 @@ class TrustMixin:
                         case.chain_id, ", ".join(w.node_id for w in case.witnesses), verdict.distances)
         elif verdict.state == "false_accusation":
             self._accuser_at_fault(case.sender, accused, verdict)
-        elif verdict.state == "witness_outvoted" and verdict.outvoted not in self.quarantined \
+        elif verdict.state in ("witness_outvoted", REPLAY_OUTVOTED) and verdict.outvoted not in self.quarantined \
                 and verdict.outvoted in self.nodes:
             start, end = case.layers.to_inclusive()
-            self._quarantine(Quarantine(node_id=verdict.outvoted, reported_by="tracker (outvoted as an audit witness)",
+            why = ("outvoted as an audit witness" if verdict.state == "witness_outvoted"
+                   else "its signed replay for an entry's audit outvoted")
+            self._quarantine(Quarantine(node_id=verdict.outvoted, reported_by=f"tracker ({why})",
                                         model=case.model, shard_start=start, shard_end=end,
                                         witnesses=tuple(n for n in (accused, *(w.node_id for w in case.witnesses))
                                                         if n != verdict.outvoted),
                                         distances=dict(verdict.distances), tolerance=case.limit))
-            self.store.fail_open(verdict.outvoted, "node quarantined: outvoted as an audit witness")
+            self.store.fail_open(verdict.outvoted, f"node quarantined: {why}")
             self.dirty = True
-            log.warning("node %s quarantined: it answered an audit's re-run unlike %s and the other witness (%s)",
-                        verdict.outvoted, accused, verdict.distances)
+            log.warning("node %s quarantined (%s): its outputs for chain %s's audit were unlike %s's and the "
+                        "tracker's witnesses' (%s)", verdict.outvoted, why, case.chain_id, accused, verdict.distances)
         else:
             log.info("audit of %s on chain %s from %s: %s (%s)", accused, case.chain_id, case.sender, verdict.state,
                      verdict.reason)

@@ -91,3 +91,52 @@ def test_a_node_lying_only_where_it_thinks_no_one_checks_is_caught_by_an_audit_a
         assert max(audits["distances"]) > quarantine["tolerance"]
     finally:
         mesh.stop()
+
+
+def test_a_witness_that_lies_to_an_entrys_audit_is_quarantined_by_its_signed_replay_and_the_entry_is_not(
+        real_model_path, tmp_path):
+    """ADR-0067 (amended 2026-12-07). ``r-bad`` computes honestly everywhere but in the replays it
+    runs for an entry's audits (0.5 x std on layer 15's weights there), so that the entry's audits of
+    the honest hop it witnesses for come out far: each dispute would count as a false accusation
+    against the honest entry (quarantined at the third). The tracker weighs the witness's own
+    signed replay: r-bad is quarantined, the entry's dispute counts as upheld. Routes are steered by
+    claimed speeds (test-only): ``fast`` (honest, 10 x) takes the sessions, r-bad (5 x) is the
+    next holder, so the entry's witness; h1 and h2 are left for the tracker's re-run."""
+    mesh = Mesh(tmp_path)
+    try:
+        mesh.start_tracker(REAL, node_timeout_s=10.0)
+        mesh.start_node("entry", "--model", REAL, "--shard-start", "0", "--shard-end", "9", *BF16)
+        mesh.start_node("tail", "--model", REAL, "--shard-start", "20", "--shard-end", "29", *BF16)
+        mesh.start_node("h1", *MIDDLE)
+        mesh.wait_routable(REAL, 240)
+        mesh.start_node("fast", *MIDDLE, env={"MESHNET_TEST_CLAIM_SPEED": "10"}, module="tests.corrupt")
+        mesh.start_node("r-bad", *MIDDLE, env={"MESHNET_TEST_CORRUPT_REPLAYS_WEIGHTS": "0.5",
+                                               "MESHNET_TEST_CORRUPT_LAYER": "15", "MESHNET_TEST_CLAIM_SPEED": "5"},
+                        module="tests.corrupt")
+        mesh.start_node("h2", *MIDDLE)
+        for name in ("fast", "r-bad", "h2"):
+            mesh.wait(lambda name=name: admitted(mesh, name), 180, f"{name} admitted")
+
+        quarantine, answers = None, 0
+        for answers in range(1, 41):
+            resp = mesh.chat(REAL, SHORT, max_tokens=8)
+            assert resp.status_code == 200, resp.text
+            time.sleep(1.0)  # the audit runs after its session
+            quarantine = node_view(mesh, "r-bad")["quarantine"]
+            if quarantine:
+                break
+        assert quarantine, f"r-bad not quarantined after {answers} requests"
+        print(f"r-bad quarantined after {answers} request(s): {quarantine}")
+        assert quarantine["reported_by"] == "tracker (its signed replay for an entry's audit outvoted)"
+        assert set(quarantine["witnesses"]) >= {"h1", "h2"}
+        entry = node_view(mesh, "entry")
+        assert entry["quarantine"] is None and entry["accusations"]["false"] == 0
+        assert entry["accusations"]["upheld"] >= 1
+        for name in ("fast", "h1", "h2", "tail"):
+            assert node_view(mesh, name)["quarantine"] is None, name
+        audits = httpx.get(f"{entry['endpoint']}/v1/health", timeout=5).json()["audits"]
+        print(f"entry audits: {audits}")
+        assert any(v.get("verdict") == "replay_outvoted" and v.get("outvoted") == "r-bad" for v in audits["verdicts"])
+        assert audits["unsigned"] == 0
+    finally:
+        mesh.stop()

@@ -336,6 +336,58 @@ async def test_a_witness_that_lies_to_the_trackers_re_run_is_the_one_quarantined
     assert (await view_of(mesh, "h1"))["quarantine"] is None and (await view_of(mesh, "entry"))["quarantine"] is None
 
 
+def replay_body(*, lied: bool, signer: str = "h4") -> dict:
+    """The entry's witness h4's signed replay of audit_report's inputs: one 5-token chunk, every
+    position returned; with ``lied`` its outputs are off by :data:`NOISE`."""
+    session = uuid.UUID(int=2).hex
+    x = np.concatenate([np.random.default_rng(seed).standard_normal((1, tokens, 64)).astype(np.float32)
+                        for tokens, seed in ((4, 1), (1, 2))], axis=1)
+    a, b = frame(x), frame(np.tanh(x) + (NOISE if lied else 0.0))
+    step = {"position": 0, "tokens": 5, "flags": 0, "input": b64url(a), "output": b64url(b),
+            "receipt": b64url(sign_step(node_key(signer), session, 0, 5, 0, a, b).to_bytes())}
+    return {"witness": "h4", "session": session, "steps": [step]}
+
+
+async def test_the_entrys_own_witness_that_lied_to_its_audit_is_quarantined_by_its_signed_replay_not_the_entry(mesh):
+    """ADR-0067 (amended 2026-12-07): an honest entry disputed an honest h1 because its witness h4
+    lied to it. The tracker's witnesses (never h4) agree with h1; h4's signed replay shows the
+    entry measured truly: h4 is quarantined and the dispute counts as upheld."""
+    await entry_and_three_holders(mesh)
+    await mesh.post("/v1/nodes/register", json=node("h4", 2, 3))
+    await verification(mesh, "h4")
+    ticket = await route_ticket(mesh, "entry", MODEL, 2, 3, CHAIN, exclude=("h2", "h3", "h4"))
+    body = {**audit_report(ticket, lied=False), "replay": replay_body(lied=True)}
+    resp = await post_signed(mesh, "entry", "/v1/nodes/h1/audit", body)
+    assert resp.status_code == 200 and resp.json()["verdict"] == "replay_outvoted", resp.text
+    assert resp.json()["outvoted"] == "h4"
+    distances = resp.json()["distances"]
+    assert distances["h1|h2"] == distances["h1|h3"] == 0.0 and min(distances["h1|h4"], distances["h2|h4"],
+                                                                   distances["h3|h4"]) > 0.5
+    assert (await view_of(mesh, "h4"))["quarantine"]["reported_by"] == \
+        "tracker (its signed replay for an entry's audit outvoted)"
+    entry = await view_of(mesh, "entry")
+    assert entry["quarantine"] is None and entry["accusations"] == {"upheld": 1, "false": 0, "forged": 0}
+    assert (await view_of(mesh, "h1"))["quarantine"] is None
+
+
+@pytest.mark.parametrize("replay, why", [
+    ({"lied": False}, "replay agrees with"),                   # the witness told the truth: the entry made it up
+    ({"lied": True, "signer": "h3"}, "replay does not stand"),  # not h4's signature: the entry's word again
+])
+async def test_a_replay_that_agrees_with_the_accused_or_is_not_its_witnesss_leaves_the_accusation_false(mesh, replay,
+                                                                                                         why):
+    await entry_and_three_holders(mesh)
+    await mesh.post("/v1/nodes/register", json=node("h4", 2, 3))
+    await verification(mesh, "h4")
+    ticket = await route_ticket(mesh, "entry", MODEL, 2, 3, CHAIN, exclude=("h2", "h3", "h4"))
+    body = {**audit_report(ticket, lied=False), "replay": replay_body(**replay)}
+    resp = await post_signed(mesh, "entry", "/v1/nodes/h1/audit", body)
+    assert resp.status_code == 200 and resp.json()["verdict"] == "false_accusation", resp.text
+    assert why in resp.json()["reason"]
+    assert (await view_of(mesh, "h4"))["quarantine"] is None
+    assert (await view_of(mesh, "entry"))["accusations"] == {"upheld": 0, "false": 1, "forged": 0}
+
+
 async def test_distances_alone_no_longer_quarantine_anyone(mesh):
     """An entry's word is no evidence (ADR-0067): a spot-check report of distances is refused and
     changes nothing, however strongly it outvotes the node."""

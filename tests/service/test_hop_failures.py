@@ -175,12 +175,17 @@ async def test_a_failed_prefill_chunk_cancels_its_sibling_chunks(mesh):
 
 
 class FakeAgent:
-    """Stands in for the tracker agent: routes from a provider, failure reports recorded."""
+    """Stands in for the tracker agent: routes from a provider, failure reports recorded; its
+    tracker client knows no node key (the entry's audits then dispute nothing)."""
 
     endpoint, signer, tunnel = None, None, None
 
     def __init__(self, routes) -> None:
         self.session_route, self.reported = routes, []
+        self.client = self
+
+    async def node_key(self, node_id):
+        return None
 
     async def report_failure(self, node_id, reason, ticket=None):
         self.reported.append(node_id)

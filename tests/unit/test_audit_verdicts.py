@@ -12,10 +12,11 @@ from meshnet.dataplane.frames import FLAG_LAST_ONLY, FLAG_REWIND
 from meshnet.dataplane.receipts import NO_OUTPUT, Receipt, TranscriptStep, TranscriptStore, history_problem, \
     read_transcript, sign_step, transcript_json, verify_step
 from meshnet.layers import LayerRange
-from meshnet.protocol.control import AuditReport, AuditStep
+from meshnet.protocol.control import AuditReplay, AuditReport, AuditStep
 from meshnet.protocol.signing import b64url
 from meshnet.tracker.admission import Holder
-from meshnet.tracker.audit import AuditCase, judge_audit, read_evidence
+from meshnet.tracker.audit import REPLAY_OUTVOTED, AuditCase, AuditVerdict, judge_audit, judge_replay, read_evidence, \
+    read_replay
 from tests.payloads import node_key
 
 CHAIN = uuid.UUID(int=7).hex
@@ -157,3 +158,71 @@ def test_fewer_than_two_agreeing_witnesses_is_inconclusive(runs, why):
     made = {w: witness_run(HONEST, 0.0 if kind == "honest" else 1.0) for w, kind in runs.items()}
     verdict = judge_audit(case_of(evidence(lied)[0]), made)
     assert verdict.state == "inconclusive" and why in verdict.reason
+
+
+REPLAY_SESSION = uuid.UUID(int=9).hex
+FALSE = AuditVerdict("false_accusation", "w1, w2 agree with x", {"x|w1": 0.0, "x|w2": 0.0})
+
+
+def replay_of(noise: float = 0.0, *, chunks: tuple[int, ...] = (6,), signer: str = "r",
+              inputs: np.ndarray | None = None) -> AuditReplay:
+    """The entry's witness r's signed run of x's inputs (6 positions: evidence()'s 4 + 1 + 1), cut
+    into ``chunks``, every position returned (the prefill's first 3 rows as witness_run's)."""
+    given = np.concatenate([rows(10, 4), rows(11, 1), rows(12, 1)], axis=1) if inputs is None else inputs
+    out = np.concatenate([rows(50, 3), *HONEST], axis=1)
+    out = out + noise * rows(300, 6)
+    key, steps, position = node_key(signer), [], 0
+    for n in chunks:
+        a, b = frame(given[:, position:position + n]), frame(out[:, position:position + n])
+        steps.append(AuditStep(position=position, tokens=n, flags=0, input=b64url(a), output=b64url(b),
+                               receipt=b64url(sign_step(key, REPLAY_SESSION, position, n, 0, a, b).to_bytes())))
+        position += n
+    return AuditReplay(witness="r", session=REPLAY_SESSION, steps=steps)
+
+
+def weigh(replay: AuditReplay) -> AuditVerdict:
+    calls, why = read_replay(replay, node_key("r").public_key())
+    assert why == ""
+    return judge_replay(case_of(evidence(HONEST)[0]), calls, "r", {"w1": witness_run(HONEST),
+                                                                   "w2": witness_run(HONEST)}, FALSE)
+
+
+@pytest.mark.parametrize("chunks", [(6,), (4, 2), (2, 2, 2)])
+def test_a_replay_the_accused_and_the_trackers_witnesses_all_disagree_with_outvotes_the_entrys_witness(chunks):
+    """The entry's own witness lied to it: the tracker's holders agree with the accused, and the
+    witness's own signed replay shows why the entry disputed (ADR-0067, amended 2026-12-07)."""
+    verdict = weigh(replay_of(1.0, chunks=chunks))
+    assert verdict.state == REPLAY_OUTVOTED and verdict.outvoted == "r"
+    assert verdict.distances["x|r"] > 0.3 and verdict.distances["w1|r"] > 0.3 and verdict.distances["w2|r"] > 0.3
+    assert verdict.distances["x|w1"] == 0.0
+    assert verdict.to_json()["outvoted"] == "r"
+
+
+def test_a_replay_that_agrees_with_the_accused_leaves_the_accusation_false():
+    verdict = weigh(replay_of(0.0, chunks=(4, 2)))
+    assert verdict.state == "false_accusation" and "replay agrees with w1, w2, x" in verdict.reason
+    assert verdict.distances["x|r"] == 0.0
+
+
+def test_a_replay_of_other_inputs_proves_nothing():
+    other = np.concatenate([rows(10, 4), rows(11, 1), rows(99, 1)], axis=1)  # the last input is not x's
+    verdict = weigh(replay_of(1.0, inputs=other))
+    assert verdict.state == "false_accusation" and "did not run the accused's inputs in run 0" in verdict.reason
+
+
+def test_a_replay_its_witness_did_not_sign_does_not_read():
+    assert "not signed by the node" in read_replay(replay_of(1.0, signer="y"), node_key("r").public_key())[1]
+    gap = replay_of(1.0, chunks=(4, 2))
+    gap = gap.model_copy(update={"steps": gap.steps[1:]})
+    assert "no session's history" in read_replay(gap, node_key("r").public_key())[1]
+
+
+def test_a_replay_from_one_of_the_trackers_own_witnesses_or_against_one_witness_changes_nothing():
+    calls, _ = read_replay(replay_of(1.0), node_key("r").public_key())
+    case = case_of(evidence(HONEST)[0])
+    case = AuditCase(case.sender, case.accused, case.model, case.layers, case.chain_id, case.steps,
+                     (Holder("r", "http://r", LayerRange(10, 20), "bfloat16", "bfloat16"),), case.limit)
+    assert judge_replay(case, calls, "r", {"w1": witness_run(HONEST), "w2": witness_run(HONEST)},
+                        FALSE).state == "false_accusation"
+    alone = judge_replay(case_of(evidence(HONEST)[0]), calls, "r", {"w1": witness_run(HONEST)}, FALSE)
+    assert alone.state == "false_accusation" and "that needs two" in alone.reason
