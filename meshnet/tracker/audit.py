@@ -29,8 +29,8 @@ disputed one: the frames the hop received and sent, each with the hop's signed r
    (:func:`judge_replay`, ADR-0067 amended 2026-12-07) is looked at once more: when the replay is
    that witness's (its receipts verify with its key, under the session it names), ran the
    accused's very inputs, and its outputs are beyond the tolerance from the accused's and from
-   every one of the tracker's witnesses (never the entry's witness), that witness lied to the
-   entry: it is quarantined (``replay_outvoted``) and the entry's dispute counts as upheld. An
+   every one of the tracker's witnesses (the entry's witness is asked last, only where no other
+   holder is left; then its own re-run is one of them), that witness lied to the entry: it is quarantined (``replay_outvoted``) and the entry's dispute counts as upheld. An
    honest entry is then never marked for what its witness did.
 """
 
@@ -211,8 +211,11 @@ def judge_replay(case: AuditCase, replay: list[TranscriptStep], witness: str, ru
     last group may hold more positions: a chunk past the disputed step). Then each judged step's
     output is measured against the replay's rows of it, and so is each tracker witness's output.
     Beyond the tolerance from the accused and from every tracker witness (at least two, as for any
-    verdict): :data:`REPLAY_OUTVOTED`, naming ``witness``. Otherwise ``verdict`` stands, its reason
-    saying why the replay did not change it.
+    verdict; ``witness`` itself may be one of them, where a range has three holders: then its own
+    re-run for the tracker disagrees with what it signed for the entry): :data:`REPLAY_OUTVOTED`,
+    naming ``witness``. Otherwise ``verdict`` stands, its reason saying why the replay did not
+    change it. Either adds each holder's largest distance to the replay to the distances, keyed
+    ``"<holder>|<witness>"`` (``"<witness>|<witness>"``: its own re-run against its replay).
 
     Raises:
         WireError: a frame does not read.
@@ -221,8 +224,8 @@ def judge_replay(case: AuditCase, replay: list[TranscriptStep], witness: str, ru
         return AuditVerdict(verdict.state, f"{verdict.reason}; the entry's witness {witness}'s replay {why}",
                             verdict.distances, verdict.outvoted)
 
-    if witness == case.accused.node_id or witness in {w.node_id for w in case.witnesses}:
-        return stands("comes from a node the tracker asked itself")
+    if witness == case.accused.node_id:
+        return stands("comes from the accused")
     if len(runs) < 2:
         return stands(f"is weighed against {len(runs)} witness(es) of the tracker; that needs two")
     mine, theirs = replay_runs(list(case.steps)), replay_runs(replay)

@@ -247,8 +247,10 @@ class TrustMixin:
 
     def audit_case(self, sender: str, node_id: str, report: AuditReport, accused_key: Ed25519PublicKey) -> AuditCase:
         """The dispute an entry's audit report opens, ready for the witnesses' runs
-        (:mod:`meshnet.tracker.audit`): none of them the accused, the sender or the witness whose
-        replay the report carries. Evidence the accused did not sign quarantines the sender.
+        (:mod:`meshnet.tracker.audit`): neither the accused nor the sender, and the witness whose
+        replay the report carries only where no other holder is left (three holders of a range: its
+        own re-run then answers the replay it signed). Evidence the accused did not sign
+        quarantines the sender.
 
         Raises:
             NotFound: ``node_id`` is not registered.
@@ -276,11 +278,12 @@ class TrustMixin:
             raise InvalidRequest(f"{node_id} holds no admitted shard of {model} covering layers {layers}",
                                  code="no_holding", status=422)
         recipe = (shard.quantization, shard.report.recipe.compute_dtype)
-        unasked = {node_id, sender} | ({report.replay.witness} if report.replay is not None else set())
+        replayed = report.replay.witness if report.replay is not None else None
         witnesses = sorted((self._holder(n, s) for n, s in self.admitted_shards(model)
-                            if n.node_id not in unasked and n.node_id not in self.quarantined
+                            if n.node_id not in (node_id, sender) and n.node_id not in self.quarantined
                             and s.layers.start <= layers.start and layers.end <= s.layers.end
-                            and (s.quantization, s.report.recipe.compute_dtype) == recipe), key=lambda h: h.node_id)
+                            and (s.quantization, s.report.recipe.compute_dtype) == recipe),
+                           key=lambda h: (h.node_id == replayed, h.node_id))  # the entry's witness last
         holder = self._holder(accused, shard)
         return AuditCase(sender, holder, model, layers, report.chain_id, tuple(steps), tuple(witnesses[:WITNESSES]),
                          audit_tolerance(*recipe))

@@ -370,6 +370,18 @@ async def test_the_entrys_own_witness_that_lied_to_its_audit_is_quarantined_by_i
     assert (await view_of(mesh, "h1"))["quarantine"] is None
 
 
+async def test_with_three_holders_the_entrys_witness_re_runs_for_the_tracker_too_and_its_replay_outvotes_it(mesh):
+    """Only h1 (accused), h2 and h3 hold the range: the tracker asks h3, the entry's witness, last,
+    and h3's honest re-run is unlike the replay it signed for the entry."""
+    await entry_and_three_holders(mesh)
+    replay = {**replay_body(lied=True, signer="h3"), "witness": "h3"}
+    resp = await post_signed(mesh, "entry", "/v1/nodes/h1/audit",
+                             {**audit_report(await h1_ticket(mesh), lied=False), "replay": replay})
+    assert resp.status_code == 200 and resp.json()["verdict"] == "replay_outvoted", resp.text
+    assert resp.json()["outvoted"] == "h3" and resp.json()["distances"]["h3|h3"] > 0.5
+    assert (await view_of(mesh, "entry"))["accusations"] == {"upheld": 1, "false": 0, "forged": 0}
+
+
 @pytest.mark.parametrize("replay, why", [
     ({"lied": False}, "replay agrees with"),                   # the witness told the truth: the entry made it up
     ({"lied": True, "signer": "h3"}, "replay does not stand"),  # not h4's signature: the entry's word again

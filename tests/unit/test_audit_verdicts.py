@@ -217,12 +217,19 @@ def test_a_replay_its_witness_did_not_sign_does_not_read():
     assert "no session's history" in read_replay(gap, node_key("r").public_key())[1]
 
 
-def test_a_replay_from_one_of_the_trackers_own_witnesses_or_against_one_witness_changes_nothing():
+def test_a_witness_whose_own_re_run_for_the_tracker_disagrees_with_the_replay_it_signed_is_outvoted():
+    """Three holders of a range: the entry's witness r is also one of the tracker's two; it answers
+    the tracker honestly, and what it signed for the entry is unlike its own re-run."""
     calls, _ = read_replay(replay_of(1.0), node_key("r").public_key())
-    case = case_of(evidence(HONEST)[0])
-    case = AuditCase(case.sender, case.accused, case.model, case.layers, case.chain_id, case.steps,
-                     (Holder("r", "http://r", LayerRange(10, 20), "bfloat16", "bfloat16"),), case.limit)
-    assert judge_replay(case, calls, "r", {"w1": witness_run(HONEST), "w2": witness_run(HONEST)},
-                        FALSE).state == "false_accusation"
+    verdict = judge_replay(case_of(evidence(HONEST)[0]), calls, "r", {"w1": witness_run(HONEST),
+                                                                      "r": witness_run(HONEST)}, FALSE)
+    assert verdict.state == REPLAY_OUTVOTED and verdict.outvoted == "r" and verdict.distances["r|r"] > 0.3
+
+
+def test_a_replay_against_one_witness_or_from_the_accused_changes_nothing():
+    calls, _ = read_replay(replay_of(1.0), node_key("r").public_key())
     alone = judge_replay(case_of(evidence(HONEST)[0]), calls, "r", {"w1": witness_run(HONEST)}, FALSE)
     assert alone.state == "false_accusation" and "that needs two" in alone.reason
+    own = judge_replay(case_of(evidence(HONEST)[0]), calls, "x", {"w1": witness_run(HONEST),
+                                                                  "w2": witness_run(HONEST)}, FALSE)
+    assert own.state == "false_accusation" and "comes from the accused" in own.reason
