@@ -35,6 +35,15 @@ def admitted(mesh: Mesh, name: str) -> bool:
     return bool(shards) and (shards[0].get("verification") or {}).get("state") in ("verified", "unverified")
 
 
+def start_routable(mesh: Mesh) -> None:
+    """The tracker, ``entry`` (0-9), ``tail`` (20-29) and the honest ``h1`` (10-19), until routable."""
+    mesh.start_tracker(REAL, node_timeout_s=10.0)
+    mesh.start_node("entry", "--model", REAL, "--shard-start", "0", "--shard-end", "9", *BF16)
+    mesh.start_node("tail", "--model", REAL, "--shard-start", "20", "--shard-end", "29", *BF16)
+    mesh.start_node("h1", *MIDDLE)
+    mesh.wait_routable(REAL, 240)
+
+
 LIES = {"decode": {"MESHNET_TEST_CORRUPT_DECODE_WEIGHTS": "0.1", "MESHNET_TEST_CORRUPT_LAYER": "15"},
         "streams": {"MESHNET_TEST_CORRUPT_STREAMS_WEIGHTS": "0.1", "MESHNET_TEST_CORRUPT_LAYER": "15"}}
 
@@ -44,11 +53,7 @@ def test_a_node_lying_only_where_it_thinks_no_one_checks_is_caught_by_an_audit_a
         lie, real_model_path, tmp_path):
     mesh = Mesh(tmp_path)
     try:
-        mesh.start_tracker(REAL, node_timeout_s=10.0)
-        mesh.start_node("entry", "--model", REAL, "--shard-start", "0", "--shard-end", "9", *BF16)
-        mesh.start_node("tail", "--model", REAL, "--shard-start", "20", "--shard-end", "29", *BF16)
-        mesh.start_node("h1", *MIDDLE)
-        mesh.wait_routable(REAL, 240)
+        start_routable(mesh)
         mesh.start_node("x-bad", *MIDDLE, env={**LIES[lie], "MESHNET_TEST_CLAIM_SPEED": "10"},
                         module="tests.corrupt")  # claims to be fastest, so routes go through it
         mesh.wait(lambda: admitted(mesh, "x-bad"), 180, "x-bad admitted")  # honest for its challenge
@@ -104,11 +109,7 @@ def test_a_witness_that_lies_to_an_entrys_audit_is_quarantined_by_its_signed_rep
     next holder, so the entry's witness; h1 and h2 are left for the tracker's re-run."""
     mesh = Mesh(tmp_path)
     try:
-        mesh.start_tracker(REAL, node_timeout_s=10.0)
-        mesh.start_node("entry", "--model", REAL, "--shard-start", "0", "--shard-end", "9", *BF16)
-        mesh.start_node("tail", "--model", REAL, "--shard-start", "20", "--shard-end", "29", *BF16)
-        mesh.start_node("h1", *MIDDLE)
-        mesh.wait_routable(REAL, 240)
+        start_routable(mesh)
         mesh.start_node("fast", *MIDDLE, env={"MESHNET_TEST_CLAIM_SPEED": "10"}, module="tests.corrupt")
         mesh.start_node("r-bad", *MIDDLE, env={"MESHNET_TEST_CORRUPT_REPLAYS_WEIGHTS": "0.5",
                                                "MESHNET_TEST_CORRUPT_LAYER": "15", "MESHNET_TEST_CLAIM_SPEED": "5"},
