@@ -19,8 +19,9 @@ When a session the entry drew for an audit ends, for each remote hop the entry:
    made the dispute up.
 
 With the hops' keys (``keys``), the entry first checks every receipt it would send, the hop's and
-the witness's: a node that signs garbage would otherwise make the entry's evidence look forged.
-Such a hop is counted (``unsigned``) and not disputed.
+the witness's: a node that signs garbage would otherwise make the entry's evidence look forged,
+and a witness that signs nothing would leave the entry's word against the tracker's re-run.
+Such an audit is counted (``unsigned``) and disputes nothing.
 
 The hop cannot tell an audited session from another: every session's hops sign and keep the
 same things, and the question comes only after the session ended, when its receipts already
@@ -228,6 +229,8 @@ class Auditor:
         why = await self._unverified(hop.node_id, record.chain_id, disputed, signed)
         if not why and replay is not None:
             why = await self._unverified(replay.witness, replay.session, replay.steps, replay.receipts)
+        elif not why and self.keys is not None:  # a witness that signs nothing leaves the entry's word alone
+            why = "the witness sent no signed receipt of its replay"
         if why:
             self.stats.unsigned += 1
             log.warning("audit of %s on chain %s: no dispute, the evidence would not stand: %s", hop.node_id,
