@@ -373,6 +373,7 @@ def orchestrator_for(node, model: str | None, pipelined: bool | None = None) -> 
         node.spot_checker = spot_checker_for(node)
     if node.auditor is None and agent is not None:
         node.auditor = auditor_for(node)
+        node.metrics.audit_stats = node.auditor.stats
     settings = OrchestratorSettings(hop_timeout_s=node.settings.hop_timeout_s,
                                     hop_connect_timeout_s=node.settings.hop_connect_timeout_s,
                                     pipelined=True if pipelined is None else pipelined,

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from meshnet.protocol.control import NodeStats
 from meshnet.protocol.traffic import BUCKET_COUNT, BUCKET_S, TrafficBucket
@@ -38,6 +39,9 @@ class NodeMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        #: the entry's audit counts (:class:`meshnet.gateway.audit.AuditStats`), set when its auditor starts
+        self.audit_stats = None
+        r.register(_AuditCollector(self))
         self.requests = Counter("meshnet_chat_requests", "chat requests served as entry node", registry=r)
         self.running = Gauge("meshnet_requests_running", "generations in flight on this entry node", registry=r)
         self.ttft = Histogram("meshnet_time_to_first_token_seconds",
@@ -184,3 +188,25 @@ class NodeMetrics:
     def render(self) -> tuple[bytes, str]:
         self.fold()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+#: the outcomes of :class:`meshnet.gateway.audit.AuditStats` that ``meshnet_entry_audits_total`` counts
+AUDIT_OUTCOMES = ("passed", "disputes", "withheld", "unverified", "mismatched", "unsigned")
+
+
+class _AuditCollector:
+    """``meshnet_entry_audits_total{outcome}``: the hops this entry audited (ADR-0067), by outcome, read
+    from its auditor's counts at each scrape (nothing before the auditor starts)."""
+
+    def __init__(self, metrics: NodeMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        stats = self.metrics.audit_stats
+        if stats is None:
+            return
+        family = CounterMetricFamily("meshnet_entry_audits", "hops this entry audited, by outcome (ADR-0067)",
+                                     labels=["outcome"])
+        for outcome in AUDIT_OUTCOMES:
+            family.add_metric([outcome], getattr(stats, outcome))
+        yield family

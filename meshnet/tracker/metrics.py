@@ -19,6 +19,13 @@ class TrackerMetrics:
                                    registry=self.registry)
         self.node_tokens_per_s = Gauge("meshnet_node_tokens_per_second", "node decode throughput EMA",
                                        ["node"], registry=self.registry)
+        self.quarantined = Gauge("meshnet_quarantined_nodes", "nodes in quarantine (ADR-0042, ADR-0067)",
+                                 registry=self.registry)
+        self.accusations = Gauge("meshnet_accusations", "entries' audit accusations by the tracker's judgement "
+                                 "(upheld, false, forged), summed over entries (ADR-0067)", ["outcome"],
+                                 registry=self.registry)
+        self.audit_verdicts = Counter("meshnet_audit_verdicts", "audit disputes this tracker judged, by verdict "
+                                      "(ADR-0067)", ["verdict"], registry=self.registry)
 
     def render(self, service) -> tuple[bytes, str]:
         self.nodes.set(len(service.nodes))
@@ -28,4 +35,7 @@ class TrackerMetrics:
             self.covered.labels(model=m.name).set(service.coverage(m.name).covered_layers)
         for n in service.nodes.values():
             self.node_tokens_per_s.labels(node=n.node_id).set(n.stats.tokens_per_s)
+        self.quarantined.set(len(service.quarantined))
+        for outcome in ("upheld", "false", "forged"):
+            self.accusations.labels(outcome=outcome).set(sum(c.get(outcome, 0) for c in service.accusations.values()))
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -368,6 +368,10 @@ async def test_the_entrys_own_witness_that_lied_to_its_audit_is_quarantined_by_i
     entry = await view_of(mesh, "entry")
     assert entry["quarantine"] is None and entry["accusations"] == {"upheld": 1, "false": 0, "forged": 0}
     assert (await view_of(mesh, "h1"))["quarantine"] is None
+    metrics = (await mesh.get("/metrics")).text
+    assert 'meshnet_audit_verdicts_total{verdict="replay_outvoted"} 1.0' in metrics
+    assert "meshnet_quarantined_nodes 1.0" in metrics
+    assert 'meshnet_accusations{outcome="upheld"} 1.0' in metrics and 'meshnet_accusations{outcome="false"} 0.0' in metrics
 
 
 async def test_with_three_holders_the_entrys_witness_re_runs_for_the_tracker_too_and_its_replay_outvotes_it(mesh):

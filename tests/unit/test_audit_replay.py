@@ -9,7 +9,8 @@ import httpx
 
 from meshnet.dataplane.frames import FLAG_REWIND
 from meshnet.dataplane.receipts import TranscriptStep, sign_step
-from meshnet.gateway.audit import Auditor, _Replay
+from meshnet.gateway.audit import AuditStats, Auditor, _Replay
+from meshnet.node.metrics import NodeMetrics
 from meshnet.protocol.signing import encode_public_key
 from tests.payloads import node_key
 
@@ -54,3 +55,14 @@ async def test_receipts_are_checked_against_the_key_the_tracker_binds_before_the
         assert "knows no key of y" in await auditor._unverified("y", SESSION, signed.steps, signed.receipts)
         assert await Auditor(client=client, routes=None, report=None)._unverified(
             "w", SESSION, forged.steps, forged.receipts) == ""  # no key lookup: nothing checked here
+
+
+def test_an_entrys_audits_are_counted_in_its_metrics_once_its_auditor_runs():
+    metrics = NodeMetrics()
+    assert b"meshnet_entry_audits" not in metrics.render()[0]  # no auditor: no series
+    metrics.audit_stats = AuditStats(audits=5, passed=3, disputes=1, unsigned=1)
+    text = metrics.render()[0].decode()
+    assert 'meshnet_entry_audits_total{outcome="passed"} 3.0' in text
+    assert 'meshnet_entry_audits_total{outcome="disputes"} 1.0' in text
+    assert 'meshnet_entry_audits_total{outcome="unsigned"} 1.0' in text
+    assert 'meshnet_entry_audits_total{outcome="withheld"} 0.0' in text
