@@ -8,7 +8,7 @@ Part 1, cost and false positives: two entries, ``entry-on`` at the default audit
 bench's ``--audit-rate R`` gives ``entry-on`` rate R, 1 to audit every session for the false-positive
 count), three honest
 holders of 10-19 on different weight layouts and thread counts (:data:`LAYOUTS`; where this CPU
-cannot pack bfloat16, ``packed`` falls back to another layout). ``--requests`` greedy chats per entry, interleaved, in three rounds; prints each
+cannot pack bfloat16, :func:`layouts` runs the row layout with 2 threads in its place). ``--requests`` greedy chats per entry, interleaved, in three rounds; prints each
 round's median decode tokens/s with and without audits and their ratio (the median of the three
 ratios is the figure), and what the audits found: audits run, passed, disputes (on honest holders
 every dispute is a false positive), quarantines, and the quantiles of the largest step distance
@@ -57,6 +57,17 @@ MIDDLE = ("--model", MODEL, "--shard-start", "10", "--shard-end", "19", *BF16)
 LAYOUTS = (("h1", "row", 1), ("h2", "packed", 1), ("h3", "transposed", 2))
 
 
+def layouts() -> tuple[tuple[str, str, int], ...]:
+    """:data:`LAYOUTS` as this CPU can run them: where it cannot pack bfloat16 weights (a node asked
+    for ``packed`` then refuses to start), ``h2`` runs the row layout with 2 threads instead."""
+    import torch
+
+    from meshnet.models.linears import available_layouts
+
+    usable = available_layouts(torch.bfloat16)
+    return tuple((name, layout, threads) if layout in usable else (name, "row", 2) for name, layout, threads in LAYOUTS)
+
+
 def load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -98,9 +109,12 @@ def cost(requests: int, max_tokens: int, audit_rate: str | None = None) -> None:
                 mesh.start_node(name, "--model", MODEL, "--shard-start", "0", "--shard-end", "9", *BF16,
                                 env={} if rate is None else {"MESHNET_AUDIT_RATE": rate})
             mesh.start_node("tail", "--model", MODEL, "--shard-start", "20", "--shard-end", "29", *BF16)
-            for name, layout, threads in LAYOUTS:
+            holders = layouts()
+            print("  holders of 10-19 (name, weight layout, threads): "
+                  + ", ".join(f"{n} {layout} {t}" for n, layout, t in holders))
+            for name, layout, threads in holders:
                 mesh.start_node(name, *MIDDLE, threads=threads, env={"MESHNET_WEIGHT_LAYOUT": layout})
-            names = ("entry-on", "entry-off", "tail", *(name for name, _, _ in LAYOUTS))
+            names = ("entry-on", "entry-off", "tail", *(name for name, _, _ in holders))
             mesh.wait(lambda: admitted(mesh, names), 300, "every node admitted")
             entries = {n: nodes(mesh)[n]["endpoint"] for n in ("entry-on", "entry-off")}
             ratios = []
