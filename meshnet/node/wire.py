@@ -405,7 +405,8 @@ class ChainHost:
         key = node.step_key
         if key is None:
             return
-        receipt = sign_step(key, chain.chain_id, message.position, tokens, message.flags, message.body, frame)
+        receipt = sign_step(key, chain.chain_id, chain.hop.layers, message.position, tokens, message.flags,
+                            message.body, frame)
         try:
             await node.streams.send(chain.opened.entry_endpoint, pack(
                 Kind.RECEIPT, chain.chain_id, key=chain.key, position=message.position,

@@ -30,8 +30,10 @@ disputed one: the frames the hop received and sent, each with the hop's signed r
    that witness's (its receipts verify with its key, under the session it names), ran the
    accused's very inputs, and its outputs are beyond the tolerance from the accused's and from
    every one of the tracker's witnesses (the entry's witness is asked last, only where no other
-   holder is left; then its own re-run is one of them), that witness lied to the entry: it is quarantined (``replay_outvoted``) and the entry's dispute counts as upheld. An
-   honest entry is then never marked for what its witness did.
+   holder is left; then its own re-run is one of them), that witness lied to the entry: it is
+   quarantined (``replay_outvoted``) and the entry's dispute counts as upheld. An honest entry is
+   then never marked for what its witness did. The receipts sign the layers run, so neither the
+   accused's steps nor the replay can be claimed for other layers than they ran.
 """
 
 from __future__ import annotations
@@ -106,28 +108,30 @@ class AuditVerdict:
 
 def read_evidence(report: AuditReport, public_key) -> tuple[list[TranscriptStep], str]:
     """The report's steps, and why they are not the accused's own ("" when every step's receipt
-    verifies with ``public_key``, the steps are one session's history from position 0, and one
-    of them at least returned something to judge). Unreadable steps are a reason, not an error:
+    verifies with ``public_key`` through the report's layers, the steps are one session's history
+    from position 0, and one of them at least returned something to judge). Unreadable steps are a reason, not an error:
     broken evidence is its sender's fault either way."""
-    steps, why = _signed_steps(report.steps, report.chain_id, public_key)
+    steps, why = _signed_steps(report.steps, report.chain_id, report.layers, public_key)
     if not why and not any(s.frame_out is not None for s in steps):
         return [], "no step carries an output to judge"
     return steps, why
 
 
-def read_replay(replay: AuditReplay, public_key) -> tuple[list[TranscriptStep], str]:
-    """The replay's calls, and why they are not its witness's own run ("" when every receipt
-    verifies with ``public_key``, the witness's, under the replay's session, the calls are one
-    session's history from position 0 and each returned its positions)."""
-    steps, why = _signed_steps(replay.steps, replay.session, public_key)
+def read_replay(replay: AuditReplay, layers: LayerRange, public_key) -> tuple[list[TranscriptStep], str]:
+    """The replay's calls, and why they are not its witness's own run of ``layers`` ("" when every
+    receipt verifies with ``public_key``, the witness's, under the replay's session and through
+    ``layers``, the calls are one session's history from position 0 and each returned its positions)."""
+    steps, why = _signed_steps(replay.steps, replay.session, layers, public_key)
     if not why and any(s.frame_out is None for s in steps):
         return [], "a replay call returned nothing"
     return steps, why
 
 
-def _signed_steps(body: list[AuditStep], session: str, public_key) -> tuple[list[TranscriptStep], str]:
+def _signed_steps(body: list[AuditStep], session: str, layers: LayerRange,
+                  public_key) -> tuple[list[TranscriptStep], str]:
     """``body`` as steps of ``session``, and why they are not what ``public_key``'s node signed as
-    one session's history ("" when they are). Unreadable steps are a reason, not an error."""
+    one session's history through ``layers`` ("" when they are). Unreadable steps are a reason, not
+    an error."""
     steps = []
     for i, step in enumerate(body):
         try:
@@ -136,7 +140,8 @@ def _signed_steps(body: list[AuditStep], session: str, public_key) -> tuple[list
             receipt = Receipt.from_bytes(unb64url(step.receipt))
         except (ValueError, MeshnetError) as exc:
             return [], f"step {i} does not decode: {exc}"
-        why = verify_step(public_key, session, step.position, step.tokens, step.flags, frame_in, frame_out, receipt)
+        why = verify_step(public_key, session, layers, step.position, step.tokens, step.flags, frame_in, frame_out,
+                          receipt)
         if why:
             return [], why
         steps.append(TranscriptStep(step.position, step.tokens, step.flags, frame_in, frame_out))

@@ -238,7 +238,7 @@ async def weigh_replay(svc: TrackerService, case: AuditCase, replay: AuditReplay
     if text is None:
         steps, why = [], f"names {replay.witness}, a node the tracker does not know"
     else:
-        steps, why = read_replay(replay, decode_public_key(text))
+        steps, why = read_replay(replay, case.layers, decode_public_key(text))
     if why:
         return AuditVerdict(verdict.state, f"{verdict.reason}; the entry's replay does not stand: {why}",
                             verdict.distances, verdict.outvoted)

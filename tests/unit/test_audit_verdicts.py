@@ -20,6 +20,8 @@ from meshnet.tracker.audit import REPLAY_OUTVOTED, AuditCase, AuditVerdict, judg
 from tests.payloads import node_key
 
 CHAIN = uuid.UUID(int=7).hex
+#: the layers of the audited hop (the reports' shard_start 10..shard_end 19)
+LAYERS = LayerRange(10, 20)
 
 
 def frame(array: np.ndarray) -> bytes:
@@ -35,16 +37,17 @@ def rows(seed: int, tokens: int, width: int = 8) -> np.ndarray:
 def test_a_receipt_binds_the_step_to_the_signers_key():
     key = node_key("h1")
     a, b = frame(rows(0, 3)), frame(rows(1, 3))
-    receipt = sign_step(key, CHAIN, 5, 3, FLAG_REWIND, a, b)
+    receipt = sign_step(key, CHAIN, LAYERS, 5, 3, FLAG_REWIND, a, b)
     assert len(receipt.to_bytes()) == 128 and Receipt.from_bytes(receipt.to_bytes()) == receipt
     public = key.public_key()
-    assert verify_step(public, CHAIN, 5, 3, FLAG_REWIND, a, b, receipt) == ""
-    assert "output" in verify_step(public, CHAIN, 5, 3, FLAG_REWIND, a, a, receipt)
-    assert "input" in verify_step(public, CHAIN, 5, 3, FLAG_REWIND, b, b, receipt)
-    assert "not signed" in verify_step(public, CHAIN, 6, 3, FLAG_REWIND, a, b, receipt)  # another position
-    assert "not signed" in verify_step(public, CHAIN, 5, 3, 0, a, b, receipt)  # other flags
-    assert "not signed" in verify_step(node_key("h2").public_key(), CHAIN, 5, 3, FLAG_REWIND, a, b, receipt)
-    assert sign_step(key, CHAIN, 0, 1, 0, a, None).out_digest == NO_OUTPUT
+    assert verify_step(public, CHAIN, LAYERS, 5, 3, FLAG_REWIND, a, b, receipt) == ""
+    assert "output" in verify_step(public, CHAIN, LAYERS, 5, 3, FLAG_REWIND, a, a, receipt)
+    assert "input" in verify_step(public, CHAIN, LAYERS, 5, 3, FLAG_REWIND, b, b, receipt)
+    assert "not signed" in verify_step(public, CHAIN, LAYERS, 6, 3, FLAG_REWIND, a, b, receipt)  # another position
+    assert "not signed" in verify_step(public, CHAIN, LAYERS, 5, 3, 0, a, b, receipt)  # other flags
+    assert "not signed" in verify_step(public, CHAIN, LayerRange(10, 19), 5, 3, FLAG_REWIND, a, b, receipt)  # other layers
+    assert "not signed" in verify_step(node_key("h2").public_key(), CHAIN, LAYERS, 5, 3, FLAG_REWIND, a, b, receipt)
+    assert sign_step(key, CHAIN, LAYERS, 0, 1, 0, a, None).out_digest == NO_OUTPUT
 
 
 def test_a_transcript_keeps_steps_in_order_for_its_key_and_forgets_them_after_its_time():
@@ -88,7 +91,7 @@ def evidence(outputs: list[np.ndarray], *, signer: str = "x", chain: str = CHAIN
         flags = FLAG_LAST_ONLY
         a, b = frame(rows(10 + i, tokens)), frame(out)
         steps.append(AuditStep(position=position, tokens=tokens, flags=flags, input=b64url(a), output=b64url(b),
-                               receipt=b64url(sign_step(key, chain, position, tokens, flags, a, b).to_bytes())))
+                               receipt=b64url(sign_step(key, chain, LAYERS, position, tokens, flags, a, b).to_bytes())))
         position += tokens
     return AuditReport(model="m", shard_start=10, shard_end=19, chain_id=CHAIN, ticket="t", steps=steps), steps
 
@@ -115,6 +118,11 @@ def witness_run(outputs: list[np.ndarray], noise: float = 0.0) -> list[bytes]:
 def test_evidence_the_accused_did_not_sign_is_forged():
     report, _ = evidence(HONEST, signer="y")
     assert "not signed by the node" in read_evidence(report, node_key("x").public_key())[1]
+    # the accused's own steps reported as another layer range than it ran (the receipts sign the layers):
+    # re-run over layers 10-18 its honest outputs of 10-19 would be outvoted
+    report, _ = evidence(HONEST)
+    assert "not signed by the node" in read_evidence(report.model_copy(update={"shard_end": 18}),
+                                                     node_key("x").public_key())[1]
     report, steps = evidence(HONEST)
     steps[1] = steps[1].model_copy(update={"output": b64url(frame(HONEST[1] + 1.0))})  # the entry changed it
     assert "output at position 4" in read_evidence(report.model_copy(update={"steps": steps}),
@@ -175,13 +183,13 @@ def replay_of(noise: float = 0.0, *, chunks: tuple[int, ...] = (6,), signer: str
     for n in chunks:
         a, b = frame(given[:, position:position + n]), frame(out[:, position:position + n])
         steps.append(AuditStep(position=position, tokens=n, flags=0, input=b64url(a), output=b64url(b),
-                               receipt=b64url(sign_step(key, REPLAY_SESSION, position, n, 0, a, b).to_bytes())))
+                               receipt=b64url(sign_step(key, REPLAY_SESSION, LAYERS, position, n, 0, a, b).to_bytes())))
         position += n
     return AuditReplay(witness="r", session=REPLAY_SESSION, steps=steps)
 
 
 def weigh(replay: AuditReplay) -> AuditVerdict:
-    calls, why = read_replay(replay, node_key("r").public_key())
+    calls, why = read_replay(replay, LAYERS, node_key("r").public_key())
     assert why == ""
     return judge_replay(case_of(evidence(HONEST)[0]), calls, "r", {"w1": witness_run(HONEST),
                                                                    "w2": witness_run(HONEST)}, FALSE)
@@ -211,23 +219,26 @@ def test_a_replay_of_other_inputs_proves_nothing():
 
 
 def test_a_replay_its_witness_did_not_sign_does_not_read():
-    assert "not signed by the node" in read_replay(replay_of(1.0, signer="y"), node_key("r").public_key())[1]
+    assert "not signed by the node" in read_replay(replay_of(1.0, signer="y"), LAYERS,
+                                                   node_key("r").public_key())[1]
+    # a replay the witness ran through other layers than the dispute's (a ticket for a sub-range)
+    assert "not signed by the node" in read_replay(replay_of(1.0), LayerRange(10, 19), node_key("r").public_key())[1]
     gap = replay_of(1.0, chunks=(4, 2))
     gap = gap.model_copy(update={"steps": gap.steps[1:]})
-    assert "no session's history" in read_replay(gap, node_key("r").public_key())[1]
+    assert "no session's history" in read_replay(gap, LAYERS, node_key("r").public_key())[1]
 
 
 def test_a_witness_whose_own_re_run_for_the_tracker_disagrees_with_the_replay_it_signed_is_outvoted():
     """Three holders of a range: the entry's witness r is also one of the tracker's two; it answers
     the tracker honestly, and what it signed for the entry is unlike its own re-run."""
-    calls, _ = read_replay(replay_of(1.0), node_key("r").public_key())
+    calls, _ = read_replay(replay_of(1.0), LAYERS, node_key("r").public_key())
     verdict = judge_replay(case_of(evidence(HONEST)[0]), calls, "r", {"w1": witness_run(HONEST),
                                                                       "r": witness_run(HONEST)}, FALSE)
     assert verdict.state == REPLAY_OUTVOTED and verdict.outvoted == "r" and verdict.distances["r|r"] > 0.3
 
 
 def test_a_replay_against_one_witness_or_from_the_accused_changes_nothing():
-    calls, _ = read_replay(replay_of(1.0), node_key("r").public_key())
+    calls, _ = read_replay(replay_of(1.0), LAYERS, node_key("r").public_key())
     alone = judge_replay(case_of(evidence(HONEST)[0]), calls, "r", {"w1": witness_run(HONEST)}, FALSE)
     assert alone.state == "false_accusation" and "that needs two" in alone.reason
     own = judge_replay(case_of(evidence(HONEST)[0]), calls, "x", {"w1": witness_run(HONEST),
