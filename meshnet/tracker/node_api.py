@@ -224,8 +224,7 @@ async def audit(request: Request) -> JSONResponse:
     if verdict.state == "false_accusation" and report.replay is not None:
         verdict = await weigh_replay(svc, case, report.replay, runs, verdict)
     svc.apply_audit(case, verdict)
-    if getattr(svc, "metrics", None) is not None:
-        svc.metrics.audit_verdicts.labels(verdict=verdict.state).inc()
+    svc.metrics.audit_verdicts.labels(verdict=verdict.state).inc()
     request.app.state.wake.set()
     return JSONResponse({"node_id": node_id, **verdict.to_json()})
 
