@@ -38,7 +38,7 @@ disputed one: the frames the hop received and sent, each with the hop's signed r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -226,8 +226,7 @@ def judge_replay(case: AuditCase, replay: list[TranscriptStep], witness: str, ru
         WireError: a frame does not read.
     """
     def stands(why: str) -> AuditVerdict:
-        return AuditVerdict(verdict.state, f"{verdict.reason}; the entry's witness {witness}'s replay {why}",
-                            verdict.distances, verdict.outvoted)
+        return replace(verdict, reason=f"{verdict.reason}; the entry's witness {witness}'s replay {why}")
 
     if witness == case.accused.node_id:
         return stands("comes from the accused")
@@ -263,6 +262,6 @@ def judge_replay(case: AuditCase, replay: list[TranscriptStep], witness: str, ru
         return AuditVerdict(REPLAY_OUTVOTED, f"the entry's witness {witness} signed a replay of the accused's inputs "
                                              f"that {', '.join(sorted(worst))} all disagree with (tolerance "
                                              f"{case.limit}): it lied to the entry", distances, witness)
-    return AuditVerdict(verdict.state, f"{verdict.reason}; the entry's witness {witness}'s replay agrees with "
-                                       f"{', '.join(n for n in sorted(worst) if worst[n] <= case.limit)}", distances,
-                        verdict.outvoted)
+    return replace(verdict, reason=f"{verdict.reason}; the entry's witness {witness}'s replay agrees with "
+                                   f"{', '.join(n for n in sorted(worst) if worst[n] <= case.limit)}",
+                   distances=distances)

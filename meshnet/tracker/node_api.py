@@ -9,6 +9,7 @@ registers; every later node call is signed by the node's bound key (ADR-0035).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 
@@ -239,8 +240,7 @@ async def weigh_replay(svc: TrackerService, case: AuditCase, replay: AuditReplay
     else:
         steps, why = read_replay(replay, case.layers, decode_public_key(text))
     if why:
-        return AuditVerdict(verdict.state, f"{verdict.reason}; the entry's replay does not stand: {why}",
-                            verdict.distances, verdict.outvoted)
+        return dataclasses.replace(verdict, reason=f"{verdict.reason}; the entry's replay does not stand: {why}")
     return judge_replay(case, steps, replay.witness, runs, verdict)
 
 
