@@ -20,7 +20,7 @@ The attention of a step of several positions (a speculative step) runs position 
 (:func:`meshnet.models.kernels.positionwise_attention`); under ``on`` a product of a decode step's
 size never switches to the float32 path (:data:`UPCAST_FROM`), which ``auto`` keeps where a host
 has one (a CPU without native bfloat16, ADR-0047: there batched rows are not invariant by default). :data:`ENV`: ``auto`` (default: the
-half-precision dtypes, without ``split``), ``on`` (every dtype, ``split`` too) or ``off``.
+half-precision dtypes, and int8/int4 shards in any dtype (:data:`ROW_WISE_RECIPES`), without ``split``), ``on`` (every dtype, ``split`` too) or ``off``.
 """
 
 from __future__ import annotations
@@ -64,12 +64,19 @@ def mode() -> str:
     return value
 
 
-def applies(dtype: torch.dtype) -> bool:
-    """Whether a CPU shard computing in ``dtype`` runs batch-invariant: under :data:`ENV` ``auto``
-    the half-precision dtypes (their rules cost nothing on the hosts measured, ADR-0064; float32's
-    kernels needed ``split`` there), under ``on`` every dtype."""
+#: recipes whose weight kernels compute each row alone (torch's weight-only int8 and int4 products,
+#: ADR-0061/0062): their shards' answers depend on the batch only through what is not quantized
+ROW_WISE_RECIPES = ("int8", "int4")
+
+
+def applies(dtype: torch.dtype, quantization: str = "bfloat16") -> bool:
+    """Whether a CPU shard computing in ``dtype`` with weight recipe ``quantization`` runs
+    batch-invariant: under :data:`ENV` ``auto`` the half-precision dtypes (their rules cost nothing
+    on the hosts measured, ADR-0064; float32's kernels needed ``split`` there) and the recipes of
+    :data:`ROW_WISE_RECIPES` in any dtype (what is left to make invariant, the attention of
+    speculative spans, costs little); under ``on`` every shard."""
     chosen = mode()
-    return chosen == "on" or (chosen == "auto" and dtype in HALF)
+    return chosen == "on" or (chosen == "auto" and (dtype in HALF or quantization in ROW_WISE_RECIPES))
 
 
 def layout_of(linear: nn.Module) -> str:

@@ -220,7 +220,7 @@ class ShardModel:
         skeleton.config._attn_implementation = ATTENTION  # the layers' attention modules read this config
         # a CPU's choice, measured once per thread count (a GPU keeps half precision)
         setattr(skeleton.config, IN_FLOAT32, self.device.type == "cpu" and attention_in_float32(self.dtype))
-        setattr(skeleton.config, INVARIANT, self.device.type == "cpu" and invariance_applies(self.dtype))
+        setattr(skeleton.config, INVARIANT, self.device.type == "cpu" and invariance_applies(self.dtype, quantization))
         all_layers = _get(skeleton, self.family.layers_path)
         self.blocks = nn.ModuleDict({str(i): all_layers[i] for i in range(layers.start, layers.end)})
         #: the decoder layers' name for their cache: ``cache`` from transformers 5.20, ``past_key_values`` before

@@ -1,21 +1,18 @@
 """Batched decode across real processes (ADR-0041, ADR-0064): eight concurrent greedy chats with
-different prompt lengths through a three-node mesh at the default recipe (bfloat16, its wire and
-speculation as a user gets them) and at int4, each equal to its solo run token for token, while the nodes'
-metrics show forwards of more than one session.
+different prompt lengths through a three-node mesh, each equal to its solo run token for token, while
+the nodes' metrics show forwards of more than one session. Two meshes:
 
-Both meshes run with ``MESHNET_BATCH_INVARIANT=on``; under the default ``auto`` the answers can change
-with the batch on some hosts (ADR-0064, amended 2026-12-07):
-
-- int4 computes its unquantized parts in float32, which ``auto`` leaves as it was (float32 products
-  differ between row counts; speculative spans are not run position by position): with the host's
-  kernels measured afresh (``MESHNET_HOST_TIMINGS=off``) one of the eight chats differed at token 21;
-- bfloat16 on a CPU without native bfloat16 (ADR-0047): when the host's timing sends products of 4 rows
-  and more to the float32 path, every shape's rule comes out ``split``, which ``auto`` does not apply,
-  and a clean-clone CI run failed the default case. Where the timing keeps them on the bfloat16 kernel
-  (most runs here, and hosts with native bfloat16) ``auto`` suffices.
-
-The test proves the mode that makes answers independent of the load; which hosts get it by default
-is the fast-recipes issue's to settle."""
+- int4 computing in float32 (what a host whose calibration picks float32 runs), at the default
+  ``MESHNET_BATCH_INVARIANT=auto``: its weight kernels compute each row alone and ``auto`` covers
+  the rest (the attention of speculative spans). Before ``auto`` covered int4 in float32, one of the
+  eight chats differed (with the host's kernels measured afresh, ``MESHNET_HOST_TIMINGS=off``; with
+  ``off`` it still does).
+- the default recipe (bfloat16, its wire and speculation as a user gets them) with
+  ``MESHNET_BATCH_INVARIANT=on``: under ``auto`` a CPU without native bfloat16 (ADR-0047) whose
+  timing sends products of a few rows to the float32 path gets different rows at different batch
+  sizes, and a clean-clone CI run on such a host failed this case (ADR-0064, amended 2026-12-07).
+  Where the CPU has native bfloat16 ``auto`` suffices (it passes here at ``auto`` too).
+"""
 
 from __future__ import annotations
 
@@ -36,9 +33,12 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module", params=["default", "int4"])
 def mesh(request, real_model_path, tmp_path_factory):
-    """The mesh at the default recipe (bfloat16), and at int4 (its own kernels, ADR-0062)."""
-    recipe = [] if request.param == "default" else ["--quantization", request.param]
-    env = {"MESHNET_BATCH_INVARIANT": "on"}  # see the module doc
+    """The mesh at the default recipe (bfloat16, invariance ``on``), and at int4 in float32 at the
+    default invariance (see the module doc)."""
+    if request.param == "default":
+        recipe, env = [], {"MESHNET_BATCH_INVARIANT": "on"}
+    else:
+        recipe, env = ["--quantization", request.param, "--dtype", "float32"], {"MESHNET_BATCH_INVARIANT": "auto"}
     m = Mesh(tmp_path_factory.mktemp("batching"))
     try:
         m.start_tracker(REAL)

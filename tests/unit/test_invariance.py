@@ -64,16 +64,33 @@ def test_auto_leaves_float32_and_split_layers_as_they_are(monkeypatch):
     assert half.min_rows == invariance.UPCAST_FROM
     monkeypatch.setenv(invariance.ENV, "off")
     assert not invariance.applies(torch.bfloat16)
+    assert not invariance.applies(torch.float32, "int4")
     monkeypatch.setenv(invariance.ENV, "sometimes")
     with pytest.raises(ValueError, match="MESHNET_BATCH_INVARIANT must be auto, on or off, got 'sometimes'"):
         invariance.mode()
 
 
-def test_a_bfloat16_speculative_step_equals_its_positions_decoded_one_by_one(tiny_model_path):
+@pytest.mark.parametrize("dtype, recipe, covered", [(torch.bfloat16, "bfloat16", True),
+                                                     (torch.float32, "float32", False),
+                                                     (torch.float32, "int4", True), (torch.float32, "int8", True),
+                                                     (torch.bfloat16, "int4", True), (torch.float32, "nf4", False)])
+def test_auto_covers_the_half_dtypes_and_the_row_wise_recipes_in_any_dtype(dtype, recipe, covered):
+    """An int4 or int8 shard computing in float32 (a host whose calibration picks float32) is covered
+    under ``auto``: its weight kernels compute each row alone, and what is left (the attention of
+    speculative spans) costs little. Left out, eight concurrent int4 chats in float32 differed from
+    their solo runs (tests/integration/test_batched_decode.py)."""
+    assert invariance.applies(dtype, recipe) is covered
+
+
+@pytest.mark.parametrize("dtype, recipe", [("bfloat16", "bfloat16"), ("float32", "int4")])
+def test_a_speculative_step_equals_its_positions_decoded_one_by_one(tiny_model_path, dtype, recipe):
     """A step of 1 + 4 positions (a token and its drafts) and the same positions decoded one by one
-    give bit-identical hidden states; so do the lone steps run beside another session's."""
+    give bit-identical hidden states, in bfloat16 and in an int4 shard computing in float32; so do the
+    lone steps run beside another session's."""
     from meshnet.models.shard import ShardModel
-    shard = ShardModel(tiny_model_path("tiny-llama"), LayerRange(0, 4), dtype="bfloat16")
+    from meshnet.models.kernels import INVARIANT
+    shard = ShardModel(tiny_model_path("tiny-llama"), LayerRange(0, 4), dtype=dtype, quantization=recipe)
+    assert getattr(shard.blocks["0"].self_attn.config, INVARIANT) is True  # spans run position by position
     gen = torch.Generator().manual_seed(3)
     prompt, steps = torch.randint(3, 512, (1, 7), generator=gen), torch.randint(3, 512, (1, 5), generator=gen)
     span_cache, single_cache = KVCache(), KVCache()
