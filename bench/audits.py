@@ -158,7 +158,8 @@ def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str, keep_log
         logs.mkdir(parents=True, exist_ok=True)
         mesh = LocalMesh(logs, heartbeat_s=1.0)
         try:
-            mesh.start_tracker(MODEL, node_timeout_s=10.0)
+            # routes are steered by claimed speeds (test-only): the tracker's speed probes (ADR-0068) are off
+            mesh.start_tracker(MODEL, node_timeout_s=10.0, extra=["--speed-probe-interval", "0"])
             mesh.start_node("entry", "--model", MODEL, "--shard-start", "0", "--shard-end", "9", *BF16)
             mesh.start_node("tail", "--model", MODEL, "--shard-start", "20", "--shard-end", "29", *BF16)
             mesh.start_node("h1", *MIDDLE)

@@ -29,7 +29,10 @@ corruption applied). The environment says where and when:
                                       witness that lies to entries to frame honest holders
     MESHNET_TEST_CLAIM_SPEED=K        claim K times the measured decode speed in doctor reports and in
                                       heartbeats (routes prefer the fastest holder: the dishonest node
-                                      draws the traffic)
+                                      draws the traffic, unless the tracker's speed probes refute it)
+    MESHNET_TEST_SLOW_S=S             be slower than the host: wait S seconds before every forward pass
+                                      of a hop (streams, hop calls, probes alike; the doctor's own
+                                      measurement, and so the claim, is not slowed)
 
 The noise is seeded (0) and added in place to the loaded weights; the capability report and
 its weights digest stay those of the honest load (a dishonest node would lie about them too).
@@ -241,6 +244,22 @@ def _lie_with_weights(layer: int, scale: float, lies: Callable[[int, torch.Tenso
     NodeRuntime.forward_async = forward_async
 
 
+def _slow_down(seconds: float) -> None:
+    """Wait ``seconds`` before each of this process's hop forward passes (a slower host)."""
+    import asyncio
+
+    from meshnet.node.runtime import NodeRuntime
+
+    honest_forward = NodeRuntime.forward_async
+
+    async def forward_async(self, **kw):
+        await asyncio.sleep(seconds)
+        return await honest_forward(self, **kw)
+
+    NodeRuntime.forward_async = forward_async
+    log.warning("TEST: %.3f s slower on every forward pass", seconds)
+
+
 def main() -> None:
     """``meshnet`` with :class:`Corruption` from the environment installed on the node's hop calls
     (``POST /v1/forward``: admission challenges, spot-checks and the HTTP hop path), or lying on
@@ -272,6 +291,9 @@ def main() -> None:
             return stats.model_copy(update={"tokens_per_s": stats.tokens_per_s * factor})
 
         NodeMetrics.heartbeat_stats = heartbeat_stats
+
+    if os.environ.get("MESHNET_TEST_SLOW_S"):
+        _slow_down(float(os.environ["MESHNET_TEST_SLOW_S"]))
 
     weights_lie = any(os.environ.get(f"MESHNET_TEST_CORRUPT_{kind}_WEIGHTS") for kind in ("DECODE", "STREAMS", "REPLAYS"))
     corruption = None if weights_lie else Corruption.from_env()

@@ -307,6 +307,12 @@ class TrackerOptions:
                                     envvar="MESHNET_ADMISSION_CHALLENGES",
                                     help="Challenge each new shard against an admitted holder of its layers before "
                                          "routing it (off: digest check only, shards admitted unverified).")
+    speed_probe_interval: float = typer.Option(T.speed_probe_interval_s, "--speed-probe-interval", min=0,
+                                               envvar="MESHNET_SPEED_PROBE_INTERVAL",
+                                               help="Seconds between this tracker's timings of each admitted shard's "
+                                                    "decode step (models with two or more holders); a node claiming "
+                                                    "far more tokens/s than its timings show is routed at the timed "
+                                                    "figure (ADR-0068; 0 disables).")
     spot_check_rate: float = spot_check_option("With --serve-layers from layer 0, as the entry: share of sessions "
                                                "whose hops are also run on a second holder and compared (ADR-0042; "
                                                "0 disables).")
@@ -327,7 +333,7 @@ class TrackerOptions:
                                join_settle_s=self.join_settle, probe_timeout_s=self.probe_timeout,
                                drain_grace_s=self.drain_grace, directive_retention_s=self.directive_retention,
                                admission_challenges=self.challenges, max_client_requests=self.max_client_requests,
-                               **body_limit(self.max_body_bytes))
+                               speed_probe_interval_s=self.speed_probe_interval, **body_limit(self.max_body_bytes))
 
 
 #: shards ``meshnet serve`` splits the model into when the cores allow

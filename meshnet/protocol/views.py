@@ -65,6 +65,12 @@ class ShardView(BaseModel):
     #: ``unverified``, ``rejected``) and ``reason``; after a challenge also ``references``,
     #: ``distances`` (``"candidate|reference"`` -> relative L2) and ``tolerance``
     verification: dict | None = None
+    #: the best of this tracker's recent timings of the shard's decode step, tokens/s (None: not
+    #: timed; ADR-0068), whether its claimed speed is set aside for it in routes, and the tokens/s
+    #: routes count for it (its claim, or the timed figure scaled as its peers claim; None: not admitted)
+    probed_tokens_per_s: float | None = None
+    claim_lost: bool = False
+    routed_tokens_per_s: float | None = None
 
 
 class NodeView(BaseModel):

@@ -143,11 +143,13 @@ async def _run_on(http: httpx.AsyncClient, key: Ed25519PrivateKey, holder: Holde
 
 
 async def run_steps(http: httpx.AsyncClient, key: Ed25519PrivateKey, holder: Holder, model: str, layers: LayerRange,
-                    steps: list[tuple[int, bytes, bool]], timeout_s: float) -> list[bytes]:
+                    steps: list[tuple[int, bytes, bool]], timeout_s: float,
+                    times: list[float] | None = None) -> list[bytes]:
     """Run ``steps`` (``(position, frame, rewind)``: one session's history from position 0, a
     speculative step taking the session back to its position first) through ``holder``'s
     ``layers`` as one fresh session (ticket signed by the tracker), every position returned, then
-    release it with the tracker's signature. ``timeout_s`` bounds each call.
+    release it with the tracker's signature. ``timeout_s`` bounds each call; ``times``, when
+    given, receives each call's seconds (request sent to response read), in order.
 
     Returns:
         The output frames, one per step, in order.
@@ -165,9 +167,12 @@ async def run_steps(http: httpx.AsyncClient, key: Ed25519PrivateKey, holder: Hol
             headers = {"X-Meshnet-Model": model, "X-Meshnet-Session": session, "X-Meshnet-Start-Layer": str(start),
                        "X-Meshnet-End-Layer": str(end), "X-Meshnet-Position": str(position), HEADER_TICKET: ticket,
                        "Content-Type": "application/octet-stream", **({HEADER_REWIND: "1"} if rewind else {})}
+            t0 = time.perf_counter()
             async with asyncio.timeout(timeout_s):
                 resp = await http.post(f"{holder.endpoint}/v1/forward", content=frame, headers=headers,
                                        timeout=timeout_s)
+            if times is not None:
+                times.append(time.perf_counter() - t0)
             resp.raise_for_status()
             outputs.append(resp.content)
         return outputs

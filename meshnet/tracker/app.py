@@ -51,7 +51,7 @@ from meshnet.tracker import operator, proxy, views
 from meshnet.tracker.auth import NodeAuth, exposure_problem
 from meshnet.tracker.metrics import TrackerMetrics
 from meshnet.tracker.node_api import audit, deregister, drain_node, failure, heartbeat, node_key, probe_soon, quarantine, \
-    register, service_of as _svc, public_key, signed_by, start_challenges
+    register, service_of as _svc, public_key, signed_by, start_challenges, start_speed_probes
 from meshnet.tracker.groupcommit import GroupCommit
 from meshnet.tracker.heap import HeapFreezer
 from meshnet.tracker.rebalance import rebalance_off_loop
@@ -301,6 +301,7 @@ async def control_loop(app: Starlette) -> None:
         try:
             leading = await sharing.sync_round()
             start_challenges(app)
+            start_speed_probes(app)
             for node in svc.to_probe():
                 probe_soon(app, node.node_id, node.endpoint)
             svc.check_dropouts()

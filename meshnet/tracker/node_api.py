@@ -23,7 +23,8 @@ from meshnet.protocol.control import (AuditReplay, AuditReport, FailureReport, H
 from meshnet.dataplane.frames import FLAG_REWIND
 from meshnet.protocol.http import validate_json
 from meshnet.protocol.signing import HEADER_NODE, HEADER_TIMESTAMP, decode_public_key
-from meshnet.tracker.admission import Challenge, run_challenge, run_steps
+from meshnet.tracker import speed
+from meshnet.tracker.admission import Challenge, Holder, run_challenge, run_steps
 from meshnet.tracker.audit import AuditCase, AuditVerdict, judge_audit, judge_replay, read_replay
 from meshnet.tracker.auth import NodeAuth
 from meshnet.tracker.probe import answers_as, probe_endpoint
@@ -61,6 +62,29 @@ def start_challenges(app: Starlette) -> None:
     running: set[asyncio.Task] = app.state.challenging
     for challenge in app.state.service.take_challenges():
         task = asyncio.create_task(admit(app, challenge))
+        running.add(task)
+        task.add_done_callback(running.discard)
+
+
+async def probe_speed(app: Starlette, holder: Holder, model: str, hidden_size: int) -> None:
+    """Time one decode step through ``holder``'s shard and record it (ADR-0068,
+    :mod:`meshnet.tracker.speed`); a failed probe records nothing but its time."""
+    svc: TrackerService = app.state.service
+    try:
+        tokens_per_s = await speed.probe_tokens_per_s(app.state.http, svc.tickets.key, holder, model, hidden_size,
+                                                      svc.settings.challenge_timeout_s)
+    except Exception as exc:  # noqa: BLE001 - refused, timed out, an error answer: no figure this time
+        log.info("speed probe of %s on %s %s failed: %s: %s", holder.node_id, model, holder.layers,
+                 type(exc).__name__, exc)
+        tokens_per_s = None
+    svc.record_speed_probe(holder.node_id, model, holder.layers, tokens_per_s)
+
+
+def start_speed_probes(app: Starlette) -> None:
+    """Start the speed probes that are due (:meth:`TrackerService.take_speed_probes`), in the background."""
+    running: set[asyncio.Task] = app.state.challenging
+    for holder, model, hidden_size in app.state.service.take_speed_probes():
+        task = asyncio.create_task(probe_speed(app, holder, model, hidden_size))
         running.add(task)
         task.add_done_callback(running.discard)
 

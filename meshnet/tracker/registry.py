@@ -92,6 +92,16 @@ class NodeRecord:
     #: set while a spot-check's outvote keeps the node out of routes and placement (ADR-0042;
     #: a :class:`meshnet.tracker.quarantine.Quarantine`)
     quarantine: object | None = None
+    #: (model, layers) -> tokens/s of this tracker's latest speed probes of that shard, newest last
+    #: (at most :data:`meshnet.tracker.speed.PROBE_SAMPLES`; ADR-0068), and when it was last probed
+    #: (monotonic seconds): this tracker's own, never shared
+    speed_probes: dict = field(default_factory=dict)
+    speed_probed_at: dict = field(default_factory=dict)
+
+    def probed_tokens_per_s(self, shard: ShardRecord) -> float | None:
+        """The best of this tracker's recent speed probes of ``shard`` (None: not probed)."""
+        samples = self.speed_probes.get((shard.model, shard.layers))
+        return max(samples) if samples else None
 
     @property
     def quantization(self) -> str:

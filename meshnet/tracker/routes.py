@@ -13,8 +13,9 @@ import time
 from meshnet.protocol.ids import NodeId, SessionId
 from meshnet.errors import Forbidden, InvalidRequest, ModelNotRoutable
 from meshnet.layers import LayerRange
-from meshnet.presets import canonical_model_name
-from meshnet.tracker import placement, readiness, routing
+from meshnet.presets import canonical_model_name, find_preset
+from meshnet.tracker import placement, readiness, routing, speed
+from meshnet.tracker.admission import Holder
 from meshnet.protocol.views import Coverage, CoverageSegment
 from meshnet.tracker.registry import NodeRecord, ShardRecord
 
@@ -35,6 +36,15 @@ class RoutesMixin:
     """Coverage, routes, entry choice, tickets and readiness of :class:`TrackerService` (which
     provides ``nodes``, ``ensure_model``, ``tracked_models``, ``tickets``, ``public_key`` and
     ``add_demand``)."""
+
+    def admitted_by_model(self) -> dict[str, list[tuple[NodeRecord, ShardRecord]]]:
+        """Every admitted shard, by model: one pass over the registry."""
+        out: dict[str, list[tuple[NodeRecord, ShardRecord]]] = {}
+        for node in self.nodes.values():
+            for shard in node.shards:
+                if node.admitted(shard):
+                    out.setdefault(shard.model, []).append((node, shard))
+        return out
 
     def admitted_shards(self, model: str) -> list[tuple[NodeRecord, ShardRecord]]:
         """Admitted shards of ``model`` (any of its names)."""
@@ -70,15 +80,82 @@ class RoutesMixin:
         """
         now = time.monotonic()
         out = []
-        for node, shard in self.admitted_shards(model):
+        admitted = self.admitted_shards(model)
+        speeds = self.judged_speeds(admitted)
+        for node, shard in admitted:
             if shard.layers.start >= end_layer:
                 continue
             age = None if node.last_failure_s is None else now - node.last_failure_s
-            out.append(routing.ShardCandidate(node.node_id, node.endpoint, shard.layers, node.tokens_per_s(shard),
+            out.append(routing.ShardCandidate(node.node_id, node.endpoint, shard.layers,
+                                              speeds[node.node_id, shard.layers],
                                               routing.relay_latency_s(node.relay_url,
                                                                       node.stats.relay_rtt_s or node.relay_rtt_s),
                                               node.stats.sessions, age))
         return out
+
+    @staticmethod
+    def judged_speeds(admitted: list[tuple[NodeRecord, ShardRecord]]) -> dict[tuple[str, LayerRange], float]:
+        """(node id, layers) -> the tokens/s routes count for each of one model's ``admitted``
+        shards: its claim (:meth:`NodeRecord.tokens_per_s`), unless this tracker's speed probes
+        show it inflated beyond its peers' (:func:`meshnet.tracker.speed.judge_claims`, ADR-0068)."""
+        return speed.judge_claims({(node.node_id, shard.layers): (node.tokens_per_s(shard),
+                                                                  node.probed_tokens_per_s(shard))
+                                   for node, shard in admitted})
+
+    def take_speed_probes(self, now: float | None = None) -> list[tuple[Holder, str, int]]:
+        """The speed probes to start now (ADR-0068): ``(holder, model, hidden size)`` of admitted
+        shards of models with two or more admitted holders, not probed within
+        ``speed_probe_interval_s`` and not being probed, at most :data:`speed.MAX_PROBES_PER_ROUND`;
+        each is marked as being probed until :meth:`record_speed_probe`."""
+        interval = self.settings.speed_probe_interval_s
+        if interval <= 0:
+            return []
+        now = time.monotonic() if now is None else now
+        out = []
+        for model, shards in sorted(self.admitted_by_model().items()):
+            preset = find_preset(model)
+            if len(shards) < 2 or preset is None:
+                continue
+            for node, shard in shards:
+                key = (node.node_id, model, shard.layers)
+                if key in self.speed_probing or not speed.due(node.speed_probed_at.get((model, shard.layers)),
+                                                               interval, now):
+                    continue
+                self.speed_probing.add(key)
+                out.append((self._holder(node, shard), model, preset.hidden_size))
+                if len(out) >= speed.MAX_PROBES_PER_ROUND:
+                    return out
+        return out
+
+    def record_speed_probe(self, node_id: str, model: str, layers: LayerRange, tokens_per_s: float | None) -> None:
+        """Keep one speed probe's answer (None: it failed; the shard is probed again after the
+        interval) and log a holder whose claim its probes now refute, or restore (ADR-0068)."""
+        self.speed_probing.discard((node_id, model, layers))
+        node = self.nodes.get(node_id)
+        if node is None:
+            return
+        node.speed_probed_at[model, layers] = time.monotonic()
+        if tokens_per_s is None:
+            return
+        samples = node.speed_probes.setdefault((model, layers), [])
+        samples.append(round(tokens_per_s, 3))
+        del samples[:-speed.PROBE_SAMPLES]
+        admitted = self.admitted_shards(model)
+        judged = self.judged_speeds(admitted)
+        for holder, shard in admitted:
+            claimed, counted = holder.tokens_per_s(shard), judged[holder.node_id, shard.layers]
+            key, lost = (holder.node_id, model, shard.layers), counted != claimed
+            if lost == (key in self.claims_lost):
+                continue
+            if lost:
+                self.claims_lost.add(key)
+                log.warning("%s on %s %s claims %.1f tokens/s, its probes show %.1f: routes count %.1f "
+                            "(claim set aside, ADR-0068)", holder.node_id, model, shard.layers, claimed,
+                            holder.probed_tokens_per_s(shard), counted)
+            else:
+                self.claims_lost.discard(key)
+                log.info("%s on %s %s: its claim of %.1f tokens/s is consistent with its probes again",
+                         holder.node_id, model, shard.layers, claimed)
 
     def recipe_of(self, node_id: str, model: str, layers: LayerRange) -> tuple[str, str] | None:
         """``(quantization, compute dtype)`` of ``node_id``'s admitted shard of ``model`` covering

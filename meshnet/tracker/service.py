@@ -70,6 +70,9 @@ class TrackerSettings:
         challenge_timeout_s: how long one challenge call may take, seconds.
         max_client_requests: chat and completion requests one client may have in flight through
             this tracker at once (:mod:`meshnet.protocol.limits`, ADR-0060; 0: no limit).
+        speed_probe_interval_s: each admitted shard of a model with two or more holders has its
+            decode speed timed by this tracker again after this many seconds, and its claimed
+            tokens/s is checked against it (:mod:`meshnet.tracker.speed`, ADR-0068; 0: never).
     """
 
     host: str = "127.0.0.1"
@@ -94,6 +97,7 @@ class TrackerSettings:
     admission_challenges: bool = True
     challenge_timeout_s: float = 30.0
     max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS
+    speed_probe_interval_s: float = 120.0
 
 
 
@@ -137,6 +141,10 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
         self.digests: dict[tuple, str] = {}
         #: challenges decided but not started yet (the app starts them: :meth:`take_challenges`)
         self.challenges: list[Challenge] = []
+        #: speed probes running, and holders whose claimed speed their probes refuted when last logged
+        #: (ADR-0068): (node id, model, layers)
+        self.speed_probing: set[tuple] = set()
+        self.claims_lost: set[tuple] = set()
         self.tickets = TicketIssuer(self.store.tracker_key(), settings.ticket_ttl_s)
         #: this tracker process, as demand events name it (ADR-0043)
         self.origin = uuid.uuid4().hex[:16]

@@ -8,10 +8,12 @@ from meshnet.protocol.views import CapabilityView, NodeList, NodeView, ShardView
 from meshnet.tracker import placement
 
 
-def node_json(service, node, models) -> NodeView:
+def node_json(service, node, models, routed: dict) -> NodeView:
     """One node: memory budget, ``max_assignable_layers`` per model of ``models`` (the tracked
-    ModelInfos), slots, ranges with tier and admission, whether the tracker reached its endpoint
-    (``reachable``, ``reach_error``), the placement reason, stats and heartbeat age."""
+    ModelInfos), slots, ranges with tier and admission (and the tokens/s routes count for each,
+    from ``routed``: (node id, layers) -> tokens/s, :meth:`RoutesMixin.judged_speeds`), whether the
+    tracker reached its endpoint (``reachable``, ``reach_error``), the placement reason, stats and
+    heartbeat age."""
     now = time.monotonic()
     budget = placement.memory_budget_bytes(node.vram_bytes)
     max_layers = {}
@@ -30,7 +32,11 @@ def node_json(service, node, models) -> NodeView:
         shards.append(ShardView(model=s.model, shard_start=start, shard_end=end, tier=s.tier,
                                 quantization=s.quantization, entry=s.entry, weight_bytes=s.weight_bytes,
                                 admitted=node.admitted(s), capability=capability,
-                                verification=None if s.verdict is None else s.verdict.to_json()))
+                                verification=None if s.verdict is None else s.verdict.to_json(),
+                                probed_tokens_per_s=node.probed_tokens_per_s(s),
+                                claim_lost=routed.get((node.node_id, s.layers), node.tokens_per_s(s))
+                                != node.tokens_per_s(s),
+                                routed_tokens_per_s=routed.get((node.node_id, s.layers))))
     return NodeView(node_id=node.node_id, endpoint=node.endpoint, device=node.device, wallet=node.wallet,
                     vram_bytes=node.vram_bytes, memory_budget_bytes=budget, ram_bytes=node.ram_bytes,
                     quantization=node.quantization, max_assignable_layers=max_layers,
@@ -47,5 +53,7 @@ def node_json(service, node, models) -> NodeView:
 def nodes_view(service) -> NodeList:
     """Every node, by id (``GET /v1/nodes``)."""
     models = service.tracked_models()  # one store read for the whole listing
-    return NodeList(nodes=[node_json(service, n, models)
+    routed = {key: value for shards in service.admitted_by_model().values()  # one judgement per model
+              for key, value in service.judged_speeds(shards).items()}
+    return NodeList(nodes=[node_json(service, n, models, routed)
                            for n in sorted(service.nodes.values(), key=lambda n: n.node_id)])

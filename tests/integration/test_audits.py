@@ -37,7 +37,8 @@ def admitted(mesh: Mesh, name: str) -> bool:
 
 def start_routable(mesh: Mesh) -> None:
     """The tracker, ``entry`` (0-9), ``tail`` (20-29) and the honest ``h1`` (10-19), until routable."""
-    mesh.start_tracker(REAL, node_timeout_s=10.0)
+    # routes are steered by claimed speeds (test-only): the tracker's speed probes (ADR-0068) are off
+    mesh.start_tracker(REAL, node_timeout_s=10.0, extra=["--speed-probe-interval", "0"])
     mesh.start_node("entry", "--model", REAL, "--shard-start", "0", "--shard-end", "9", *BF16)
     mesh.start_node("tail", "--model", REAL, "--shard-start", "20", "--shard-end", "29", *BF16)
     mesh.start_node("h1", *MIDDLE)

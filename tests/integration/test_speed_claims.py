@@ -1,0 +1,47 @@
+"""Measured throughput with real processes and the real model (ADR-0068).
+
+The entry holds layers 0-9, ``tail`` 20-29; ``h1`` and ``liar`` hold 10-19. ``liar`` computes
+honestly but is slower (it waits 50 ms before each forward pass) and claims ten times the decode
+speed its doctor measured (in its report and its heartbeats; test-only, ``tests/corrupt.py``), which
+used to draw every chat. The tracker times every holder's decode step itself (every 2 s here; the
+default is 120 s): the liar's claim is set aside, it is counted at what its timing shows, and the
+chats go through the faster, honest holder.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.conftest import REAL
+from tests.integration.mesh import Mesh
+from tests.integration.test_audits import BF16, MIDDLE, admitted, node_view
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_node_claiming_ten_times_its_speed_loses_its_claim_and_the_routes(real_model_path, tmp_path):
+    mesh = Mesh(tmp_path)
+    try:
+        mesh.start_tracker(REAL, node_timeout_s=10.0, extra=["--speed-probe-interval", "2"])
+        mesh.start_node("entry", "--model", REAL, "--shard-start", "0", "--shard-end", "9", *BF16)
+        mesh.start_node("tail", "--model", REAL, "--shard-start", "20", "--shard-end", "29", *BF16)
+        mesh.start_node("h1", *MIDDLE)
+        mesh.start_node("liar", *MIDDLE, env={"MESHNET_TEST_CLAIM_SPEED": "10", "MESHNET_TEST_SLOW_S": "0.05"},
+                        module="tests.corrupt")
+        mesh.wait_routable(REAL, 240)
+        for name in ("h1", "liar"):
+            mesh.wait(lambda name=name: admitted(mesh, name), 180, f"{name} admitted")
+        claims = {name: node_view(mesh, name)["shards"][0]["capability"]["tokens_per_s"] for name in ("h1", "liar")}
+        assert claims["liar"] > 5 * claims["h1"]  # believed, the liar would take every route
+        mesh.wait(lambda: node_view(mesh, "liar")["shards"][0]["claim_lost"], 60, "the liar's claim set aside")
+        liar, honest = (node_view(mesh, name)["shards"][0] for name in ("liar", "h1"))
+        assert honest["claim_lost"] is False and 0 < liar["probed_tokens_per_s"] < 20  # 50 ms and more a step
+        assert liar["routed_tokens_per_s"] < liar["capability"]["tokens_per_s"] / 4
+        routes = []
+        for _ in range(5):
+            resp = mesh.chat(REAL, max_tokens=8)
+            assert resp.status_code == 200, resp.text
+            routes.append([h["node_id"] for h in resp.json()["meshnet"]["route"]])
+        assert all("liar" not in route and "h1" in route for route in routes), routes
+    finally:
+        mesh.stop()
