@@ -369,6 +369,10 @@ class TrackerClient(_Base):
         """Lift ``node_id``'s quarantine (operator action, ADR-0042)."""
         return await self._call("POST", "/v1/operator/reinstate", "reinstate", json={"node_id": node_id})
 
+    async def trust(self, node_id: str, trusted: bool = True) -> dict:
+        """Trust ``node_id``, or no longer (operator action, ADR-0069)."""
+        return await self._call("POST", "/v1/operator/trust", "trust", json={"node_id": node_id, "trusted": trusted})
+
     async def chat(self, payload: dict, timeout_s: float = 300.0) -> dict:
         return await self._call("POST", "/v1/chat/completions", "chat", json=payload, timeout=timeout_s)
 

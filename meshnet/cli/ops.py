@@ -297,6 +297,17 @@ def reinstate(node: str = typer.Argument(..., help="Node id."), url: str = UrlOp
                                                 else f"{node} was not quarantined"))
 
 
+def trust(node: str = typer.Argument(..., help="Node id."),
+          revoke: bool = typer.Option(False, "--revoke", help="No longer trust the node."),
+          url: str = UrlOpt, token: str = TokenOpt, as_json: bool = JsonOpt) -> None:
+    """Trust a node you run (ADR-0069): its shards are verified on your word, its weights digest
+    becomes the one others of its range and recipe must match, and it is the first reference of
+    their challenges. Kept by the tracker across restarts."""
+    data = run(_call(url, "trust", node, not revoke, token=token))
+    emit(data, as_json, lambda d: console.print(
+        f"{node} {'trusted' if d['trusted'] else 'no longer trusted'}" + ("" if d["changed"] else " (already so)")))
+
+
 def ready(url: str = UrlOpt,
           node: str = typer.Option(None, "--node", help="Ask the node at this URL instead of the tracker."),
           model: str = typer.Option(None, "--model", "-m", help="Tracker: ask about this model only."),
@@ -326,5 +337,5 @@ def ready(url: str = UrlOpt,
 
 
 COMMANDS = {"chat": chat, "coverage": coverage, "nodes": nodes, "directives": directives, "demand": demand,
-            "pin": pin, "unpin": unpin, "reload": reload, "doctor": doctor, "drain": drain, "reinstate": reinstate,
+            "pin": pin, "unpin": unpin, "reload": reload, "doctor": doctor, "drain": drain, "reinstate": reinstate, "trust": trust,
             "ready": ready}

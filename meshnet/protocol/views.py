@@ -106,6 +106,8 @@ class NodeView(BaseModel):
     #: its audit accusations by the tracker's verdict (ADR-0067): ``upheld``, ``false``, ``forged``;
     #: None when it made none
     accusations: dict[str, int] | None = None
+    #: the operator trusts it (``meshnet trust``, ADR-0069)
+    trusted: bool = False
 
 
 class NodeList(BaseModel):

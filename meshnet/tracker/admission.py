@@ -100,7 +100,7 @@ def digest_key(model: str, layers: LayerRange, quantization: str, compute_dtype:
 
 
 def decide(candidate: Holder, digest: str, known_digest: str | None, holders: list[Holder],
-           hidden_size: int | None) -> Verdict | tuple[Holder, ...]:
+           hidden_size: int | None, trusted: frozenset[str] = frozenset()) -> Verdict | tuple[Holder, ...]:
     """The verification of a candidate shard without a network call, or the references to
     challenge it against.
 
@@ -110,19 +110,24 @@ def decide(candidate: Holder, digest: str, known_digest: str | None, holders: li
         holders: admitted holders of the model (verified or unverified, not quarantined, the
             candidate excluded).
         hidden_size: the model's activation width (None: unknown, no challenge possible).
+        trusted: node ids the operator trusts (ADR-0069): such a candidate is verified on the
+            operator's word, its digest whatever was known; such holders are references first.
 
     Returns:
-        A final :class:`Verdict` (``rejected`` or ``unverified``), or up to two references: admitted
-        holders whose shard covers the candidate's layers with the same recipe (quantization and
-        compute dtype: holders of other recipes differ honestly by more than one tolerance, ADR-0042).
+        A final :class:`Verdict` (``verified`` for a trusted candidate, ``rejected`` or
+        ``unverified``), or up to two references: admitted holders whose shard covers the
+        candidate's layers with the same recipe (quantization and compute dtype: holders of other
+        recipes differ honestly by more than one tolerance, ADR-0042), trusted ones first.
     """
+    if candidate.node_id in trusted:
+        return Verdict("verified", "trusted by the operator (meshnet trust)")
     if known_digest and digest and digest != known_digest:
         return Verdict("rejected", f"weights digest {digest} differs from {known_digest}, which the tracker "
                                    "knows for this model, range and recipe")
     covering = sorted((h for h in holders
                        if h.layers.start <= candidate.layers.start and candidate.layers.end <= h.layers.end
                        and (h.quantization, h.compute_dtype) == (candidate.quantization, candidate.compute_dtype)),
-                      key=lambda h: h.node_id)
+                      key=lambda h: (h.node_id not in trusted, h.node_id))
     if not covering or not hidden_size:
         why = ("no other admitted holder of this recipe covers these layers" if hidden_size
                else "the model's activation width is unknown")

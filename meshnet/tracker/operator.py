@@ -1,4 +1,4 @@
-"""Operator actions: pin, unpin, reload, doctor, drain, reinstate (``POST /v1/operator/...``).
+"""Operator actions: pin, unpin, reload, doctor, drain, reinstate, trust (``POST /v1/operator/...``).
 
 Protected by a bearer token when the tracker has one (``--operator-token`` /
 ``MESHNET_OPERATOR_TOKEN``). Pins are stored in the tracker's database and survive restarts; pinned
@@ -7,7 +7,7 @@ shards are never retargeted by placement (ADR-0026).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -115,8 +115,29 @@ async def reinstate(request: Request) -> JSONResponse:
     return JSONResponse({"node_id": node_id, "reinstated": was})
 
 
+class TrustRequest(BaseModel):
+    """Body of ``POST /v1/operator/trust``: the node, and whether the operator trusts it."""
+
+    model_config = ConfigDict(extra="forbid")
+    node_id: str = Field(min_length=1, max_length=128)
+    trusted: bool = True
+
+
+async def trust(request: Request) -> JSONResponse:
+    """Trust a node, or no longer (ADR-0069): its shards are verified on the operator's word, its
+    weights digest is the one known for its range and recipe, and it is the first reference of
+    other holders' challenges."""
+    _authorize(request)
+    svc = request.app.state.service
+    body = validate_json(TrustRequest, await request.body())
+    changed = svc.trust(body.node_id, body.trusted)
+    request.app.state.wake.set()
+    return JSONResponse({"node_id": body.node_id, "trusted": body.trusted, "changed": changed})
+
+
 def routes() -> list[Route]:
     return [Route("/v1/operator/pin", pin, methods=["POST"]),
             Route("/v1/operator/unpin", unpin, methods=["POST"]), Route("/v1/operator/reload", reload, methods=["POST"]),
             Route("/v1/operator/doctor", doctor, methods=["POST"]), Route("/v1/operator/drain", drain, methods=["POST"]),
-            Route("/v1/operator/reinstate", reinstate, methods=["POST"])]
+            Route("/v1/operator/reinstate", reinstate, methods=["POST"]),
+            Route("/v1/operator/trust", trust, methods=["POST"])]

@@ -34,6 +34,7 @@ CREATE TABLE IF NOT EXISTS tracker_meta (name TEXT PRIMARY KEY, value TEXT NOT N
 CREATE TABLE IF NOT EXISTS hop_failures (id {id}, node_id TEXT NOT NULL, at {real} NOT NULL, origin TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS quarantines (node_id TEXT PRIMARY KEY, record TEXT NOT NULL, since {real} NOT NULL);
 CREATE TABLE IF NOT EXISTS digests (shard_key TEXT PRIMARY KEY, digest TEXT NOT NULL, known_at {real} NOT NULL);
+CREATE TABLE IF NOT EXISTS trusted_nodes (node_id TEXT PRIMARY KEY, since {real} NOT NULL);
 -- what every heartbeat reads (a node's queued directives) and what rebalance and pruning read
 -- (directives by status, finished ones by age); IF NOT EXISTS adds them to older databases (ADR-0037)
 CREATE INDEX IF NOT EXISTS directives_by_node_status ON directives (node_id, status);
@@ -169,6 +170,25 @@ class SharedRecords:
         """Record ``digest`` as the weights digest of ``shard_key`` (model, exact range and recipe, as
         text) unless one is known already; returns the one known now (first one wins, on any tracker)."""
         return self._first_wins("digests", "shard_key", "digest", (shard_key, digest, time.time()))
+
+    def anchor_digest(self, shard_key: str, digest: str) -> None:
+        """Make ``digest`` the known digest of ``shard_key`` whatever was known: a node the operator
+        trusts computed it (ADR-0069)."""
+        with self._transaction():
+            self._execute("DELETE FROM digests WHERE shard_key = ?", (shard_key,))
+            self._execute("INSERT INTO digests VALUES (?,?,?)", (shard_key, digest, time.time()))
+
+    # nodes the operator trusts (ADR-0069)
+    def trust_node(self, node_id: str, trusted: bool) -> bool:
+        """Mark ``node_id`` trusted by the operator (or no longer); True when that changed anything."""
+        if trusted:
+            return self._exec("INSERT INTO trusted_nodes VALUES (?,?) ON CONFLICT DO NOTHING",
+                              (node_id, time.time())) > 0
+        return self._exec("DELETE FROM trusted_nodes WHERE node_id = ?", (node_id,)) > 0
+
+    def trusted_nodes(self) -> set[str]:
+        """The node ids the operator trusts."""
+        return {r["node_id"] for r in self._rows("SELECT node_id FROM trusted_nodes")}
 
     def known_digest(self, shard_key: str) -> str | None:
         """The weights digest known for ``shard_key``, or None."""

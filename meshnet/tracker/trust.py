@@ -121,6 +121,48 @@ class TrustMixin:
         if key not in self.digests:
             self.digests[key] = self.store.learn_digest(json.dumps(key), digest)
 
+    def _anchor_digest(self, anchor: NodeRecord, shard: ShardRecord, digest: str) -> None:
+        """A trusted node's ``digest`` becomes the one known for its shard's model, range and recipe
+        (ADR-0069): an untrusted node that got there first with another digest no longer sets the
+        bar, and the holders of that key whose digest differs are decided again now (rejected)."""
+        key = self._digest_key(shard)
+        if self._known_digest(shard) == digest:
+            return
+        self.store.anchor_digest(json.dumps(key), digest)
+        self.digests[key] = digest
+        for other in list(self.nodes.values()):
+            if other is anchor:
+                continue
+            stale = [self._verdict_key(other, s) for s in other.shards
+                     if s.report is not None and s.report.weights_digest not in ("", digest)
+                     and self._digest_key(s) == key]
+            if stale:
+                for verdict_key in stale:
+                    self.verdicts.pop(verdict_key, None)
+                self.verify_shards(other)
+                self.dirty = True
+
+    def trust(self, node_id: str, trusted: bool = True) -> bool:
+        """Mark ``node_id`` as trusted by the operator, or no longer (ADR-0069), kept in the store (it
+        outlives restarts and is the standby trackers' too); its shards are decided again now.
+        Returns whether that changed anything.
+
+        Raises:
+            NotFound: no such registered node, when trusting one.
+        """
+        if trusted:
+            self.get(node_id)
+        changed = self.store.trust_node(node_id, trusted)
+        node = self.nodes.get(node_id)
+        if changed and node is not None:
+            self.verdicts = {k: v for k, v in self.verdicts.items() if k[0] != node_id}
+            for shard in node.shards:
+                shard.verdict = None
+            self.verify_shards(node)
+            self.dirty = True
+            log.info("node %s %s by the operator", node_id, "trusted" if trusted else "no longer trusted")
+        return changed
+
     def verify_shards(self, node: NodeRecord) -> None:
         """Give each passed shard of a reachable ``node`` its verification: a known one, or a new
         decision (:func:`meshnet.tracker.admission.decide`), which may queue a challenge (the
@@ -143,9 +185,12 @@ class TrustMixin:
         hidden = preset.hidden_size if preset is not None and self.settings.admission_challenges else None
         holders = [self._holder(n, s) for n, s in self.admitted_shards(shard.model) if n.node_id != node.node_id]
         digest = shard.report.weights_digest
-        out = decide(self._holder(node, shard), digest, self._known_digest(shard), holders, hidden)
+        trusted = frozenset(self.store.trusted_nodes())
+        out = decide(self._holder(node, shard), digest, self._known_digest(shard), holders, hidden, trusted)
         if isinstance(out, Verdict):
-            if out.state in ADMITTING and digest:
+            if out.state in ADMITTING and digest and node.node_id in trusted:
+                self._anchor_digest(node, shard, digest)
+            elif out.state in ADMITTING and digest:
                 self._learn_digest(shard, digest)
             log.log(logging.WARNING if out.state == "rejected" else logging.INFO, "shard %s %s on %s: %s (%s)",
                     shard.model, shard.layers, node.node_id, out.state, out.reason)

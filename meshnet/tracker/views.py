@@ -8,12 +8,12 @@ from meshnet.protocol.views import CapabilityView, NodeList, NodeView, ShardView
 from meshnet.tracker import placement
 
 
-def node_json(service, node, models, routed: dict) -> NodeView:
+def node_json(service, node, models, routed: dict, trusted: set[str]) -> NodeView:
     """One node: memory budget, ``max_assignable_layers`` per model of ``models`` (the tracked
     ModelInfos), slots, ranges with tier and admission (and the tokens/s routes count for each,
     from ``routed``: (node id, layers) -> tokens/s, :meth:`RoutesMixin.judged_speeds`), whether the
-    tracker reached its endpoint (``reachable``, ``reach_error``), the placement reason, stats and
-    heartbeat age."""
+    tracker reached its endpoint (``reachable``, ``reach_error``), the placement reason, stats,
+    heartbeat age, and whether it is in ``trusted`` (the operator's trusted node ids)."""
     now = time.monotonic()
     budget = placement.memory_budget_bytes(node.vram_bytes)
     max_layers = {}
@@ -47,7 +47,7 @@ def node_json(service, node, models, routed: dict) -> NodeView:
                     stats=node.stats, last_heartbeat_age_s=round(now - node.last_heartbeat_s, 1),
                     benchmark_tokens_per_sec=node.benchmark_tokens_per_sec,
                     quarantine=None if node.quarantine is None else node.quarantine.to_json(),
-                    accusations=service.accusations.get(node.node_id))
+                    accusations=service.accusations.get(node.node_id), trusted=node.node_id in trusted)
 
 
 def nodes_view(service) -> NodeList:
@@ -55,5 +55,6 @@ def nodes_view(service) -> NodeList:
     models = service.tracked_models()  # one store read for the whole listing
     routed = {key: value for shards in service.admitted_by_model().values()  # one judgement per model
               for key, value in service.judged_speeds(shards).items()}
-    return NodeList(nodes=[node_json(service, n, models, routed)
+    trusted = service.store.trusted_nodes()
+    return NodeList(nodes=[node_json(service, n, models, routed, trusted)
                            for n in sorted(service.nodes.values(), key=lambda n: n.node_id)])

@@ -34,3 +34,13 @@ def test_decide(digest, known, holders, hidden, expected):
         assert isinstance(out, Verdict) and out.state == expected
     else:
         assert tuple(h.node_id for h in out) == expected
+
+
+def test_a_trusted_candidate_is_verified_whatever_digest_was_known_and_trusted_references_come_first():
+    """ADR-0069: the operator's word verifies a candidate (a forged digest heard first does not bar
+    it), and of the covering holders the trusted ones are challenged against first."""
+    verdict = decide(CANDIDATE, "real", "forged", [], 64, frozenset({"c"}))
+    assert (verdict.state, verdict.reason) == ("verified", "trusted by the operator (meshnet trust)")
+    holders = [holder("a", 0, 30), holder("z", 10, 20), holder("b", 5, 25)]
+    assert decide(CANDIDATE, "d", "d", holders, 64) == (holders[0], holders[2])
+    assert decide(CANDIDATE, "d", "d", holders, 64, frozenset({"z"})) == (holders[1], holders[0])

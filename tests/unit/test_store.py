@@ -279,6 +279,18 @@ def test_the_first_known_digest_stays(store):
     assert store.known_digest('["m", 0, 3]') == "d1" and store.known_digest('["m", 3, 6]') is None
 
 
+def test_a_trusted_digest_replaces_the_known_one_and_trusted_nodes_are_kept(store):
+    """ADR-0069: a node the operator trusts sets its range's digest whatever was heard first."""
+    store.learn_digest('["m", 0, 3]', "forged")
+    store.anchor_digest('["m", 0, 3]', "real")
+    assert store.known_digest('["m", 0, 3]') == "real" and store.learn_digest('["m", 0, 3]', "d3") == "real"
+    assert store.trusted_nodes() == set()
+    assert store.trust_node("a", True) is True and store.trust_node("a", True) is False
+    store.trust_node("b", True)
+    assert store.trust_node("a", False) is True and store.trust_node("a", False) is False
+    assert store.trusted_nodes() == {"b"}
+
+
 def test_a_sqlite_store_always_leads():
     assert SqliteStore().lead() is True
 

@@ -1,0 +1,72 @@
+"""Operator trust anchors (ADR-0069), tracker in-process: a node the operator trusts is verified on
+the operator's word, its weights digest sets the bar for its range and recipe (a forged digest
+heard first no longer does), it is the first reference of other holders' challenges, and the mark
+outlives a restart. The fake nodes are :mod:`tests.service.test_admission_and_quarantine`'s."""
+
+from __future__ import annotations
+
+from meshnet.tracker.app import build_app
+from meshnet.tracker.service import TrackerSettings
+from tests.payloads import SignAsNodes
+from tests.service.test_admission_and_quarantine import MODEL, ComputingNodes, mesh, node, verification  # noqa: F401 - a fixture
+
+OPERATOR = {"Authorization": "Bearer op"}
+
+
+async def trust(client, node_id: str, trusted: bool = True):
+    return await client.post("/v1/operator/trust", json={"node_id": node_id, "trusted": trusted}, headers=OPERATOR)
+
+
+async def test_a_trusted_first_holder_is_verified_and_the_reference_of_the_next(mesh):
+    await mesh.post("/v1/nodes/register", json=node("z-anchor", 0, 3))
+    assert (await verification(mesh, "z-anchor"))["state"] == "unverified"  # the first holder, on its own word
+    resp = await trust(mesh, "z-anchor")
+    assert resp.status_code == 200 and resp.json() == {"node_id": "z-anchor", "trusted": True, "changed": True}
+    got = await verification(mesh, "z-anchor")
+    assert got["state"] == "verified" and got["reason"] == "trusted by the operator (meshnet trust)"
+    assert (await trust(mesh, "z-anchor")).json()["changed"] is False
+    await mesh.post("/v1/nodes/register", json=node("b", 0, 3))
+    assert (await verification(mesh, "b"))["references"] == ["z-anchor"]
+    await mesh.post("/v1/nodes/register", json=node("c", 0, 3))
+    assert (await verification(mesh, "c"))["references"] == ["z-anchor"]  # trusted first, though "b" sorts first
+    view = {n["node_id"]: n for n in (await mesh.get("/v1/nodes")).json()["nodes"]}
+    assert view["z-anchor"]["trusted"] is True and view["b"]["trusted"] is False
+
+
+async def test_a_trusted_digest_replaces_a_forged_one_heard_first(mesh):
+    """The issue's finding: the first digest the tracker heard for a range won, and an honest node
+    joining later was refused. Trusting the honest node makes its digest the known one, and the
+    node that forged the first is decided again: rejected."""
+    await mesh.post("/v1/nodes/register", json=node("forger", 0, 3, digest="forged"))
+    assert (await verification(mesh, "forger"))["state"] == "unverified"
+    await mesh.post("/v1/nodes/register", json=node("honest", 0, 3, digest="real"))
+    assert (await verification(mesh, "honest"))["state"] == "rejected"
+    await trust(mesh, "honest")
+    assert (await verification(mesh, "honest"))["state"] == "verified"
+    got = await verification(mesh, "forger")
+    assert got["state"] == "rejected" and "weights digest forged differs from real" in got["reason"]
+    await mesh.post("/v1/nodes/register", json=node("late", 0, 3, digest="real"))
+    assert (await verification(mesh, "late"))["references"] == ["honest"]
+
+
+async def test_trust_needs_the_operator_a_known_node_and_outlives_a_restart(asgi_client, tmp_path):
+    db = str(tmp_path / "tracker.db")
+
+    async def tracker():
+        app = build_app(TrackerSettings(models=(MODEL,), db_path=db, operator_token="op"), run_loop=False,
+                        transport=ComputingNodes())
+        return await asgi_client(app, "http://tracker", auth=SignAsNodes())
+
+    first = await tracker()
+    await first.post("/v1/nodes/register", json=node("a", 0, 3))
+    await verification(first, "a")
+    assert (await first.post("/v1/operator/trust", json={"node_id": "a"})).status_code == 401
+    assert (await trust(first, "nobody")).status_code == 404
+    bad = await first.post("/v1/operator/trust", json={"node_id": "a", "trusted": "very"}, headers=OPERATOR)
+    assert bad.status_code == 422 and "trusted" in bad.text
+    await trust(first, "a")
+    restarted = await tracker()
+    await restarted.post("/v1/nodes/register", json=node("a", 0, 3))
+    assert (await verification(restarted, "a"))["state"] == "verified"
+    assert (await trust(restarted, "a", trusted=False)).json()["changed"] is True
+    assert (await verification(restarted, "a"))["state"] == "unverified"  # on its own word again
