@@ -307,6 +307,11 @@ class TrackerOptions:
                                     envvar="MESHNET_ADMISSION_CHALLENGES",
                                     help="Challenge each new shard against an admitted holder of its layers before "
                                          "routing it (off: digest check only, shards admitted unverified).")
+    require_verified: bool = typer.Option(T.require_verified, "--require-verified",
+                                          envvar="MESHNET_REQUIRE_VERIFIED",
+                                          help="Route only through shards verified against another holder or "
+                                               "trusted with `meshnet trust`, never on a holder's word alone "
+                                               "(ADR-0069).")
     speed_probe_interval: float = typer.Option(T.speed_probe_interval_s, "--speed-probe-interval", min=0,
                                                envvar="MESHNET_SPEED_PROBE_INTERVAL",
                                                help="Seconds between this tracker's timings of each admitted shard's "
@@ -333,7 +338,8 @@ class TrackerOptions:
                                join_settle_s=self.join_settle, probe_timeout_s=self.probe_timeout,
                                drain_grace_s=self.drain_grace, directive_retention_s=self.directive_retention,
                                admission_challenges=self.challenges, max_client_requests=self.max_client_requests,
-                               speed_probe_interval_s=self.speed_probe_interval, **body_limit(self.max_body_bytes))
+                               speed_probe_interval_s=self.speed_probe_interval,
+                               require_verified=self.require_verified, **body_limit(self.max_body_bytes))
 
 
 #: shards ``meshnet serve`` splits the model into when the cores allow

@@ -87,6 +87,9 @@ class RouteResponse(BaseModel):
     #: node ids of hops whose layers no other admitted holder covers: nothing can spot-check
     #: them (ADR-0042)
     unverified: list[str] = Field(default_factory=list)
+    #: every hop runs on a shard the tracker verified against another holder, or that the operator
+    #: trusts; False when one was admitted on its holder's word alone (ADR-0069)
+    verified: bool = False
 
     def to_hops(self) -> list[Hop]:
         """The hops as :class:`Hop` (half-open layers)."""

@@ -160,7 +160,7 @@ async def route(request: Request) -> JSONResponse:
     hops = svc.route(info.name, LayerRange.from_inclusive(start, end), exclude, request.query_params.get("like"))
     ticket = svc.session_ticket(entry, session, info.name, hops) if entry is not None else None
     body = RouteResponse(model=info.name, hops=[h.to_json() for h in hops], ticket=ticket,
-                         unverified=svc.unverified_hops(info.name, hops))
+                         unverified=svc.unverified_hops(info.name, hops), verified=svc.hops_verified(info.name, hops))
     return JSONResponse(body.model_dump(exclude_none=True))
 
 

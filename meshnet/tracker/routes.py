@@ -51,6 +51,23 @@ class RoutesMixin:
         model = canonical_model_name(model)
         return [(n, s) for n in self.nodes.values() for s in n.shards if s.model == model and n.admitted(s)]
 
+    def routed_shards(self, model: str) -> list[tuple[NodeRecord, ShardRecord]]:
+        """The admitted shards of ``model`` that coverage, routes and entry choice count: every one,
+        or with ``require_verified`` only those checked against another holder or trusted by the
+        operator (verdict ``verified``; ADR-0069)."""
+        shards = self.admitted_shards(model)
+        if self.settings.require_verified:
+            return [(n, s) for n, s in shards if s.verdict is not None and s.verdict.state == "verified"]
+        return shards
+
+    def hops_verified(self, model: str, hops: list[routing.Hop]) -> bool:
+        """Whether every hop runs on a shard the tracker verified (a challenge against another
+        holder, or the operator's trust), not on its holder's word alone (ADR-0069)."""
+        verified = {(n.node_id, s.layers) for n, s in self.admitted_shards(model)
+                    if s.verdict is not None and s.verdict.state == "verified"}
+        return all(any(node_id == h.node_id and layers.start <= h.layers.start and h.layers.end <= layers.end
+                       for node_id, layers in verified) for h in hops)
+
     def coverage(self, model: str) -> Coverage:
         """``model``'s coverage map over its admitted shards (segments inclusive, ADR-0002).
 
@@ -58,7 +75,7 @@ class RoutesMixin:
             NotFound: unknown model.
         """
         info = self.ensure_model(model)
-        admitted = [s for _, s in self.admitted_shards(model)]
+        admitted = [s for _, s in self.routed_shards(model)]
         counts = placement.coverage_counts(info.num_layers, [s.layers for s in admitted])
         segments, start = [], 0
         for layer in range(1, info.num_layers + 1):
@@ -80,7 +97,7 @@ class RoutesMixin:
         """
         now = time.monotonic()
         out = []
-        admitted = self.admitted_shards(model)
+        admitted = self.routed_shards(model)
         speeds = self.judged_speeds(admitted)
         for node, shard in admitted:
             if shard.layers.start >= end_layer:
@@ -224,7 +241,7 @@ class RoutesMixin:
         """
         info = self.ensure_model(model)
         cov = self.coverage(info.name)
-        entries = [(n, s) for n, s in self.admitted_shards(info.name) if s.entry]
+        entries = [(n, s) for n, s in self.routed_shards(info.name) if s.entry]
         if not cov.routable:  # routable implies an admitted entry node
             self.add_demand(info.name)
             raise ModelNotRoutable(f"model {info.name} is not routable yet: {cov.covered_layers}/{info.num_layers} "

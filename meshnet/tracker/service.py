@@ -70,6 +70,9 @@ class TrackerSettings:
         challenge_timeout_s: how long one challenge call may take, seconds.
         max_client_requests: chat and completion requests one client may have in flight through
             this tracker at once (:mod:`meshnet.protocol.limits`, ADR-0060; 0: no limit).
+        require_verified: coverage, routes and entry choice count only shards verified against
+            another holder or trusted by the operator, not those admitted on their holder's word
+            alone (ADR-0069; off: every admitted shard, ``verified`` in routes says which).
         speed_probe_interval_s: each admitted shard of a model with two or more holders has its
             decode speed timed by this tracker again after this many seconds, and its claimed
             tokens/s is checked against it (:mod:`meshnet.tracker.speed`, ADR-0068; 0: never).
@@ -98,6 +101,7 @@ class TrackerSettings:
     challenge_timeout_s: float = 30.0
     max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS
     speed_probe_interval_s: float = 120.0
+    require_verified: bool = False
 
 
 

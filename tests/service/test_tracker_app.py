@@ -189,7 +189,8 @@ async def test_route_has_two_hops_with_inclusive_layers(tracker):
     assert resp.json() == {"model": MODEL, "hops": [
         {"node_id": "node-a", "endpoint": "http://node-a.test:8000", "start_layer": 0, "end_layer": 1},
         {"node_id": "node-b", "endpoint": "http://node-b.test:8000", "start_layer": 2, "end_layer": 3}],
-        "unverified": ["node-a", "node-b"]}  # one holder per range: nothing can spot-check them
+        "unverified": ["node-a", "node-b"],  # one holder per range: nothing can spot-check them
+        "verified": False}  # each admitted on its own word (no challenge: the first holder of its range)
     resp = await tracker.get("/v1/route", params={"model": MODEL, "start_layer": 2, "end_layer": 3})
     assert [h["node_id"] for h in resp.json()["hops"]] == ["node-b"]
 

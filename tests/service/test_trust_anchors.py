@@ -70,3 +70,31 @@ async def test_trust_needs_the_operator_a_known_node_and_outlives_a_restart(asgi
     assert (await verification(restarted, "a"))["state"] == "verified"
     assert (await trust(restarted, "a", trusted=False)).json()["changed"] is True
     assert (await verification(restarted, "a"))["state"] == "unverified"  # on its own word again
+
+
+async def test_routes_say_whether_they_are_verified_and_an_operator_can_require_it(asgi_client):
+    """A range held only by its first, unchecked holder routes with ``verified: false``; with
+    ``require_verified`` it does not route (503, the model not routable) until the operator trusts
+    that holder, or a second holder is checked against it."""
+    app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", operator_token="op", require_verified=True),
+                    run_loop=False, transport=ComputingNodes())
+    client = await asgi_client(app, "http://tracker", auth=SignAsNodes())
+    await client.post("/v1/nodes/register", json=node("a", 0, 3))
+    assert (await verification(client, "a"))["state"] == "unverified"
+    refused = await client.get("/v1/route", params={"model": MODEL})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_loading"
+    assert (await client.get(f"/v1/coverage/{MODEL}")).json()["routable"] is False
+    await trust(client, "a")
+    route = await client.get("/v1/route", params={"model": MODEL})
+    assert route.status_code == 200 and route.json()["verified"] is True
+    assert [h["node_id"] for h in route.json()["hops"]] == ["a"]
+
+
+async def test_without_the_switch_an_unchecked_route_serves_and_says_so(mesh):
+    await mesh.post("/v1/nodes/register", json=node("a", 0, 3))
+    await verification(mesh, "a")
+    assert (await mesh.get("/v1/route", params={"model": MODEL})).json()["verified"] is False
+    await mesh.post("/v1/nodes/register", json=node("b", 0, 3))
+    assert (await verification(mesh, "b"))["state"] == "verified"
+    route = (await mesh.get("/v1/route", params={"model": MODEL, "exclude": "a"})).json()
+    assert route["hops"][0]["node_id"] == "b" and route["verified"] is True
