@@ -69,14 +69,22 @@ def node(node_id: str, start: int, end: int, *, digest: str = "d1", entry: bool 
     return registration(node_id, f"http://{node_id}.test:8000", vram_bytes=2 * 1024**3, shards=[shard])
 
 
-@pytest.fixture
-async def mesh(asgi_client):
-    nodes = ComputingNodes()
-    app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", operator_token="op"), run_loop=False,
+async def tracker_client(asgi_client, nodes: httpx.AsyncBaseTransport | None = None, db: str = ":memory:",
+                         **settings):
+    """A client of an in-process tracker of :data:`MODEL` (operator token ``op``, no control loop)
+    on ``db`` whose calls to nodes go to ``nodes`` (default: fresh :class:`ComputingNodes`);
+    ``client.app`` and ``client.nodes`` are the app and the fake nodes."""
+    nodes = nodes or ComputingNodes()
+    app = build_app(TrackerSettings(models=(MODEL,), db_path=db, operator_token="op", **settings), run_loop=False,
                     transport=nodes)
     client = await asgi_client(app, "http://tracker", auth=SignAsNodes())
-    client.nodes = nodes
+    client.app, client.nodes = app, nodes
     return client
+
+
+@pytest.fixture
+async def mesh(asgi_client):
+    return await tracker_client(asgi_client)
 
 
 async def verification(client, node_id: str, timeout_s: float = 5.0) -> dict:
@@ -119,16 +127,10 @@ async def test_the_known_digest_outlives_a_tracker_restart(asgi_client, tmp_path
     """After a restart on the same database, the first node to register again is still held to
     the digest admitted before: another digest is rejected without a challenge."""
     db = str(tmp_path / "tracker.db")
-
-    async def tracker():
-        app = build_app(TrackerSettings(models=(MODEL,), db_path=db, operator_token="op"), run_loop=False,
-                        transport=ComputingNodes())
-        return await asgi_client(app, "http://tracker", auth=SignAsNodes())
-
-    first = await tracker()
+    first = await tracker_client(asgi_client, db=db)
     await first.post("/v1/nodes/register", json=node("a", 0, 3, digest="d1"))
     assert (await verification(first, "a"))["state"] == "unverified"
-    restarted = await tracker()
+    restarted = await tracker_client(asgi_client, db=db)
     await restarted.post("/v1/nodes/register", json=node("b", 0, 3, digest="other"))
     got = await verification(restarted, "b")
     assert got["state"] == "rejected" and "weights digest other differs from d1" in got["reason"]

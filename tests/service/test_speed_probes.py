@@ -11,11 +11,8 @@ import asyncio
 import httpx
 import pytest
 
-from meshnet.tracker.app import build_app
 from meshnet.tracker.node_api import probe_speed
-from meshnet.tracker.service import TrackerSettings
-from tests.payloads import SignAsNodes
-from tests.service.test_admission_and_quarantine import MODEL, ComputingNodes, node, verification
+from tests.service.test_admission_and_quarantine import MODEL, ComputingNodes, node, tracker_client, verification
 
 
 class TimedNodes(ComputingNodes):
@@ -41,11 +38,7 @@ def claiming(node_id: str, tokens_per_s: float) -> dict:
 @pytest.fixture
 async def timed(asgi_client):
     # the liar is the slower of the two (100 ms a step against 10) and claims 50 times the honest figure
-    nodes = TimedNodes({"liar.test": 0.100, "honest.test": 0.010})
-    app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", operator_token="op"), run_loop=False,
-                    transport=nodes)
-    client = await asgi_client(app, "http://tracker", auth=SignAsNodes())
-    client.app = app
+    client = await tracker_client(asgi_client, TimedNodes({"liar.test": 0.100, "honest.test": 0.010}))
     for node_id, claim in (("honest", 100.0), ("liar", 5000.0)):
         assert (await client.post("/v1/nodes/register", json=claiming(node_id, claim))).status_code == 200
         assert (await verification(client, node_id))["admitted"] is True
@@ -84,34 +77,25 @@ async def test_a_claim_the_probes_refute_no_longer_draws_the_route(timed):
 async def test_honest_claims_within_the_factor_stand_exactly(asgi_client):
     """Each shard probed three times (the best counts, as in the tracker's loop over several
     intervals): a probe that a loaded host stalled does not strip an honest claim."""
-    nodes = TimedNodes({"a.test": 0.010, "b.test": 0.012})
-    app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", operator_token="op",
-                                    speed_probe_interval_s=1e-6), run_loop=False, transport=nodes)
-    client = await asgi_client(app, "http://tracker", auth=SignAsNodes())
-    client.app = app
+    client = await tracker_client(asgi_client, TimedNodes({"a.test": 0.010, "b.test": 0.012}),
+                                  speed_probe_interval_s=1e-6)
     for node_id, claim in (("a", 120.0), ("b", 90.0)):
         await client.post("/v1/nodes/register", json=claiming(node_id, claim))
         await verification(client, node_id)
     for _ in range(3):
         assert await probe_all(client) == ["a", "b"]
-    assert {c.node_id: c.tokens_per_s for c in app.state.service.candidates(MODEL, 4)} == {"a": 120.0, "b": 90.0}
+    assert {c.node_id: c.tokens_per_s for c in client.app.state.service.candidates(MODEL, 4)} == \
+        {"a": 120.0, "b": 90.0}
     assert await route_of(client) == ["a"]
-    assert app.state.service.claims_lost == set()
+    assert client.app.state.service.claims_lost == set()
 
 
 async def test_a_lone_holder_is_not_probed_and_zero_turns_the_probes_off(asgi_client):
-    nodes = TimedNodes({})
-    app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", operator_token="op"), run_loop=False,
-                    transport=nodes)
-    client = await asgi_client(app, "http://tracker", auth=SignAsNodes())
-    client.app = app
+    client = await tracker_client(asgi_client)
     await client.post("/v1/nodes/register", json=claiming("only", 5000.0))
     await verification(client, "only")
     assert await probe_all(client) == []  # no rival to draw traffic from
-    off = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", operator_token="op",
-                                    speed_probe_interval_s=0), run_loop=False, transport=nodes)
-    client = await asgi_client(off, "http://tracker", auth=SignAsNodes())
-    client.app = off
+    client = await tracker_client(asgi_client, speed_probe_interval_s=0)
     for node_id in ("a", "b"):
         await client.post("/v1/nodes/register", json=claiming(node_id, 100.0))
         await verification(client, node_id)

@@ -5,10 +5,7 @@ outlives a restart. The fake nodes are :mod:`tests.service.test_admission_and_qu
 
 from __future__ import annotations
 
-from meshnet.tracker.app import build_app
-from meshnet.tracker.service import TrackerSettings
-from tests.payloads import SignAsNodes
-from tests.service.test_admission_and_quarantine import MODEL, ComputingNodes, mesh, node, verification  # noqa: F401 - a fixture
+from tests.service.test_admission_and_quarantine import MODEL, mesh, node, tracker_client, verification  # noqa: F401 - a fixture
 
 OPERATOR = {"Authorization": "Bearer op"}
 
@@ -51,13 +48,7 @@ async def test_a_trusted_digest_replaces_a_forged_one_heard_first(mesh):
 
 async def test_trust_needs_the_operator_a_known_node_and_outlives_a_restart(asgi_client, tmp_path):
     db = str(tmp_path / "tracker.db")
-
-    async def tracker():
-        app = build_app(TrackerSettings(models=(MODEL,), db_path=db, operator_token="op"), run_loop=False,
-                        transport=ComputingNodes())
-        return await asgi_client(app, "http://tracker", auth=SignAsNodes())
-
-    first = await tracker()
+    first = await tracker_client(asgi_client, db=db)
     await first.post("/v1/nodes/register", json=node("a", 0, 3))
     await verification(first, "a")
     assert (await first.post("/v1/operator/trust", json={"node_id": "a"})).status_code == 401
@@ -65,7 +56,7 @@ async def test_trust_needs_the_operator_a_known_node_and_outlives_a_restart(asgi
     bad = await first.post("/v1/operator/trust", json={"node_id": "a", "trusted": "very"}, headers=OPERATOR)
     assert bad.status_code == 422 and "trusted" in bad.text
     await trust(first, "a")
-    restarted = await tracker()
+    restarted = await tracker_client(asgi_client, db=db)
     await restarted.post("/v1/nodes/register", json=node("a", 0, 3))
     assert (await verification(restarted, "a"))["state"] == "verified"
     assert (await trust(restarted, "a", trusted=False)).json()["changed"] is True
@@ -76,9 +67,7 @@ async def test_routes_say_whether_they_are_verified_and_an_operator_can_require_
     """A range held only by its first, unchecked holder routes with ``verified: false``; with
     ``require_verified`` it does not route (503, the model not routable) until the operator trusts
     that holder, or a second holder is checked against it."""
-    app = build_app(TrackerSettings(models=(MODEL,), db_path=":memory:", operator_token="op", require_verified=True),
-                    run_loop=False, transport=ComputingNodes())
-    client = await asgi_client(app, "http://tracker", auth=SignAsNodes())
+    client = await tracker_client(asgi_client, require_verified=True)
     await client.post("/v1/nodes/register", json=node("a", 0, 3))
     assert (await verification(client, "a"))["state"] == "unverified"
     refused = await client.get("/v1/route", params={"model": MODEL})
