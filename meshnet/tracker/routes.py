@@ -125,9 +125,11 @@ class RoutesMixin:
         ``speed_probe_interval_s`` and not being probed, at most :data:`speed.MAX_PROBES_PER_ROUND`;
         each is marked as being probed until :meth:`record_speed_probe`."""
         interval = self.settings.speed_probe_interval_s
-        if interval <= 0:
-            return []
         now = time.monotonic() if now is None else now
+        if interval <= 0 or now < self.speed_scan_at:
+            return []
+        # a scan reads every node of the registry: after one that found fewer than the cap, wait
+        self.speed_scan_at = now + min(interval, speed.SCAN_EVERY_S)
         out = []
         for model, shards in sorted(self.admitted_by_model().items()):
             preset = find_preset(model)
@@ -141,6 +143,7 @@ class RoutesMixin:
                 self.speed_probing.add(key)
                 out.append((self._holder(node, shard), model, preset.hidden_size))
                 if len(out) >= speed.MAX_PROBES_PER_ROUND:
+                    self.speed_scan_at = now  # more are due: the next round goes on
                     return out
         return out
 

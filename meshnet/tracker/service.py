@@ -148,6 +148,7 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
         #: speed probes running, and holders whose claimed speed their probes refuted when last logged
         #: (ADR-0068): (node id, model, layers)
         self.speed_probing: set[tuple] = set()
+        self.speed_scan_at = 0.0  # monotonic time of the next scan for due speed probes
         self.claims_lost: set[tuple] = set()
         self.tickets = TicketIssuer(self.store.tracker_key(), settings.ticket_ttl_s)
         #: this tracker process, as demand events name it (ADR-0043)

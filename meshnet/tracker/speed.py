@@ -18,7 +18,8 @@ inflation exceeds :data:`CLAIM_FACTOR` times the baseline **loses its claim**: r
 keep their claims exactly, so an honest network's routes do not move with the probes' noise.
 
 Probes run only for models with two or more admitted holders (one holder has no rival to draw
-traffic from), at most :data:`MAX_PROBES_PER_ROUND` each control-loop second, each shard again
+traffic from), at most :data:`MAX_PROBES_PER_ROUND` each control-loop second (the registry is
+scanned for due shards every :data:`SCAN_EVERY_S` seconds while none wait), each shard again
 every ``TrackerSettings.speed_probe_interval_s`` (0: never); a probe that fails records nothing.
 Each tracker probes for itself (the figures are not shared through the database: a successor
 probes again within one interval).
@@ -46,6 +47,9 @@ CLAIM_FACTOR = 4.0
 PROBE_SAMPLES = 3
 #: speed probes the tracker starts per control-loop round (one a second)
 MAX_PROBES_PER_ROUND = 4
+#: seconds between two scans of the registry for due probes once a scan found fewer than the round's
+#: cap (a newly admitted shard waits at most this long for its first probe)
+SCAN_EVERY_S = 5.0
 
 
 def judge_claims(holders: Mapping[Hashable, tuple[float, float | None]]) -> dict[Hashable, float]:
