@@ -4,9 +4,9 @@ For every step of a chain a hop runs, it signs a receipt with its node key (Ed25
 :mod:`meshnet.node.identity`) and sends it to the chain's entry (a RECEIPT message,
 :mod:`meshnet.dataplane.frames`). The signed message binds::
 
-    b"meshnet-receipt/2" | chain id (16 raw bytes) | first layer, end layer (uint32 LE each,
-    half-open) | position (uint32 LE) | tokens (uint32 LE) | flags (1 byte)
-    | SHA-256 of the input frame | SHA-256 of the output frame
+    b"meshnet-receipt/3" | SHA-256 of the model's canonical name | chain id (16 raw bytes)
+    | first layer, end layer (uint32 LE each, half-open) | position (uint32 LE) | tokens (uint32 LE)
+    | flags (1 byte) | SHA-256 of the input frame | SHA-256 of the output frame
 
 (the output digest is 32 zero bytes for a step that returned nothing, a failover's replay chunk
 on the last hop). The chain id names the session in the hop's ticket, which names the model and
@@ -14,7 +14,10 @@ the node, so a receipt says: "for this input at these positions of this session,
 layers, I sent this output". The layers are signed too: an entry may hold more than one ticket
 for a session (a failover re-routes it) and a node may serve a sub-range of its shard, so without
 them a report could claim other layers than the ones run and frame an honest node with its own
-signature. A RECEIPT body is the two digests and the signature, 128 bytes.
+signature. The model is signed for the same reason: a node serving one layer range of two models
+could otherwise have its honest steps of one judged as steps of the other (callers pass the
+canonical name, :func:`meshnet.presets.canonical_model_name`, so an alias signs the same bytes). A
+RECEIPT body is the two digests and the signature, 128 bytes.
 
 Each hop also keeps its own transcript (:class:`TranscriptStore`): the frames it received and
 sent, by chain, for a while after the session ends, bounded in bytes. An audit
@@ -46,7 +49,7 @@ __all__ = ["HEADER_CHAIN_KEY", "HEADER_RECEIPT", "NO_OUTPUT", "RECEIPT_BYTES", "
            "TranscriptStore", "digest", "history_problem", "read_transcript", "receipt_message", "replay_runs",
            "sign_step", "transcript_json", "verify_step"]
 
-_CONTEXT = b"meshnet-receipt/2"
+_CONTEXT = b"meshnet-receipt/3"
 #: a RECEIPT body: input digest, output digest, signature
 RECEIPT_BYTES = 32 + 32 + 64
 #: the output digest of a step that returned nothing
@@ -58,8 +61,8 @@ def digest(frame: bytes | None) -> bytes:
     return NO_OUTPUT if frame is None else hashlib.sha256(frame).digest()
 
 
-def receipt_message(chain_id: str, layers: LayerRange, position: int, tokens: int, flags: int, in_digest: bytes,
-                    out_digest: bytes) -> bytes:
+def receipt_message(model: str, chain_id: str, layers: LayerRange, position: int, tokens: int, flags: int,
+                    in_digest: bytes, out_digest: bytes) -> bytes:
     """The bytes a receipt's signature covers (see the module doc).
 
     Raises:
@@ -67,7 +70,7 @@ def receipt_message(chain_id: str, layers: LayerRange, position: int, tokens: in
     """
     if len(in_digest) != 32 or len(out_digest) != 32:
         raise ValueError("receipt digests are 32 bytes each")
-    return (_CONTEXT + uuid.UUID(hex=chain_id).bytes
+    return (_CONTEXT + hashlib.sha256(model.encode()).digest() + uuid.UUID(hex=chain_id).bytes
             + struct.pack("<IIIIB", layers.start, layers.end, position, tokens, flags & 0xFF) + in_digest + out_digest)
 
 
@@ -96,24 +99,24 @@ class Receipt:
         return cls(bytes(body[:32]), bytes(body[32:64]), bytes(body[64:]))
 
 
-def sign_step(key: Ed25519PrivateKey, chain_id: str, layers: LayerRange, position: int, tokens: int, flags: int,
-              frame_in: bytes, frame_out: bytes | None) -> Receipt:
+def sign_step(key: Ed25519PrivateKey, model: str, chain_id: str, layers: LayerRange, position: int, tokens: int,
+              flags: int, frame_in: bytes, frame_out: bytes | None) -> Receipt:
     """The receipt of one step: ``frame_in`` (``tokens`` positions from ``position``) run through
-    ``layers`` gave ``frame_out`` (None: nothing was sent back)."""
+    ``layers`` of ``model`` (its canonical name) gave ``frame_out`` (None: nothing was sent back)."""
     ins, outs = digest(frame_in), digest(frame_out)
-    return Receipt(ins, outs, key.sign(receipt_message(chain_id, layers, position, tokens, flags, ins, outs)))
+    return Receipt(ins, outs, key.sign(receipt_message(model, chain_id, layers, position, tokens, flags, ins, outs)))
 
 
-def verify_step(public_key: Ed25519PublicKey, chain_id: str, layers: LayerRange, position: int, tokens: int,
-                flags: int, frame_in: bytes, frame_out: bytes | None, receipt: Receipt) -> str:
+def verify_step(public_key: Ed25519PublicKey, model: str, chain_id: str, layers: LayerRange, position: int,
+                tokens: int, flags: int, frame_in: bytes, frame_out: bytes | None, receipt: Receipt) -> str:
     """Why ``receipt`` does not show that the key's node turned ``frame_in`` into ``frame_out``
-    through ``layers`` ("" when it does)."""
+    through ``layers`` of ``model`` (its canonical name; "" when it does)."""
     if digest(frame_in) != receipt.in_digest:
         return f"the input at position {position} is not the one the receipt names"
     if digest(frame_out) != receipt.out_digest:
         return f"the output at position {position} is not the one the receipt names"
     try:
-        public_key.verify(receipt.signature, receipt_message(chain_id, layers, position, tokens, flags,
+        public_key.verify(receipt.signature, receipt_message(model, chain_id, layers, position, tokens, flags,
                                                              receipt.in_digest, receipt.out_digest))
     except (InvalidSignature, ValueError):
         return f"the receipt at position {position} is not signed by the node"

@@ -57,6 +57,7 @@ from meshnet.layers import LayerRange
 from meshnet.protocol.control import AuditReplay, AuditReport, AuditStep
 from meshnet.protocol.route import Hop
 from meshnet.protocol.signing import b64url, decode_public_key, unb64url
+from meshnet.presets import canonical_model_name
 
 log = logging.getLogger(__name__)
 
@@ -227,9 +228,11 @@ class Auditor:
         disputed = steps[:worst + 1]
         signed = [receipts[(s.position, digest(s.frame_in), s.flags)] for s in disputed]
         replay = replay.upto(disputed) if replay is not None else None
-        why = await self._unverified(hop.node_id, record.chain_id, hop.layers, disputed, signed)
+        model = canonical_model_name(record.model or "")
+        why = await self._unverified(hop.node_id, model, record.chain_id, hop.layers, disputed, signed)
         if not why and replay is not None:
-            why = await self._unverified(replay.witness, replay.session, hop.layers, replay.steps, replay.receipts)
+            why = await self._unverified(replay.witness, model, replay.session, hop.layers, replay.steps,
+                                         replay.receipts)
         elif not why and self.keys is not None:  # a witness that signs nothing leaves the entry's word alone
             why = "the witness sent no signed receipt of its replay"
         if why:
@@ -252,10 +255,10 @@ class Auditor:
         self.stats.verdicts = (self.stats.verdicts + [verdict])[-100:]
         return verdict
 
-    async def _unverified(self, node_id: str, chain_id: str, layers: LayerRange, steps: list[TranscriptStep],
-                          receipts: list[Receipt]) -> str:
+    async def _unverified(self, node_id: str, model: str, chain_id: str, layers: LayerRange,
+                          steps: list[TranscriptStep], receipts: list[Receipt]) -> str:
         """Why ``receipts`` do not show that ``node_id`` ran ``steps`` of ``chain_id`` through
-        ``layers`` ("" when they do, or when this auditor has no :data:`KeyLookup`)."""
+        ``layers`` of ``model`` ("" when they do, or when this auditor has no :data:`KeyLookup`)."""
         if self.keys is None:
             return ""
         try:
@@ -266,7 +269,8 @@ class Auditor:
         if key is None:
             return f"the tracker knows no key of {node_id}"
         for s, r in zip(steps, receipts):
-            why = verify_step(key, chain_id, layers, s.position, s.tokens, s.flags, s.frame_in, s.frame_out, r)
+            why = verify_step(key, model, chain_id, layers, s.position, s.tokens, s.flags, s.frame_in, s.frame_out,
+                              r)
             if why:
                 return f"{node_id}: {why}"
         return ""

@@ -166,19 +166,20 @@ async def forward(request: Request) -> Response:
     frame = await wire.encode_async(out, dtype=hidden.dtype)
     flags = (FLAG_LAST_ONLY if last_only else 0) | (FLAG_REWIND if request.headers.get(HEADER_REWIND) == "1" else 0)
     return Response(frame, media_type="application/octet-stream",
-                    headers=_receipt_header(node, session, LayerRange.from_inclusive(start, end), position,
+                    headers=_receipt_header(node, model, session, LayerRange.from_inclusive(start, end), position,
                                             hidden.shape[1], flags, body, frame))
 
 
-def _receipt_header(node: NodeContext, session: str, layers: LayerRange, position: int, tokens: int, flags: int,
-                    frame_in: bytes, frame_out: bytes) -> dict[str, str]:
+def _receipt_header(node: NodeContext, model: str | None, session: str, layers: LayerRange, position: int,
+                    tokens: int, flags: int, frame_in: bytes, frame_out: bytes) -> dict[str, str]:
     """``X-Meshnet-Receipt``: the node's signed receipt of a hop call (ADR-0067), as a hop stream
     step's RECEIPT; none without a node key or for a session id that is not 32 hex characters."""
     key = node.step_key
     if key is None:
         return {}
     try:
-        receipt = sign_step(key, session, layers, position, tokens, flags, frame_in, frame_out)
+        receipt = sign_step(key, canonical_model_name(model or ""), session, layers, position, tokens, flags,
+                            frame_in, frame_out)
     except ValueError:
         return {}
     return {HEADER_RECEIPT: b64url(receipt.to_bytes())}

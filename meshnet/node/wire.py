@@ -51,6 +51,7 @@ from meshnet.errors import Forbidden, MeshnetError, TicketExpired, WireError
 from meshnet.protocol.route import Hop
 from meshnet.dataplane.frames import DEFAULT_MAX_BYTES, MAGIC, MAX_NDIM, MIN_SAVING, READS_BUNDLES, VERSION, ZSTD_MAGIC, \
     ChainError, ChainOpen, Kind, Message, pack, same_key, unbundle, unpack  # noqa: F401 - frame constants re-exported
+from meshnet.presets import canonical_model_name
 
 log = logging.getLogger(__name__)
 
@@ -405,8 +406,8 @@ class ChainHost:
         key = node.step_key
         if key is None:
             return
-        receipt = sign_step(key, chain.chain_id, chain.hop.layers, message.position, tokens, message.flags,
-                            message.body, frame)
+        receipt = sign_step(key, canonical_model_name(chain.model or ""), chain.chain_id, chain.hop.layers,
+                            message.position, tokens, message.flags, message.body, frame)
         try:
             await node.streams.send(chain.opened.entry_endpoint, pack(
                 Kind.RECEIPT, chain.chain_id, key=chain.key, position=message.position,

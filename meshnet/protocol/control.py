@@ -51,8 +51,9 @@ MAX_LAYERS = 1024
 #: asks hops for step receipts in a chain's OPEN and judges audits by the accused's signed steps
 #: (ADR-0067: a revision-5 hop would refuse the OPEN's unknown field, and a revision-5 entry's
 #: distance reports no longer quarantine anyone); revision 7 signs the layers a step ran in its receipt
-#: ("meshnet-receipt/2", ADR-0067 third amendment: a revision-6 node's receipts no longer verify).
-PROTOCOL_REVISION = 7
+#: ("meshnet-receipt/2", ADR-0067 third amendment: a revision-6 node's receipts no longer verify);
+#: revision 8 signs the model too ("meshnet-receipt/3", ADR-0067 fourth amendment).
+PROTOCOL_REVISION = 8
 
 #: a ticket longer than this is refused unread (a route has a few hops; this leaves room for ~60)
 MAX_TICKET_CHARS = 8192

@@ -50,6 +50,7 @@ from meshnet.layers import LayerRange
 from meshnet.protocol.control import AuditReplay, AuditReport, AuditStep
 from meshnet.protocol.signing import unb64url
 from meshnet.tracker.admission import Holder
+from meshnet.presets import canonical_model_name
 
 __all__ = ["FALSE_ACCUSATIONS", "FORGED", "REPLAY_OUTVOTED", "WITNESSES", "AuditCase", "AuditVerdict", "judge_audit",
            "judge_replay", "read_evidence", "read_replay"]
@@ -111,23 +112,25 @@ def read_evidence(report: AuditReport, public_key) -> tuple[list[TranscriptStep]
     verifies with ``public_key`` through the report's layers, the steps are one session's history
     from position 0, and one of them at least returned something to judge). Unreadable steps are a reason, not an error:
     broken evidence is its sender's fault either way."""
-    steps, why = _signed_steps(report.steps, report.chain_id, report.layers, public_key)
+    steps, why = _signed_steps(report.steps, canonical_model_name(report.model), report.chain_id, report.layers,
+                               public_key)
     if not why and not any(s.frame_out is not None for s in steps):
         return [], "no step carries an output to judge"
     return steps, why
 
 
-def read_replay(replay: AuditReplay, layers: LayerRange, public_key) -> tuple[list[TranscriptStep], str]:
-    """The replay's calls, and why they are not its witness's own run of ``layers`` ("" when every
-    receipt verifies with ``public_key``, the witness's, under the replay's session and through
-    ``layers``, the calls are one session's history from position 0 and each returned its positions)."""
-    steps, why = _signed_steps(replay.steps, replay.session, layers, public_key)
+def read_replay(replay: AuditReplay, model: str, layers: LayerRange, public_key) -> tuple[list[TranscriptStep], str]:
+    """The replay's calls, and why they are not its witness's own run of ``layers`` of ``model`` (""
+    when every receipt verifies with ``public_key``, the witness's, under the replay's session and
+    through those layers of that model, the calls are one session's history from position 0 and each
+    returned its positions)."""
+    steps, why = _signed_steps(replay.steps, canonical_model_name(model), replay.session, layers, public_key)
     if not why and any(s.frame_out is None for s in steps):
         return [], "a replay call returned nothing"
     return steps, why
 
 
-def _signed_steps(body: list[AuditStep], session: str, layers: LayerRange,
+def _signed_steps(body: list[AuditStep], model: str, session: str, layers: LayerRange,
                   public_key) -> tuple[list[TranscriptStep], str]:
     """``body`` as steps of ``session``, and why they are not what ``public_key``'s node signed as
     one session's history through ``layers`` ("" when they are). Unreadable steps are a reason, not
@@ -140,8 +143,8 @@ def _signed_steps(body: list[AuditStep], session: str, layers: LayerRange,
             receipt = Receipt.from_bytes(unb64url(step.receipt))
         except (ValueError, MeshnetError) as exc:
             return [], f"step {i} does not decode: {exc}"
-        why = verify_step(public_key, session, layers, step.position, step.tokens, step.flags, frame_in, frame_out,
-                          receipt)
+        why = verify_step(public_key, model, session, layers, step.position, step.tokens, step.flags, frame_in,
+                          frame_out, receipt)
         if why:
             return [], why
         steps.append(TranscriptStep(step.position, step.tokens, step.flags, frame_in, frame_out))

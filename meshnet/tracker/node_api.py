@@ -262,7 +262,7 @@ async def weigh_replay(svc: TrackerService, case: AuditCase, replay: AuditReplay
     if text is None:
         steps, why = [], f"names {replay.witness}, a node the tracker does not know"
     else:
-        steps, why = read_replay(replay, case.layers, decode_public_key(text))
+        steps, why = read_replay(replay, case.model, case.layers, decode_public_key(text))
     if why:
         return dataclasses.replace(verdict, reason=f"{verdict.reason}; the entry's replay does not stand: {why}")
     return judge_replay(case, steps, replay.witness, runs, verdict)

@@ -186,7 +186,7 @@ def audit_report(ticket: str, *, lied: bool = True, signer: str = "h1", chain: s
         out = np.tanh(x) + (NOISE if lied and position > 0 else 0.0)
         a, b = frame(x), frame(out)
         steps.append({"position": position, "tokens": tokens, "flags": 0, "input": b64url(a), "output": b64url(b),
-                      "receipt": b64url(sign_step(key, chain, LayerRange(2, 4), position, tokens, 0, a, b).to_bytes())})
+                      "receipt": b64url(sign_step(key, MODEL, chain, LayerRange(2, 4), position, tokens, 0, a, b).to_bytes())})
     return {"model": MODEL, "shard_start": 2, "shard_end": 3, "chain_id": chain, "ticket": ticket, "steps": steps}
 
 
@@ -347,7 +347,7 @@ def replay_body(*, lied: bool, signer: str = "h4") -> dict:
                         for tokens, seed in ((4, 1), (1, 2))], axis=1)
     a, b = frame(x), frame(np.tanh(x) + (NOISE if lied else 0.0))
     step = {"position": 0, "tokens": 5, "flags": 0, "input": b64url(a), "output": b64url(b),
-            "receipt": b64url(sign_step(node_key(signer), session, LayerRange(2, 4), 0, 5, 0, a, b).to_bytes())}
+            "receipt": b64url(sign_step(node_key(signer), MODEL, session, LayerRange(2, 4), 0, 5, 0, a, b).to_bytes())}
     return {"witness": "h4", "session": session, "steps": [step]}
 
 

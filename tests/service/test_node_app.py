@@ -467,10 +467,14 @@ async def test_a_hop_call_answers_with_the_nodes_signed_receipt_of_it(asgi_clien
     assert resp.status_code == 200, resp.text
     receipt = Receipt.from_bytes(unb64url(resp.headers["X-Meshnet-Receipt"]))
     public = node_key("node-tail").public_key()
-    assert verify_step(public, session, LayerRange(2, 4), 0, 4, FLAG_LAST_ONLY, body, resp.content, receipt) == ""
-    assert verify_step(public, session, LayerRange(2, 4), 0, 4, 0, body, resp.content, receipt) != ""  # the flags are signed too
-    assert verify_step(public, session, LayerRange(2, 3), 0, 4, FLAG_LAST_ONLY, body, resp.content,
+    # no X-Meshnet-Model header: the model signed is "" (a mesh's entry always names it)
+    assert verify_step(public, "", session, LayerRange(2, 4), 0, 4, FLAG_LAST_ONLY, body, resp.content, receipt) == ""
+    assert verify_step(public, "", session, LayerRange(2, 4), 0, 4, 0, body, resp.content,
+                       receipt) != ""  # the flags are signed too
+    assert verify_step(public, "", session, LayerRange(2, 3), 0, 4, FLAG_LAST_ONLY, body, resp.content,
                        receipt) != ""  # and the layers
+    assert verify_step(public, "tiny-llama", session, LayerRange(2, 4), 0, 4, FLAG_LAST_ONLY, body, resp.content,
+                       receipt) != ""  # and the model
 
 
 async def test_a_transcript_is_given_only_to_a_holder_of_its_chain_key(asgi_client, tail_runtime):

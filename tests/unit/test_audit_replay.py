@@ -17,6 +17,7 @@ from tests.payloads import node_key
 
 SESSION = uuid.UUID(int=3).hex
 LAYERS = LayerRange(10, 20)
+MODEL = "smollm2-135m-instruct"
 
 
 def step(position: int, tokens: int, flags: int = 0, out: bytes | None = b"out") -> TranscriptStep:
@@ -25,7 +26,7 @@ def step(position: int, tokens: int, flags: int = 0, out: bytes | None = b"out")
 
 def replay(calls: list[tuple[int, TranscriptStep]], signer: str = "w") -> _Replay:
     key = node_key(signer)
-    return _Replay("w", SESSION, [(k, c, sign_step(key, SESSION, LAYERS, c.position, c.tokens, c.flags, c.frame_in,
+    return _Replay("w", SESSION, [(k, c, sign_step(key, MODEL, SESSION, LAYERS, c.position, c.tokens, c.flags, c.frame_in,
                                                    c.frame_out)) for k, c in calls])
 
 
@@ -51,12 +52,14 @@ async def test_receipts_are_checked_against_the_key_the_tracker_binds_before_the
     async with httpx.AsyncClient() as client:
         auditor = Auditor(client=client, routes=None, report=None, keys=lookup)
         signed = replay([(0, step(0, 4))])
-        assert await auditor._unverified("w", SESSION, LAYERS, signed.steps, signed.receipts) == ""
+        assert await auditor._unverified("w", MODEL, SESSION, LAYERS, signed.steps, signed.receipts) == ""
         forged = replay([(0, step(0, 4))], signer="x")
-        assert "not signed by the node" in await auditor._unverified("w", SESSION, LAYERS, forged.steps, forged.receipts)
-        assert "knows no key of y" in await auditor._unverified("y", SESSION, LAYERS, signed.steps, signed.receipts)
+        assert "not signed by the node" in await auditor._unverified("w", MODEL, SESSION, LAYERS, forged.steps, forged.receipts)
+        assert "knows no key of y" in await auditor._unverified("y", MODEL, SESSION, LAYERS, signed.steps, signed.receipts)
+        assert "not signed by the node" in await auditor._unverified(  # signed for another model's layers
+            "w", "another-model", SESSION, LAYERS, signed.steps, signed.receipts)
         assert await Auditor(client=client, routes=None, report=None)._unverified(
-            "w", SESSION, LAYERS, forged.steps, forged.receipts) == ""  # no key lookup: nothing checked here
+            "w", MODEL, SESSION, LAYERS, forged.steps, forged.receipts) == ""  # no key lookup: nothing checked here
 
 
 def test_an_entrys_audits_are_counted_in_its_metrics_once_its_auditor_runs():

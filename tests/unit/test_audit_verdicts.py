@@ -37,17 +37,18 @@ def rows(seed: int, tokens: int, width: int = 8) -> np.ndarray:
 def test_a_receipt_binds_the_step_to_the_signers_key():
     key = node_key("h1")
     a, b = frame(rows(0, 3)), frame(rows(1, 3))
-    receipt = sign_step(key, CHAIN, LAYERS, 5, 3, FLAG_REWIND, a, b)
+    receipt = sign_step(key, "m", CHAIN, LAYERS, 5, 3, FLAG_REWIND, a, b)
     assert len(receipt.to_bytes()) == 128 and Receipt.from_bytes(receipt.to_bytes()) == receipt
     public = key.public_key()
-    assert verify_step(public, CHAIN, LAYERS, 5, 3, FLAG_REWIND, a, b, receipt) == ""
-    assert "output" in verify_step(public, CHAIN, LAYERS, 5, 3, FLAG_REWIND, a, a, receipt)
-    assert "input" in verify_step(public, CHAIN, LAYERS, 5, 3, FLAG_REWIND, b, b, receipt)
-    assert "not signed" in verify_step(public, CHAIN, LAYERS, 6, 3, FLAG_REWIND, a, b, receipt)  # another position
-    assert "not signed" in verify_step(public, CHAIN, LAYERS, 5, 3, 0, a, b, receipt)  # other flags
-    assert "not signed" in verify_step(public, CHAIN, LayerRange(10, 19), 5, 3, FLAG_REWIND, a, b, receipt)  # other layers
-    assert "not signed" in verify_step(node_key("h2").public_key(), CHAIN, LAYERS, 5, 3, FLAG_REWIND, a, b, receipt)
-    assert sign_step(key, CHAIN, LAYERS, 0, 1, 0, a, None).out_digest == NO_OUTPUT
+    assert verify_step(public, "m", CHAIN, LAYERS, 5, 3, FLAG_REWIND, a, b, receipt) == ""
+    assert "output" in verify_step(public, "m", CHAIN, LAYERS, 5, 3, FLAG_REWIND, a, a, receipt)
+    assert "input" in verify_step(public, "m", CHAIN, LAYERS, 5, 3, FLAG_REWIND, b, b, receipt)
+    assert "not signed" in verify_step(public, "m", CHAIN, LAYERS, 6, 3, FLAG_REWIND, a, b, receipt)  # another position
+    assert "not signed" in verify_step(public, "m", CHAIN, LAYERS, 5, 3, 0, a, b, receipt)  # other flags
+    assert "not signed" in verify_step(public, "m", CHAIN, LayerRange(10, 19), 5, 3, FLAG_REWIND, a, b, receipt)  # other layers
+    assert "not signed" in verify_step(node_key("h2").public_key(), "m", CHAIN, LAYERS, 5, 3, FLAG_REWIND, a, b, receipt)
+    assert "not signed" in verify_step(public, "other", CHAIN, LAYERS, 5, 3, FLAG_REWIND, a, b, receipt)  # another model
+    assert sign_step(key, "m", CHAIN, LAYERS, 0, 1, 0, a, None).out_digest == NO_OUTPUT
 
 
 def test_a_transcript_keeps_steps_in_order_for_its_key_and_forgets_them_after_its_time():
@@ -91,7 +92,7 @@ def evidence(outputs: list[np.ndarray], *, signer: str = "x", chain: str = CHAIN
         flags = FLAG_LAST_ONLY
         a, b = frame(rows(10 + i, tokens)), frame(out)
         steps.append(AuditStep(position=position, tokens=tokens, flags=flags, input=b64url(a), output=b64url(b),
-                               receipt=b64url(sign_step(key, chain, LAYERS, position, tokens, flags, a, b).to_bytes())))
+                               receipt=b64url(sign_step(key, "m", chain, LAYERS, position, tokens, flags, a, b).to_bytes())))
         position += tokens
     return AuditReport(model="m", shard_start=10, shard_end=19, chain_id=CHAIN, ticket="t", steps=steps), steps
 
@@ -183,13 +184,13 @@ def replay_of(noise: float = 0.0, *, chunks: tuple[int, ...] = (6,), signer: str
     for n in chunks:
         a, b = frame(given[:, position:position + n]), frame(out[:, position:position + n])
         steps.append(AuditStep(position=position, tokens=n, flags=0, input=b64url(a), output=b64url(b),
-                               receipt=b64url(sign_step(key, REPLAY_SESSION, LAYERS, position, n, 0, a, b).to_bytes())))
+                               receipt=b64url(sign_step(key, "m", REPLAY_SESSION, LAYERS, position, n, 0, a, b).to_bytes())))
         position += n
     return AuditReplay(witness="r", session=REPLAY_SESSION, steps=steps)
 
 
 def weigh(replay: AuditReplay) -> AuditVerdict:
-    calls, why = read_replay(replay, LAYERS, node_key("r").public_key())
+    calls, why = read_replay(replay, "m", LAYERS, node_key("r").public_key())
     assert why == ""
     return judge_replay(case_of(evidence(HONEST)[0]), calls, "r", {"w1": witness_run(HONEST),
                                                                    "w2": witness_run(HONEST)}, FALSE)
@@ -219,26 +220,27 @@ def test_a_replay_of_other_inputs_proves_nothing():
 
 
 def test_a_replay_its_witness_did_not_sign_does_not_read():
-    assert "not signed by the node" in read_replay(replay_of(1.0, signer="y"), LAYERS,
+    assert "not signed by the node" in read_replay(replay_of(1.0, signer="y"), "m", LAYERS,
                                                    node_key("r").public_key())[1]
     # a replay the witness ran through other layers than the dispute's (a ticket for a sub-range)
-    assert "not signed by the node" in read_replay(replay_of(1.0), LayerRange(10, 19), node_key("r").public_key())[1]
+    assert "not signed by the node" in read_replay(replay_of(1.0), "m", LayerRange(10, 19), node_key("r").public_key())[1]
+    assert "not signed by the node" in read_replay(replay_of(1.0), "other", LAYERS, node_key("r").public_key())[1]
     gap = replay_of(1.0, chunks=(4, 2))
     gap = gap.model_copy(update={"steps": gap.steps[1:]})
-    assert "no session's history" in read_replay(gap, LAYERS, node_key("r").public_key())[1]
+    assert "no session's history" in read_replay(gap, "m", LAYERS, node_key("r").public_key())[1]
 
 
 def test_a_witness_whose_own_re_run_for_the_tracker_disagrees_with_the_replay_it_signed_is_outvoted():
     """Three holders of a range: the entry's witness r is also one of the tracker's two; it answers
     the tracker honestly, and what it signed for the entry is unlike its own re-run."""
-    calls, _ = read_replay(replay_of(1.0), LAYERS, node_key("r").public_key())
+    calls, _ = read_replay(replay_of(1.0), "m", LAYERS, node_key("r").public_key())
     verdict = judge_replay(case_of(evidence(HONEST)[0]), calls, "r", {"w1": witness_run(HONEST),
                                                                       "r": witness_run(HONEST)}, FALSE)
     assert verdict.state == REPLAY_OUTVOTED and verdict.outvoted == "r" and verdict.distances["r|r"] > 0.3
 
 
 def test_a_replay_against_one_witness_or_from_the_accused_changes_nothing():
-    calls, _ = read_replay(replay_of(1.0), LAYERS, node_key("r").public_key())
+    calls, _ = read_replay(replay_of(1.0), "m", LAYERS, node_key("r").public_key())
     alone = judge_replay(case_of(evidence(HONEST)[0]), calls, "r", {"w1": witness_run(HONEST)}, FALSE)
     assert alone.state == "false_accusation" and "that needs two" in alone.reason
     own = judge_replay(case_of(evidence(HONEST)[0]), calls, "x", {"w1": witness_run(HONEST),
