@@ -152,6 +152,7 @@ class ChainRoute(FailoverCounts):
         self.want_receipts = receipts
         self.pool, self.inbox = end.pool, end.inbox
         self.fo = Failover(ctx, chain_id, on_failover)
+        self.fo.routes_verified.append(route.verified)
         self.model, self.entry_id, self.entry_endpoint = ctx.model, end.node_id, end.endpoint
         self.layers, self.codec = layers, ctx.codec
         self.timeout_s, self.max_failovers = ctx.timeout_s, ctx.max_failovers

@@ -211,6 +211,8 @@ class Failover:
         self.failed: set[str] = set()
         self.failovers = 0
         self.deadline_misses = 0
+        #: whether each route the session used was verified by the tracker (ADR-0069), in order
+        self.routes_verified: list[bool | None] = []
 
     def new_times(self) -> StepTimes:
         """Step times of a new hop or chain, for its deadlines."""
@@ -238,12 +240,14 @@ class Failover:
             HopBusy, HopFailed: ``exc`` (its class kept) extended with why there is none.
         """
         try:
-            return await self.link.routes(self.ctx.model, layers, frozenset(self.failed), session_id or self.session_id)
+            route = await self.link.routes(self.ctx.model, layers, frozenset(self.failed), session_id or self.session_id)
         except Exception as route_exc:  # noqa: BLE001 - no route, tracker down, bad answer
             why = getattr(route_exc, "message", None) or f"{type(route_exc).__name__}: {route_exc}"
             cls = HopBusy if isinstance(exc, HopBusy) else HopFailed
             raise cls(f"{exc.message}; no other route: no other node serves layers {layers}: {why}",
                       node_id=exc.node_id, code=exc.code) from route_exc
+        self.routes_verified.append(route.verified)
+        return route
 
     def release(self, touched: list[Touched], session_id: SessionId, *, abandoned: bool) -> None:
         """Release ``session_id`` on each ``(endpoint, ticket)`` in the background; an ``abandoned``
@@ -297,3 +301,10 @@ class FailoverCounts:
     def deadline_misses(self) -> int:
         """Replacements of a hop that froze (missed its deadline, then its probe)."""
         return self.fo.deadline_misses
+
+    @property
+    def verified(self) -> bool | None:
+        """Whether the tracker verified every route the session used, failovers' included (ADR-0069;
+        None: a route did not say)."""
+        said = self.fo.routes_verified
+        return None if not said or None in said else all(said)

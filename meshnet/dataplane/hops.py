@@ -158,6 +158,7 @@ class RemoteRoute(FailoverCounts):
                  on_failover: FailoverListener | None = None, spot_check=None) -> None:
         self.ctx, self.session_id = ctx, session_id
         self.fo = Failover(ctx, session_id, on_failover)
+        self.fo.routes_verified.append(route.verified)
         self.client, self.model, self.codec = ctx.link.client, ctx.model, ctx.codec
         self.max_failovers, self.replay_chunk_tokens = ctx.max_failovers, ctx.replay_chunk_tokens
         self.timeout = httpx.Timeout(ctx.timeout_s, connect=min(ctx.connect_timeout_s, ctx.timeout_s))

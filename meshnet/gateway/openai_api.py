@@ -309,7 +309,7 @@ def meshnet_block(stats: list[GenerationStats]) -> dict:
         return {"route": [h.to_json() for h in s.route], "prefill_s": round(s.prefill_s, 4),
                 "time_to_first_token_s": None if s.first_token_s is None else round(s.first_token_s, 4),
                 "decode_tokens_per_s": round(s.decode_tokens_per_s, 3), "failovers": s.failovers,
-                "deadline_misses": s.deadline_misses, "completion_token_ids": s.token_ids,
+                "deadline_misses": s.deadline_misses, "verified": s.verified, "completion_token_ids": s.token_ids,
                 "speculation": {"traversals": s.traversals, "drafted": s.drafted, "accepted": s.accepted,
                                 "tokens_per_traversal": round(s.tokens_per_traversal, 3)}}
     block = one(stats[0])

@@ -60,6 +60,9 @@ class GenerationStats:
     failovers: int = 0
     #: hop calls failed over because the hop froze (missed its deadline, no liveness answer)
     deadline_misses: int = 0
+    #: the tracker verified every shard of every route the generation used, the entry's own included
+    #: (ADR-0069); None: not said (no remote hops, or a route from no tracker)
+    verified: bool | None = None
     finish_reason: str = "length"
     token_ids: list[int] = field(default_factory=list)
     #: one entry per generated token when the request asked for logprobs (else empty)
@@ -292,6 +295,7 @@ class Orchestrator:
             stats.route = [entry_hop] + (remote.hops if remote else [])
             stats.failovers = remote.failovers if remote else 0
             stats.deadline_misses = remote.deadline_misses if remote else 0
+            stats.verified = remote.verified if remote else None
             if self.observer is not None:
                 self.observer.generation_finished(stats)
 

@@ -68,11 +68,14 @@ class HopJSON(BaseModel):
 
 @dataclass(frozen=True)
 class Route:
-    """The hops of one session's remote layers, in order, and the ticket that lets the entry use
-    them (None: a mesh without tickets, e.g. nodes that have no tracker)."""
+    """The hops of one session's remote layers, in order, the ticket that lets the entry use
+    them (None: a mesh without tickets, e.g. nodes that have no tracker), and whether the tracker
+    verified every shard of the session's route, the entry's own included (ADR-0069; None: not
+    said, a route from no tracker)."""
 
     hops: list[Hop]
     ticket: str | None = None
+    verified: bool | None = None
 
 
 class RouteResponse(BaseModel):
@@ -88,7 +91,8 @@ class RouteResponse(BaseModel):
     #: them (ADR-0042)
     unverified: list[str] = Field(default_factory=list)
     #: every hop runs on a shard the tracker verified against another holder, or that the operator
-    #: trusts; False when one was admitted on its holder's word alone (ADR-0069)
+    #: trusts (and, for a session's route, the entry's own shard too); False when one was admitted on
+    #: its holder's word alone (ADR-0069)
     verified: bool = False
 
     def to_hops(self) -> list[Hop]:
@@ -96,5 +100,5 @@ class RouteResponse(BaseModel):
         return [Hop.from_json(h) for h in self.hops]
 
     def to_route(self) -> Route:
-        """The hops and the ticket."""
-        return Route(self.to_hops(), self.ticket)
+        """The hops, the ticket and whether they are verified."""
+        return Route(self.to_hops(), self.ticket, self.verified)

@@ -60,7 +60,7 @@ from meshnet.tracker.store import LeaseLost
 from meshnet.protocol.control import AssignResponse
 from meshnet.protocol.traffic import BUCKET_COUNT
 from meshnet.protocol.views import CoverageList, DemandList, DemandRow
-from meshnet.protocol.route import RouteResponse
+from meshnet.protocol.route import Hop, RouteResponse
 from meshnet.protocol.waits import wait_event
 from meshnet.relay.hub import DEFAULT_RELAY_BODY_BYTES, RelayHub
 from meshnet.tracker.service import TrackerService, TrackerSettings
@@ -159,8 +159,11 @@ async def route(request: Request) -> JSONResponse:
     exclude = frozenset(x for x in request.query_params.get("exclude", "").split(",") if x)
     hops = svc.route(info.name, LayerRange.from_inclusive(start, end), exclude, request.query_params.get("like"))
     ticket = svc.session_ticket(entry, session, info.name, hops) if entry is not None else None
+    # a session's route answers for its entry's own layers too (ADR-0069)
+    entry_layers = [Hop(entry, "", LayerRange(0, start))] if entry is not None and start > 0 else []
     body = RouteResponse(model=info.name, hops=[h.to_json() for h in hops], ticket=ticket,
-                         unverified=svc.unverified_hops(info.name, hops), verified=svc.hops_verified(info.name, hops))
+                         unverified=svc.unverified_hops(info.name, hops),
+                         verified=svc.hops_verified(info.name, entry_layers + hops))
     return JSONResponse(body.model_dump(exclude_none=True))
 
 

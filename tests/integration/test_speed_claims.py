@@ -5,11 +5,13 @@ honestly but is slower (it waits 50 ms before each forward pass) and claims ten 
 speed its doctor measured (in its report and its heartbeats; test-only, ``tests/corrupt.py``), which
 used to draw every chat. The tracker times every holder's decode step itself (every 2 s here; the
 default is 120 s): the liar's claim is set aside, it is counted at what its timing shows, and the
-chats go through the faster, honest holder.
+chats go through the faster, honest holder. The answers say their routes were not verified (the
+entry, h1 and tail hold their ranges alone) until the operator trusts those three (ADR-0069).
 """
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from tests.integration.conftest import REAL
@@ -42,6 +44,12 @@ def test_a_node_claiming_ten_times_its_speed_loses_its_claim_and_the_routes(real
             resp = mesh.chat(REAL, max_tokens=8)
             assert resp.status_code == 200, resp.text
             routes.append([h["node_id"] for h in resp.json()["meshnet"]["route"]])
+            assert resp.json()["meshnet"]["verified"] is False  # entry, h1 and tail: their ranges' first holders
         assert all("liar" not in route and "h1" in route for route in routes), routes
+        # the operator vouches for its own nodes (ADR-0069): the same route is verified now
+        for name in ("entry", "h1", "tail"):
+            assert httpx.post(f"{mesh.url}/v1/operator/trust", json={"node_id": name}, timeout=10).status_code == 200
+        resp = mesh.chat(REAL, max_tokens=8)
+        assert resp.status_code == 200 and resp.json()["meshnet"]["verified"] is True, resp.text
     finally:
         mesh.stop()

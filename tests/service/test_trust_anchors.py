@@ -5,6 +5,9 @@ outlives a restart. The fake nodes are :mod:`tests.service.test_admission_and_qu
 
 from __future__ import annotations
 
+import uuid
+
+from tests.payloads import signed
 from tests.service.test_admission_and_quarantine import MODEL, mesh, node, tracker_client, verification  # noqa: F401 - a fixture
 
 OPERATOR = {"Authorization": "Bearer op"}
@@ -87,3 +90,22 @@ async def test_without_the_switch_an_unchecked_route_serves_and_says_so(mesh):
     assert (await verification(mesh, "b"))["state"] == "verified"
     route = (await mesh.get("/v1/route", params={"model": MODEL, "exclude": "a"})).json()
     assert route["hops"][0]["node_id"] == "b" and route["verified"] is True
+
+
+async def test_a_sessions_route_answers_for_its_entrys_own_layers_too(mesh):
+    """An entry asks for a session's remote layers (2-3); the route is verified only when the
+    entry's own shard (0-1) is too: the chat's answer says so (``meshnet.verified``)."""
+    for name, (start, end) in (("entry", (0, 1)), ("h1", (2, 3)), ("h2", (2, 3))):
+        await mesh.post("/v1/nodes/register", json=node(name, start, end))
+        await verification(mesh, name)
+
+    async def verified(session: str) -> bool:
+        path = f"/v1/route?model={MODEL}&start_layer=2&end_layer=3&session={session}&exclude=h1"
+        resp = await mesh.get(path, headers=signed("entry", "GET", path))
+        assert resp.status_code == 200, resp.text
+        assert [h["node_id"] for h in resp.json()["hops"]] == ["h2"]  # h2: checked against h1
+        return resp.json()["verified"]
+
+    assert await verified(uuid.UUID(int=5).hex) is False  # the entry: its range's only holder
+    await trust(mesh, "entry")
+    assert await verified(uuid.UUID(int=6).hex) is True
