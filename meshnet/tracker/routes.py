@@ -121,7 +121,7 @@ class RoutesMixin:
 
     def take_speed_probes(self, now: float | None = None) -> list[tuple[Holder, str, int]]:
         """The speed probes to start now (ADR-0068): ``(holder, model, hidden size)`` of admitted
-        shards of models with two or more admitted holders, not probed within
+        shards that share a layer with another admitted holder's shard, not probed within
         ``speed_probe_interval_s`` and not being probed, at most :data:`speed.MAX_PROBES_PER_ROUND`;
         each is marked as being probed until :meth:`record_speed_probe`."""
         interval = self.settings.speed_probe_interval_s
@@ -135,7 +135,10 @@ class RoutesMixin:
             preset = find_preset(model)
             if len(shards) < 2 or preset is None:
                 continue
+            copies = placement.coverage_counts(max(s.layers.end for _, s in shards), [s.layers for _, s in shards])
             for node, shard in shards:
+                if max(copies[shard.layers.start:shard.layers.end], default=0) < 2:
+                    continue  # no other holder serves any of its layers: no rival to draw its traffic
                 key = (node.node_id, model, shard.layers)
                 if key in self.speed_probing or not speed.due(node.speed_probed_at.get((model, shard.layers)),
                                                                interval, now):

@@ -47,7 +47,8 @@ def middles_up(mesh: Mesh) -> None:
 def mesh(real_model_path, tmp_path_factory):
     m = Mesh(tmp_path_factory.mktemp("chain"))
     try:
-        m.start_tracker(REAL, node_timeout_s=5.0)
+        # tests find the node holding a chat by its session count: no speed probes' sessions (ADR-0068)
+        m.start_tracker(REAL, extra=["--speed-probe-interval", "0"], node_timeout_s=5.0)
         # one token per decode step: the tests here count a decode step's bytes and freeze a hop at a step
         # (speculative steps through a chain: tests/integration/test_failover.py, test_speculation_real.py)
         m.start_node("entry", "--model", REAL, "--shard-start", "0", "--shard-end", "9", *FLOAT32,

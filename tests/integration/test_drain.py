@@ -31,7 +31,8 @@ SIGTERM_AT_TOKEN = 4
 def mesh(real_model_path, tmp_path_factory):
     m = Mesh(tmp_path_factory.mktemp("drain"))
     try:
-        m.start_tracker(REAL, node_timeout_s=120.0)  # a node that is gone early was deregistered, not timed out
+        # tests find the node holding a chat by its session count: no speed probes' sessions (ADR-0068)
+        m.start_tracker(REAL, extra=["--speed-probe-interval", "0"], node_timeout_s=120.0)  # a node that is gone early was deregistered, not timed out
         shards = {"entry-a": (0, 9), "entry-b": (0, 9), "mid-a": (10, 19), "mid-b": (10, 19), "tail": (20, 29)}
         for name, (a, b) in shards.items():
             m.start_node(name, "--model", REAL, "--shard-start", str(a), "--shard-end", str(b), "--dtype", "float32",

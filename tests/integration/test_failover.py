@@ -23,7 +23,8 @@ def mesh(real_model_path, tmp_path_factory):
     """Entry node 0-9 plus two full copies of 10-19 and 20-29: two full routes, float32 throughout."""
     m = Mesh(tmp_path_factory.mktemp("failover"))
     try:
-        m.start_tracker(REAL, node_timeout_s=5.0)
+        # tests find the node holding a chat by its session count: no speed probes' sessions (ADR-0068)
+        m.start_tracker(REAL, extra=["--speed-probe-interval", "0"], node_timeout_s=5.0)
         shards = {"entry": (0, 9), "mid-a": (10, 19), "mid-b": (10, 19), "tail-a": (20, 29), "tail-b": (20, 29)}
         for name, (a, b) in shards.items():
             m.start_node(name, "--model", REAL, "--shard-start", str(a), "--shard-end", str(b), *FLOAT32)

@@ -90,11 +90,16 @@ async def test_honest_claims_within_the_factor_stand_exactly(asgi_client):
     assert client.app.state.service.claims_lost == set()
 
 
-async def test_a_lone_holder_is_not_probed_and_zero_turns_the_probes_off(asgi_client):
+async def test_lone_holders_of_their_layers_are_not_probed_and_zero_turns_the_probes_off(asgi_client):
     client = await tracker_client(asgi_client)
     await client.post("/v1/nodes/register", json=claiming("only", 5000.0))
     await verification(client, "only")
     assert await probe_all(client) == []  # no rival to draw traffic from
+    tail = node("tail", 4, 7)
+    tail["shards"][0]["report"]["tokens_per_s"] = 5000.0
+    await client.post("/v1/nodes/register", json=tail)
+    await verification(client, "tail")
+    assert await probe_all(client) == []  # a chain of lone holders: none has a rival
     client = await tracker_client(asgi_client, speed_probe_interval_s=0)
     for node_id in ("a", "b"):
         await client.post("/v1/nodes/register", json=claiming(node_id, 100.0))
