@@ -19,8 +19,9 @@ compared bit for bit with the same row's in a product of two rows.
 The attention of a step of several positions (a speculative step) runs position by position
 (:func:`meshnet.models.kernels.positionwise_attention`); under ``on`` a product of a decode step's
 size never switches to the float32 path (:data:`UPCAST_FROM`), which ``auto`` keeps where a host
-has one (a CPU without native bfloat16, ADR-0047: there batched rows are not invariant by default). :data:`ENV`: ``auto`` (default: the
-half-precision dtypes, and int8/int4 shards in any dtype (:data:`ROW_WISE_RECIPES`), without ``split``), ``on`` (every dtype, ``split`` too) or ``off``.
+has one (a CPU without native bfloat16, ADR-0047: there batched rows are not invariant by
+default). :data:`ENV`: ``auto`` (default: the half-precision dtypes, and int8/int4 shards in any
+dtype (:data:`ROW_WISE_RECIPES`), without ``split``), ``on`` (every dtype, ``split`` too) or ``off``.
 """
 
 from __future__ import annotations

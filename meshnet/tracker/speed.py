@@ -18,9 +18,10 @@ inflation exceeds :data:`CLAIM_FACTOR` times the baseline **loses its claim**: r
 keep their claims exactly, so an honest network's routes do not move with the probes' noise.
 
 Probes run only for shards that share a layer with another admitted holder's (a lone holder of
-its layers has no rival to draw traffic from), at most :data:`MAX_PROBES_PER_ROUND` each control-loop second (the registry is
-scanned for due shards every :data:`SCAN_EVERY_S` seconds while none wait), each shard again
-every ``TrackerSettings.speed_probe_interval_s`` (0: never); a probe that fails records nothing.
+its layers has no rival to draw traffic from), at most :data:`MAX_PROBES_PER_ROUND` each
+control-loop second (the registry is scanned for due shards every :data:`SCAN_EVERY_S` seconds
+while none wait), each shard again every ``TrackerSettings.speed_probe_interval_s`` (0: never); a
+probe that fails records nothing.
 Each tracker probes for itself (the figures are not shared through the database: a successor
 probes again within one interval).
 """

@@ -8,7 +8,8 @@ from __future__ import annotations
 import uuid
 
 from tests.payloads import signed
-from tests.service.test_admission_and_quarantine import MODEL, mesh, node, tracker_client, verification  # noqa: F401 - a fixture
+from tests.service.test_admission_and_quarantine import (MODEL, mesh, node,  # noqa: F401 - mesh: a fixture
+                                                          tracker_client, verification)
 
 OPERATOR = {"Authorization": "Bearer op"}
 
