@@ -165,6 +165,12 @@ class HopChain:
     recorded: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @cached_property
+    def signed_model(self) -> str:
+        """The model name this hop's receipts sign (canonical, ADR-0067), worked out once per chain:
+        not on a decode token's path."""
+        return canonical_model_name(self.model or "")
+
+    @cached_property
     def next_hop(self) -> Hop | None:
         """The hop this one pushes to (None: the last, which returns to the entry); parsed once
         from the OPEN, not on every step."""
@@ -406,8 +412,8 @@ class ChainHost:
         key = node.step_key
         if key is None:
             return
-        receipt = sign_step(key, canonical_model_name(chain.model or ""), chain.chain_id, chain.hop.layers,
-                            message.position, tokens, message.flags, message.body, frame)
+        receipt = sign_step(key, chain.signed_model, chain.chain_id, chain.hop.layers, message.position, tokens,
+                            message.flags, message.body, frame)
         try:
             await node.streams.send(chain.opened.entry_endpoint, pack(
                 Kind.RECEIPT, chain.chain_id, key=chain.key, position=message.position,

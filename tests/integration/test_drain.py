@@ -49,15 +49,14 @@ def stream(mesh, max_tokens: int, on_token=None) -> tuple[list[int], dict, list[
     return mesh.stream_chat(REAL, STORY, max_tokens, on_token)
 
 
-def node_endpoint(mesh, name: str) -> str:
-    return next(n["endpoint"] for n in mesh.get("/v1/nodes")["nodes"] if n["node_id"] == name)
-
-
 def holder_of_the_session(mesh, names: tuple[str, ...]) -> str:
-    for name in names:
-        if httpx.get(f"{node_endpoint(mesh, name)}/v1/health", timeout=5).json()["sessions"] > 0:
-            return name
-    raise AssertionError(f"none of {names} holds the session")
+    """Which of ``names`` is on the route of the chat in flight, from the tracker's traffic view
+    (a node's own session count would also count an entry's audit replay or a speed probe there)."""
+    for session in mesh.get("/v1/traffic")["sessions"]:
+        on_route = [h["node_id"] for h in session["route"] if h["node_id"] in names]
+        if on_route:
+            return on_route[0]
+    raise AssertionError(f"none of {names} is on the route of a session in flight")
 
 
 class ChatsMeanwhile(threading.Thread):
