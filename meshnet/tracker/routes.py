@@ -32,6 +32,12 @@ def may_enter(sender: NodeRecord | None, model: str) -> str:
     return ""
 
 
+def _verified(shard: ShardRecord) -> bool:
+    """Whether the tracker verified ``shard`` against another holder, or the operator trusts its node
+    (verdict ``verified``, ADR-0069), rather than admitting it on its holder's word."""
+    return shard.verdict is not None and shard.verdict.state == "verified"
+
+
 class RoutesMixin:
     """Coverage, routes, entry choice, tickets and readiness of :class:`TrackerService` (which
     provides ``nodes``, ``ensure_model``, ``tracked_models``, ``tickets``, ``public_key`` and
@@ -56,15 +62,12 @@ class RoutesMixin:
         or with ``require_verified`` only those checked against another holder or trusted by the
         operator (verdict ``verified``; ADR-0069)."""
         shards = self.admitted_shards(model)
-        if self.settings.require_verified:
-            return [(n, s) for n, s in shards if s.verdict is not None and s.verdict.state == "verified"]
-        return shards
+        return [(n, s) for n, s in shards if _verified(s)] if self.settings.require_verified else shards
 
     def hops_verified(self, model: str, hops: list[routing.Hop]) -> bool:
         """Whether every hop runs on a shard the tracker verified (a challenge against another
         holder, or the operator's trust), not on its holder's word alone (ADR-0069)."""
-        verified = {(n.node_id, s.layers) for n, s in self.admitted_shards(model)
-                    if s.verdict is not None and s.verdict.state == "verified"}
+        verified = {(n.node_id, s.layers) for n, s in self.admitted_shards(model) if _verified(s)}
         return all(any(node_id == h.node_id and layers.start <= h.layers.start and h.layers.end <= layers.end
                        for node_id, layers in verified) for h in hops)
 
