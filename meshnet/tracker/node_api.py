@@ -57,13 +57,18 @@ async def admit(app: Starlette, challenge: Challenge) -> None:
     app.state.wake.set()
 
 
+def _in_background(app: Starlette, work) -> None:
+    """Run the coroutine ``work`` as a task the app keeps until it ends (its challenges and probes)."""
+    running: set[asyncio.Task] = app.state.challenging
+    task = asyncio.create_task(work)
+    running.add(task)
+    task.add_done_callback(running.discard)
+
+
 def start_challenges(app: Starlette) -> None:
     """Start the admission challenges the service decided on, in the background."""
-    running: set[asyncio.Task] = app.state.challenging
     for challenge in app.state.service.take_challenges():
-        task = asyncio.create_task(admit(app, challenge))
-        running.add(task)
-        task.add_done_callback(running.discard)
+        _in_background(app, admit(app, challenge))
 
 
 async def probe_speed(app: Starlette, holder: Holder, model: str, hidden_size: int) -> None:
@@ -82,11 +87,8 @@ async def probe_speed(app: Starlette, holder: Holder, model: str, hidden_size: i
 
 def start_speed_probes(app: Starlette) -> None:
     """Start the speed probes that are due (:meth:`TrackerService.take_speed_probes`), in the background."""
-    running: set[asyncio.Task] = app.state.challenging
     for holder, model, hidden_size in app.state.service.take_speed_probes():
-        task = asyncio.create_task(probe_speed(app, holder, model, hidden_size))
-        running.add(task)
-        task.add_done_callback(running.discard)
+        _in_background(app, probe_speed(app, holder, model, hidden_size))
 
 
 def probe_soon(app: Starlette, node_id: str, endpoint: str) -> None:

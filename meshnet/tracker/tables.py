@@ -174,9 +174,8 @@ class SharedRecords:
     def anchor_digest(self, shard_key: str, digest: str) -> None:
         """Make ``digest`` the known digest of ``shard_key`` whatever was known: a node the operator
         trusts computed it (ADR-0069)."""
-        with self._transaction():
-            self._execute("DELETE FROM digests WHERE shard_key = ?", (shard_key,))
-            self._execute("INSERT INTO digests VALUES (?,?,?)", (shard_key, digest, time.time()))
+        self._exec("INSERT INTO digests VALUES (?,?,?) ON CONFLICT (shard_key) DO UPDATE SET digest = excluded.digest, "
+                   "known_at = excluded.known_at", (shard_key, digest, time.time()))
 
     # nodes the operator trusts (ADR-0069)
     def trust_node(self, node_id: str, trusted: bool) -> bool:
