@@ -312,6 +312,13 @@ class TrackerOptions:
                                           help="Route only through shards verified against another holder or "
                                                "trusted with `meshnet trust`, never on a holder's word alone "
                                                "(ADR-0069).")
+    source_references: str = typer.Option(T.source_references, "--source-references",
+                                          envvar="MESHNET_SOURCE_REFERENCES",
+                                          help="Where admission challenges' references come from (ADR-0070): auto "
+                                               "(the model's own files where this host holds them, one layer in "
+                                               "memory at a time; else other holders), fetch (fetch the files "
+                                               "where this host lacks them), off (other holders only: the first "
+                                               "holder of a range is admitted unverified).")
     speed_probe_interval: float = typer.Option(T.speed_probe_interval_s, "--speed-probe-interval", min=0,
                                                envvar="MESHNET_SPEED_PROBE_INTERVAL",
                                                help="Seconds between this tracker's timings of each admitted shard's "
@@ -339,7 +346,8 @@ class TrackerOptions:
                                drain_grace_s=self.drain_grace, directive_retention_s=self.directive_retention,
                                admission_challenges=self.challenges, max_client_requests=self.max_client_requests,
                                speed_probe_interval_s=self.speed_probe_interval,
-                               require_verified=self.require_verified, **body_limit(self.max_body_bytes))
+                               require_verified=self.require_verified, source_references=self.source_references,
+                               **body_limit(self.max_body_bytes))
 
 
 #: shards ``meshnet serve`` splits the model into when the cores allow

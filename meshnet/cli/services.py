@@ -97,8 +97,8 @@ def tracker_start(opts: TrackerOptions) -> None:
         cache_dir().mkdir(parents=True, exist_ok=True)
         db = str(cache_dir() / "tracker.db")
     settings = opts.settings(names, db)
-    try:
-        service = TrackerService(settings)  # opens the database now: an unreachable one fails here, clearly
+    try:  # opens the database now: an unreachable one fails here, clearly
+        service = TrackerService(settings, reference=_source_references(settings))
     except MeshnetError as exc:
         fail(exc)
     if opts.serve_layers is None:
@@ -111,6 +111,23 @@ def tracker_start(opts: TrackerOptions) -> None:
     print(f"meshnet tracker at {trackernode.local_tracker_url(opts.host, opts.port)} serving {names[0]} layers "
           f"{opts.serve_layers} as node {node.node_id} at {node.endpoint}", flush=True)
     _serve(app, opts.host, opts.port)
+
+
+def _source_references(settings):
+    """The tracker's :class:`meshnet.tracker.admission.ReferenceSource` for ``settings.source_references``
+    (ADR-0070): None when ``off``.
+
+    Raises:
+        typer.Exit: an unknown mode (a clear error first).
+    """
+    from meshnet.node.reference import MODES, SourceReferences
+
+    if settings.source_references not in MODES:
+        fail(MeshnetError(f"--source-references {settings.source_references!r}: expected one of {', '.join(MODES)}",
+                          code="invalid_option"))
+    if settings.source_references == "off":
+        return None
+    return SourceReferences(settings.models, settings.source_references)
 
 
 def _check_exposure(opts: TrackerOptions) -> None:

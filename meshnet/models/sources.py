@@ -125,6 +125,25 @@ def resolve(model: str, *, progress: Progress | None = None, layers: LayerRange 
         return _build_random(preset, target, say)
 
 
+def held_locally(model: str) -> Path | None:
+    """The directory of ``model`` (as :func:`resolve` names it) if this host already holds it whole
+    in a usable form, fetching, building and converting nothing; None otherwise. A hub source
+    fetched for some layers only is still returned (its missing tensors fail the load, clearly).
+    Cheap: a few ``stat`` calls."""
+    if Path(model).is_dir():
+        path = Path(model)
+        converted = cache_dir() / "models" / ("local--" + path.resolve().as_posix().strip("/").replace("/", "--"))
+        return next((p for p in (path, converted) if is_ready(p)), None)
+    preset = find_preset(model)
+    if preset is None:
+        target = cache_dir() / "models" / model.replace("/", "--")
+    elif preset.source.get("kind", "hub") == "local":
+        target = Path(preset.source["path"]).expanduser()
+    else:
+        target = model_dir(preset.name)
+    return target if is_ready(target) else None
+
+
 def fetch_config(model: str, *, progress: Progress | None = None) -> Path:
     """The local directory of ``model`` holding at least its ``config.json`` and tokenizer: a hub
     source fetches no weights here (see :func:`resolve` for them); other sources are resolved whole.

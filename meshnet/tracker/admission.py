@@ -12,23 +12,29 @@ the shard a **verification**:
   admitted; the next heartbeat brings a new challenge.
 - ``verified``: its output on a challenge it could not predict (hidden states from a random seed,
   sent through the ordinary ``POST /v1/forward`` under a fresh session, so it cannot tell a
-  challenge from a user's prefill) agreed with an admitted holder of the same layers.
-- ``unverified``: there is nothing to compare it with (the first holder of a range, a model
-  without a known width): admitted, so a fresh mesh becomes ready at once, and marked so in
-  routes; its digest becomes the one later holders must match.
+  challenge from a user's prefill) agreed with the model's own files (the tracker computes the
+  reference itself where this host holds them, :class:`ReferenceSource`, ADR-0070), or else with
+  an admitted holder of the same layers.
+- ``unverified``: there is nothing to compare it with (the first holder of a range when the
+  tracker cannot read the model's files, a model without a known width): admitted, so a fresh
+  mesh becomes ready at once, and marked so in routes; its digest becomes the one later holders
+  must match.
 
-When a candidate disagrees with its reference and another admitted holder exists, that one
+When a candidate disagrees with a holder reference and another admitted holder exists, that one
 runs the challenge too and the majority decides; an outvoted reference is quarantined on the
-tracker's own evidence. :func:`decide` is the pure decision; :func:`run_challenge` the calls.
+tracker's own evidence. The model's files are not outvoted: a candidate they disagree with is
+rejected. :func:`decide` is the pure decision; :func:`run_challenge` the calls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -40,8 +46,10 @@ from meshnet.protocol.route import Hop
 from meshnet.protocol.signing import encode_public_key, sign_request
 from meshnet.protocol.tickets import HEADER_TICKET, TicketClaims, issue_ticket
 
-__all__ = ["ADMITTING", "CHALLENGE_TOKENS", "TRACKER_ENTRY", "Challenge", "Verdict", "decide", "run_challenge",
-           "run_steps"]
+__all__ = ["ADMITTING", "CHALLENGE_TOKENS", "SOURCE", "TRACKER_ENTRY", "Challenge", "ReferenceSource", "Verdict",
+           "decide", "run_challenge", "run_steps"]
+
+log = logging.getLogger(__name__)
 
 #: verifications that count toward coverage and routes
 ADMITTING = ("verified", "unverified")
@@ -49,6 +57,27 @@ ADMITTING = ("verified", "unverified")
 CHALLENGE_TOKENS = 16
 #: the entry a challenge's ticket names (the tracker itself; never a node id, which has no "@")
 TRACKER_ENTRY = "@tracker"
+#: the reference a verdict names when the model's own files were the reference (never a node id)
+SOURCE = "@source"
+
+
+class ReferenceSource(Protocol):
+    """What computes a challenge's reference from a model's own files (ADR-0070). The tracker holds
+    one where its host can read models (``meshnet tracker start --source-references``); the
+    implementation lives with the node's model code (:class:`meshnet.node.reference.SourceReferences`),
+    which the tracker never imports."""
+
+    def holds(self, model: str) -> bool:
+        """Whether references of ``model`` can be computed here (cheap: called on the event loop)."""
+
+    async def run(self, model: str, layers: LayerRange, quantization: str, compute_dtype: str,
+                  frame: bytes) -> bytes:
+        """The output frame (float32 ``[1, tokens, hidden]``) of ``layers`` of ``model`` in that recipe on
+        ``frame`` (float32 ``[1, tokens, hidden]`` hidden states at position 0).
+
+        Raises:
+            Exception: the files could not be read or the layers not run (the caller falls back to holders).
+        """
 
 
 @dataclass(frozen=True)
@@ -92,6 +121,8 @@ class Challenge:
     references: tuple[Holder, ...]
     hidden_size: int
     key: tuple = ()
+    #: run against the model's own files first (:class:`ReferenceSource`); ``references`` only where that fails
+    source: bool = False
 
 
 def digest_key(model: str, layers: LayerRange, quantization: str, compute_dtype: str) -> tuple:
@@ -100,7 +131,8 @@ def digest_key(model: str, layers: LayerRange, quantization: str, compute_dtype:
 
 
 def decide(candidate: Holder, digest: str, known_digest: str | None, holders: list[Holder],
-           hidden_size: int | None, trusted: frozenset[str] = frozenset()) -> Verdict | tuple[Holder, ...]:
+           hidden_size: int | None, trusted: frozenset[str] = frozenset(),
+           source: bool = False) -> Verdict | tuple[Holder, ...]:
     """The verification of a candidate shard without a network call, or the references to
     challenge it against.
 
@@ -112,12 +144,15 @@ def decide(candidate: Holder, digest: str, known_digest: str | None, holders: li
         hidden_size: the model's activation width (None: unknown, no challenge possible).
         trusted: node ids the operator trusts (ADR-0069): such a candidate is verified on the
             operator's word, its digest whatever was known; such holders are references first.
+        source: the tracker can compute a reference from the model's own files (ADR-0070): the
+            candidate is challenged even with no holder to compare it with.
 
     Returns:
         A final :class:`Verdict` (``verified`` for a trusted candidate, ``rejected`` or
         ``unverified``), or up to two references: admitted holders whose shard covers the
         candidate's layers with the same recipe (quantization and compute dtype: holders of other
-        recipes differ honestly by more than one tolerance, ADR-0042), trusted ones first.
+        recipes differ honestly by more than one tolerance, ADR-0042), trusted ones first; with
+        ``source``, possibly none (the challenge then runs against the files alone).
     """
     if candidate.node_id in trusted:
         return Verdict("verified", "trusted by the operator (meshnet trust)")
@@ -128,7 +163,7 @@ def decide(candidate: Holder, digest: str, known_digest: str | None, holders: li
                        if h.layers.start <= candidate.layers.start and candidate.layers.end <= h.layers.end
                        and (h.quantization, h.compute_dtype) == (candidate.quantization, candidate.compute_dtype)),
                       key=lambda h: (h.node_id not in trusted, h.node_id))
-    if not covering or not hidden_size:
+    if not hidden_size or not (covering or source):
         why = ("no other admitted holder of this recipe covers these layers" if hidden_size
                else "the model's activation width is unknown")
         return Verdict("unverified", f"admitted without a challenge: {why}")
@@ -192,9 +227,11 @@ async def run_steps(http: httpx.AsyncClient, key: Ed25519PrivateKey, holder: Hol
 
 
 async def run_challenge(http: httpx.AsyncClient, key: Ed25519PrivateKey, challenge: Challenge,
-                        timeout_s: float = 30.0) -> tuple[Verdict, str | None]:
-    """Run ``challenge``: random hidden states through the candidate and its first reference; on a
-    disagreement, through the second reference too, and the majority decides.
+                        timeout_s: float = 30.0, reference: ReferenceSource | None = None) -> tuple[Verdict, str | None]:
+    """Run ``challenge``: random hidden states through the candidate, then through the model's own
+    files (``challenge.source`` and a ``reference``, ADR-0070): within the tolerance it is
+    verified, beyond it rejected. Where the files cannot be run (or without them), through its
+    first holder reference; on a disagreement, through the second too, and the majority decides.
 
     Returns:
         ``(verdict of the candidate, node id of a reference the vote outvoted or None)``. A
@@ -209,6 +246,22 @@ async def run_challenge(http: httpx.AsyncClient, key: Ed25519PrivateKey, challen
         read_array(out)
     except Exception as exc:  # noqa: BLE001 - refused, timed out, an error answer, not a frame: no evidence of working
         return Verdict("failed", f"the challenge on {c.node_id} failed: {type(exc).__name__}: {exc}"[:500]), None
+    if challenge.source and reference is not None:
+        try:
+            ref_out = await reference.run(challenge.model, challenge.layers, c.quantization, c.compute_dtype, frame)
+            read_array(ref_out)
+        except Exception as exc:  # noqa: BLE001 - unreadable files, a missing tensor: the holders decide
+            log.warning("no reference from the files of %s layers %s (%s: %s); holders decide", challenge.model,
+                        challenge.layers, type(exc).__name__, exc)
+        else:
+            limit = tolerance(c.quantization, c.compute_dtype)
+            distance = round(frame_distance(out, ref_out), 6)
+            evidence = ((SOURCE,), {f"{c.node_id}|{SOURCE}": distance}, limit)
+            if distance <= limit:
+                return Verdict("verified", f"challenge output within {limit} of the model's own files'",
+                               *evidence), None
+            return Verdict("rejected", f"challenge output differs from the model's own files' beyond {limit}",
+                           *evidence), None
     distances: dict[str, float] = {}
     answered: list[tuple[Holder, bytes]] = []
     for ref in challenge.references:

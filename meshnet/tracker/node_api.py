@@ -52,7 +52,7 @@ async def admit(app: Starlette, challenge: Challenge) -> None:
     """Run one admission challenge and record its verdict (ADR-0042, :mod:`meshnet.tracker.admission`)."""
     svc: TrackerService = app.state.service
     verdict, outvoted = await run_challenge(app.state.http, svc.tickets.key, challenge,
-                                            svc.settings.challenge_timeout_s)
+                                            svc.settings.challenge_timeout_s, svc.reference)
     svc.record_challenge(challenge, verdict, outvoted)
     app.state.wake.set()
 

@@ -19,7 +19,7 @@ from meshnet.errors import NotFound
 from meshnet.protocol.http import DEFAULT_MAX_BODY_BYTES
 from meshnet.protocol.limits import DEFAULT_MAX_CLIENT_REQUESTS
 from meshnet.presets import canonical_model_name, find_preset
-from meshnet.tracker.admission import Challenge, Verdict
+from meshnet.tracker.admission import Challenge, ReferenceSource, Verdict
 from meshnet.tracker.quarantine import Quarantine
 from meshnet.tracker.registry import ModelInfo, NodeRecord
 from meshnet.tracker.backends import open_store
@@ -76,6 +76,10 @@ class TrackerSettings:
         speed_probe_interval_s: each admitted shard of a model with two or more holders has its
             decode speed timed by this tracker again after this many seconds, and its claimed
             tokens/s is checked against it (:mod:`meshnet.tracker.speed`, ADR-0068; 0: never).
+        source_references: where admission challenges' references come from (ADR-0070): ``auto``,
+            the model's own files where this host holds them; ``fetch``, fetched where it does not;
+            ``off``, other holders only. The command line builds the :class:`ReferenceSource` from
+            it (the service is given one: see :class:`TrackerService`).
     """
 
     host: str = "127.0.0.1"
@@ -102,6 +106,7 @@ class TrackerSettings:
     max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS
     speed_probe_interval_s: float = 120.0
     require_verified: bool = False
+    source_references: str = "auto"
 
 
 
@@ -124,8 +129,11 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
     Only the leader (:attr:`leader`) plans, and fails the directives of a node that dropped out.
     """
 
-    def __init__(self, settings: TrackerSettings = TrackerSettings(), store: TrackerStore | None = None) -> None:
+    def __init__(self, settings: TrackerSettings = TrackerSettings(), store: TrackerStore | None = None,
+                 reference: ReferenceSource | None = None) -> None:
         self.settings = settings
+        #: computes admission challenges' references from the models' own files (ADR-0070); None: holders only
+        self.reference = reference
         self.store = store or open_store(settings.db_path)
         self.nodes: dict[str, NodeRecord] = {}
         self._bound_keys: dict[str, str] = {}  # node id -> public key, as read from the store

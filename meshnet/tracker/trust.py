@@ -22,7 +22,7 @@ from meshnet.presets import canonical_model_name, find_preset
 from meshnet.protocol.control import AuditReport, QuarantineReport
 from meshnet.protocol.tickets import read_ticket
 from meshnet.dataplane.evidence import audit_tolerance
-from meshnet.tracker.admission import ADMITTING, Challenge, Holder, Verdict, decide, digest_key
+from meshnet.tracker.admission import ADMITTING, SOURCE, Challenge, Holder, Verdict, decide, digest_key
 from meshnet.tracker.audit import FALSE_ACCUSATIONS, FORGED, REPLAY_OUTVOTED, WITNESSES, AuditCase, AuditVerdict, \
     read_evidence
 from meshnet.tracker.quarantine import Quarantine
@@ -89,7 +89,8 @@ def _stored_quarantine(node_id: str, text: str, fallback: Quarantine) -> Quarant
 
 class TrustMixin:
     """Admission verdicts and quarantines of :class:`meshnet.tracker.service.TrackerService`
-    (which provides ``nodes``, ``store``, ``settings``, ``admitted_shards``, ``get`` and ``dirty``)."""
+    (which provides ``nodes``, ``store``, ``settings``, ``reference``, ``admitted_shards``, ``get`` and
+    ``dirty``)."""
 
     @staticmethod
     def _verdict_key(node: NodeRecord, shard: ShardRecord) -> tuple:
@@ -186,7 +187,8 @@ class TrustMixin:
         holders = [self._holder(n, s) for n, s in self.admitted_shards(shard.model) if n.node_id != node.node_id]
         digest = shard.report.weights_digest
         trusted = frozenset(self.store.trusted_nodes())
-        out = decide(self._holder(node, shard), digest, self._known_digest(shard), holders, hidden, trusted)
+        source = hidden is not None and self.reference is not None and self.reference.holds(shard.model)
+        out = decide(self._holder(node, shard), digest, self._known_digest(shard), holders, hidden, trusted, source)
         if isinstance(out, Verdict):
             if out.state in ADMITTING and digest and node.node_id in trusted:
                 self._anchor_digest(node, shard, digest)
@@ -195,8 +197,10 @@ class TrustMixin:
             log.log(logging.WARNING if out.state == "rejected" else logging.INFO, "shard %s %s on %s: %s (%s)",
                     shard.model, shard.layers, node.node_id, out.state, out.reason)
             return out
-        self.challenges.append(Challenge(shard.model, shard.layers, self._holder(node, shard), out, hidden, key))
-        return Verdict("pending", f"a challenge against {', '.join(h.node_id for h in out)} is running")
+        self.challenges.append(Challenge(shard.model, shard.layers, self._holder(node, shard), out, hidden, key,
+                                         source))
+        against = ", ".join(([SOURCE] if source else []) + [h.node_id for h in out])
+        return Verdict("pending", f"a challenge against {against} is running")
 
     def take_challenges(self) -> list[Challenge]:
         """The challenges decided since the last call (the app runs them)."""

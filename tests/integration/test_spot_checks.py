@@ -44,14 +44,16 @@ def test_a_node_that_turns_dishonest_is_quarantined_and_serves_no_later_answer(r
                         env={"MESHNET_SPOT_CHECK_RATE": "0.25", "MESHNET_AUDIT_RATE": "0"})  # spot-checks alone
         mesh.start_node("h1", *HOLDERS)
         mesh.wait_routable(REAL, 240)
-        assert verification(mesh, "h1")["state"] == "unverified"  # the first holder: nothing to compare with
+        first = verification(mesh, "h1")  # the first holder: checked against the model's own files (ADR-0070)
+        assert first["state"] == "verified" and first["references"] == ["@source"], first
+        assert first["distances"]["h1|@source"] <= first["tolerance"] == 0.05
         mesh.start_node("h2", *HOLDERS)
         honest = verification(mesh, "h2")
-        assert honest["state"] == "verified" and honest["references"] == ["h1"]
+        assert honest["state"] == "verified" and honest["references"] == ["@source"]
         mesh.start_node("x-bad", *HOLDERS, env={"MESHNET_TEST_CORRUPT_LAYER": "15", "MESHNET_TEST_CORRUPT_AFTER": "1"},
                         module="tests.corrupt")  # the test's dishonest wrapper of meshnet
         assert verification(mesh, "x-bad")["state"] == "verified"  # honest for its challenge
-        print(f"admission challenge distances: h2 {honest['distances']}, "
+        print(f"admission challenge distances: h1 {first['distances']}, h2 {honest['distances']}, "
               f"x-bad {node_view(mesh, 'x-bad')['shards'][0]['verification']['distances']}")
 
         answers, quarantine, quarantine_at = [], None, 0

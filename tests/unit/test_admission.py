@@ -44,3 +44,11 @@ def test_a_trusted_candidate_is_verified_whatever_digest_was_known_and_trusted_r
     holders = [holder("a", 0, 30), holder("z", 10, 20), holder("b", 5, 25)]
     assert decide(CANDIDATE, "d", "d", holders, 64) == (holders[0], holders[2])
     assert decide(CANDIDATE, "d", "d", holders, 64, frozenset({"z"})) == (holders[1], holders[0])
+
+
+def test_with_the_models_files_a_candidate_with_no_covering_holder_is_still_challenged():
+    lone = holder("c", 0, 4)
+    assert decide(lone, "d", None, [], 64, source=True) == ()  # against the files alone
+    assert decide(lone, "d", None, [holder("a", 0, 6)], 64, source=True) == (holder("a", 0, 6),)  # their fallback
+    assert decide(lone, "d", None, [], None, source=True).state == "unverified"  # no width: no challenge
+    assert decide(lone, "d", "e", [], 64, source=True).state == "rejected"  # the digest check comes first

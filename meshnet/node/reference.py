@@ -1,0 +1,117 @@
+"""Admission references computed from a model's own files, not from whoever joined first (ADR-0070).
+
+The tracker challenges a new shard with hidden states it drew at random (ADR-0042). Comparing the
+answer with another holder's makes the first holder of a range, or a range no single holder
+covers, unverifiable, and lets a forger who got there first set the bar. Where the tracker's host
+can read the model's files, :class:`SourceReferences` computes the reference itself: the range's
+decoder layers are loaded **one at a time** from those files in the candidate's recipe (its
+quantization and compute dtype, as a node would load them), the challenge runs through each in
+turn, and the layer is dropped before the next is read, so the memory held is one layer's,
+whatever the range. The tracker holds this object through
+:class:`meshnet.tracker.admission.ReferenceSource` (the tracker never imports model code); the
+command line builds it (``meshnet tracker start --source-references``).
+
+Cost, SmolLM2-135M on this 2-core host: see ADR-0070 (``bench/references.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from meshnet.layers import LayerRange
+from meshnet.presets import canonical_model_name, find_preset
+
+__all__ = ["MODES", "SourceReferences"]
+
+log = logging.getLogger(__name__)
+
+#: ``--source-references`` values: ``auto`` reads the files this host already holds and fetches
+#: nothing; ``fetch`` fetches a range's files as a node would (a hub source only the range's);
+#: ``off`` never computes a reference (holders are the references, as before ADR-0070)
+MODES = ("auto", "fetch", "off")
+
+
+class SourceReferences:
+    """Challenge references from the model files of the models this host may read.
+
+    Args:
+        models: the tracker's own models (names as given to it); presets are readable too. A model
+            a node names that is neither is never looked up (a node does not choose the paths the
+            tracker reads).
+        mode: ``auto`` or ``fetch`` (see :data:`MODES`).
+
+    Thread use: :meth:`run` computes one reference at a time, in a worker thread, so references
+    never hold more than one layer and never block the tracker's event loop.
+    """
+
+    def __init__(self, models: tuple[str, ...] = (), mode: str = "auto") -> None:
+        if mode not in ("auto", "fetch"):
+            raise ValueError(f"source references mode {mode!r}: expected auto or fetch")
+        self.mode = mode
+        self.models = {canonical_model_name(m) for m in models} | set(models)
+        self._lock = asyncio.Lock()
+        self.computed = 0  #: references computed (each one a challenge's whole range)
+
+    def _readable(self, model: str) -> bool:
+        return find_preset(model) is not None or model in self.models or canonical_model_name(model) in self.models
+
+    def holds(self, model: str) -> bool:
+        """Whether a reference of ``model`` can be computed here: a model this tracker may read,
+        whose files this host holds (``auto``) or may fetch (``fetch``)."""
+        if not self._readable(model):
+            return False
+        if self.mode == "fetch":
+            return True
+        from meshnet.models.sources import held_locally
+
+        return held_locally(model) is not None
+
+    def _path(self, model: str, layers: LayerRange) -> Path:
+        from meshnet.models.sources import held_locally, resolve
+
+        path = held_locally(model)
+        if path is None and self.mode == "fetch":
+            path = resolve(model, layers=layers, entry=False)
+        if path is None:
+            from meshnet.errors import ModelSourceError
+
+            raise ModelSourceError(f"this host holds no files of {model}")
+        return path
+
+    async def run(self, model: str, layers: LayerRange, quantization: str, compute_dtype: str,
+                  frame: bytes) -> bytes:
+        """The float32 output frame ``[1, tokens, hidden]`` of ``layers`` of ``model``, in the recipe
+        ``quantization``/``compute_dtype``, on the challenge ``frame`` (hidden states
+        ``[1, tokens, hidden]`` at position 0): :meth:`compute` in a worker thread, one at a time.
+
+        Raises:
+            ModelSourceError: the files are not held (or could not be fetched) or lack the layers'
+                tensors; KeyError: an unknown dtype; WireError: ``frame`` is not a frame.
+        """
+        async with self._lock:
+            out = await asyncio.to_thread(self.compute, model, layers, quantization, compute_dtype, frame)
+        self.computed += 1
+        return out
+
+    def compute(self, model: str, layers: LayerRange, quantization: str, compute_dtype: str, frame: bytes) -> bytes:
+        """:meth:`run`'s work, on the calling thread: each decoder layer of ``layers`` loaded alone
+        (:class:`meshnet.models.shard.ShardModel` of one layer, no embeddings or head), run on the
+        previous layer's output with an empty KV cache at position 0, then dropped."""
+        from meshnet.models.caches import KVCache
+        from meshnet.models.shard import ShardModel
+        from meshnet.node import wire
+
+        import torch
+
+        path = self._path(model, layers)
+        hidden = wire.decode(frame)
+        for index in range(layers.start, layers.end):
+            layer = ShardModel(path, LayerRange(index, index + 1), dtype=compute_dtype, load_head=False,
+                               quantization=quantization)
+            hidden = layer.forward(hidden, KVCache(), 0)
+            del layer
+        log.info("reference of %s layers %s (%s/%s) computed from %s", model, layers, quantization, compute_dtype,
+                 path)
+        return wire.encode(hidden, dtype=torch.float32)
