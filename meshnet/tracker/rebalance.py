@@ -96,6 +96,8 @@ def _node_state(node, known: set[str], open_directives: list[Directive], failed_
     # a heartbeat's measured figure is every shard's (NodeRecord.tokens_per_s): no need to ask each one
     measured = node.stats.tokens_per_s if node.shards else 0.0
     speed = measured or max((node.tokens_per_s(s) for s in node.shards), default=node.benchmark_tokens_per_sec or 1.0)
+    if node.claims_refuted:  # this tracker's probes refuted a claim of it: its judged figure (ADR-0068)
+        speed = min(speed, node.speed_cap)
     return placement.NodeState(node.node_id, node.vram_bytes, node.quantization, speed, node.max_loaded_shards,
                                assignments, accepts, measured_bytes_per_layer(node))
 

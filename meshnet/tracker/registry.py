@@ -97,6 +97,15 @@ class NodeRecord:
     #: (monotonic seconds): this tracker's own, never shared
     speed_probes: dict = field(default_factory=dict)
     speed_probed_at: dict = field(default_factory=dict)
+    #: (model, layers) -> the tokens/s routes count for a shard whose claim this tracker's probes
+    #: refuted (ADR-0068); placement counts the node at the lowest of them (:attr:`speed_cap`)
+    claims_refuted: dict = field(default_factory=dict)
+
+    @property
+    def speed_cap(self) -> float | None:
+        """The most tokens/s placement may count for this node: the lowest figure routes count for a
+        shard whose claim was refuted (None: no claim refuted, the claim stands)."""
+        return min(self.claims_refuted.values()) if self.claims_refuted else None
 
     def probed_tokens_per_s(self, shard: ShardRecord) -> float | None:
         """The best of this tracker's recent speed probes of ``shard`` (None: not probed)."""

@@ -171,6 +171,10 @@ class RoutesMixin:
         for holder, shard in admitted:
             claimed, counted = holder.tokens_per_s(shard), judged[holder.node_id, shard.layers]
             key, lost = (holder.node_id, model, shard.layers), counted != claimed
+            if lost:  # placement counts it at its judged figure too
+                holder.claims_refuted[model, shard.layers] = counted
+            else:
+                holder.claims_refuted.pop((model, shard.layers), None)
             if lost == (key in self.claims_lost):
                 continue
             if lost:

@@ -105,3 +105,17 @@ async def test_lone_holders_of_their_layers_are_not_probed_and_zero_turns_the_pr
         await client.post("/v1/nodes/register", json=claiming(node_id, 100.0))
         await verification(client, node_id)
     assert await probe_all(client) == []
+
+
+async def test_placement_counts_a_node_whose_claim_was_refuted_at_its_judged_speed(timed):
+    from meshnet.tracker.rebalance import placement_inputs
+
+    svc = timed.app.state.service
+
+    def placed() -> dict[str, float]:
+        return {n.node_id: n.tokens_per_s for n in placement_inputs(svc)[0]}
+
+    assert placed() == {"honest": 100.0, "liar": 5000.0}  # believed until probed: it would get the widest range
+    await probe_all(timed)
+    routed = {n["node_id"]: n["shards"][0]["routed_tokens_per_s"] for n in (await timed.get("/v1/nodes")).json()["nodes"]}
+    assert placed() == {"honest": 100.0, "liar": routed["liar"]} and routed["liar"] < 100.0
