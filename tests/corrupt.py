@@ -162,18 +162,20 @@ def lie_on_stream_weights(layer: int, scale: float) -> None:
 
 
 def lie_on_replay_weights(layer: int, scale: float) -> None:
-    """Make this process's ``POST /v1/forward`` calls from an entry that ask for every position (an
-    audit's witness replay; the session ticket names the entry, not ``@tracker``) run with
-    :func:`_weight_pairs`' noisy weights, every other step with the honest ones: the node lies to
-    entries when it witnesses for them, so that their audits accuse the honest node they audit."""
+    """Make this process's ``POST /v1/forward`` calls that ask for every position from an entry whose
+    id starts with ``$MESHNET_TEST_LIE_TO`` (default ``entry``; an audit's witness replay for it)
+    run with :func:`_weight_pairs`' noisy weights, every other step with the honest ones: the node
+    lies to that entry when it witnesses for it, so that its audits accuse the honest node they
+    audit. (The tracker's own calls name an entry as a node's would, ADR-0070: a liar cannot single
+    them out; this one is told whom to lie to.)"""
     import json
 
     import meshnet.node.app as node_app
     from meshnet.protocol.signing import unb64url
     from meshnet.protocol.tickets import HEADER_TICKET
-    from meshnet.tracker.admission import TRACKER_ENTRY
 
     honest_forward = node_app.forward
+    target = os.environ.get("MESHNET_TEST_LIE_TO", "entry")
 
     def entry_of(request) -> str:
         try:
@@ -182,7 +184,7 @@ def lie_on_replay_weights(layer: int, scale: float) -> None:
             return ""
 
     async def forward(request):
-        if request.headers.get("X-Meshnet-Last-Only") == "1" or entry_of(request) in ("", TRACKER_ENTRY):
+        if request.headers.get("X-Meshnet-Last-Only") == "1" or not entry_of(request).startswith(target):
             return await honest_forward(request)
         pairs = _weight_pairs(request.app.state.node.runtime, layer, scale)
         with torch.no_grad():

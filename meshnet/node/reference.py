@@ -95,6 +95,40 @@ class SourceReferences:
         self.computed += 1
         return out
 
+    async def challenge_input(self, model: str, start: int, tokens: int, seed: int) -> bytes:
+        """A challenge's input as a real prefill of layers from ``start`` would carry it: :meth:`prefix`
+        in a worker thread, one at a time.
+
+        Raises:
+            ModelSourceError: as :meth:`run`.
+        """
+        async with self._lock:
+            return await asyncio.to_thread(self.prefix, model, start, tokens, seed)
+
+    def prefix(self, model: str, start: int, tokens: int, seed: int) -> bytes:
+        """The bfloat16 frame ``[1, tokens, hidden]`` that layers ``0..start-1`` of ``model`` (bfloat16,
+        from its files, one layer at a time) make of ``tokens`` token ids drawn from ``seed`` over the
+        vocabulary: hidden states with a real prompt's statistics, in the wire dtype entries send
+        (ADR-0070), not the standard-normal values a node could tell from traffic (the trust issue)."""
+        from meshnet.models.caches import KVCache
+        from meshnet.models.shard import ShardModel
+        from meshnet.node import wire
+
+        import torch
+
+        path = self._path(model, LayerRange(0, max(start, 1)))
+        head = ShardModel(path, LayerRange(0, 1), dtype="bfloat16", load_head=True)
+        ids = torch.randint(int(head.config.vocab_size), (1, tokens), generator=torch.Generator().manual_seed(seed))
+        hidden = head.embed_tokens(ids, 0)
+        if start:
+            hidden = head.forward(hidden, KVCache(), 0)
+        del head
+        for index in range(1, start):
+            layer = ShardModel(path, LayerRange(index, index + 1), dtype="bfloat16", load_head=False)
+            hidden = layer.forward(hidden, KVCache(), 0)
+            del layer
+        return wire.encode(hidden, dtype=torch.bfloat16)
+
     def compute(self, model: str, layers: LayerRange, quantization: str, compute_dtype: str, frame: bytes) -> bytes:
         """:meth:`run`'s work, on the calling thread: each decoder layer of ``layers`` loaded alone
         (:class:`meshnet.models.shard.ShardModel` of one layer, no embeddings or head), run on the

@@ -10,9 +10,10 @@ the shard a **verification**:
 - ``pending``: a challenge is running. Not admitted yet (a fraction of a second on a 16-token probe).
 - ``failed``: the candidate's challenge call failed (refused, timed out, an error status): not
   admitted; the next heartbeat brings a new challenge.
-- ``verified``: its output on a challenge it could not predict (hidden states from a random seed,
-  sent through the ordinary ``POST /v1/forward`` under a fresh session, so it cannot tell a
-  challenge from a user's prefill) agreed with the model's own files (the tracker computes the
+- ``verified``: its output on a challenge it could not predict (hidden states from a random seed:
+  where the model's files are readable, those a prompt of random tokens makes at the range's first
+  layer, in the wire's bfloat16; sent through the ordinary ``POST /v1/forward`` under a fresh
+  session whose ticket names an entry as a node's default id, :func:`pseudo_entry`) agreed with the model's own files (the tracker computes the
   reference itself where this host holds them, :class:`ReferenceSource`, ADR-0070), or else with
   an admitted holder of the same layers.
 - ``unverified``: there is nothing to compare it with (the first holder of a range when the
@@ -46,8 +47,8 @@ from meshnet.protocol.route import Hop
 from meshnet.protocol.signing import encode_public_key, sign_request
 from meshnet.protocol.tickets import HEADER_TICKET, TicketClaims, issue_ticket
 
-__all__ = ["ADMITTING", "CHALLENGE_TOKENS", "SOURCE", "TRACKER_ENTRY", "Challenge", "ReferenceSource", "Verdict",
-           "decide", "run_challenge", "run_steps"]
+__all__ = ["ADMITTING", "CHALLENGE_TOKENS", "SOURCE", "Challenge", "ReferenceSource", "Verdict",
+           "decide", "pseudo_entry", "run_challenge", "run_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,6 @@ log = logging.getLogger(__name__)
 ADMITTING = ("verified", "unverified")
 #: tokens in a challenge's hidden states
 CHALLENGE_TOKENS = 16
-#: the entry a challenge's ticket names (the tracker itself; never a node id, which has no "@")
-TRACKER_ENTRY = "@tracker"
 #: the reference a verdict names when the model's own files were the reference (never a node id)
 SOURCE = "@source"
 
@@ -77,6 +76,14 @@ class ReferenceSource(Protocol):
 
         Raises:
             Exception: the files could not be read or the layers not run (the caller falls back to holders).
+        """
+
+    async def challenge_input(self, model: str, start: int, tokens: int, seed: int) -> bytes:
+        """A challenge's input frame for a range from layer ``start``: the hidden states a real prefill
+        of ``tokens`` token ids drawn from ``seed`` would carry there, in the wire dtype entries send.
+
+        Raises:
+            Exception: as :meth:`run` (the caller falls back to standard-normal hidden states).
         """
 
 
@@ -170,9 +177,19 @@ def decide(candidate: Holder, digest: str, known_digest: str | None, holders: li
     return tuple(covering[:2])
 
 
-def _ticket(key: Ed25519PrivateKey, session: str, model: str, hop: Hop, ttl_s: float) -> str:
-    claims = TicketClaims.for_route(session=session, model=model, entry=TRACKER_ENTRY,
-                                    entry_key=encode_public_key(key.public_key()), hops=[hop], ttl_s=ttl_s)
+def pseudo_entry() -> tuple[str, Ed25519PrivateKey]:
+    """A fresh entry id and key for one of the tracker's own sessions (a challenge, a speed probe, an
+    audit's re-run): the id has the form of a node's default id (``node-`` and 8 hex digits,
+    :func:`meshnet.node.settings.new_node_id`) and the key is new, so the session ticket does not
+    tell the node that the tracker is asking (it once named ``@tracker`` and carried the tracker's
+    own key, which every node knows)."""
+    return f"node-{secrets.token_hex(4)}", Ed25519PrivateKey.generate()
+
+
+def _ticket(key: Ed25519PrivateKey, session: str, model: str, hop: Hop, ttl_s: float,
+            entry: tuple[str, Ed25519PrivateKey]) -> str:
+    claims = TicketClaims.for_route(session=session, model=model, entry=entry[0],
+                                    entry_key=encode_public_key(entry[1].public_key()), hops=[hop], ttl_s=ttl_s)
     return issue_ticket(key, claims)
 
 
@@ -187,8 +204,8 @@ async def run_steps(http: httpx.AsyncClient, key: Ed25519PrivateKey, holder: Hol
                     times: list[float] | None = None) -> list[bytes]:
     """Run ``steps`` (``(position, frame, rewind)``: one session's history from position 0, a
     speculative step taking the session back to its position first) through ``holder``'s
-    ``layers`` as one fresh session (ticket signed by the tracker), every position returned, then
-    release it with the tracker's signature. ``timeout_s`` bounds each call; ``times``, when
+    ``layers`` as one fresh session (ticket signed by the tracker for a :func:`pseudo_entry`),
+    every position returned, then release it signed as that entry. ``timeout_s`` bounds each call; ``times``, when
     given, receives each call's seconds (request sent to response read), in order.
 
     Returns:
@@ -199,7 +216,8 @@ async def run_steps(http: httpx.AsyncClient, key: Ed25519PrivateKey, holder: Hol
     """
     session = uuid.uuid4().hex
     hop = Hop(holder.node_id, holder.endpoint, layers)
-    ticket = _ticket(key, session, model, hop, ttl_s=max(60.0, 4 * timeout_s, timeout_s * len(steps)))
+    entry = pseudo_entry()
+    ticket = _ticket(key, session, model, hop, ttl_s=max(60.0, 4 * timeout_s, timeout_s * len(steps)), entry=entry)
     start, end = layers.to_inclusive()
     outputs = []
     try:
@@ -218,7 +236,7 @@ async def run_steps(http: httpx.AsyncClient, key: Ed25519PrivateKey, holder: Hol
         return outputs
     finally:
         path = f"/v1/sessions/{session}"
-        signed = sign_request(key, TRACKER_ENTRY, "DELETE", path, b"")
+        signed = sign_request(entry[1], entry[0], "DELETE", path, b"")
         try:
             async with asyncio.timeout(5.0):
                 await http.delete(f"{holder.endpoint}{path}", headers={HEADER_TICKET: ticket, **signed}, timeout=5.0)
@@ -228,8 +246,9 @@ async def run_steps(http: httpx.AsyncClient, key: Ed25519PrivateKey, holder: Hol
 
 async def run_challenge(http: httpx.AsyncClient, key: Ed25519PrivateKey, challenge: Challenge,
                         timeout_s: float = 30.0, reference: ReferenceSource | None = None) -> tuple[Verdict, str | None]:
-    """Run ``challenge``: random hidden states through the candidate, then through the model's own
-    files (``challenge.source`` and a ``reference``, ADR-0070): within the tolerance it is
+    """Run ``challenge``: random hidden states through the candidate (with ``challenge.source`` and a
+    ``reference``, those a prompt of random tokens makes at its first layer, ADR-0070; else
+    standard-normal ones), then through the model's own files: within the tolerance it is
     verified, beyond it rejected. Where the files cannot be run (or without them), through its
     first holder reference; on a disagreement, through the second too, and the majority decides.
 
@@ -240,7 +259,13 @@ async def run_challenge(http: httpx.AsyncClient, key: Ed25519PrivateKey, challen
         answer leaves the candidate ``unverified`` (nothing to compare with).
     """
     c = challenge.candidate
-    frame = challenge_frame(secrets.randbits(63), CHALLENGE_TOKENS, challenge.hidden_size)
+    seed, frame = secrets.randbits(63), None
+    if challenge.source and reference is not None:  # hidden states like a real prompt's (ADR-0070)
+        try:
+            frame = await reference.challenge_input(challenge.model, challenge.layers.start, CHALLENGE_TOKENS, seed)
+        except Exception as exc:  # noqa: BLE001 - unreadable files: standard-normal hidden states then
+            log.warning("no challenge input from the files of %s (%s: %s)", challenge.model, type(exc).__name__, exc)
+    frame = frame or challenge_frame(seed, CHALLENGE_TOKENS, challenge.hidden_size)
     try:
         out = await _run_on(http, key, c, challenge.model, challenge.layers, frame, timeout_s)
         read_array(out)

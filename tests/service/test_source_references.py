@@ -13,9 +13,10 @@ import httpx
 import numpy as np
 import pytest
 
-from meshnet.dataplane.frames import read_array
+from meshnet.dataplane.frames import read_array, read_frame
 from meshnet.layers import LayerRange
 from meshnet.node.reference import SourceReferences
+from meshnet.protocol.tickets import HEADER_TICKET
 from meshnet.tracker.app import build_app
 from meshnet.tracker.service import TrackerService, TrackerSettings
 from tests.payloads import SignAsNodes
@@ -31,6 +32,7 @@ class LayerNodes(httpx.AsyncBaseTransport):
         self.dishonest: set[str] = set()
         self.noise = 0.5
         self.forwards: list[str] = []
+        self.calls: list[tuple[str, np.ndarray, str]] = []  # (wire dtype, values, ticket) of each forward
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         import torch
@@ -42,7 +44,9 @@ class LayerNodes(httpx.AsyncBaseTransport):
         self.forwards.append(request.url.host)
         start, end = int(request.headers["X-Meshnet-Start-Layer"]), int(request.headers["X-Meshnet-End-Layer"])
         shard = self.tiny_shard(MODEL, start, end + 1, load_head=False)
-        out = shard.forward(torch.from_numpy(read_array(await request.aread()).copy()), KVCache(), 0).numpy()
+        body = await request.aread()
+        self.calls.append((read_frame(body).dtype, read_array(body), request.headers[HEADER_TICKET]))
+        out = shard.forward(torch.from_numpy(read_array(body).copy()), KVCache(), 0).numpy()
         if request.url.host in self.dishonest:
             out = out + self.noise * out.std() * np.random.default_rng(1).standard_normal(out.shape).astype(np.float32)
         return httpx.Response(200, content=frame(out))
@@ -57,7 +61,7 @@ async def mesh(asgi_client, tiny_shard, tiny_model_path, monkeypatch):
     reference = SourceReferences(settings.models)
     app = build_app(settings, TrackerService(settings, reference=reference), run_loop=False, transport=nodes)
     client = await asgi_client(app, "http://tracker", auth=SignAsNodes())
-    client.nodes, client.reference = nodes, reference
+    client.app, client.nodes, client.reference = app, nodes, reference
     return client
 
 
@@ -127,6 +131,27 @@ async def test_a_model_whose_files_this_host_lacks_falls_back_to_holders(asgi_cl
     await client.post("/v1/nodes/register", json=node("a", 0, 3))
     first = await verification(client, "a")
     assert first["state"] == "unverified" and "no other admitted holder" in first["reason"]
+
+
+async def test_a_challenge_looks_like_an_entrys_prefill_not_like_the_tracker(mesh):
+    """Its input is a prompt's hidden states in the wire's bfloat16, not standard-normal float32
+    values; its ticket names an entry as a node's default id, with a key that is not the tracker's."""
+    import json
+    import re
+
+    from meshnet.protocol.signing import encode_public_key, unb64url
+
+    await mesh.post("/v1/nodes/register", json=node("a", 0, 1))
+    await mesh.post("/v1/nodes/register", json=node("b", 2, 3, entry=False))
+    for node_id in ("a", "b"):
+        assert (await verification(mesh, node_id, timeout_s=60))["state"] == "verified"
+    tracker_key = encode_public_key(mesh.app.state.service.tickets.key.public_key())
+    for dtype, values, ticket in mesh.nodes.calls:
+        assert dtype == "bfloat16" and values.shape == (1, 16, 64)
+        assert not 0.8 < float(values.std()) < 1.2  # embeddings (std ~0.02) and a layer's output, not N(0, 1)
+        claims = json.loads(unb64url(ticket.split(".")[0]))
+        assert re.fullmatch(r"node-[0-9a-f]{8}", claims["entry"]) and claims["entry_key"] != tracker_key
+    assert len({json.loads(unb64url(t.split(".")[0]))["entry"] for _, _, t in mesh.nodes.calls}) == 2
 
 
 def test_a_reference_holds_one_layer_at_a_time_and_equals_the_whole_ranges_output(tiny_shard, tiny_model_path,
