@@ -24,9 +24,11 @@ corruption applied). The environment says where and when:
                                       spot-checks, witness replays, the HTTP hop path)
     MESHNET_TEST_CORRUPT_REPLAYS_WEIGHTS=S  instead: the same noise on the same weights only on an
                                       entry's ``POST /v1/forward`` calls that return every position
-                                      (an audit's witness replay); honest on hop streams and on the
-                                      tracker's calls (admission challenges, audit re-runs): a
-                                      witness that lies to entries to frame honest holders
+                                      (an audit's witness replay) from an entry whose id starts with
+                                      MESHNET_TEST_LIE_TO (default ``entry``); honest on hop streams
+                                      and on every other call (the tracker's challenges and audit
+                                      re-runs): a witness that lies to an entry to frame honest holders
+    MESHNET_TEST_WITHHOLD_TRANSCRIPTS=1  also answer every transcript request 404 (keeps none)
     MESHNET_TEST_CLAIM_SPEED=K        claim K times the measured decode speed in doctor reports and in
                                       heartbeats (routes prefer the fastest holder: the dishonest node
                                       draws the traffic, unless the tracker's speed probes refute it)
@@ -246,6 +248,19 @@ def _lie_with_weights(layer: int, scale: float, lies: Callable[[int, torch.Tenso
     NodeRuntime.forward_async = forward_async
 
 
+def withhold_transcripts() -> None:
+    """Make this process answer every transcript request (``GET /v1/transcripts/{id}``, an entry's
+    audit) 404, as if it kept none: a liar hoping that an audit without its transcript proves nothing."""
+    import meshnet.node.app as node_app
+    from meshnet.errors import NotFound
+
+    async def transcript(request):
+        raise NotFound("no transcript of that chain is kept here for that key", code="no_transcript")
+
+    node_app.transcript = transcript  # build_app routes /v1/transcripts/{id} to this module attribute
+    log.warning("TEST: withholding every transcript")
+
+
 def _slow_down(seconds: float) -> None:
     """Wait ``seconds`` before each of this process's hop forward passes (a slower host)."""
     import asyncio
@@ -280,6 +295,8 @@ def main() -> None:
     if os.environ.get("MESHNET_TEST_CORRUPT_REPLAYS_WEIGHTS"):
         lie_on_replay_weights(int(os.environ["MESHNET_TEST_CORRUPT_LAYER"]),
                               float(os.environ["MESHNET_TEST_CORRUPT_REPLAYS_WEIGHTS"]))
+    if os.environ.get("MESHNET_TEST_WITHHOLD_TRANSCRIPTS"):
+        withhold_transcripts()
     if os.environ.get("MESHNET_TEST_CLAIM_SPEED"):
         import meshnet.node.doctor as doctor
         from meshnet.node.metrics import NodeMetrics

@@ -107,8 +107,10 @@ class ChainInbox:
 class ChainRecord:
     """One chain as its entry saw it, for an audit (ADR-0067): the ``model``, ``chain_id``, chain
     ``key`` and ``ticket``, its remote ``hops``, the frames the entry sent down it (``sent``:
-    ``(position, SHA-256 of the frame)`` in order) and the hops' ``receipts`` as they came
-    (``(hop index, position, flags, RECEIPT body)``)."""
+    ``(position, SHA-256 of the frame)`` in order; ``sent_frames`` the frames themselves), the
+    hops' ``receipts`` as they came (``(hop index, position, flags, RECEIPT body)``) and the result
+    frames the last hop sent back (``results``): with the other hops' transcripts, the frames a hop
+    that withholds its own took and sent (:func:`meshnet.dataplane.receipts.rebuild_transcript`)."""
 
     model: str | None
     chain_id: str
@@ -118,6 +120,8 @@ class ChainRecord:
     sent: tuple[tuple[int, bytes], ...]
     receipts: tuple[tuple[int, int, int, bytes], ...]
     failed_over: bool = False  # the chain replaced another: its first steps were a replay, not the history
+    sent_frames: tuple[bytes, ...] = ()
+    results: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,8 @@ class ChainRoute(FailoverCounts):
         self.receipts: list[tuple[int, int, int, bytes]] = []
         #: (position, SHA-256) of every frame sent down the current chain, in order (what its first hop received)
         self.sent: list[tuple[int, bytes]] = []
+        self.sent_frames: list[bytes] = []  # the frames of ``sent`` (a rewind does not cut them)
+        self.results: list[bytes] = []  # the current chain's RESULT frames as they came
         self.order = StageOrder()  # ``length``: tokens sent down the chain so far
         self.replayed_tokens = 0
         self._futures: dict[int, asyncio.Future] = {}
@@ -184,7 +190,7 @@ class ChainRoute(FailoverCounts):
         if self.chain_id is not None:
             self.inbox.unregister(self.chain_id)
         self.hops, self.ticket, self.chain_id = list(route.hops), route.ticket, chain_id
-        self.receipts, self.sent = [], []
+        self.receipts, self.sent, self.sent_frames, self.results = [], [], [], []
         self.key = new_chain_key()  # every chain its own: a failed-over chain's hops cannot speak for the new one
         self.epoch += 1
         self.broken: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -199,7 +205,7 @@ class ChainRoute(FailoverCounts):
         """What an audit of the current chain needs (ADR-0067): its hops, id, key and ticket, the
         frames this entry sent down it and the hops' receipts (a snapshot: the chain may go on)."""
         return ChainRecord(self.model, self.chain_id, self.key, self.ticket, tuple(self.hops), tuple(self.sent),
-                           tuple(self.receipts), self.epoch > 0)
+                           tuple(self.receipts), self.epoch > 0, tuple(self.sent_frames), tuple(self.results))
 
     def _release(self, abandoned: bool) -> None:
         """Release the current chain's session on each of its hops, in the background."""
@@ -308,6 +314,7 @@ class ChainRoute(FailoverCounts):
             await self._send(Kind.STEP, position, flags, frame)
             if self.want_receipts:  # what the first hop must have signed as received, for an audit
                 self.sent.append((position, digest(frame)))
+                self.sent_frames.append(frame)
             self.order.cond.notify_all()
         try:
             return await self._result(position, fut, shape[1], (1, 1 if last_only else shape[1], shape[-1]))
@@ -340,6 +347,8 @@ class ChainRoute(FailoverCounts):
                     continue
                 if self.epoch == start_epoch:
                     self.times.observe(tokens, time.perf_counter() - t0)
+                if self.want_receipts and sent_by == self.epoch:  # what the last hop signed as sent, for an audit
+                    self.results.append(body)
                 return out
             if self._dead is not None:
                 raise self._dead

@@ -40,14 +40,14 @@ from dataclasses import dataclass, replace
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from meshnet.dataplane.frames import FLAG_REWIND
-from meshnet.errors import WireError
+from meshnet.dataplane.frames import FLAG_REWIND, read_frame
+from meshnet.errors import MeshnetError, WireError
 from meshnet.layers import LayerRange
 from meshnet.protocol.signing import b64url, unb64url
 
 __all__ = ["HEADER_CHAIN_KEY", "HEADER_RECEIPT", "NO_OUTPUT", "RECEIPT_BYTES", "Receipt", "TranscriptStep",
-           "TranscriptStore", "digest", "history_problem", "read_transcript", "receipt_message", "replay_runs",
-           "sign_step", "transcript_json", "verify_step"]
+           "TranscriptStore", "digest", "history_problem", "read_transcript", "rebuild_transcript", "receipt_message",
+           "replay_runs", "sign_step", "transcript_json", "verify_step"]
 
 _CONTEXT = b"meshnet-receipt/3"
 #: a RECEIPT body: input digest, output digest, signature
@@ -237,6 +237,37 @@ def history_problem(steps: list[TranscriptStep]) -> str:
             return f"a step at position {s.position} where position {expected} was next"
         expected = s.position + s.tokens
     return "" if steps else "no steps"
+
+
+def rebuild_transcript(receipts: list[tuple[int, int, Receipt]], inputs: list[bytes],
+                       outputs: list[bytes]) -> list[TranscriptStep] | None:
+    """A hop's transcript rebuilt without it, from what its neighbours kept: its ``receipts``
+    (``(position, flags, receipt)`` in the order it sent them) name the digest of every frame it
+    took and sent; ``inputs`` are the frames sent to it (the entry's own, or the hop before it's
+    transcript outputs), ``outputs`` the frames it sent on (the hop after it's transcript inputs, or
+    the results the entry received). A hop that withholds its transcript is audited anyway
+    (ADR-0067, amended 2026-12-07): its receipts bind it to these frames.
+
+    Returns:
+        The steps in order, or None when a frame a receipt names is missing from the pools or the
+        steps are no session's history (:func:`history_problem`).
+    """
+    by_in = {digest(frame): frame for frame in inputs}
+    by_out = {digest(frame): frame for frame in outputs}
+    steps = []
+    for position, flags, receipt in receipts:
+        frame_in = by_in.get(receipt.in_digest)
+        frame_out = None if receipt.out_digest == NO_OUTPUT else by_out.get(receipt.out_digest)
+        if frame_in is None or (frame_out is None and receipt.out_digest != NO_OUTPUT):
+            return None
+        try:
+            shape = read_frame(frame_in).shape
+        except MeshnetError:
+            return None
+        if len(shape) != 3:
+            return None
+        steps.append(TranscriptStep(position, shape[1], flags, frame_in, frame_out))
+    return steps if not history_problem(steps) else None
 
 
 def replay_runs(steps: list[TranscriptStep]) -> list[list[TranscriptStep]]:

@@ -26,7 +26,11 @@ Such an audit is counted (``unsigned``) and disputes nothing.
 The hop cannot tell an audited session from another: every session's hops sign and keep the
 same things, and the question comes only after the session ended, when its receipts already
 bind it. A hop that no longer has the transcript, or whose transcript is not what it signed,
-is counted (``withheld``) and logged: that alone is no proof (a restart loses transcripts).
+is counted (``withheld``) and logged: that alone is no proof (a restart loses transcripts). It is
+audited anyway where its neighbours kept the frames its receipts name (``rebuilt``): the entry
+keeps the frames it sent and the results it received, and the hops before and after it keep
+theirs (:func:`meshnet.dataplane.receipts.rebuild_transcript`), so withholding hides nothing unless
+a neighbour withholds too.
 
 How often: each session is audited with probability ``rate``; a session through a hop that has
 passed fewer than ``probation_passes`` audits here with ``probation_rate`` (new holders are
@@ -49,7 +53,7 @@ from meshnet.dataplane.evidence import audit_tolerance, reference_rows, step_dis
 from meshnet.dataplane.hops import post_forward
 from meshnet.dataplane.frames import FLAG_REWIND
 from meshnet.dataplane.receipts import HEADER_CHAIN_KEY, Receipt, TranscriptStep, digest, history_problem, \
-    read_transcript, replay_runs, verify_step
+    read_transcript, rebuild_transcript, replay_runs, verify_step
 from meshnet.dataplane.replay import rechunk
 from meshnet.errors import MeshnetError
 from meshnet.gateway.spotcheck import WitnessRoutes, witness_session
@@ -87,6 +91,7 @@ class AuditStats:
     passed: int = 0
     disputes: int = 0     # reported to the tracker
     withheld: int = 0     # no transcript, or not the one the hop signed
+    rebuilt: int = 0      # of those, audited on a transcript rebuilt from its neighbours' frames
     unverified: int = 0   # no witness
     mismatched: int = 0   # a hop's signed input is not what the hop before it signed as sent
     unsigned: int = 0     # a receipt, the hop's or the witness's, does not verify with its node's key
@@ -164,9 +169,10 @@ class Auditor:
         if record.failed_over or not record.sent:  # its first steps were a replay: nothing to chain them to
             return []
         out = []
+        transcripts = [await self._transcript(record, hop) for hop in record.hops]
         for index, hop in enumerate(record.hops):
             try:
-                out.append(await self._audit_hop(record, index, hop, codec))
+                out.append(await self._audit_hop(record, index, hop, codec, transcripts))
             except Exception:  # noqa: BLE001 - an audit must never hurt the entry
                 log.warning("audit of %s on chain %s failed", hop.node_id, record.chain_id, exc_info=True)
                 out.append(None)
@@ -195,15 +201,49 @@ class Auditor:
         except (httpx.HTTPError, ValueError, MeshnetError):
             return None
 
-    async def _audit_hop(self, record: ChainRecord, index: int, hop: Hop, codec: ActivationCodec) -> dict | None:
+    def _signed_transcript(self, record: ChainRecord, index: int,
+                           transcripts: list[list[TranscriptStep] | None]) -> list[TranscriptStep] | None:
+        """Hop ``index``'s transcript when it is the one the hop signed, else None."""
+        steps = transcripts[index]
+        return steps if steps is not None and not _unsigned(steps, self._receipts(record, index)) else None
+
+    def _rebuilt(self, record: ChainRecord, index: int,
+                 transcripts: list[list[TranscriptStep] | None]) -> list[TranscriptStep] | None:
+        """Hop ``index``'s transcript rebuilt from its receipts and its neighbours' frames
+        (:func:`rebuild_transcript`): the entry's own frames for the first hop's inputs and the
+        results it received for the last hop's outputs, the adjacent hops' signed transcripts
+        otherwise. None when a neighbour's is missing too, or a frame a receipt names."""
+        last = len(record.hops) - 1
+        before = None if index == 0 else self._signed_transcript(record, index - 1, transcripts)
+        after = None if index == last else self._signed_transcript(record, index + 1, transcripts)
+        if (index and before is None) or (index < last and after is None):
+            return None
+        inputs = list(record.sent_frames) if index == 0 else [s.frame_out for s in before if s.frame_out is not None]
+        outputs = list(record.results) if index == last else [s.frame_in for s in after]
+        ordered = []
+        for i, position, flags, body in record.receipts:
+            if i == index:
+                try:
+                    ordered.append((position, flags, Receipt.from_bytes(body)))
+                except MeshnetError:
+                    return None
+        return rebuild_transcript(ordered, inputs, outputs)
+
+    async def _audit_hop(self, record: ChainRecord, index: int, hop: Hop, codec: ActivationCodec,
+                         transcripts: list[list[TranscriptStep] | None]) -> dict | None:
         self.stats.audits += 1
-        steps = await self._transcript(record, hop)
+        steps = transcripts[index]
         receipts = self._receipts(record, index)
         why = _unsigned(steps, receipts)
         if why:
             self.stats.withheld += 1
-            log.warning("audit of %s on chain %s: %s", hop.node_id, record.chain_id, why)
-            return None
+            steps = self._rebuilt(record, index, transcripts)
+            if steps is None:
+                log.warning("audit of %s on chain %s: %s", hop.node_id, record.chain_id, why)
+                return None
+            self.stats.rebuilt += 1
+            log.warning("audit of %s on chain %s: %s; audited on the frames its receipts name, which its "
+                        "neighbours kept", hop.node_id, record.chain_id, why)
         sent = self._sent_to(record, index)
         wrong = [s.position for s in steps if (s.position, digest(s.frame_in)) not in sent]
         if wrong:

@@ -191,7 +191,7 @@ class NodeMetrics:
 
 
 #: the outcomes of :class:`meshnet.gateway.audit.AuditStats` that ``meshnet_entry_audits_total`` counts
-AUDIT_OUTCOMES = ("passed", "disputes", "withheld", "unverified", "mismatched", "unsigned")
+AUDIT_OUTCOMES = ("passed", "disputes", "withheld", "rebuilt", "unverified", "mismatched", "unsigned")
 
 
 class _AuditCollector:

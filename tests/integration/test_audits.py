@@ -46,7 +46,10 @@ def start_routable(mesh: Mesh) -> None:
 
 
 LIES = {"decode": {"MESHNET_TEST_CORRUPT_DECODE_WEIGHTS": "0.1", "MESHNET_TEST_CORRUPT_LAYER": "15"},
-        "streams": {"MESHNET_TEST_CORRUPT_STREAMS_WEIGHTS": "0.1", "MESHNET_TEST_CORRUPT_LAYER": "15"}}
+        "streams": {"MESHNET_TEST_CORRUPT_STREAMS_WEIGHTS": "0.1", "MESHNET_TEST_CORRUPT_LAYER": "15"},
+        # lying on decode steps and keeping no transcript: audited on the frames its neighbours kept
+        "decode-withholding": {"MESHNET_TEST_CORRUPT_DECODE_WEIGHTS": "0.1", "MESHNET_TEST_CORRUPT_LAYER": "15",
+                               "MESHNET_TEST_WITHHOLD_TRANSCRIPTS": "1"}}
 
 
 @pytest.mark.parametrize("lie", sorted(LIES))
@@ -92,7 +95,10 @@ def test_a_node_lying_only_where_it_thinks_no_one_checks_is_caught_by_an_audit_a
             assert node_view(mesh, name)["quarantine"] is None, name
         audits = httpx.get(f"{node_view(mesh, 'entry')['endpoint']}/v1/health", timeout=5).json()["audits"]
         print(f"entry audits: {audits}")
-        assert audits["withheld"] == 0 and audits["mismatched"] == 0
+        if "withholding" in lie:  # every audit of x-bad found no transcript and rebuilt it from entry's and tail's frames
+            assert audits["withheld"] == audits["rebuilt"] >= 1 and audits["mismatched"] == 0
+        else:
+            assert audits["withheld"] == 0 and audits["mismatched"] == 0
         assert any(v.get("verdict") in ("quarantine", "witness_outvoted") for v in audits["verdicts"])
         assert max(audits["distances"]) > quarantine["tolerance"]
     finally:
