@@ -68,12 +68,14 @@ class SourceReferences:
 
         return held_locally(model) is not None
 
-    def _path(self, model: str, layers: LayerRange) -> Path:
+    def _path(self, model: str, layers: LayerRange, entry: bool = False) -> Path:
+        """The model's directory: held here, or (``fetch``) fetched with ``layers`` (and the
+        embeddings with ``entry``)."""
         from meshnet.models.sources import held_locally, resolve
 
+        if self.mode == "fetch":  # a hub source fetches the files of those layers it lacks (a node's own way)
+            return resolve(model, layers=layers, entry=entry)
         path = held_locally(model)
-        if path is None and self.mode == "fetch":
-            path = resolve(model, layers=layers, entry=False)
         if path is None:
             from meshnet.errors import ModelSourceError
 
@@ -116,7 +118,7 @@ class SourceReferences:
 
         import torch
 
-        path = self._path(model, LayerRange(0, max(start, 1)))
+        path = self._path(model, LayerRange(0, max(start, 1)), entry=True)
         head = ShardModel(path, LayerRange(0, 1), dtype="bfloat16", load_head=True)
         ids = torch.randint(int(head.config.vocab_size), (1, tokens), generator=torch.Generator().manual_seed(seed))
         hidden = head.embed_tokens(ids, 0)
