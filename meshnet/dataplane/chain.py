@@ -119,7 +119,7 @@ class ChainRecord:
     hops: tuple[Hop, ...]
     sent: tuple[tuple[int, bytes], ...]
     receipts: tuple[tuple[int, int, int, bytes], ...]
-    failed_over: bool = False  # the chain replaced another: its first steps were a replay, not the history
+    failed_over: bool = False  # the chain replaced another: its first steps replayed the history
     sent_frames: tuple[bytes, ...] = ()
     results: tuple[bytes, ...] = ()
 
@@ -196,6 +196,13 @@ class ChainRoute(FailoverCounts):
         self.broken: asyncio.Future = asyncio.get_running_loop().create_future()
         self.inbox.register(chain_id, self)
         self._opened = False
+
+    def _sent(self, position: int, frame: bytes) -> None:
+        """Keep a frame sent down the current chain (a step, or a failover's replay of the history):
+        what its first hop must have signed as received, for an audit (ADR-0067)."""
+        if self.want_receipts:
+            self.sent.append((position, digest(frame)))
+            self.sent_frames.append(frame)
 
     def forget(self) -> None:
         """Take no more messages for the current chain (after a lingering :meth:`close`)."""
@@ -312,9 +319,7 @@ class ChainRoute(FailoverCounts):
             if not self._opened:
                 await self._open()
             await self._send(Kind.STEP, position, flags, frame)
-            if self.want_receipts:  # what the first hop must have signed as received, for an audit
-                self.sent.append((position, digest(frame)))
-                self.sent_frames.append(frame)
+            self._sent(position, frame)
             self.order.cond.notify_all()
         try:
             return await self._result(position, fut, shape[1], (1, 1 if last_only else shape[1], shape[-1]))
@@ -446,7 +451,9 @@ class ChainRoute(FailoverCounts):
         done = [(p, frame, t) for p, frame, t, _ in self.history if p < pending]
         async for position, frame, tokens in rechunk(done, self.codec, self.replay_chunk_tokens):
             await self._send(Kind.STEP, position, FLAG_NO_RESULT, frame)
+            self._sent(position, frame)
         for position, frame, _, flags in self.history:
             if position >= pending:
                 await self._send(Kind.STEP, position, flags, frame)
+                self._sent(position, frame)
         self.replayed_tokens = self.order.length

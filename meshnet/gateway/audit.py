@@ -166,7 +166,7 @@ class Auditor:
     async def audit(self, record: ChainRecord, codec: ActivationCodec) -> list[dict | None]:
         """Audit every remote hop of ``record``; per hop, the tracker's verdict when a dispute went
         to it, else None. Never raises (a failed audit is logged)."""
-        if record.failed_over or not record.sent:  # its first steps were a replay: nothing to chain them to
+        if not record.sent:  # nothing was sent down it
             return []
         out = []
         transcripts = [await self._transcript(record, hop) for hop in record.hops]

@@ -457,3 +457,55 @@ async def test_messages_without_the_chain_key_are_dropped_at_the_entry_and_at_a_
     assert reported == [] and stats.failovers == 0
     assert nodes["c"][1].runtime.tokens_processed == len(PROMPT) + 5  # the prompt and five decode steps, no more
     assert await sessions_left(nodes, ["entry", "b", "c"]) == {"entry": 0, "b": 0, "c": 0}
+
+
+def auditing(nodes, routes, witnesses, reported: list | None = None) -> Orchestrator:
+    """:func:`orchestrator` whose entry audits every session (ADR-0067) with ``witnesses`` (node
+    names) as the other holders of their layers; disputes would go to a list (none expected here)."""
+    from meshnet.gateway.audit import Auditor
+    from tests.payloads import node_key
+
+    for name, (_, node) in nodes.items():  # each hop signs its steps (a node's key comes from its agent)
+        node.step_key = node_key(name)
+    orch = orchestrator(nodes, routes, reported)
+    disputes = []
+
+    async def report(node_id, report):
+        disputes.append(node_id)
+        return {"verdict": "none"}
+
+    async def witness_routes(model, layers, exclude, session, audited):
+        names = [n for n in witnesses if LayerRange(*LAYERS[n]) == layers and n not in exclude]
+        if not names:
+            raise NotFound(f"no other holder of layers {layers}", code="model_loading")
+        return Route([Hop(names[0], nodes[names[0]][0], layers)])
+
+    orch.audit = Auditor(1.0, client=nodes["entry"][1].http, routes=witness_routes, report=report)
+    orch.disputes = disputes
+    return orch
+
+
+async def test_a_failed_over_chain_is_audited_from_its_replay_on(nodes, tiny_hf_model):
+    """The replacement chain's first steps replay the history: the entry keeps what it sent then
+    too, so its hops are audited like any chain's (c against its witness c2; b has no other holder)."""
+    orch = auditing(nodes, routes_over(nodes, ["b0", "c"], ["b", "c"]), ["c2"])
+    got, stats = await generate(orch)
+    await orch.audit.drain()
+    assert got == monolithic(tiny_hf_model) and stats.failovers == 1
+    audits = orch.audit.stats
+    assert (audits.audits, audits.passed, audits.unverified, audits.withheld, audits.mismatched) == (2, 1, 1, 0, 0)
+    assert len(audits.distances) == 1 and audits.distances[0] < 1e-5 and orch.disputes == []  # float32 chunkings
+
+
+async def test_a_hop_that_keeps_no_transcript_is_audited_on_its_neighbours_frames(nodes, tiny_hf_model, monkeypatch):
+    """c (the last hop) answers every transcript request with nothing: its receipts name the frames
+    b sent it (b's transcript) and the results the entry got; rebuilt from those, it is audited
+    against its witness c2 and passes. b, whose transcript c would have given, is audited as ever."""
+    monkeypatch.setattr(nodes["c"][1].transcripts, "steps", lambda chain_id, key: None)
+    orch = auditing(nodes, routes_over(nodes, ["b", "c"]), ["c2"])
+    got, _ = await generate(orch)
+    await orch.audit.drain()
+    assert got == monolithic(tiny_hf_model)
+    audits = orch.audit.stats
+    assert (audits.audits, audits.withheld, audits.rebuilt, audits.passed, audits.unverified) == (2, 1, 1, 1, 1)
+    assert len(audits.distances) == 1 and audits.distances[0] < 1e-5 and orch.disputes == []  # float32 chunkings
