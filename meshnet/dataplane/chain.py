@@ -122,6 +122,12 @@ class ChainRecord:
     failed_over: bool = False  # the chain replaced another: its first steps replayed the history
     sent_frames: tuple[bytes, ...] = ()
     results: tuple[bytes, ...] = ()
+    #: the HTTP hop path's own record (:meth:`meshnet.dataplane.hops.RemoteRoute.audit_record`): each
+    #: hop's steps as this entry sent and received them (None: a chain, whose hops' are fetched), the
+    #: ``(position, digest)`` sent to each hop, and each hop's ticket (a replaced hop has its own)
+    transcripts: tuple[list, ...] | None = None
+    sent_to: tuple[tuple[tuple[int, bytes], ...], ...] = ()
+    hop_tickets: tuple[str | None, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -41,13 +41,14 @@ import httpx
 from meshnet.errors import HEALTHY_HOP_CODES, HopBusy, HopFailed, MeshnetError
 from meshnet.dataplane.deadlines import StepTimes, deadline_s
 from meshnet.dataplane.codec import Activation, ActivationCodec
-from meshnet.dataplane.chain import StageOrder
+from meshnet.dataplane.chain import ChainRecord, StageOrder
 from meshnet.dataplane.failover import Failover, FailoverCounts, FailoverListener, RemoteContext, Touched, describe
-from meshnet.dataplane.receipts import HEADER_RECEIPT
-from meshnet.dataplane.frames import HEADER_REWIND
+from meshnet.dataplane.receipts import HEADER_RECEIPT, TranscriptStep, digest
+from meshnet.dataplane.frames import FLAG_LAST_ONLY, FLAG_REWIND, HEADER_REWIND
 from meshnet.dataplane.replay import cut_history, rechunk
 from meshnet.protocol.ids import SessionId
 from meshnet.protocol.route import Hop, Route
+from meshnet.protocol.signing import unb64url
 from meshnet.protocol.tickets import HEADER_TICKET
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,10 @@ class HopState:
     ticket: str | None = None
     history: list[tuple[int, bytes, int]] = field(default_factory=list)
     times: StepTimes = field(default_factory=StepTimes)
+    #: a session drawn for an audit (:attr:`RemoteRoute.recording`): every call's step as the hop ran
+    #: it and the receipt it signed (``X-Meshnet-Receipt``; "" when none came), in order (ADR-0067)
+    steps: list[TranscriptStep] = field(default_factory=list)
+    receipts: list[str] = field(default_factory=list)
 
 
 def _error_of(resp: httpx.Response) -> tuple[str, str]:
@@ -171,6 +176,9 @@ class RemoteRoute(FailoverCounts):
         self.hidden_size: int | None = None
         #: node id -> (endpoint, ticket) of every hop sent a frame, not yet released
         self._touched: dict[str, Touched] = {}
+        #: keep each call's step and receipt for an audit of this session (the caller draws it
+        #: before the first step; every hop signs every call anyway, so none can tell, ADR-0067)
+        self.recording = False
 
     def _new_state(self, hop: Hop, ticket: str | None) -> HopState:
         return HopState(hop, StageOrder(self._turn), ticket=ticket, times=self.fo.new_times())
@@ -199,7 +207,8 @@ class RemoteRoute(FailoverCounts):
         shape = None if self.hidden_size is None else (1, 1 if last_only else seq_len, self.hidden_size)
         self._touched[state.hop.node_id] = (state.hop.endpoint, state.ticket)
         t0 = time.perf_counter()
-        receipts: list[str] | None = [] if check and position == 0 and self.spot_check is not None else None
+        checking = check and position == 0 and self.spot_check is not None
+        receipts: list[str] | None = [] if checking or self.recording else None
         call = asyncio.ensure_future(post_forward(
             self.client, state.hop, model=self.model, session_id=self.session_id, position=position,
             frame=frame, last_only=last_only, timeout=self.timeout, codec=self.codec, expect_shape=shape,
@@ -209,8 +218,12 @@ class RemoteRoute(FailoverCounts):
         finally:
             _settle(call)
         state.times.observe(seq_len, time.perf_counter() - t0)
-        if receipts is not None:
+        if checking:
             await self._spot_check(state, frame, out[0], last_only, receipts[0] if receipts else "")
+        if self.recording:
+            flags = (FLAG_LAST_ONLY if last_only else 0) | (FLAG_REWIND if rewind else 0)
+            state.steps.append(TranscriptStep(position, seq_len, flags, frame, out[0]))
+            state.receipts.append(receipts[0] if receipts else "")
         state.history.append((position, frame, seq_len))
         state.order.length = position + seq_len
         return out
@@ -351,8 +364,34 @@ class RemoteRoute(FailoverCounts):
             frame, out, layer = await self.run_stage(layer, frame, position, shape[1], last_only, rewind)
         return out
 
-    def close(self) -> None:
+    def audit_record(self) -> ChainRecord:
+        """What an audit of this session needs (ADR-0067): every remote hop's steps and receipts as
+        this entry sent and received them over HTTP (its record is the hop's transcript: nothing to
+        fetch), the frames sent to each, and each hop's ticket. Only a :attr:`recording` session
+        has steps."""
+        hops = tuple(s.hop for s in self.states)
+        receipts = tuple((index, step.position, step.flags, _receipt_bytes(r))
+                         for index, s in enumerate(self.states) for step, r in zip(s.steps, s.receipts))
+        sent_to = tuple(tuple((step.position, digest(step.frame_in)) for step in s.steps) for s in self.states)
+        return ChainRecord(self.model, self.session_id, "", self.states[0].ticket if self.states else None, hops,
+                           sent_to[0] if sent_to else (), tuple(r for r in receipts if r[3]),
+                           transcripts=tuple(list(s.steps) for s in self.states), sent_to=sent_to,
+                           hop_tickets=tuple(s.ticket for s in self.states))
+
+    def forget(self) -> None:
+        """Nothing to forget (a chain stops taking messages here; HTTP calls have all returned)."""
+
+    def close(self, linger: bool = False) -> None:
         """Release the session on every hop it reached, in the background (returns at once,
-        never raises; safe to call while the generation is being cancelled)."""
+        never raises; safe to call while the generation is being cancelled). ``linger`` is the
+        chain's (its hops' last receipts may be on their way); every call here has returned."""
         touched, self._touched = list(self._touched.values()), {}
         self.fo.release(touched, self.session_id, abandoned=False)
+
+
+def _receipt_bytes(header: str) -> bytes:
+    """The RECEIPT body of an ``X-Meshnet-Receipt`` header value (b"" when missing or unreadable)."""
+    try:
+        return unb64url(header) if header else b""
+    except ValueError:
+        return b""

@@ -48,6 +48,7 @@ from typing import Awaitable, Callable
 import httpx
 
 from meshnet.dataplane.chain import ChainRecord, ChainRoute
+from meshnet.dataplane.hops import RemoteRoute
 from meshnet.dataplane.codec import ActivationCodec
 from meshnet.dataplane.evidence import audit_tolerance, reference_rows, step_distances
 from meshnet.dataplane.hops import post_forward
@@ -144,9 +145,11 @@ class Auditor:
         probation = any(self.passes.get(h.node_id, 0) < self.probation_passes for h in hops)
         return self.rng.random() < (max(self.rate, self.probation_rate) if probation else self.rate)
 
-    def audit_soon(self, chain: ChainRoute, codec: ActivationCodec) -> None:
+    def audit_soon(self, chain: "ChainRoute | RemoteRoute", codec: ActivationCodec) -> None:
         """Audit ``chain``'s hops in the background once its session has ended (closed with
-        ``linger``): after :data:`RECEIPT_WAIT_S`, so that the receipts of its last steps are in."""
+        ``linger``): after :data:`RECEIPT_WAIT_S`, so that the receipts of its last steps are in.
+        A session on the HTTP hop path (:class:`meshnet.dataplane.hops.RemoteRoute`, recording)
+        is audited the same way on the steps this entry recorded."""
         async def later() -> None:
             try:
                 await asyncio.sleep(RECEIPT_WAIT_S)
@@ -169,7 +172,8 @@ class Auditor:
         if not record.sent:  # nothing was sent down it
             return []
         out = []
-        transcripts = [await self._transcript(record, hop) for hop in record.hops]
+        transcripts = list(record.transcripts) if record.transcripts is not None else \
+            [await self._transcript(record, hop) for hop in record.hops]  # a chain's: each hop keeps its own
         for index, hop in enumerate(record.hops):
             try:
                 out.append(await self._audit_hop(record, index, hop, codec, transcripts))
@@ -282,8 +286,9 @@ class Auditor:
             return None
         self.stats.disputes += 1
         start, end = hop.layers.to_inclusive()
+        ticket = record.hop_tickets[index] if record.hop_tickets else record.ticket
         report = AuditReport(model=record.model or "", shard_start=start, shard_end=end, chain_id=record.chain_id,
-                             ticket=record.ticket or "", steps=_audit_steps(disputed, signed),
+                             ticket=ticket or "", steps=_audit_steps(disputed, signed),
                              replay=None if replay is None else AuditReplay(
                                  witness=replay.witness, session=replay.session,
                                  steps=_audit_steps(replay.steps, replay.receipts)))
@@ -317,7 +322,10 @@ class Auditor:
 
     def _sent_to(self, record: ChainRecord, index: int) -> set[tuple[int, bytes]]:
         """(position, digest) of every frame sent to hop ``index``: the entry's own for the first
-        hop, else the outputs the hop before it signed."""
+        hop (every hop on the HTTP path, where the entry sends each its frames), else the outputs
+        the hop before it signed."""
+        if record.sent_to:
+            return set(record.sent_to[index])
         if index == 0:
             return set(record.sent)
         return {(position, r.out_digest) for (position, _, _), r in self._receipts(record, index - 1).items()}

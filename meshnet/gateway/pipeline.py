@@ -246,7 +246,9 @@ class Orchestrator:
         session_id = uuid.uuid4().hex
         entry_hop = Hop(self.node_id, self.endpoint, LayerRange(0, self.entry.local_end))
         remote = await self._open(session_id)
-        audited = isinstance(remote, ChainRoute) and self.audit is not None and self.audit.draw(remote.hops)
+        audited = remote is not None and self.audit is not None and self.audit.draw(remote.hops)
+        if audited and isinstance(remote, RemoteRoute):  # the HTTP hop path: the entry keeps each hop's steps
+            remote.recording = True
         chooser: TokenChooser = self.entry.new_chooser(params)
         local = StageOrder()  # the entry's own layers
         if self.observer is not None:

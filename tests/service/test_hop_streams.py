@@ -459,7 +459,7 @@ async def test_messages_without_the_chain_key_are_dropped_at_the_entry_and_at_a_
     assert await sessions_left(nodes, ["entry", "b", "c"]) == {"entry": 0, "b": 0, "c": 0}
 
 
-def auditing(nodes, routes, witnesses, reported: list | None = None) -> Orchestrator:
+def auditing(nodes, routes, witnesses, reported: list | None = None, chain: bool = True) -> Orchestrator:
     """:func:`orchestrator` whose entry audits every session (ADR-0067) with ``witnesses`` (node
     names) as the other holders of their layers; disputes would go to a list (none expected here)."""
     from meshnet.gateway.audit import Auditor
@@ -467,11 +467,11 @@ def auditing(nodes, routes, witnesses, reported: list | None = None) -> Orchestr
 
     for name, (_, node) in nodes.items():  # each hop signs its steps (a node's key comes from its agent)
         node.step_key = node_key(name)
-    orch = orchestrator(nodes, routes, reported)
+    orch = orchestrator(nodes, routes, reported, chain=chain)
     disputes = []
 
     async def report(node_id, report):
-        disputes.append(node_id)
+        disputes.append((node_id, report))
         return {"verdict": "none"}
 
     async def witness_routes(model, layers, exclude, session, audited):
@@ -509,3 +509,44 @@ async def test_a_hop_that_keeps_no_transcript_is_audited_on_its_neighbours_frame
     audits = orch.audit.stats
     assert (audits.audits, audits.withheld, audits.rebuilt, audits.passed, audits.unverified) == (2, 1, 1, 1, 1)
     assert len(audits.distances) == 1 and audits.distances[0] < 1e-5 and orch.disputes == []  # float32 chunkings
+
+
+async def test_sessions_on_the_http_hop_path_are_audited_on_the_entrys_own_record(nodes, tiny_hf_model, monkeypatch):
+    """With hop streams off the entry sends each hop its frames itself: an audit replays what it
+    recorded (no transcript to fetch). c lies on every decode step (noise on its output past the
+    prompt): the audit measures it far from its witness c2 and sends the tracker c's own signed
+    steps, up to the first far one, under the ticket that routed it."""
+    from meshnet.node.runtime import NodeRuntime
+
+    honest = NodeRuntime.forward_async
+    liar = nodes["c"][1].runtime
+
+    async def lying(self, *, position, hidden, **kw):
+        out = await honest(self, position=position, hidden=hidden, **kw)
+        return out + 0.5 * out.std() if self is liar and position >= len(PROMPT) else out
+
+    monkeypatch.setattr(NodeRuntime, "forward_async", lying)
+    plain = routes_over(nodes, ["b", "c"])
+
+    async def ticketed(model, layers, exclude, session_id):  # these nodes know no tracker: any ticket passes
+        return Route((await plain(model, layers, exclude, session_id)).hops, ticket=f"ticket-of-{session_id}")
+
+    orch = auditing(nodes, ticketed, ["c2"], chain=False)
+    await generate(orch)
+    await orch.audit.drain()
+    audits = orch.audit.stats
+    assert (audits.audits, audits.unverified, audits.withheld, audits.mismatched, audits.disputes) == (2, 1, 0, 0, 1)
+    (accused, report), = orch.disputes
+    assert accused == "c" and report.ticket == f"ticket-of-{report.chain_id}" and len(report.steps) >= 2
+    assert report.steps[0].position == 0 and report.steps[-1].position >= len(PROMPT)  # up to its first lie
+    assert max(audits.distances) > orch.audit.limit
+
+
+async def test_an_honest_session_on_the_http_hop_path_passes_its_audit(nodes, tiny_hf_model):
+    orch = auditing(nodes, routes_over(nodes, ["b", "c"]), ["c2"], chain=False)
+    got, _ = await generate(orch)
+    await orch.audit.drain()
+    assert got == monolithic(tiny_hf_model)
+    audits = orch.audit.stats
+    assert (audits.audits, audits.passed, audits.unverified, audits.withheld, audits.disputes) == (2, 1, 1, 0, 0)
+    assert audits.distances[0] < 1e-5
