@@ -61,7 +61,8 @@ print(json.dumps({"s": statistics.median(times), "peak_mib": peak / 1024, "growt
 
 def child(how: str, quantization: str, dtype: str, start: int, end: int, runs: int) -> dict:
     done = subprocess.run([sys.executable, "-c", CHILD, how, quantization, dtype, str(start), str(end), str(runs)],
-                          capture_output=True, text=True, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          capture_output=True, text=True, cwd=ROOT, check=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -7,15 +7,16 @@ the shard a **verification**:
 - ``rejected``: its weights digest differs from the one the tracker knows for that model, range
   and recipe, or its output on a challenge differed from the reference holders' beyond the
   recipes' tolerance. Never admitted; the evidence is shown in ``GET /v1/nodes``.
-- ``pending``: a challenge is running. Not admitted yet (a fraction of a second on a 16-token probe).
+- ``pending``: a challenge is running. Not admitted yet (a fraction of a second on a 16-token probe
+  against a holder; 1-3 s against the model's files, which the tracker runs layer by layer).
 - ``failed``: the candidate's challenge call failed (refused, timed out, an error status): not
   admitted; the next heartbeat brings a new challenge.
 - ``verified``: its output on a challenge it could not predict (hidden states from a random seed:
   where the model's files are readable, those a prompt of random tokens makes at the range's first
   layer, in the wire's bfloat16; sent through the ordinary ``POST /v1/forward`` under a fresh
-  session whose ticket names an entry as a node's default id, :func:`pseudo_entry`) agreed with the model's own files (the tracker computes the
-  reference itself where this host holds them, :class:`ReferenceSource`, ADR-0070), or else with
-  an admitted holder of the same layers.
+  session whose ticket names an entry as a node's default id, :func:`pseudo_entry`) agreed with
+  the model's own files (the tracker computes the reference itself where this host holds them,
+  :class:`ReferenceSource`, ADR-0070), or else with an admitted holder of the same layers.
 - ``unverified``: there is nothing to compare it with (the first holder of a range when the
   tracker cannot read the model's files, a model without a known width): admitted, so a fresh
   mesh becomes ready at once, and marked so in routes; its digest becomes the one later holders
@@ -245,7 +246,8 @@ async def run_steps(http: httpx.AsyncClient, key: Ed25519PrivateKey, holder: Hol
 
 
 async def run_challenge(http: httpx.AsyncClient, key: Ed25519PrivateKey, challenge: Challenge,
-                        timeout_s: float = 30.0, reference: ReferenceSource | None = None) -> tuple[Verdict, str | None]:
+                        timeout_s: float = 30.0,
+                        reference: ReferenceSource | None = None) -> tuple[Verdict, str | None]:
     """Run ``challenge``: random hidden states through the candidate (with ``challenge.source`` and a
     ``reference``, those a prompt of random tokens makes at its first layer, ADR-0070; else
     standard-normal ones), then through the model's own files: within the tolerance it is

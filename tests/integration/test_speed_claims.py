@@ -5,8 +5,9 @@ honestly but is slower (it waits 50 ms before each forward pass) and claims ten 
 speed its doctor measured (in its report and its heartbeats; test-only, ``tests/corrupt.py``), which
 used to draw every chat. The tracker times every holder's decode step itself (every 2 s here; the
 default is 120 s): the liar's claim is set aside, it is counted at what its timing shows (slower
-than the honest holder), and the chats no longer all go through it. The answers say their routes were not verified (the
-entry, h1 and tail hold their ranges alone) until the operator trusts those three (ADR-0069).
+than the honest holder), and the chats no longer all go through it. The tracker does not compute references
+from the model's files here (``--source-references off``, ADR-0070), so the answers say their routes were not
+verified (the entry, h1 and tail hold their ranges alone) until the operator trusts those three (ADR-0069).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ pytestmark = pytest.mark.slow
 def test_a_node_claiming_ten_times_its_speed_loses_its_claim_and_its_hold_on_the_routes(real_model_path, tmp_path):
     mesh = Mesh(tmp_path)
     try:
-        mesh.start_tracker(REAL, node_timeout_s=10.0, extra=["--speed-probe-interval", "2"])
+        # a tracker that cannot read the model's files (ADR-0070 off): lone holders stay unverified until trusted
+        mesh.start_tracker(REAL, node_timeout_s=10.0,
+                           extra=["--speed-probe-interval", "2", "--source-references", "off"])
         mesh.start_node("entry", "--model", REAL, "--shard-start", "0", "--shard-end", "9", *BF16)
         mesh.start_node("tail", "--model", REAL, "--shard-start", "20", "--shard-end", "29", *BF16)
         mesh.start_node("h1", *MIDDLE)

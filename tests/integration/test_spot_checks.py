@@ -60,6 +60,7 @@ def test_a_node_that_turns_dishonest_is_quarantined_and_serves_no_later_answer(r
         for _ in range(60):
             resp = mesh.chat(REAL, SHORT, max_tokens=4)
             assert resp.status_code == 200, resp.text
+            assert resp.json()["meshnet"]["verified"] is True  # every shard checked against the files (ADR-0070)
             answers.append((time.time(), [h["node_id"] for h in resp.json()["meshnet"]["route"]]))
             if quarantine is None:
                 quarantine = node_view(mesh, "x-bad")["quarantine"]

@@ -37,6 +37,12 @@ def test_the_tracker_shows_a_streaming_session_then_its_ttft_tpot_and_batch_size
         if count == 4:
             seen.append(mesh.get("/v1/traffic"))
 
+    def forward_tokens() -> dict[str, dict[float, int]]:  # node -> bucket start -> tokens its layers ran
+        return {n["node_id"]: {b["start_s"]: b["forward_tokens"] for b in n["buckets"]}
+                for n in mesh.get("/v1/traffic")["nodes"]}
+
+    # the tracker's admission challenges ran 16 tokens through each node before (ADR-0070)
+    before = forward_tokens()
     ids, final, _ = mesh.stream_chat(REAL, STORY, 24, on_token)
     assert len(ids) == 24 and seen
     [session] = seen[0]["sessions"]
@@ -53,6 +59,8 @@ def test_the_tracker_shows_a_streaming_session_then_its_ttft_tpot_and_batch_size
     assert sum(b["first_tokens"] for b in tail) == 0  # only the entry sees tokens reach the client
     # prompt + 23 decode steps through each node's layers (the 24th token is never fed back)
     prompt = session["prompt_tokens"]
-    assert sum(b["forward_tokens"] for b in entry) == sum(b["forward_tokens"] for b in tail) == prompt + 23
+    ran = {node: sum(tokens - before.get(node, {}).get(start, 0) for start, tokens in buckets.items())
+           for node, buckets in forward_tokens().items()}
+    assert ran == {"entry": prompt + 23, "tail": prompt + 23}
     assert {b["batch_size_max"] for b in tail if b["forwards"]} == {1}
     assert after["failovers"] == []
