@@ -27,12 +27,15 @@ frames instead: it computes honestly everywhere but in the witness replays of an
 (weight noise there), claiming five times its speed, behind an honest ``fast`` holder claiming ten:
 sessions go through ``fast`` and the liar witnesses its audits; every request counts, and the
 entry must never be the one quarantined.
-Prints the counts, their median and how many cycles caught it within 50 requests. The entry
+With ``--withhold`` the liar also answers every transcript request 404 (its audits run on the
+frames its receipts name, which the entry and the tail kept). Prints the counts, their median and
+how many cycles caught it within 50 requests. The entry
 never sees the liar pass an audit, so it stays on probation (rate 0.5); a holder that lied only
 after passing five audits is audited at the base rate r = 0.06 and is caught within 50 requests
 with probability 1 - (1 - r)**50 = 0.955 when each audit catches it.
 
 Usage: .venv/bin/python bench/audits.py [--requests 60] [--cycles 20] [--scales 0.5,0.2,0.1,0.05] [--max-tokens 12]
+[--noise weights|output|streams|replays] [--withhold]
 """
 
 from __future__ import annotations
@@ -139,7 +142,8 @@ def cost(requests: int, max_tokens: int, audit_rate: str | None = None) -> None:
             mesh.stop()
 
 
-def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str, keep_logs: str | None = None) -> None:
+def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str, keep_logs: str | None = None,
+                withhold: bool = False) -> None:
     from meshnet.localmesh import LocalMesh
 
     what = "its output's std" if noise == "output" else "layer 15's MLP down-projection weight std"
@@ -153,6 +157,9 @@ def sensitivity(scale: float, cycles: int, max_tokens: int, noise: str, keep_log
            if noise == "replays" else
            {"MESHNET_TEST_CORRUPT_DECODE_WEIGHTS": str(scale), "MESHNET_TEST_CORRUPT_LAYER": "15"})
     framing = noise == "replays"
+    if withhold:  # and it keeps no transcript: its audits run on the frames its neighbours kept
+        lie["MESHNET_TEST_WITHHOLD_TRANSCRIPTS"] = "1"
+        print("  the liar answers every transcript request 404")
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(keep_logs) / f"{noise}-{scale}" if keep_logs else Path(tmp)
         logs.mkdir(parents=True, exist_ok=True)
@@ -223,6 +230,8 @@ def main() -> None:
                         help="part 2's lie: noise on layer 15's MLP weights during decode steps, or on the "
                              "decode output, or on layer 15's MLP weights for every hop-stream step, or for "
                              "the witness replays of entries' audits (a witness framing honest holders)")
+    parser.add_argument("--withhold", action="store_true",
+                        help="part 2's liar also keeps no transcript (its audits rebuild it from its neighbours')")
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--keep-logs", metavar="DIR", help="keep part 2's process logs under DIR/<noise>-<scale>")
     parser.add_argument("--audit-rate", help="part 1's entry-on audit rate (default: the entry's default); 1 audits "
@@ -234,7 +243,7 @@ def main() -> None:
         cost(args.requests, args.max_tokens, args.audit_rate)
     if not args.skip_sensitivity:
         for scale in (float(s) for s in args.scales.split(",")):
-            sensitivity(scale, args.cycles, args.max_tokens, args.noise, args.keep_logs)
+            sensitivity(scale, args.cycles, args.max_tokens, args.noise, args.keep_logs, args.withhold)
 
 
 if __name__ == "__main__":
