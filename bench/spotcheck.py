@@ -13,7 +13,15 @@ Part 2, honest requests and overhead (real processes): an entry 0-9 with spot-ch
 each entry; prints decode tokens/s and request seconds with and without checks, their ratio,
 and whether any node was quarantined (none should be).
 
+Part 3, the trust issue's acceptance figures, from the audit bench (:mod:`bench.audits`, ADR-0067; one
+piece serves both): ``--audit-requests`` chats through an auditing entry and one without (honest holders on
+different weight layouts and thread counts: false positives and the decode overhead at the default
+settings), then the sensitivity curve: per ``--scales`` noise scale on a decode-lying holder,
+requests routed through it until it is quarantined over ``--cycles`` quarantine-and-reinstate
+cycles (``--withhold``: a liar that also keeps no transcript).
+
 Usage: .venv/bin/python bench/spotcheck.py [--probes 200] [--requests 200] [--rate 0.02] [--max-tokens 16]
+[--audit-requests 60] [--scales 0.5,0.2,0.1,0.05] [--cycles 20] [--withhold] [--skip-audits]
 """
 
 from __future__ import annotations
@@ -146,11 +154,23 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--skip-distances", action="store_true")
     parser.add_argument("--skip-mesh", action="store_true")
+    parser.add_argument("--audit-requests", type=int, default=60, help="part 3: chats per entry (0 skips the cost)")
+    parser.add_argument("--scales", default="0.5,0.2,0.1,0.05", help="part 3: noise scales (x the weight's std)")
+    parser.add_argument("--cycles", type=int, default=20, help="part 3: quarantine-and-reinstate cycles per scale")
+    parser.add_argument("--withhold", action="store_true", help="part 3: the liar keeps no transcript either")
+    parser.add_argument("--skip-audits", action="store_true")
     args = parser.parse_args()
     if not args.skip_distances:
         distances(args.probes)
     if not args.skip_mesh:
         mesh_run(args.requests, args.rate, args.max_tokens)
+    if not args.skip_audits:
+        from bench.audits import cost, sensitivity
+
+        if args.audit_requests:
+            cost(args.audit_requests, 12)
+        for scale in (float(x) for x in args.scales.split(",") if x):
+            sensitivity(scale, args.cycles, 12, "weights", withhold=args.withhold)
 
 
 if __name__ == "__main__":
