@@ -48,10 +48,9 @@ from typing import Awaitable, Callable
 import httpx
 
 from meshnet.dataplane.chain import ChainRecord, ChainRoute
-from meshnet.dataplane.hops import RemoteRoute
 from meshnet.dataplane.codec import ActivationCodec
 from meshnet.dataplane.evidence import audit_tolerance, reference_rows, step_distances
-from meshnet.dataplane.hops import post_forward
+from meshnet.dataplane.hops import RemoteRoute, post_forward
 from meshnet.dataplane.frames import FLAG_REWIND
 from meshnet.dataplane.receipts import HEADER_CHAIN_KEY, Receipt, TranscriptStep, digest, history_problem, \
     read_transcript, rebuild_transcript, replay_runs, verify_step
@@ -183,17 +182,21 @@ class Auditor:
         return out
 
     @staticmethod
-    def _receipts(record: ChainRecord, index: int) -> dict[tuple[int, bytes, int], Receipt]:
-        """Hop ``index``'s receipts by (position, input digest, flags): what it signed it was given."""
-        out = {}
+    def _hop_receipts(record: ChainRecord, index: int) -> list[tuple[int, int, Receipt]]:
+        """Hop ``index``'s readable receipts as ``(position, flags, receipt)``, in the order it sent them."""
+        out = []
         for i, position, flags, body in record.receipts:
             if i == index:
                 try:
-                    receipt = Receipt.from_bytes(body)
+                    out.append((position, flags, Receipt.from_bytes(body)))
                 except MeshnetError:
                     continue
-                out[(position, receipt.in_digest, flags)] = receipt
         return out
+
+    @classmethod
+    def _receipts(cls, record: ChainRecord, index: int) -> dict[tuple[int, bytes, int], Receipt]:
+        """Hop ``index``'s receipts by (position, input digest, flags): what it signed it was given."""
+        return {(position, r.in_digest, flags): r for position, flags, r in cls._hop_receipts(record, index)}
 
     async def _transcript(self, record: ChainRecord, hop: Hop) -> list[TranscriptStep] | None:
         try:
@@ -224,14 +227,7 @@ class Auditor:
             return None
         inputs = list(record.sent_frames) if index == 0 else [s.frame_out for s in before if s.frame_out is not None]
         outputs = list(record.results) if index == last else [s.frame_in for s in after]
-        ordered = []
-        for i, position, flags, body in record.receipts:
-            if i == index:
-                try:
-                    ordered.append((position, flags, Receipt.from_bytes(body)))
-                except MeshnetError:
-                    return None
-        return rebuild_transcript(ordered, inputs, outputs)
+        return rebuild_transcript(self._hop_receipts(record, index), inputs, outputs)
 
     async def _audit_hop(self, record: ChainRecord, index: int, hop: Hop, codec: ActivationCodec,
                          transcripts: list[list[TranscriptStep] | None]) -> dict | None:

@@ -92,10 +92,14 @@ class SourceReferences:
             ModelSourceError: the files are not held (or could not be fetched) or lack the layers'
                 tensors; KeyError: an unknown dtype; WireError: ``frame`` is not a frame.
         """
-        async with self._lock:
-            out = await asyncio.to_thread(self.compute, model, layers, quantization, compute_dtype, frame)
+        out = await self._one_at_a_time(self.compute, model, layers, quantization, compute_dtype, frame)
         self.computed += 1
         return out
+
+    async def _one_at_a_time(self, work, *args):
+        """``work(*args)`` in a worker thread, after any other of this object's (one layer held at a time)."""
+        async with self._lock:
+            return await asyncio.to_thread(work, *args)
 
     async def challenge_input(self, model: str, start: int, tokens: int, seed: int) -> bytes:
         """A challenge's input as a real prefill of layers from ``start`` would carry it: :meth:`prefix`
@@ -104,15 +108,13 @@ class SourceReferences:
         Raises:
             ModelSourceError: as :meth:`run`.
         """
-        async with self._lock:
-            return await asyncio.to_thread(self.prefix, model, start, tokens, seed)
+        return await self._one_at_a_time(self.prefix, model, start, tokens, seed)
 
     def prefix(self, model: str, start: int, tokens: int, seed: int) -> bytes:
         """The bfloat16 frame ``[1, tokens, hidden]`` that layers ``0..start-1`` of ``model`` (bfloat16,
         from its files, one layer at a time) make of ``tokens`` token ids drawn from ``seed`` over the
         vocabulary: hidden states with a real prompt's statistics, in the wire dtype entries send
         (ADR-0070), not the standard-normal values a node could tell from traffic (the trust issue)."""
-        from meshnet.models.caches import KVCache
         from meshnet.models.shard import ShardModel
         from meshnet.node import wire
 
@@ -122,32 +124,36 @@ class SourceReferences:
         head = ShardModel(path, LayerRange(0, 1), dtype="bfloat16", load_head=True)
         ids = torch.randint(int(head.config.vocab_size), (1, tokens), generator=torch.Generator().manual_seed(seed))
         hidden = head.embed_tokens(ids, 0)
-        if start:
-            hidden = head.forward(hidden, KVCache(), 0)
         del head
-        for index in range(1, start):
-            layer = ShardModel(path, LayerRange(index, index + 1), dtype="bfloat16", load_head=False)
-            hidden = layer.forward(hidden, KVCache(), 0)
-            del layer
+        if start:
+            hidden = _layer_by_layer(path, LayerRange(0, start), "bfloat16", "bfloat16", hidden)
         return wire.encode(hidden, dtype=torch.bfloat16)
 
     def compute(self, model: str, layers: LayerRange, quantization: str, compute_dtype: str, frame: bytes) -> bytes:
         """:meth:`run`'s work, on the calling thread: each decoder layer of ``layers`` loaded alone
         (:class:`meshnet.models.shard.ShardModel` of one layer, no embeddings or head), run on the
         previous layer's output with an empty KV cache at position 0, then dropped."""
-        from meshnet.models.caches import KVCache
-        from meshnet.models.shard import ShardModel
         from meshnet.node import wire
 
         import torch
 
         path = self._path(model, layers)
-        hidden = wire.decode(frame)
-        for index in range(layers.start, layers.end):
-            layer = ShardModel(path, LayerRange(index, index + 1), dtype=compute_dtype, load_head=False,
-                               quantization=quantization)
-            hidden = layer.forward(hidden, KVCache(), 0)
-            del layer
+        hidden = _layer_by_layer(path, layers, quantization, compute_dtype, wire.decode(frame))
         log.info("reference of %s layers %s (%s/%s) computed from %s", model, layers, quantization, compute_dtype,
                  path)
         return wire.encode(hidden, dtype=torch.float32)
+
+
+def _layer_by_layer(path: Path, layers: LayerRange, quantization: str, compute_dtype: str, hidden):
+    """``hidden`` ``[1, tokens, hidden]`` through decoder ``layers`` of the model at ``path``, each layer
+    loaded alone in the recipe (a one-layer :class:`meshnet.models.shard.ShardModel`, no embeddings
+    or head), run with an empty KV cache at position 0 and dropped before the next is read."""
+    from meshnet.models.caches import KVCache
+    from meshnet.models.shard import ShardModel
+
+    for index in range(layers.start, layers.end):
+        layer = ShardModel(path, LayerRange(index, index + 1), dtype=compute_dtype, load_head=False,
+                           quantization=quantization)
+        hidden = layer.forward(hidden, KVCache(), 0)
+        del layer
+    return hidden

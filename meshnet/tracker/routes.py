@@ -170,20 +170,19 @@ class RoutesMixin:
         judged = self.judged_speeds(admitted)
         for holder, shard in admitted:
             claimed, counted = holder.tokens_per_s(shard), judged[holder.node_id, shard.layers]
-            key, lost = (holder.node_id, model, shard.layers), counted != claimed
-            if lost:  # placement counts it at its judged figure too
-                holder.claims_refuted[model, shard.layers] = counted
+            key, lost = (model, shard.layers), counted != claimed
+            was_lost = key in holder.claims_refuted
+            if lost:  # routes and placement count it at its judged figure
+                holder.claims_refuted[key] = counted
             else:
-                holder.claims_refuted.pop((model, shard.layers), None)
-            if lost == (key in self.claims_lost):
+                holder.claims_refuted.pop(key, None)
+            if lost == was_lost:
                 continue
             if lost:
-                self.claims_lost.add(key)
                 log.warning("%s on %s %s claims %.1f tokens/s, its probes show %.1f: routes count %.1f "
                             "(claim set aside, ADR-0068)", holder.node_id, model, shard.layers, claimed,
                             holder.probed_tokens_per_s(shard), counted)
             else:
-                self.claims_lost.discard(key)
                 log.info("%s on %s %s: its claim of %.1f tokens/s is consistent with its probes again",
                          holder.node_id, model, shard.layers, claimed)
 

@@ -129,6 +129,12 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
     Only the leader (:attr:`leader`) plans, and fails the directives of a node that dropped out.
     """
 
+    @property
+    def claims_lost(self) -> set[tuple]:
+        """``(node id, model, layers)`` of every shard whose claimed speed this tracker's probes
+        refuted (ADR-0068), read from the nodes' :attr:`NodeRecord.claims_refuted`."""
+        return {(n.node_id, *key) for n in self.nodes.values() for key in n.claims_refuted}
+
     def __init__(self, settings: TrackerSettings = TrackerSettings(), store: TrackerStore | None = None,
                  reference: ReferenceSource | None = None) -> None:
         self.settings = settings
@@ -153,11 +159,9 @@ class TrackerService(MembershipMixin, DirectivesMixin, RoutesMixin, DemandMixin,
         self.digests: dict[tuple, str] = {}
         #: challenges decided but not started yet (the app starts them: :meth:`take_challenges`)
         self.challenges: list[Challenge] = []
-        #: speed probes running, and holders whose claimed speed their probes refuted when last logged
-        #: (ADR-0068): (node id, model, layers)
+        #: speed probes running (ADR-0068): (node id, model, layers)
         self.speed_probing: set[tuple] = set()
         self.speed_scan_at = 0.0  # monotonic time of the next scan for due speed probes
-        self.claims_lost: set[tuple] = set()
         self.tickets = TicketIssuer(self.store.tracker_key(), settings.ticket_ttl_s)
         #: this tracker process, as demand events name it (ADR-0043)
         self.origin = uuid.uuid4().hex[:16]

@@ -154,23 +154,28 @@ async def test_a_challenge_looks_like_an_entrys_prefill_not_like_the_tracker(mes
     assert len({json.loads(unb64url(t.split(".")[0]))["entry"] for _, _, t in mesh.nodes.calls}) == 2
 
 
-def test_a_reference_holds_one_layer_at_a_time_and_equals_the_whole_ranges_output(tiny_shard, tiny_model_path,
-                                                                                 monkeypatch):
+def test_a_reference_run_layer_by_layer_equals_the_whole_range_loaded_at_once_in_each_recipe(
+        tiny_shard, tiny_model_path, monkeypatch):
     import torch
 
     from meshnet.dataplane.evidence import challenge_frame, frame_distance
     from meshnet.models.caches import KVCache
+    from meshnet.models.shard import ShardModel
     from meshnet.node import wire
 
     monkeypatch.setenv("MESHNET_CACHE", str(tiny_model_path(MODEL).parent.parent))
     reference = SourceReferences((MODEL,))
     challenge = challenge_frame(3, 16, 64)
-    whole = tiny_shard(MODEL, 1, 4, load_head=False).forward(wire.decode(challenge), KVCache(), 0)
+    unquantized = wire.encode(tiny_shard(MODEL, 1, 4, load_head=False).forward(wire.decode(challenge), KVCache(), 0),
+                              dtype=torch.float32)
     for quantization in ("bfloat16", "int8"):
         out = reference.compute(MODEL, LayerRange(1, 4), quantization, "float32", challenge)
         assert read_array(out).shape == (1, 16, 64)
-        expected = 0.0 if quantization == "bfloat16" else None
-        distance = frame_distance(out, wire.encode(whole, dtype=torch.float32))
-        assert distance == expected if expected is not None else 0.0 < distance < 0.15
+        whole = ShardModel(tiny_model_path(MODEL), LayerRange(1, 4), dtype="float32", load_head=False,
+                           quantization=quantization)
+        assert frame_distance(out, wire.encode(whole.forward(wire.decode(challenge), KVCache(), 0),
+                                               dtype=torch.float32)) == 0.0  # the same recipe, this host
+        if quantization == "int8":  # and the recipe is really applied: near the unquantized output, not on it
+            assert 0.0 < frame_distance(out, unquantized) < 0.15
     with pytest.raises(ValueError, match="auto or fetch"):
         SourceReferences((MODEL,), "off")
