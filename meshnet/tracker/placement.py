@@ -201,15 +201,25 @@ def _add_redundancy(work: _Work) -> None:
     heapq.heapify(heap)
     whole: dict[str, list[int]] = {s.name: [] for s in covered}   # not yet in ``counts``
     smallest = _smallest_layer_bytes(covered)
+    nodes, added, specs = work.nodes, work.added, work.specs
     for i in work.order:
-        node = work.nodes[i]
-        if node.assignments or i in work.added:
+        node = nodes[i]
+        if node.assignments or i in added or not heap:
             continue
         free = memory_budget_bytes(node.vram_bytes)   # an idle node's whole budget
-        picked = free >= smallest.get(node.quantization, _NEVER) and _pick_model(
-            heap, work.specs, node, free)
-        if not picked:
+        if free < smallest.get(node.quantization, _NEVER):
             continue
+        key = heap[0]
+        spec = specs[key[2]]
+        per_layer = (layer_bytes(node, spec) if node.measured_bytes_per_layer
+                     else spec.bytes_per_layer.get(node.quantization, 0))   # layer_bytes without a measured figure
+        if 0 < per_layer <= free:   # the usual case: the first model fits; its key is replaced in place
+            picked = key, spec, min(free // per_layer, spec.num_layers)
+            replace = True
+        else:
+            picked, replace = _pick_model(heap, specs, node, free), False
+            if picked is None:
+                continue
         (_, fewest, name), spec, width = picked
         if width == spec.num_layers:
             whole[name].append(i)
@@ -219,7 +229,7 @@ def _add_redundancy(work: _Work) -> None:
             start = min(counts.index(fewest - lift), spec.num_layers - width)
             work.add(i, spec, start, start + width, redundant=True)
             fewest = min(counts) + lift
-        heapq.heappush(heap, (-spec.demand / fewest, fewest, name))
+        (heapq.heapreplace if replace else heapq.heappush)(heap, (-spec.demand / fewest, fewest, name))
     for name, idle in whole.items():
         if idle:
             work.add_whole_copies(work.specs[name], idle)
@@ -319,10 +329,17 @@ def _finish(work: _Work) -> PlacementPlan:
     """Turn the scratch state into a plan: full sets, load/drop lists (in node order), reasons."""
     final = {n.node_id: n.assignments for n in work.nodes}
     loads, drops, notes = [], [], {}
-    for i in sorted(work.added.keys() | work.kept.keys()):
-        nid, added = work.nodes[i].node_id, work.added.get(i, ())
-        shards, lines = (_record_moves(work, i, loads, drops) if i in work.kept
-                         else (work.nodes[i].assignments, []))
+    nodes, kept = work.nodes, work.kept
+    for i in sorted(work.added.keys() | kept.keys()):
+        node, added = nodes[i], work.added.get(i, ())
+        nid = node.node_id
+        if len(added) == 1 and i not in kept:   # most nodes a plan touches: one new shard, nothing moved
+            note, a = added[0]
+            loads.append((nid, a))
+            final[nid] = node.assignments + (a,)
+            notes[i] = note
+            continue
+        shards, lines = _record_moves(work, i, loads, drops) if i in kept else (node.assignments, [])
         for note, a in added:
             loads.append((nid, a))
             lines.append(note)
@@ -351,6 +368,16 @@ class _Reasons(Mapping):
         if self._smallest is None:
             self._smallest = _smallest_layer_bytes(self._work.specs.values())
         return _idle_reason(self._work, i, self._smallest)
+
+    def get(self, node_id: str, default: str | None = None) -> str | None:
+        """The reason of ``node_id`` (``default`` for a node not in the plan); a node the plan
+        touched is read without the abstract mapping's lookup chain (a rebalance reads one per
+        directive, thousands at once)."""
+        i = self._index.get(node_id)
+        if i is None:
+            return default
+        note = self._notes.get(i)
+        return note if note is not None else self[node_id]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)

@@ -86,16 +86,37 @@ def _model_specs(service: TrackerService) -> list[placement.ModelSpec]:
             for m in service.tracked_models()]
 
 
+def _node_states(nodes, known: set[str], open_by_node: dict[str, list[Directive]],
+                 failed_recently: set[str]) -> list[placement.NodeState]:
+    """Placement's view of each of ``nodes`` (NodeRecords); an idle node with nothing open, most of
+    a large network's, is made without translating anything."""
+    states, make = [], placement.NodeState
+    for node in nodes:
+        node_id = node.node_id
+        if node.shards or node_id in open_by_node:
+            states.append(_node_state(node, known, open_by_node.get(node_id, []), failed_recently))
+        else:
+            states.append(make(node_id, node.vram_bytes, node.quantizations[0], node.benchmark_tokens_per_sec or 1.0,
+                               node.max_loaded_shards, (), node.accepts_placement and not node.draining
+                               and node.reachable and node.quarantine is None and node_id not in failed_recently))
+    return states
+
+
 def _node_state(node, known: set[str], open_directives: list[Directive], failed_recently: set[str]) -> placement.NodeState:
     accepts = (node.accepts_placement and not node.draining and node.reachable and node.quarantine is None
                and node.node_id not in failed_recently)
-    if not (node.shards or open_directives):  # an idle node, most of a large network's: nothing to translate
+    if not (node.shards or open_directives):  # an idle node: nothing to translate
         return placement.NodeState(node.node_id, node.vram_bytes, node.quantizations[0],
                                    node.benchmark_tokens_per_sec or 1.0, node.max_loaded_shards, (), accepts)
-    assignments = tuple(a for a in _assignments(node, open_directives) if a.model in known)
+    assignments = _assignments(node, open_directives)
+    if len(assignments) != 1 or assignments[0].model not in known:
+        assignments = tuple(a for a in assignments if a.model in known)
     # a heartbeat's measured figure is every shard's (NodeRecord.tokens_per_s): no need to ask each one
-    measured = node.stats.tokens_per_s if node.shards else 0.0
-    speed = measured or max((node.tokens_per_s(s) for s in node.shards), default=node.benchmark_tokens_per_sec or 1.0)
+    shards = node.shards
+    speed = node.stats.tokens_per_s if shards else 0.0
+    if not speed:
+        speed = (node.tokens_per_s(shards[0]) if len(shards) == 1
+                 else max((node.tokens_per_s(s) for s in shards), default=node.benchmark_tokens_per_sec or 1.0))
     if node.claims_refuted:  # this tracker's probes refuted a claim of it: its judged figure (ADR-0068)
         speed = min(speed, node.speed_cap)
     return placement.NodeState(node.node_id, node.vram_bytes, node.quantization, speed, node.max_loaded_shards,
@@ -108,8 +129,7 @@ def placement_inputs(service: TrackerService) -> tuple[list[placement.NodeState]
     models = _model_specs(service)
     known = {m.name for m in models}
     open_by_node, failed_recently = store_inputs(service)
-    return [_node_state(n, known, open_by_node.get(n.node_id, []), failed_recently)
-            for n in service.nodes.values()], models
+    return _node_states(service.nodes.values(), known, open_by_node, failed_recently), models
 
 
 #: nodes turned into placement states between two yields of the event loop (about 4 ms of work)
@@ -126,13 +146,10 @@ async def placement_inputs_async(service: TrackerService) -> tuple[list[placemen
     models = _model_specs(service)
     known = {m.name for m in models}
     open_by_node, failed_recently = await asyncio.to_thread(store_inputs, service)
-    ids = list(service.nodes)
-    states = []
+    ids, states = list(service.nodes), []
     for start in range(0, len(ids), SNAPSHOT_BATCH):
-        for node_id in ids[start:start + SNAPSHOT_BATCH]:
-            node = service.nodes.get(node_id)
-            if node is not None:
-                states.append(_node_state(node, known, open_by_node.get(node_id, []), failed_recently))
+        batch = [service.nodes.get(node_id) for node_id in ids[start:start + SNAPSHOT_BATCH]]
+        states += _node_states([n for n in batch if n is not None], known, open_by_node, failed_recently)
         await asyncio.sleep(0)
     return states, models
 
@@ -165,14 +182,18 @@ def directives_for(service: TrackerService, nodes: list[placement.NodeState], mo
     """The directives that carry out ``plan`` (planned over ``nodes`` and ``models``), and the
     demand moves after it, under lease ``term`` (its writes' fencing token); changes nothing (on the
     event loop: it reads the service's state)."""
-    sources = service.store.model_sources()
-    result = RebalanceResult(plan, term=term)
+    # a model tracked only because chat demand asked for it is placed as `managed` (ADR-0026)
+    by_demand = {name for name, source in service.store.model_sources().items() if source == "demand"}
+    result, reasons = RebalanceResult(plan, term=term), plan.reasons
+    shards: dict[int, tuple] = {}   # id of a load's Assignment -> its fields (a large plan's loads share a few)
     for node_id, a in plan.loads:
-        # a model tracked only because chat demand asked for it is placed as `managed` (ADR-0026)
-        tier = "managed" if sources.get(a.model) == "demand" and a.tier == "bootstrap" else a.tier
-        result.directives.append(_new(node_id, "LOAD_SHARD", a, tier, plan.reasons.get(node_id, "")))
+        fields = shards.get(id(a))
+        if fields is None:
+            tier = "managed" if a.tier == "bootstrap" and a.model in by_demand else a.tier
+            fields = shards[id(a)] = (a.model, a.layers.start, a.layers.end - 1, tier)
+        result.directives.append(NewDirective(node_id, "LOAD_SHARD", *fields, reasons.get(node_id, "")))
     for node_id, a in plan.drops:
-        result.directives.append(_new(node_id, "DROP_SHARD", a, a.tier, plan.reasons.get(node_id, "")))
+        result.directives.append(_new(node_id, "DROP_SHARD", a, a.tier, reasons.get(node_id, "")))
     result.moves = demand_moves(service, nodes, models, plan)
     for node_id, old, new in result.moves:
         for a in old:
