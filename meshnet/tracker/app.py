@@ -307,7 +307,7 @@ async def control_loop(app: Starlette) -> None:
             start_speed_probes(app)
             for node in svc.to_probe():
                 probe_soon(app, node.node_id, node.endpoint)
-            svc.check_dropouts()
+            await svc.check_dropouts_off_loop()
             if not leading:
                 continue
             # joins in progress hold the periodic round too (nodes that join together are planned

@@ -8,6 +8,7 @@ writes one, :meth:`MembershipMixin.apply_rows` takes the ones other trackers wro
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,16 @@ log = logging.getLogger(__name__)
 
 #: dropouts one check logs a line each; past it, one line for the rest
 LOGGED_DROPOUTS = 20
+
+
+def _log_dropouts(gone: list[tuple[str, float]]) -> None:
+    """A warning per dropped node up to :data:`LOGGED_DROPOUTS`, one line for the rest (a line each
+    would hold the event loop: 30 us a line)."""
+    for nid, silent_s in gone[:LOGGED_DROPOUTS]:
+        log.warning("node %s dropped out (no heartbeat for %.0f s)", nid, silent_s)
+    if len(gone) > LOGGED_DROPOUTS:
+        log.warning("%d more nodes dropped out at once (no heartbeat for %.0f-%.0f s)", len(gone) - LOGGED_DROPOUTS,
+                    min(s for _, s in gone[LOGGED_DROPOUTS:]), max(s for _, s in gone[LOGGED_DROPOUTS:]))
 
 
 @dataclass
@@ -312,32 +323,72 @@ class MembershipMixin:
     def check_dropouts(self, now: float | None = None) -> list[str]:
         """Drop nodes whose last heartbeat is older than their timeout (:meth:`node_timeout_s`), and
         overdue ones (:meth:`dropout_deadline_s`) whose probe since their last heartbeat failed;
-        returns their ids. None while :attr:`blind_until` holds (after the database was unreachable)."""
+        returns their ids. None while :attr:`blind_until` holds (after the database was unreachable).
+        All on the calling thread, store calls included (tests, tools; the control loop uses
+        :meth:`check_dropouts_off_loop`)."""
         now = time.monotonic() if now is None else now
-        if now < self.blind_until:  # the database was unreachable: heartbeats others heard are not in yet
-            return []
+        gone = self._silent(now)
+        if gone and self.store.shared:  # it may heartbeat to another tracker of this database
+            gone = self._still_silent(gone, self.store.heartbeat_times([nid for nid, _ in gone]), now)
+        ids = [nid for nid, _ in gone]
+        write = self._forget_in_memory(ids)
+        if write is not None:
+            self.store.forget_nodes(ids, "node dropped out", **write)
+        _log_dropouts(gone)
+        return ids
+
+    async def check_dropouts_off_loop(self, now: float | None = None) -> list[str]:
+        """:meth:`check_dropouts` with its store calls on worker threads: the event loop never waits
+        on the database (ADR-0059), and 5,000 nodes dropping out at once cost it only their
+        in-memory part. A node that heartbeats or leaves while the store is read is not dropped.
+
+        Raises:
+            LeaseLost: this tracker lost the lease (the nodes are forgotten here, their directives
+                left to the leader).
+        """
+        now = time.monotonic() if now is None else now
+        gone = self._silent(now)
+        if gone and self.store.shared:
+            elsewhere = await asyncio.to_thread(self.store.heartbeat_times, [nid for nid, _ in gone])
+            gone = self._still_silent(gone, elsewhere, now)
+        ids = [nid for nid, _ in gone]
+        write = self._forget_in_memory(ids)
+        if write is not None:
+            await asyncio.to_thread(self.store.forget_nodes, ids, "node dropped out", **write)
+        _log_dropouts(gone)
+        return ids
+
+    def _gone(self, now: float):
+        """The dropout test at monotonic time ``now``: silent past its timeout, or overdue and its
+        probe since its last heartbeat failed."""
         floor_s = self.cadence().timeout_s  # once per check, not once per node
         deadline_s = self.dropout_deadline_s()
 
-        def is_gone(n: NodeRecord) -> bool:  # silent past its timeout, or overdue and its probe since failed
+        def is_gone(n: NodeRecord) -> bool:
             silent = now - n.last_heartbeat_s
             return silent > self.node_timeout_s(n, floor_s) or (
                 silent > deadline_s and not n.reachable and n.probed_s is not None and n.probed_s > n.last_heartbeat_s)
+        return is_gone
 
-        gone = [(nid, now - n.last_heartbeat_s) for nid, n in self.nodes.items() if is_gone(n)]
-        if gone and self.store.shared:  # it may heartbeat to another tracker of this database
-            elsewhere = self.store.heartbeat_times([nid for nid, _ in gone])
-            wall = time.time()
-            for nid, at in elsewhere.items():
-                self.nodes[nid].last_heartbeat_s = max(self.nodes[nid].last_heartbeat_s, now - (wall - at))
-            gone = [(nid, now - self.nodes[nid].last_heartbeat_s) for nid, _ in gone if is_gone(self.nodes[nid])]
-        self._forget([nid for nid, _ in gone], "node dropped out")
-        for nid, silent_s in gone[:LOGGED_DROPOUTS]:
-            log.warning("node %s dropped out (no heartbeat for %.0f s)", nid, silent_s)
-        if len(gone) > LOGGED_DROPOUTS:  # a line each would hold the event loop (30 us a line)
-            log.warning("%d more nodes dropped out at once (no heartbeat for %.0f-%.0f s)", len(gone) - LOGGED_DROPOUTS,
-                        min(s for _, s in gone[LOGGED_DROPOUTS:]), max(s for _, s in gone[LOGGED_DROPOUTS:]))
-        return [nid for nid, _ in gone]
+    def _silent(self, now: float) -> list[tuple[str, float]]:
+        """``(node id, seconds silent)`` of the nodes that look gone now (none while blind)."""
+        if now < self.blind_until:  # the database was unreachable: heartbeats others heard are not in yet
+            return []
+        is_gone = self._gone(now)
+        return [(nid, now - n.last_heartbeat_s) for nid, n in self.nodes.items() if is_gone(n)]
+
+    def _still_silent(self, gone: list[tuple[str, float]], elsewhere: dict[str, float],
+                      now: float) -> list[tuple[str, float]]:
+        """``gone`` less the nodes that heartbeat to another tracker of the database (their unix
+        heartbeat times ``elsewhere``) or that left or heartbeat here meanwhile."""
+        wall = time.time()
+        for nid, at in elsewhere.items():
+            node = self.nodes.get(nid)
+            if node is not None:
+                node.last_heartbeat_s = max(node.last_heartbeat_s, now - (wall - at))
+        is_gone = self._gone(now)
+        return [(nid, now - self.nodes[nid].last_heartbeat_s) for nid, _ in gone
+                if nid in self.nodes and is_gone(self.nodes[nid])]
 
     def deregister(self, node_id: NodeId) -> None:
         """Forget a node that leaves on purpose (end of its drain); its open directives fail.
@@ -349,23 +400,42 @@ class MembershipMixin:
         self._forget([node_id], "node deregistered", final=True)
         log.info("node %s deregistered", node_id)
 
+    async def deregister_off_loop(self, node_id: NodeId) -> None:
+        """:meth:`deregister` with the store's part on a worker thread (the node's call to leave).
+
+        Raises:
+            NotFound: unknown node.
+        """
+        self.get(node_id)
+        write = self._forget_in_memory([node_id], final=True)
+        await asyncio.to_thread(self.store.forget_nodes, [node_id], "node deregistered", **write)
+        log.info("node %s deregistered", node_id)
+
     def _forget(self, node_ids: list[str], why: str, *, final: bool = False) -> None:
-        """Forget ``node_ids``. Their open directives fail and their shared records go, in one store
+        """Forget ``node_ids`` (:meth:`_forget_in_memory`) and tell the store on the calling thread."""
+        write = self._forget_in_memory(node_ids, final=final)
+        if write is not None:
+            self.store.forget_nodes(node_ids, why, **write)
+
+    def _forget_in_memory(self, node_ids: list[str], *, final: bool = False) -> dict | None:
+        """Forget ``node_ids`` here; returns the keyword arguments of the store write that goes with
+        it, or None. Their open directives fail and their shared records go, in one store
         transaction (:meth:`TrackerStore.forget_nodes`: 1,000 dropouts at once held the event loop
         1.3 s on PostgreSQL as a transaction or two a node), when this tracker leads or the nodes left
         on purpose (``final``); a standby that stopped hearing from a node only forgets it, since the
         leader decides dropouts (ADR-0043)."""
         if not node_ids:
-            return
+            return None
         gone = set(node_ids)
         for node_id in node_ids:
             del self.nodes[node_id]
             self._heartbeats.pop(node_id, None)
         self.verdicts = {k: v for k, v in self.verdicts.items() if k[0] not in gone}
-        if self.leader or final:
-            term = None if final else self.store.term  # a dropout is the leader's decision: fenced
-            self.store.forget_nodes(node_ids, why, delete_records=self.store.shared, term=term)
         self.dirty = True
+        if not (self.leader or final):
+            return None
+        # a dropout is the leader's decision: fenced by its lease term
+        return {"delete_records": self.store.shared, "term": None if final else self.store.term}
 
     def node_row(self, node: NodeRecord) -> NodeRow:
         """``node``'s shared record, heard of now."""

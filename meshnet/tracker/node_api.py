@@ -300,7 +300,7 @@ async def deregister(request: Request) -> JSONResponse:
     """A node leaving on purpose (end of its drain): forgotten now, not after the heartbeat timeout."""
     node_id = request.path_params["node_id"]
     await signed_by(request, await request.body(), as_node=node_id)
-    service_of(request).deregister(node_id)
+    await service_of(request).deregister_off_loop(node_id)
     request.app.state.wake.set()
     return JSONResponse({"node_id": node_id, "deregistered": True})
 

@@ -41,8 +41,11 @@ LEAD_WAIT_S = 2.0
 
 #: other trackers' node records applied between two yields of the event loop: a tracker that starts
 #: or takes over reads every record, and 10,000 of them held the loop 150-290 ms in one go (about 20 us
-#: a record to parse, so a batch is about 10 ms)
-APPLY_BATCH = 500
+#: a record to parse, so a batch is about 2-3 ms). A request that becomes ready meanwhile runs after the
+#: next batch, not the current one (``sleep(0)`` queues the round's continuation before it), so it waits
+#: for up to two batches plus the rest of the loop: batches of 500 made that 35-60 ms, over the 50 ms
+#: block target; 100 keep it near 10 ms
+APPLY_BATCH = 100
 
 #: the shortest time between two sync rounds, seconds (the control loop also wakes on every join)
 SYNC_INTERVAL_S = 1.0

@@ -130,6 +130,58 @@ async def test_a_standby_does_not_fail_the_directives_of_a_node_that_heartbeats_
     assert a.service.store.heartbeat_times(["node-b"]) == {}
 
 
+async def test_the_control_loops_dropout_check_waits_on_the_database_off_the_loop(trackers):
+    """ADR-0059: the leader's dropout check reads the shared heartbeat times and fails the dropped
+    nodes' directives on worker threads; the loop serves meanwhile, and a node heard from while the
+    times were read is not dropped."""
+    import asyncio
+    import threading
+    import time
+
+    a, _ = trackers
+    await a.sharing.sync_round()
+    for name in ("n1", "n2"):
+        assert (await a.post("/v1/nodes/register", json=node(name))).status_code == 200
+        assert (await a.post("/v1/operator/reload", json={"node_id": name})).status_code == 200
+        a.service.nodes[name].last_heartbeat_s -= 3600
+    await a.service.writes_done()
+    a.service.store._exec("UPDATE nodes SET heartbeat_at = 0")  # silent everywhere
+    loop_thread, reads = threading.get_ident(), []
+    read, forget = a.service.store.heartbeat_times, a.service.store.forget_nodes
+
+    def slow_read(node_ids):
+        reads.append(threading.get_ident())
+        time.sleep(0.3)
+        return read(node_ids)
+
+    def slow_forget(*args, **kwargs):
+        reads.append(threading.get_ident())
+        time.sleep(0.3)
+        return forget(*args, **kwargs)
+
+    a.service.store.heartbeat_times, a.service.store.forget_nodes = slow_read, slow_forget
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+            if reads and a.service.nodes.get("n2") is not None:
+                a.service.nodes["n2"].last_heartbeat_s = time.monotonic()  # n2 is heard from meanwhile
+
+    task = asyncio.create_task(ticker())
+    try:
+        assert await a.service.check_dropouts_off_loop() == ["n1"]
+    finally:
+        task.cancel()
+    assert len(reads) == 2 and loop_thread not in reads
+    assert ticks >= 20  # the loop ran all along (0.6 s of store calls, a tick each 10 ms)
+    assert [d.status for d in a.service.store.directives(node_id="n1")] == ["failed"]
+    assert [d.status for d in a.service.store.directives(node_id="n2")] == ["queued"]
+    assert sorted(a.service.nodes) == ["n2"]
+
+
 async def test_a_directive_queued_at_one_tracker_reaches_a_node_at_the_other_after_one_round(trackers):
     a, b = trackers
     await a.sharing.sync_round()
