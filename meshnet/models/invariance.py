@@ -107,15 +107,25 @@ def measure_rule(linear: nn.Module, trials: int = TRIALS) -> str:
 _RULES: dict[str, str] = {}
 
 
-def rule_for(linear: nn.Module) -> str:
+def rule_for(linear: nn.Module, half_only: bool = False) -> str:
     """:func:`measure_rule` of ``linear``, once per host, dtype, shape, layout and thread count
-    (kept for the host's other processes, as the layouts are)."""
+    (kept for the host's other processes, as the layouts are); ``half_only``: of its half-precision
+    kernel alone, its float32 path (ADR-0047) left out."""
     dtype = str(linear.weight.dtype).removeprefix("torch.")
     key = (f"rows|{dtype}|{linear.out_features}x{linear.in_features}|{layout_of(linear)}"
-           f"|threads {torch.get_num_threads()}")
+           f"|threads {torch.get_num_threads()}{'|half kernel' if half_only else ''}")
+
+    def measure() -> str:
+        if not half_only:
+            return measure_rule(linear)
+        min_rows, linear.min_rows = linear.min_rows, 1 << 62  # for the measurement only
+        try:
+            return measure_rule(linear)
+        finally:
+            linear.min_rows = min_rows
+
     if key not in _RULES:
-        rule, measured = remembered(key, lambda: measure_rule(linear),
-                                    valid=lambda r: r in (ANY_ROWS, PAD_ROWS, SPLIT_ROWS))
+        rule, measured = remembered(key, measure, valid=lambda r: r in (ANY_ROWS, PAD_ROWS, SPLIT_ROWS))
         log.info("%s: %s (%s)", key, rule, "checked just now" if measured else f"this host's check, {KEPT}")
         _RULES[key] = rule
     return _RULES[key]
@@ -126,7 +136,9 @@ def make_batch_invariant(module: nn.Module) -> dict[str, int]:
     ``nn.Linear`` that needs one becomes an :class:`UpcastLinear` that never upcasts: the same
     product; one whose rows agree stays as it is, with no call in between), and
     under :data:`ENV` ``on`` keep a decode step's products on one kernel (:data:`UPCAST_FROM`; ``auto``
-    keeps the float32 path of a host whose half kernels are slow, ADR-0047). Returns rule -> layers.
+    keeps the float32 path of a host whose half kernels are slow, ADR-0047, for one session's rows:
+    a batch of several runs each as it runs alone, :func:`meshnet.models.kernels.apart_product`).
+    Returns rule -> layers.
     Layers of a dtype :func:`applies` refuses are left as they are; under ``auto`` a ``split``
     layer stays batched."""
     chosen = mode()
@@ -134,10 +146,15 @@ def make_batch_invariant(module: nn.Module) -> dict[str, int]:
     for child in module.modules():
         if type(child) not in LINEARS or not child.weight.dtype.is_floating_point or not applies(child.weight.dtype):
             continue
-        rule = rule_for(child)
+        # a half-precision product with a float32 path (ADR-0047) under auto: several sessions' rows
+        # run as each runs alone (kernels.apart_product), so the rule is the half kernel's
+        apart = chosen == "auto" and child.weight.dtype in HALF and getattr(child, "min_rows", 1 << 62) < 1 << 62
+        rule = rule_for(child, half_only=apart)
+        if apart:  # and a speculative span, at most INVARIANT_SPAN rows, runs as its positions do one by one
+            child.apart, child.min_rows = True, max(child.min_rows, INVARIANT_SPAN + 1)
         if rule == SPLIT_ROWS and chosen == "auto":
             rule = ANY_ROWS
-        if type(child) is nn.Linear and rule != ANY_ROWS:
+        if type(child) is nn.Linear and (rule != ANY_ROWS or apart):
             child.__class__ = UpcastLinear
         if rule != ANY_ROWS or type(child) is not nn.Linear:
             child.rows_rule = rule

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -248,6 +250,48 @@ def _register_attention() -> None:
 ANY_ROWS, PAD_ROWS, SPLIT_ROWS = "any", "pad", "split"
 
 
+#: the rows each session puts in the products of the step in flight, in order (None: one session's
+#: step); set by the shard's batched steps (:func:`sessions_apart`) and read by layers whose half-precision
+#: product has a float32 path (:attr:`UpcastLinear.apart`)
+SESSION_ROWS: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar("session_rows", default=None)
+
+
+@contextlib.contextmanager
+def sessions_apart(rows: list[int] | tuple[int, ...]):
+    """Within the block, the products run are a batch of several sessions, ``rows[b]`` rows of
+    session ``b`` after one another (a batched decode step: one each; a packed step: its span)."""
+    token = SESSION_ROWS.set(tuple(rows))
+    try:
+        yield
+    finally:
+        SESSION_ROWS.reset(token)
+
+
+def apart_product(x: torch.Tensor, spans: tuple[int, ...], layer: UpcastLinear | PackedLinear) -> torch.Tensor:
+    """``layer``'s product of a batch of several sessions' rows (``spans[b]`` rows of session ``b``,
+    in order; input ``[..., in]``, output ``[..., out]``) with each row's result what its session
+    gets alone (ADR-0064): a session whose rows alone would take the float32 path (at least
+    ``min_rows``) runs alone; the others, each of which alone takes the half kernel, run together on
+    it under the layer's rule (that kernel's own, measured without the float32 path). A decode step of
+    several sessions thus never takes the float32 path, whose sums depend on the row count, while a
+    long prefill chunk beside them still does."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = flat.new_empty(flat.shape[0], layer.out_features)
+    small, offset = [], 0
+    for rows in spans:
+        if rows >= layer.min_rows:
+            out[offset:offset + rows] = layer.alone(flat[offset:offset + rows])
+        else:
+            small.append(torch.arange(offset, offset + rows))
+        offset += rows
+    if small:
+        index = torch.cat(small)
+        group = flat[index]
+        out[index] = (layer.half_product(group) if layer.rows_rule == ANY_ROWS
+                      else batch_invariant(group, layer.half_product, layer.rows_rule))
+    return out.reshape(*x.shape[:-1], layer.out_features)
+
+
 def batch_invariant(x: torch.Tensor, product, rule: str) -> torch.Tensor:
     """``product(x)`` (a linear layer's, input ``[..., in]``, output ``[..., out]``) with its rows
     run by ``rule`` (:data:`PAD_ROWS` or :data:`SPLIT_ROWS`), so each row's result does not depend
@@ -273,15 +317,30 @@ class UpcastLinear(nn.Linear):
     min_rows: int = 1 << 62
     #: how a product's rows are run so each row's result is the same in any batch (ADR-0064)
     rows_rule: str = ANY_ROWS
+    #: a batch of several sessions' rows runs each as it runs alone (:func:`apart_product`), the
+    #: rule then being the half kernel's (ADR-0064); set where the float32 path would break invariance
+    apart: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.apart and x.numel() >= self.min_rows * self.in_features:
+            spans = SESSION_ROWS.get()
+            if spans is not None and len(spans) > 1:
+                return apart_product(x, spans, self)
+        return self.alone(x)
+
+    def alone(self, x: torch.Tensor) -> torch.Tensor:
+        """The product of one session's rows (or of rows whose results may depend on each other)."""
         if self.rows_rule != ANY_ROWS:
             return batch_invariant(x, self._product, self.rows_rule)
         return self._product(x)
 
+    def half_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The product on the half-precision kernel, whatever the row count."""
+        return F.linear(x, self.weight, self.bias)
+
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() < self.min_rows * self.in_features:
-            return F.linear(x, self.weight, self.bias)
+            return self.half_product(x)
         return _float32_product(x, self.weight, self.bias)
 
 
@@ -306,16 +365,18 @@ class PackedLinear(nn.Linear):
 
     min_rows: int = 1 << 62
     rows_rule: str = ANY_ROWS  # as UpcastLinear's
+    apart: bool = False  # as UpcastLinear's
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows_rule != ANY_ROWS:
-            return batch_invariant(x, self._product, self.rows_rule)
-        return self._product(x)
+    forward, alone = UpcastLinear.forward, UpcastLinear.alone
+
+    def half_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The product on the packed half-precision kernel, whatever the row count."""
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() >= self.min_rows * self.in_features:
             return _float32_product(x, self.weight.to_dense(), self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        return self.half_product(x)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

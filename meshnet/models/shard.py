@@ -36,7 +36,7 @@ from meshnet.models.checkpoints import Checkpoint, dequantize_mxfp4, stack_exper
 from meshnet.models.families import LINEAR, family_of, layer_kinds, load_config
 from meshnet.models.caches import BatchCache, KVCache, PackedCache, causal_mask
 from meshnet.models.invariance import applies as invariance_applies, make_batch_invariant
-from meshnet.models.kernels import ATTENTION, IN_FLOAT32, INVARIANT, _register_attention
+from meshnet.models.kernels import ATTENTION, IN_FLOAT32, INVARIANT, _register_attention, sessions_apart
 from meshnet.models.linears import apply_layouts, attention_in_float32, layout, min_rows, upcast_linears
 
 log = logging.getLogger(__name__)
@@ -375,8 +375,9 @@ class ShardModel:
             raise InvalidRequest(f"a batched decode step takes [sessions, 1, hidden] with one cache and one "
                                  f"position per row, got {list(hidden.shape)}, {len(caches)} caches, "
                                  f"{len(positions)} positions")
-        return self._run_layers(hidden, BatchCache(caches), position_ids(positions, 1), None,
-                                self.layers if layers is None else layers)
+        with sessions_apart([1] * len(caches)):
+            return self._run_layers(hidden, BatchCache(caches), position_ids(positions, 1), None,
+                                    self.layers if layers is None else layers)
 
     @torch.inference_mode()
     def forward_packed(self, hidden: torch.Tensor, caches: list[KVCache], positions: list[int],
@@ -400,8 +401,9 @@ class ShardModel:
                                  f"span, got {list(hidden.shape)}, spans {q_lens}, {len(caches)} caches, "
                                  f"{len(positions)} positions")
         ids = torch.cat([torch.arange(p, p + q) for p, q in zip(positions, q_lens)])[None]
-        return self._run_layers(hidden, PackedCache(caches, q_lens, positions), ids, None,
-                                self.layers if layers is None else layers)
+        with sessions_apart(q_lens):
+            return self._run_layers(hidden, PackedCache(caches, q_lens, positions), ids, None,
+                                    self.layers if layers is None else layers)
 
     def _run_layers(self, hidden: torch.Tensor, cache, positions: torch.Tensor, mask: torch.Tensor | None,
                     layers: LayerRange) -> torch.Tensor:

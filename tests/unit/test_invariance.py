@@ -52,16 +52,19 @@ def test_the_span_run_position_by_position_covers_every_speculative_step():
 
 
 def test_auto_leaves_float32_and_split_layers_as_they_are(monkeypatch):
-    monkeypatch.setattr(invariance, "rule_for", lambda linear: SPLIT_ROWS)
+    measured = []
+    monkeypatch.setattr(invariance, "rule_for", lambda linear, half_only=False: measured.append(half_only) or SPLIT_ROWS)
     half, single = nn.Linear(8, 8, dtype=torch.bfloat16), nn.Linear(8, 8)
     half.min_rows = 4  # a host whose float32 path runs products of 4 rows or more
     assert invariance.make_batch_invariant(nn.Sequential(half, single)) == {ANY_ROWS: 1}
-    assert type(half) is nn.Linear and half.min_rows == 4  # auto: split left out, the host's fast path kept
+    # auto: split left out, the host's fast path kept for one session's rows, several sessions' run apart
+    assert type(half) is UpcastLinear and half.apart and measured == [True]
+    assert half.min_rows == INVARIANT_SPAN + 1  # a speculative span's products stay on the half kernel
     assert type(single) is nn.Linear
     monkeypatch.setenv(invariance.ENV, "on")
     assert invariance.make_batch_invariant(nn.Sequential(half, single)) == {SPLIT_ROWS: 2}
     assert type(half) is UpcastLinear and single.rows_rule == half.rows_rule == SPLIT_ROWS
-    assert half.min_rows == invariance.UPCAST_FROM
+    assert half.min_rows == invariance.UPCAST_FROM and measured[1:] == [False, False]
     monkeypatch.setenv(invariance.ENV, "off")
     assert not invariance.applies(torch.bfloat16)
     assert not invariance.applies(torch.float32, "int4")
@@ -107,3 +110,49 @@ def test_a_speculative_step_equals_its_positions_decoded_one_by_one(tiny_model_p
     alone = KVCache()
     shard.forward(shard.embed_tokens(prompt[:, :3], 0), alone, 0)
     assert torch.equal(packed[:, :1], shard.forward(shard.embed_tokens(steps[:, :1], 3), alone, 3))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_several_sessions_rows_get_what_each_gets_alone_where_a_float32_path_would_break_it(monkeypatch, packed):
+    """A CPU without native bfloat16 runs products of ``min_rows`` rows and more in float32
+    (ADR-0047), whose sums depend on the row count (rule ``split`` on this host's float32 kernels).
+    Under ``auto`` a batch of several sessions (:func:`sessions_apart`) never sends rows of
+    several sessions through that path: single rows and short spans run together on the half
+    kernel, a span long enough for the float32 path alone (ADR-0064, amended 2026-12-08)."""
+    from meshnet.models import kernels
+    from meshnet.models.linears import pack, packing_available
+
+    if packed and not packing_available(torch.bfloat16):
+        pytest.skip("this CPU cannot pack bfloat16 weights (oneDNN needs AVX-512 or AVX-NE-CONVERT)")
+    torch.manual_seed(0)
+    layer = nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
+    if packed:
+        pack(layer)
+    else:
+        layer.__class__ = UpcastLinear
+    monkeypatch.setattr(invariance, "_RULES", {})
+    layer.min_rows = 4
+    invariance.make_batch_invariant(nn.Sequential(layer))
+    assert layer.apart
+    upcast = []
+    product = kernels._float32_product
+    monkeypatch.setattr(kernels, "_float32_product", lambda x, *a: upcast.append(x.numel() // 576) or product(x, *a))
+
+    rows = torch.randn(8, 1, 576).to(torch.bfloat16)
+    alone = torch.cat([layer(rows[b:b + 1]) for b in range(8)])
+    with kernels.sessions_apart([1] * 8):  # a decode step of eight sessions
+        together = layer(rows)
+    assert torch.equal(together, alone) and upcast == []
+
+    # a packed step: a decode step, a prefill chunk of 20 positions and a speculative span of 6
+    spans = torch.randn(1, 27, 576).to(torch.bfloat16)
+    alone = torch.cat([layer(spans[:, :1]), layer(spans[:, 1:21]), layer(spans[:, 21:])], dim=1)
+    assert upcast == [20]  # alone, the chunk's product takes the float32 path
+    upcast.clear()
+    with kernels.sessions_apart([1, 20, 6]):
+        together = layer(spans)
+    assert torch.equal(together, alone)
+    assert upcast == [20]  # the chunk alone, and nothing else
+    # a speculative span stays on the half kernel, as its positions do one by one
+    assert layer.min_rows == INVARIANT_SPAN + 1
+    assert torch.equal(layer(spans[:, 21:]), torch.cat([layer(spans[:, p:p + 1]) for p in range(21, 27)], dim=1))
