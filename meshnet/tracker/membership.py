@@ -281,7 +281,11 @@ class MembershipMixin:
         changed = (reachable, error) != (node.reachable, node.reach_error)
         node.reachable, node.reach_error = reachable, error
         self.verify_shards(node)
-        row = self.record_row(node) if changed else None
+        # a node silent past its dropout timeout is not written: the leader may have deleted its shared
+        # record already, and a write would bring it back to every tracker (a frozen tracker resumed,
+        # or a dropout check waiting on the store, probes it in the meantime)
+        gone = self._gone(time.monotonic() if now is None else now)(node)
+        row = self.record_row(node) if changed and not gone else None
         if row is not None:  # off the event loop: the probe's caller waits for nothing it writes
             self.write_soon(f"the record of {node_id}", self.store.save_node, row)
 

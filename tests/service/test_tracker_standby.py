@@ -182,6 +182,29 @@ async def test_the_control_loops_dropout_check_waits_on_the_database_off_the_loo
     assert sorted(a.service.nodes) == ["n2"]
 
 
+async def test_a_probe_of_a_node_silent_past_its_timeout_writes_no_record_that_would_bring_it_back(trackers):
+    """A leader frozen for a while resumes with a node in its registry that its successor has dropped
+    and deleted; that node's failed probe must not write its record again (the successor would read it
+    back and list a dead node until its own timeout). Seen in a clean-clone CI run of
+    tests/integration/test_frozen_tracker.py once the dropout check awaited the store."""
+    import time
+
+    a, b = trackers
+    await a.sharing.sync_round()
+    await b.sharing.sync_round()
+    assert (await a.post("/v1/nodes/register", json=node("n1", (0, 3)))).status_code == 200
+    await a.service.writes_done()
+    await b.sharing.sync_round()
+    assert "n1" in b.service.nodes
+    b.service.store._exec("DELETE FROM nodes WHERE node_id = 'n1'")  # the successor dropped it meanwhile
+    endpoint = a.service.nodes["n1"].endpoint
+    a.service.set_reachability("n1", endpoint, "")
+    a.service.nodes["n1"].last_heartbeat_s = time.monotonic() - 3600  # silent for an hour
+    a.service.set_reachability("n1", endpoint, "GET /v1/health failed: ConnectError")
+    await a.service.writes_done()
+    assert a.service.store.nodes_changed(0) == [] and not a.service.nodes["n1"].reachable
+
+
 async def test_a_directive_queued_at_one_tracker_reaches_a_node_at_the_other_after_one_round(trackers):
     a, b = trackers
     await a.sharing.sync_round()
