@@ -92,22 +92,23 @@ def _node_states(nodes, known: set[str], open_by_node: dict[str, list[Directive]
     a large network's, is made without translating anything."""
     states, make = [], placement.NodeState
     for node in nodes:
-        node_id = node.node_id
-        if node.shards or node_id in open_by_node:
-            states.append(_node_state(node, known, open_by_node.get(node_id, []), failed_recently))
+        accepts = _accepts(node, failed_recently)
+        if node.shards or node.node_id in open_by_node:
+            states.append(_node_state(node, known, open_by_node.get(node.node_id, []), accepts))
         else:
-            states.append(make(node_id, node.vram_bytes, node.quantizations[0], node.benchmark_tokens_per_sec or 1.0,
-                               node.max_loaded_shards, (), node.accepts_placement and not node.draining
-                               and node.reachable and node.quarantine is None and node_id not in failed_recently))
+            states.append(make(node.node_id, node.vram_bytes, node.quantizations[0],
+                               node.benchmark_tokens_per_sec or 1.0, node.max_loaded_shards, (), accepts))
     return states
 
 
-def _node_state(node, known: set[str], open_directives: list[Directive], failed_recently: set[str]) -> placement.NodeState:
-    accepts = (node.accepts_placement and not node.draining and node.reachable and node.quarantine is None
-               and node.node_id not in failed_recently)
-    if not (node.shards or open_directives):  # an idle node: nothing to translate
-        return placement.NodeState(node.node_id, node.vram_bytes, node.quantizations[0],
-                                   node.benchmark_tokens_per_sec or 1.0, node.max_loaded_shards, (), accepts)
+def _accepts(node, failed_recently: set[str]) -> bool:
+    """Whether ``node`` (a NodeRecord) may be given shards now."""
+    return (node.accepts_placement and not node.draining and node.reachable and node.quarantine is None
+            and node.node_id not in failed_recently)
+
+
+def _node_state(node, known: set[str], open_directives: list[Directive], accepts: bool) -> placement.NodeState:
+    """A node that holds shards or has directives open: its assignments translated."""
     assignments = _assignments(node, open_directives)
     if len(assignments) != 1 or assignments[0].model not in known:
         assignments = tuple(a for a in assignments if a.model in known)
