@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from meshnet.models.hosttimings import KEPT, remembered
-from meshnet.models.kernels import ANY_ROWS, HALF, INVARIANT_SPAN, PAD_ROWS, SPLIT_ROWS, PackedLinear, \
+from meshnet.models.kernels import ANY_ROWS, HALF, INVARIANT_SPAN, NO_UPCAST, PAD_ROWS, SPLIT_ROWS, PackedLinear, \
     UpcastLinear
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def rule_for(linear: nn.Module, half_only: bool = False) -> str:
     def measure() -> str:
         if not half_only:
             return measure_rule(linear)
-        min_rows, linear.min_rows = linear.min_rows, 1 << 62  # for the measurement only
+        min_rows, linear.min_rows = linear.min_rows, NO_UPCAST  # for the measurement only
         try:
             return measure_rule(linear)
         finally:
@@ -148,7 +148,7 @@ def make_batch_invariant(module: nn.Module) -> dict[str, int]:
             continue
         # a half-precision product with a float32 path (ADR-0047) under auto: several sessions' rows
         # run as each runs alone (kernels.apart_product), so the rule is the half kernel's
-        apart = chosen == "auto" and child.weight.dtype in HALF and getattr(child, "min_rows", 1 << 62) < 1 << 62
+        apart = chosen == "auto" and child.weight.dtype in HALF and getattr(child, "min_rows", NO_UPCAST) < NO_UPCAST
         rule = rule_for(child, half_only=apart)
         if apart:  # and a speculative span, at most INVARIANT_SPAN rows, runs as its positions do one by one
             child.apart, child.min_rows = True, max(child.min_rows, INVARIANT_SPAN + 1)

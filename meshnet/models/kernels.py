@@ -248,6 +248,8 @@ def _register_attention() -> None:
 #: whatever the rows beside it; ``pad``, every count of two or more rows agrees and one row alone
 #: does not, so a lone row runs beside a copy of itself; ``split``, each row runs alone
 ANY_ROWS, PAD_ROWS, SPLIT_ROWS = "any", "pad", "split"
+#: a layer's ``min_rows`` where it has no float32 path: no product has that many rows
+NO_UPCAST = 1 << 62
 
 
 #: the rows each session puts in the products of the step in flight, in order (None: one session's
@@ -314,7 +316,7 @@ class UpcastLinear(nn.Linear):
     Below ``min_rows`` it is exactly ``nn.Linear``.
     """
 
-    min_rows: int = 1 << 62
+    min_rows: int = NO_UPCAST
     #: how a product's rows are run so each row's result is the same in any batch (ADR-0064)
     rows_rule: str = ANY_ROWS
     #: a batch of several sessions' rows runs each as it runs alone (:func:`apart_product`), the
@@ -363,7 +365,7 @@ class PackedLinear(nn.Linear):
     its weight (ADR-0047), as :class:`UpcastLinear` does.
     """
 
-    min_rows: int = 1 << 62
+    min_rows: int = NO_UPCAST
     rows_rule: str = ANY_ROWS  # as UpcastLinear's
     apart: bool = False  # as UpcastLinear's
 

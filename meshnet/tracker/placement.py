@@ -211,8 +211,7 @@ def _add_redundancy(work: _Work) -> None:
             continue
         key = heap[0]
         spec = specs[key[2]]
-        per_layer = (layer_bytes(node, spec) if node.measured_bytes_per_layer
-                     else spec.bytes_per_layer.get(node.quantization, 0))   # layer_bytes without a measured figure
+        per_layer = layer_bytes(node, spec)
         if 0 < per_layer <= free:   # the usual case: the first model fits; its key is replaced in place
             picked = key, spec, min(free // per_layer, spec.num_layers)
             replace = True
